@@ -1,0 +1,1 @@
+"""batch_llm: the stage library."""

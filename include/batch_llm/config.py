@@ -1,0 +1,283 @@
+"""The one configuration model: a pipeline's YAML file, Airflow Params and CLI flags all fill these objects.
+
+Every stage takes the section it needs (``ModelConfig`` for fetch, ``EngineConfig`` + ``SamplingConfig`` for
+inference, ...), so a value set in the YAML file reaches the engine unchanged. Validation errors name the
+file and the dotted key::
+
+    pipelines/daily.yaml: engine.gpu_memory_utilization: Input should be less than or equal to 1
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A pipeline configuration that cannot be used; the message names the file and the key."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo in a YAML file must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to run, and where it comes from.
+
+    ``ref`` is a ModelScope id (``Qwen/Qwen2.5-7B-Instruct``), a local directory, or an object-storage
+    prefix (``s3://bucket/models/qwen``). ModelScope downloads land in ``cache_dir``; a cache hit makes no
+    network call.
+    """
+
+    ref: str
+    revision: str = "master"
+    cache_dir: str | None = Field(None, description="ModelScope cache; default $BATCH_LLM_MODEL_CACHE")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint")
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's")
+    conn_id: str | None = Field(None, description="Airflow connection for an object-storage ref")
+
+    def resolved_cache_dir(self) -> str:
+        if self.cache_dir:
+            return os.path.expanduser(self.cache_dir)
+        from batch_llm.demo_model import default_cache_dir
+
+        return str(default_cache_dir())
+
+
+class QuantizeConfig(_Section):
+    """Optional 4-bit export with llm-compressor (AWQ, W4A16, compressed-tensors), cached by model,
+    revision and scheme."""
+
+    enabled: bool = False
+    scheme: Literal["W4A16"] = "W4A16"
+    method: Literal["awq", "rtn"] = Field("awq", description="awq: activation-aware; rtn: round-to-nearest")
+    group_size: int = Field(128, gt=0)
+    calibration_samples: int = Field(64, gt=0)
+    calibration_seq_len: int = Field(256, gt=0)
+    awq_grid: int = Field(20, gt=0, description="AWQ scale search grid; smaller is faster")
+    cache_dir: str | None = Field(None, description="default: <model cache>/quantized")
+    python: str | None = Field(None, description="Interpreter of the quantize environment "
+                               "(default $BATCH_LLM_QUANTIZE_PYTHON or .venv-quantize/bin/python)")
+
+
+Format = Literal["auto", "jsonl", "parquet", "csv", "openai_batch"]
+
+
+class InputConfig(_Section):
+    """Where the prompts are and how a row becomes a chat.
+
+    A row has an id and either chat ``messages``, a ``prompt`` string, or columns rendered by ``template``
+    (``"Translate to French: {text}"``). ``path`` may contain ``{ds}`` (the run's date, YYYY-MM-DD) for
+    daily partitions: ``s3://lake/prompts/dt={ds}/``.
+    """
+
+    path: str
+    format: Format = "auto"
+    conn_id: str | None = None
+    id_column: str = "id"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    template: str | None = None
+    system_prompt: str | None = None
+    reference_column: str = Field("reference", description="Reference answers for scoring, when present")
+
+
+class ShardingConfig(_Section):
+    """How the valid rows are split into shards (one inference task each)."""
+
+    rows_per_shard: int | None = Field(None, gt=0)
+    num_shards: int | None = Field(None, gt=0)
+    sort_by_length: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "ShardingConfig":
+        if self.rows_per_shard and self.num_shards:
+            raise ValueError("set rows_per_shard or num_shards, not both")
+        return self
+
+
+class MemoryBackoffConfig(_Section):
+    """Retries an engine start that fails for memory with smaller settings, within these bounds."""
+
+    enabled: bool = True
+    max_attempts: int = Field(4, ge=1)
+    gpu_memory_utilization_step: float = Field(0.05, gt=0, lt=0.5)
+    min_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    min_max_num_seqs: int = Field(8, ge=1)
+    min_max_model_len: int = Field(512, ge=16)
+    probe: bool = Field(False, description="Probe the largest max_num_seqs that fits, keep safety_margin")
+    safety_margin: float = Field(0.12, ge=0, lt=0.5, description="ms-swift guidance: 10-15 %")
+
+
+class EngineConfig(_Section):
+    """The engine and its parameters; ``kind`` picks vLLM, LMDeploy or plain transformers."""
+
+    kind: Literal["vllm", "transformers", "lmdeploy"] = "vllm"
+    max_model_len: int | None = Field(2048, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"
+    quantization: str | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
+    kv_cache_dtype: str = "auto"
+    cpu_kv_cache_gib: float = Field(2.0, gt=0, description="vLLM CPU backend KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is")
+    python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")
+    # Bookkeeping of the shard runner
+    commit_every_rows: int = Field(64, gt=0, description="Rows per committed output chunk")
+    commit_every_seconds: float = Field(30.0, gt=0)
+    progress_every_seconds: float = Field(15.0, gt=0)
+    max_error_rate: float = Field(0.1, ge=0, le=1, description="Fail the shard above this share of error rows")
+    dedupe_prompts: bool = Field(True, description="Generate identical prompts once per shard (greedy or seeded)")
+    memory_backoff: MemoryBackoffConfig = Field(default_factory=MemoryBackoffConfig)
+
+
+class SamplingConfig(_Section):
+    max_tokens: int = Field(256, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = 0
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class WordListConfig(_Section):
+    """A sensitive-word list and what to do on a hit: flag the row, mask the word, or drop the row."""
+
+    name: str
+    path: str = Field(description="A file (one word per line, # comments) or builtin:en / builtin:zh")
+    action: Literal["flag", "mask", "drop"] = "mask"
+
+
+class FilterConfig(_Section):
+    enabled: bool = True
+    lists: list[WordListConfig] = Field(default_factory=lambda: [
+        WordListConfig(name="en", path="builtin:en", action="mask"),
+        WordListConfig(name="zh", path="builtin:zh", action="mask"),
+    ])
+    mask_char: str = Field("*", min_length=1, max_length=1)
+    case_sensitive: bool = False
+
+
+class EvaluateConfig(_Section):
+    enabled: bool = True
+    min_score: float | None = Field(None, description="Fail the run when the metric falls below this")
+    metric: str = Field("Rouge-L-F", description="EvalScope metric that min_score applies to")
+
+
+class OutputConfig(_Section):
+    """Where a run writes: ``<path>/<pipeline>/runs/<run>/`` for artifacts, ``<path>/<pipeline>/<partition>``
+    for the published dataset."""
+
+    path: str
+    conn_id: str | None = None
+    partition: str = Field("dt={ds}", description="Published partition under the pipeline prefix")
+
+
+class CacheConfig(_Section):
+    enabled: bool = True
+    path: str | None = Field(None, description="default: <output.path>/_cache")
+
+
+class AirflowConfig(_Section):
+    schedule: str | None = None
+    start_date: str = "2026-01-01"
+    catchup: bool = False
+    retries: int = Field(2, ge=0)
+    retry_delay_seconds: int = Field(30, ge=0)
+    gpu_pool: str = "gpu"
+    gpu_queue: str = "gpu"
+    tags: list[str] = Field(default_factory=list)
+    execution_timeout_minutes: int | None = Field(None, gt=0)
+
+
+class PipelineConfig(_Section):
+    name: str
+    description: str = ""
+    model: ModelConfig
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    input: InputConfig
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    output: OutputConfig
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    airflow: AirflowConfig = Field(default_factory=AirflowConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _dag_id_safe(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("use letters, digits, '_', '.' or '-' (it becomes the DAG id)")
+        return v
+
+    def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":
+        """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        return parse_config(data, source)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"{source}: {key}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> PipelineConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_config(path: str | os.PathLike) -> PipelineConfig:
+    """Reads and validates one pipeline YAML file. Relative paths inside it resolve against its folder."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if isinstance(data, dict):
+        data = _resolve_relative_paths(data, path.parent)
+    return parse_config(data, str(path))
+
+
+_PATH_KEYS = (("input", "path"), ("output", "path"), ("model", "ref"), ("model", "cache_dir"),
+              ("cache", "path"), ("quantize", "cache_dir"))
+
+
+def _resolve_relative_paths(data: dict, base: Path) -> dict:
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value.startswith(("./", "../")):
+            return str((base / value).resolve())
+        return value
+
+    for section, key in _PATH_KEYS:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            data[section][key] = fix(data[section][key])
+    for wl in (data.get("filter") or {}).get("lists") or []:
+        if isinstance(wl, dict) and "path" in wl:
+            wl["path"] = fix(wl["path"])
+    return data

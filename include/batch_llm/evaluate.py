@@ -1,0 +1,220 @@
+"""Scores generated answers against reference answers with EvalScope, offline.
+
+EvalScope normally runs the model itself. Here a ``ModelAPI`` replays the outputs the inference stage already
+wrote, so EvalScope only loads a local ``general_qa`` dataset, scores every answer and writes its usual reports
+(``<work_dir>/reports/...json``, ``report.html``, per-sample scores under ``reviews/``).
+
+Metric names are EvalScope's own per-sample keys (``general_qa`` reports these):
+
+* ``Rouge-1-R/P/F``, ``Rouge-2-R/P/F``, ``Rouge-L-R/P/F``: ROUGE recall, precision and F1 (``rouge_chinese``
+  on whitespace tokens; text that contains Chinese is segmented with jieba first). An output equal to its
+  reference scores ~1.0 (F is 0.999999995: the library adds an epsilon).
+* ``bleu-1`` .. ``bleu-4``: NLTK sentence BLEU with a single n-gram order each (``bleu-4`` is the 4-gram
+  precision with brevity penalty, not cumulative BLEU-4; no smoothing, so a missing order gives ~1e-308).
+
+The report JSON names them by identity (``rouge`` + ``{variant: l, statistic: f1}``); they are mapped back to
+the names above. ``metric`` is matched case-insensitively (``rouge-l-f`` and ``mean_Rouge-L-F`` work too).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
+MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/
+
+# Set only while EvalScope runs, then restored. Nothing on this path needs a hub (local dataset, replayed
+# outputs, rule-based scoring), these make sure a stray code path fails fast instead of downloading.
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+_PUNKT = "tokenizers/punkt_tab/english/"
+_PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
+
+
+def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "Rouge-L-F") -> dict:
+    """Scores ``records`` (``id``, ``question``, ``output``, ``reference``) with EvalScope's ``general_qa``.
+
+    Returns ``metrics`` (name -> mean over the records), ``metric``/``score`` (the requested metric, its name
+    normalized), ``num_samples``, ``per_sample`` (id -> {name: score}), ``metric_errors`` (metric family ->
+    first error; its names are left out of ``metrics``), the report paths and ``evalscope_version``.
+    Several calls per process are fine; use a fresh ``work_dir`` per call to keep each run's files.
+    """
+    if not records:
+        raise ValueError("score_with_evalscope: no records to score")
+    ids = [str(r["id"]) for r in records]
+    if len(set(ids)) != len(ids):
+        raise ValueError("score_with_evalscope: record ids must be unique")
+    work_dir = Path(work_dir).resolve()
+    data_dir = work_dir / "dataset"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / f"{SUBSET}.jsonl", "w", encoding="utf-8") as f:
+        for rid, r in zip(ids, records):
+            # The "messages" form lets the user message carry the record id: the replaying model looks the
+            # output up by id (two records may share a question), and each review line names its record.
+            row = {"messages": [{"role": "user", "content": r["question"], "id": rid}], "answer": r["reference"]}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    outputs = {rid: r.get("output") or "" for rid, r in zip(ids, records)}
+
+    report_json = work_dir / "reports" / MODEL_ID / "general_qa.json"
+    report_json.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
+
+    with tempfile.TemporaryDirectory(prefix="batch_llm_evalscope_") as tmp, _sandbox(Path(tmp)):
+        evalscope = _import_evalscope()
+        from evalscope import TaskConfig, run_task
+        from evalscope.benchmarks.general_qa_vqa_metrics import METRIC_SCORE_KEYS
+        from evalscope.metrics.semantics.naming import canonicalize_producer_identity
+
+        names = [n for keys in METRIC_SCORE_KEYS.values() for n in keys]
+        wanted = _normalize_metric(metric, names)
+        task = TaskConfig(
+            model=_replay_model(outputs),
+            model_id=MODEL_ID,
+            eval_type="custom",
+            datasets=["general_qa"],
+            dataset_args={"general_qa": {"local_path": str(data_dir), "subset_list": [SUBSET]}},
+            dataset_dir=str(data_dir),
+            judge={"strategy": "rule"},  # the default may pick a hosted judge model, which needs the network
+            work_dir=str(work_dir),
+            no_timestamp=True,
+            seed=None,  # a seed makes EvalScope reseed random/numpy/torch for the whole process
+        )
+        try:
+            run_task(task)
+        finally:
+            _close_log_file(work_dir)
+
+    if not report_json.is_file():
+        raise RuntimeError(f"EvalScope wrote no report at {report_json}; see {work_dir / 'logs'}")
+    report = json.loads(report_json.read_text(encoding="utf-8"))
+    by_identity = {canonicalize_producer_identity(n, "mean"): n for n in names}
+    from evalscope.api.metric.semantics import MetricIdentity
+
+    metrics, num = {}, {}
+    for m in report["metrics"]:
+        identity = MetricIdentity(**m["identity"])
+        name = by_identity.get(identity, identity.key)
+        metrics[name], num[name] = float(m["score"]), int(m["num"])
+
+    reviews_dir = work_dir / "reviews" / MODEL_ID
+    per_sample, errors = {}, {}
+    for path in sorted(reviews_dir.glob(f"general_qa_{SUBSET}*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            review = json.loads(line)
+            user = next(msg for msg in review["messages"] if msg["role"] == "user")
+            score = review["sample_score"]["score"]
+            per_sample[user["id"]] = {k: float(v) for k, v in score["value"].items()}
+            for family, err in ((score.get("metadata") or {}).get("metric_errors") or {}).items():
+                errors.setdefault(family, err)
+    # EvalScope logs a metric that failed and scores it 0.0; a 0 that means "could not compute" is dropped.
+    failed = {n for family in errors for n in METRIC_SCORE_KEYS.get(family, ())}
+    metrics = {k: v for k, v in metrics.items() if k not in failed}
+    per_sample = {rid: {k: v for k, v in s.items() if k not in failed} for rid, s in per_sample.items()}
+    if wanted not in metrics:
+        raise RuntimeError(f"EvalScope reported no {wanted!r} (errors: {errors or 'none'}); got {sorted(metrics)}")
+
+    html = work_dir / "reports" / "report.html"
+    return {
+        "metrics": metrics,
+        "metric": wanted,
+        "score": metrics[wanted],
+        "num_samples": num[wanted],
+        "per_sample": per_sample,
+        "metric_errors": errors,
+        "report_json": str(report_json),
+        "report_html": str(html) if html.is_file() else None,
+        "reviews_dir": str(reviews_dir) if reviews_dir.is_dir() else None,
+        "evalscope_version": evalscope.__version__,
+    }
+
+
+def _normalize_metric(metric: str, names: list[str]) -> str:
+    key = metric.strip().lower().removeprefix("mean_")
+    for name in names:
+        if name.lower() == key:
+            return name
+    raise ValueError(f"unknown EvalScope metric {metric!r}; general_qa reports {names}")
+
+
+def _replay_model(outputs: dict[str, str]):
+    from evalscope.api.model import ModelAPI, ModelOutput
+
+    class ReplayModel(ModelAPI):
+        """Answers each query with the output already generated for its record."""
+
+        def generate(self, input, tools, tool_choice, config):
+            rid = next(m.id for m in reversed(input) if m.role == "user")
+            return ModelOutput.from_content(model=self.model_name, content=outputs[rid])
+
+    return ReplayModel(model_name=MODEL_ID)
+
+
+def _import_evalscope():
+    # Importing evalscope runs logging.basicConfig(force=True), which would replace the root handlers of
+    # the host process (an Airflow task's log handlers): keep them.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        import evalscope
+        import evalscope.run  # noqa: F401  (the import that configures logging)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return evalscope
+
+
+@contextlib.contextmanager
+def _sandbox(tmp: Path) -> Iterator[None]:
+    """Offline env vars, jieba's cache and NLTK data inside ``tmp``, for the duration of one run.
+
+    Env vars that libraries read once at import (TMPDIR via ``tempfile``, NLTK_DATA via ``nltk.data.path``)
+    would stay pointed at a deleted folder, so jieba and NLTK are pointed at ``tmp`` directly instead.
+    """
+    saved_env = {k: os.environ.get(k) for k in (*_OFFLINE_ENV, "MODELSCOPE_CACHE")}
+    os.environ.update(_OFFLINE_ENV)
+    os.environ["MODELSCOPE_CACHE"] = str(tmp / "modelscope")
+
+    import jieba  # Chinese segmentation: writes jieba.cache into the system temp folder on first use
+    import nltk
+
+    saved_jieba = jieba.dt.tmp_dir
+    jieba.dt.tmp_dir = str(tmp)
+    # English BLEU tokenizes with nltk.word_tokenize, which needs the Punkt model "punkt_tab"; it is not
+    # installed and downloading it is not possible, so EvalScope would log the error and score BLEU 0.
+    # Punkt with empty parameters (no learned abbreviations) splits sentences at every ". "; the word
+    # tokens differ only around abbreviations ("Dr." -> "Dr" "."), the same way in output and reference.
+    added = None
+    try:
+        nltk.data.find(_PUNKT)
+    except LookupError:
+        added = str(tmp / "nltk_data")
+        (tmp / "nltk_data" / _PUNKT).mkdir(parents=True)
+        for name in _PUNKT_FILES:
+            (tmp / "nltk_data" / _PUNKT / name).touch()
+        nltk.data.path.append(added)
+    try:
+        yield
+    finally:
+        jieba.dt.tmp_dir = saved_jieba
+        if added:
+            nltk.data.path.remove(added)
+            from nltk.tokenize import _get_punkt_tokenizer  # memoizes the tokenizer loaded from ``added``
+
+            _get_punkt_tokenizer.cache_clear()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _close_log_file(work_dir: Path) -> None:
+    # run_task leaves a FileHandler on <work_dir>/logs/eval_log.log open on the "evalscope" logger.
+    log = logging.getLogger("evalscope")
+    for h in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(h.baseFilename).is_relative_to(work_dir):
+            log.removeHandler(h)
+            h.close()

@@ -1,0 +1,247 @@
+"""Row readers and writers, per format, in one place; and the rule that turns a row into a chat.
+
+Readers never raise on a bad row: they yield ``RawRow`` objects carrying either the parsed record or the
+reason it could not be parsed, so the planner can report it and go on.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from upath import UPath
+
+from batch_llm.config import InputConfig
+from batch_llm.storage import is_local, list_files, write_bytes_atomic
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class RawRow:
+    line: int                     # 1-based position in the input (line or record number)
+    record: dict | None           # None when the row could not be parsed
+    error: str | None = None
+    source: str = ""
+
+
+@dataclass
+class PromptRow:
+    """A validated row: its id, its place in the input, the chat to send, and the reference if any."""
+
+    id: str
+    idx: int
+    messages: list[dict]
+    reference: str | None = None
+
+
+def detect_format(path: UPath, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    suffix = path.suffix.lower()
+    if suffix in SUFFIX_FORMAT:
+        return SUFFIX_FORMAT[suffix]
+    raise ValueError(f"cannot tell the format of {path} from its name; set input.format")
+
+
+def input_files(path: UPath) -> list[UPath]:
+    """One file, or every data file of a folder (a partition), in name order."""
+    if path.is_dir():
+        files = [p for p in list_files(path) if p.suffix.lower() in SUFFIX_FORMAT and not p.name.startswith("_")]
+        if not files:
+            raise FileNotFoundError(f"no input files (.jsonl, .parquet, .csv) under {path}")
+        return files
+    if not path.exists():
+        raise FileNotFoundError(f"input not found: {path}")
+    return [path]
+
+
+def read_rows(path: UPath, fmt: str) -> Iterator[RawRow]:
+    for f in input_files(path):
+        kind = detect_format(f, fmt) if fmt == "auto" else fmt
+        reader = {"jsonl": _read_jsonl, "openai_batch": _read_jsonl, "parquet": _read_parquet,
+                  "csv": _read_csv}[kind]
+        for raw in reader(f):
+            raw.source = f.name
+            yield raw
+
+
+def _read_jsonl(path: UPath) -> Iterator[RawRow]:
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield RawRow(n, None, f"not valid UTF-8 at byte {e.start}")
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield RawRow(n, None, f"not valid JSON: {e.msg} (column {e.colno})")
+                continue
+            if not isinstance(obj, dict):
+                yield RawRow(n, None, f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            yield RawRow(n, obj)
+
+
+def _read_parquet(path: UPath) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    with path.open("rb") as fh:
+        pf = pq.ParquetFile(fh)
+        n = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for rec in batch.to_pylist():
+                n += 1
+                yield RawRow(n, rec)
+
+
+def _read_csv(path: UPath) -> Iterator[RawRow]:
+    with path.open("r", encoding="utf-8", newline="") as fh:
+        for n, rec in enumerate(csv.DictReader(fh), start=1):
+            if None in rec:  # more fields than the header names
+                yield RawRow(n, None, f"{len(rec[None])} more field(s) than the header has")
+                continue
+            yield RawRow(n, dict(rec))
+
+
+def _render_template(template: str, record: dict) -> str:
+    try:
+        return template.format_map(record)
+    except KeyError as e:
+        raise ValueError(f"template needs column {e.args[0]!r}, which this row lacks") from None
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+        raise ValueError("empty prompt: no user message has text")
+    return out
+
+
+def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRow:
+    """Validates one parsed record; raises ValueError with the reason when it is not usable."""
+    rec = raw.record or {}
+    if fmt == "openai_batch":
+        rid = rec.get("custom_id")
+        body = rec.get("body")
+        if not isinstance(body, dict):
+            raise ValueError("OpenAI batch line without a 'body' object")
+        messages = body.get("messages")
+        prompt = None
+        id_col = "custom_id"
+    else:
+        id_col = cfg.id_column
+        rid = rec.get(id_col)
+        messages = rec.get(cfg.messages_column)
+        prompt = rec.get(cfg.prompt_column)
+    if rid is None or (isinstance(rid, str) and not rid.strip()):
+        raise ValueError(f"missing id (column {id_col!r})")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise ValueError(f"id must be a string or an integer, got {type(rid).__name__}")
+    if cfg.template and fmt != "openai_batch":
+        text = _render_template(cfg.template, rec)
+        if not text.strip():
+            raise ValueError("empty prompt after rendering the template")
+        messages = [{"role": "user", "content": text}]
+    elif messages is not None:
+        if isinstance(messages, str):  # CSV / Parquet columns holding JSON text
+            try:
+                messages = json.loads(messages)
+            except json.JSONDecodeError:
+                raise ValueError(f"column {cfg.messages_column!r} is text but not JSON") from None
+        messages = _check_messages(messages)
+    elif prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        raise ValueError(f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}")
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    ref = rec.get(cfg.reference_column)
+    return PromptRow(id=str(rid), idx=idx, messages=messages,
+                     reference=ref if isinstance(ref, str) and ref.strip() else None)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def output_record(record: dict, result: dict, fmt: str) -> dict:
+    """The published row: the input's columns plus the generated ones (OpenAI batch output lines for
+    OpenAI batch input)."""
+    if fmt == "openai_batch":
+        ok = not result.get("error")
+        body = None
+        if ok:
+            body = {
+                "id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
+                "model": result.get("model", ""),
+                "choices": [{"index": 0, "finish_reason": result.get("finish_reason"),
+                             "message": {"role": "assistant", "content": result.get("output", "")}}],
+                "usage": {"prompt_tokens": result.get("prompt_tokens", 0),
+                          "completion_tokens": result.get("completion_tokens", 0),
+                          "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0)},
+            }
+        return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
+                "response": {"status_code": 200, "request_id": str(result["id"]), "body": body} if ok else None,
+                "error": None if ok else {"code": "row_error", "message": result.get("error")}}
+    out = dict(record)
+    for k in ("output", "finish_reason", "prompt_tokens", "completion_tokens", "filter_hits", "error"):
+        if k in result:
+            out[k] = result[k]
+    return out
+
+
+def write_rows(path: UPath, rows: Iterable[dict], fmt: str) -> int:
+    """Writes rows in ``fmt`` as one atomic object; returns the count."""
+    rows = list(rows)
+    if fmt in ("jsonl", "openai_batch"):
+        data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode()
+    elif fmt == "csv":
+        buf = io.StringIO()
+        cols: list[str] = []
+        for r in rows:
+            cols.extend(k for k in r if k not in cols)
+        w = csv.DictWriter(buf, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v)
+                        for k, v in r.items()})
+        data = buf.getvalue().encode()
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pylist(rows) if rows else pa.table({})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        data = sink.getvalue().to_pybytes()
+    else:
+        raise ValueError(f"unknown output format {fmt!r}")
+    if not is_local(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, data)
+    return len(rows)
+
+
+FILE_SUFFIX = {"jsonl": ".jsonl", "openai_batch": ".jsonl", "parquet": ".parquet", "csv": ".csv"}

@@ -1,0 +1,326 @@
+"""Batch inference over one shard: resumable, exactly once, per-row errors, progress, metrics.
+
+How a shard is run::
+
+    rows ─> render chat + tokenize ─> error rows (bad template, over-long prompt)
+                                   └> cache lookup ─> hits become results without the engine
+                                                  └> identical prompts folded into one request
+                                                        └> engine (streamed) ─> chunks committed as they finish
+
+Committed chunks are immutable files under ``<shard>/chunks/``; a retry reads them, skips every committed
+row id and generates only the rest. The final ``outputs.jsonl`` is merged from the chunks (one row per id,
+in input order), then ``manifest.json`` is written last.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from batch_llm.config import EngineConfig, PipelineConfig
+from batch_llm.engines.base import EngineInfo, EngineStartError, GenRequest, make_engine
+from batch_llm.result_cache import ResultCache, namespace, prompt_key
+from batch_llm.storage import Location, exists, iter_jsonl, list_files, read_manifest, write_jsonl, \
+    write_manifest
+
+log = logging.getLogger("batch_llm.infer")
+
+
+class ShardFailed(RuntimeError):
+    """The shard finished but too many rows failed; its outputs and errors were still written."""
+
+
+def maybe_crash(point: str) -> None:
+    """Fault injection for the resume tests: BATCH_LLM_FAULT="after_commit:2" kills this process with
+    SIGKILL the 2nd time the named point is reached. Unset in production: costs one dict lookup."""
+    spec = os.environ.get("BATCH_LLM_FAULT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    count = _fault_counts.get(point, 0) + 1
+    _fault_counts[point] = count
+    if count == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fault_counts: dict[str, int] = {}
+
+
+# ------------------------------------------------------------------------------------------ engine start
+def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]):
+    """Starts the engine, retrying a start that failed for memory with smaller settings within bounds."""
+    ecfg = cfg.engine
+    b = ecfg.memory_backoff
+    attempts: list[dict] = []
+    for attempt in range(1, b.max_attempts + 1):
+        engine = make_engine(model_dir, ecfg, cfg.sampling)
+        tried = dict(gpu_memory_utilization=ecfg.gpu_memory_utilization, max_num_seqs=ecfg.max_num_seqs,
+                     max_model_len=ecfg.max_model_len)
+        try:
+            info = engine.start()
+        except EngineStartError as e:
+            engine.close()
+            attempts.append({**tried, "error": str(e)[-500:], "memory": e.memory})
+            if not (e.memory and b.enabled and attempt < b.max_attempts):
+                raise
+            smaller = _smaller_settings(ecfg, e)
+            if smaller is None:
+                raise EngineStartError(f"{e}\nno smaller setting is left within engine.memory_backoff bounds",
+                                       memory=True) from e
+            say(f"engine start failed for memory (attempt {attempt}); retrying with {smaller}")
+            ecfg = ecfg.model_copy(update=smaller)
+            continue
+        attempts.append({**tried, "ok": True})
+        info.attempts = attempts
+        if attempt > 1:
+            say(f"engine started after back-off with {tried}")
+        return engine, info
+    raise AssertionError("unreachable")
+
+
+def _smaller_settings(e: EngineConfig, err: EngineStartError) -> dict | None:
+    b = e.memory_backoff
+    upd: dict = {}
+    if err.suggested_max_model_len and e.max_model_len and err.suggested_max_model_len < e.max_model_len:
+        upd["max_model_len"] = max(b.min_max_model_len, err.suggested_max_model_len // 16 * 16)
+    else:
+        util = round(e.gpu_memory_utilization - b.gpu_memory_utilization_step, 3)
+        if util >= b.min_gpu_memory_utilization:
+            upd["gpu_memory_utilization"] = util
+        seqs = (e.max_num_seqs or 256) // 2
+        if seqs >= b.min_max_num_seqs:
+            upd["max_num_seqs"] = seqs
+        if e.max_model_len and e.max_model_len // 2 >= b.min_max_model_len and not upd:
+            upd["max_model_len"] = e.max_model_len // 2
+    upd = {k: v for k, v in upd.items() if getattr(e, k) != v}
+    return upd or None
+
+
+# ------------------------------------------------------------------------------------------ the shard
+@dataclass
+class _Progress:
+    total: int
+    say: Callable[[str], None]
+    every: float
+    done: int = 0
+    out_tokens: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    last: float = field(default_factory=time.perf_counter)
+
+    def tick(self, rows: int, out_tokens: int, force: bool = False) -> None:
+        self.done += rows
+        self.out_tokens += out_tokens
+        now = time.perf_counter()
+        if force or now - self.last >= self.every:
+            self.last = now
+            el = max(now - self.t0, 1e-9)
+            rate = self.done / el
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            self.say(f"progress: {self.done}/{self.total} rows, {self.out_tokens / el:.1f} output tok/s, "
+                     f"ETA {eta:.0f}s")
+
+
+def _load_tokenizer(model_dir: str, chat_template: str | None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template:
+        tok.chat_template = chat_template
+    if not tok.chat_template:
+        raise ValueError(f"the model at {model_dir} has no chat template; set model.chat_template")
+    return tok
+
+
+def _committed(chunks_dir: Location) -> dict[str, dict]:
+    done: dict[str, dict] = {}
+    for f in list_files(chunks_dir.path(), ".jsonl"):
+        for r in iter_jsonl(f):
+            done.setdefault(r["id"], r)
+    return done
+
+
+def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
+              cache_root: Location | None = None, say: Callable[[str], None] = print) -> dict:
+    """Runs one shard to completion (or resumes it) and returns its manifest.
+
+    ``shard`` is the planner's entry: ``{"index", "rows": N, "url": <rows.jsonl>}``.
+    """
+    t_start = time.perf_counter()
+    mpath = shard_dir.path() / "manifest.json"
+    if exists(mpath):
+        manifest = read_manifest(mpath)
+        say(f"shard {shard['index']} already committed: {manifest['metrics']['rows']} rows; nothing to do")
+        _check_error_rate(cfg, manifest)
+        return manifest
+
+    rows = list(iter_jsonl(Location(shard["url"], shard_dir.options).path()))
+    chunks_dir = shard_dir.child("chunks")
+    done = _committed(chunks_dir)
+    if done:
+        say(f"resuming shard {shard['index']}: {len(done)} of {len(rows)} rows already committed")
+    todo = [r for r in rows if r["id"] not in done]
+
+    tok = _load_tokenizer(model_dir, cfg.model.chat_template)
+    sampling = cfg.sampling.model_dump()
+    ns = namespace(model_key=model_key, chat_template=tok.chat_template, sampling=sampling,
+                   engine_kind=cfg.engine.kind)
+    cache = ResultCache(cache_root, ns) if (cache_root is not None and cfg.cache.enabled) else None
+
+    # Render and tokenize; bad rows become error rows before anything reaches the engine.
+    max_len = cfg.engine.max_model_len
+    rendered: dict[str, tuple[str, list[int]]] = {}
+    errors: list[dict] = []
+    for r in todo:
+        try:
+            text = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
+            errors.append(_error_row(r, f"chat template failed: {e}"))
+            continue
+        if max_len and len(ids) >= max_len:
+            errors.append(_error_row(r, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}",
+                                     prompt_tokens=len(ids)))
+            continue
+        rendered[r["id"]] = (text, ids)
+
+    keys = {rid: prompt_key(ids) for rid, (_, ids) in rendered.items()}
+    hits = cache.lookup(keys.values()) if cache else {}
+    by_key: dict[str, list[dict]] = {}
+    for r in todo:
+        if r["id"] in keys:
+            by_key.setdefault(keys[r["id"]], []).append(r)
+    dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
+    if not dedupe:  # every row is its own request
+        by_key = {f"{k}#{r['id']}": [r] for k, rs in by_key.items() for r in rs}
+
+    progress = _Progress(total=len(rows), say=say, every=cfg.engine.progress_every_seconds)
+    progress.done = len(done)
+    pending: list[dict] = list(errors)
+    cache_new: list[dict] = []
+    chunk_seq = len(list_files(chunks_dir.path(), ".jsonl"))
+    last_commit = time.perf_counter()
+    n_cached = 0
+
+    def commit(force: bool = False) -> None:
+        nonlocal chunk_seq, last_commit, pending, cache_new
+        if not pending or not (force or len(pending) >= cfg.engine.commit_every_rows or
+                               time.perf_counter() - last_commit >= cfg.engine.commit_every_seconds):
+            return
+        maybe_crash("before_commit")
+        write_jsonl(chunks_dir.child(f"chunk-{chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(), pending)
+        chunk_seq += 1
+        if cache is not None:
+            cache.add(cache_new)
+        pending, cache_new = [], []
+        last_commit = time.perf_counter()
+        maybe_crash("after_commit")
+
+    # Cache hits first: they cost nothing.
+    for rk in [rk for rk in by_key if rk.split("#")[0] in hits]:
+        for r in by_key.pop(rk):
+            pending.append(_result_row(r, hits[rk.split("#")[0]], cached=True))
+            n_cached += 1
+            progress.tick(1, 0)
+    commit()
+
+    info: EngineInfo | None = None
+    gen_seconds = 0.0
+    engine = None
+    if by_key:
+        engine, info = start_engine(model_dir, cfg, say)
+        say(f"engine {info.kind} {info.version} started in {info.start_seconds:.1f}s: {info.settings}")
+        # Shortest prompts first inside the shard (the planner sorted them); keys in that order.
+        requests: Iterator[GenRequest] = (
+            GenRequest(key=bk, prompt_token_ids=rendered[rs[0]["id"]][1], prompt_text=rendered[rs[0]["id"]][0])
+            for bk, rs in list(by_key.items()))
+        t_gen = time.perf_counter()
+        progress.t0 = progress.last = t_gen  # rates and ETA count generation, not engine start
+        try:
+            for res in engine.generate(requests):
+                group = by_key.pop(res.key)
+                entry = {"output": res.text, "finish_reason": res.finish_reason,
+                         "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
+                for r in group:
+                    if res.error:
+                        pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
+                    else:
+                        pending.append(_result_row(r, entry, cached=False))
+                if not res.error and cache is not None:
+                    cache_new.append({"key": res.key.split("#")[0], **entry})
+                progress.tick(len(group), res.completion_tokens)
+                commit()
+        finally:
+            gen_seconds = time.perf_counter() - t_gen
+            engine.close()
+    commit(force=True)
+    progress.tick(0, 0, force=True)
+
+    manifest = _finish_shard(cfg, shard, shard_dir, chunks_dir, rows)
+    m = manifest["metrics"]
+    m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
+             generate_seconds=round(gen_seconds, 2), cached_rows=n_cached,
+             seconds=round(time.perf_counter() - t_start, 2),
+             output_tokens_per_second=round(m["output_tokens_this_attempt"] / gen_seconds, 1) if gen_seconds else 0.0,
+             unique_prompts=len(set(keys.values())))
+    manifest["engine"] = {"kind": cfg.engine.kind, "version": info.version if info else None,
+                          "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
+    maybe_crash("before_manifest")
+    write_manifest(shard_dir.path(), manifest)
+    say(f"shard {shard['index']} done: {m['rows']} rows, {m['errors']} errors, {m['output_tokens']} output tokens, "
+        f"{m['output_tokens_per_second']} tok/s")
+    _check_error_rate(cfg, manifest)
+    return manifest
+
+
+def _result_row(r: dict, entry: dict, *, cached: bool) -> dict:
+    return {"id": r["id"], "idx": r["idx"], "output": entry["output"], "finish_reason": entry["finish_reason"],
+            "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
+            "cached": cached, "error": None}
+
+
+def _error_row(r: dict, reason: str, prompt_tokens: int = 0) -> dict:
+    return {"id": r["id"], "idx": r["idx"], "output": None, "finish_reason": None, "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0, "cached": False, "error": reason}
+
+
+def _finish_shard(cfg: PipelineConfig, shard: dict, shard_dir: Location, chunks_dir: Location,
+                  rows: list[dict]) -> dict:
+    """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order."""
+    merged = _committed(chunks_dir)
+    missing = [r["id"] for r in rows if r["id"] not in merged]
+    if missing:
+        raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
+                           f"(first: {missing[:3]}); the engine dropped requests")
+    ordered = sorted(merged.values(), key=lambda r: r["idx"])
+    ok = [r for r in ordered if not r["error"]]
+    bad = [r for r in ordered if r["error"]]
+    write_jsonl(shard_dir.child("outputs.jsonl").path(), ok)
+    write_jsonl(shard_dir.child("errors.jsonl").path(), bad)
+    this_attempt = sum(r["completion_tokens"] for r in ok if not r["cached"])
+    return {
+        "stage": "infer", "shard": shard["index"], "status": "ok",
+        "outputs": shard_dir.child("outputs.jsonl").url, "errors": shard_dir.child("errors.jsonl").url,
+        "metrics": {"rows": len(rows), "ok": len(ok), "errors": len(bad),
+                    "input_tokens": sum(r["prompt_tokens"] for r in ordered),
+                    "output_tokens": sum(r["completion_tokens"] for r in ok),
+                    "output_tokens_this_attempt": this_attempt,
+                    "chunks": len(list_files(chunks_dir.path(), ".jsonl"))},
+        "checksum": hashlib.sha256(json.dumps([r["id"] for r in ordered]).encode()).hexdigest()[:16],
+    }
+
+
+def _check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:
+    m = manifest["metrics"]
+    rate = m["errors"] / m["rows"] if m["rows"] else 0.0
+    if rate > cfg.engine.max_error_rate:
+        raise ShardFailed(f"shard {manifest['shard']}: {m['errors']} of {m['rows']} rows failed "
+                          f"({rate:.0%} > engine.max_error_rate {cfg.engine.max_error_rate:.0%}); "
+                          f"reasons are in {manifest['errors']}")

@@ -1,0 +1,156 @@
+"""Object-storage helpers: one place for paths, atomic commits and manifests.
+
+Stages work on ``upath.UPath`` objects (local folders, ``s3://``, anything fsspec speaks). Airflow's
+``ObjectStoragePath`` is converted at the operator boundary into a ``Location`` (URL + fsspec options),
+which also crosses the process boundary into the engine worker, where no Airflow is installed.
+
+Commit rule, everywhere: data first, manifest last. A reader goes by the manifest, so it never sees a
+half-written artifact, on a local disk (write to a temporary name, then rename) or on S3 (one PUT, or one
+completed multipart upload, is atomic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from upath import UPath
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A storage location that survives JSON: the URL plus the fsspec options (credentials, endpoint).
+
+    ``options`` may hold secrets: it is passed to child processes over a pipe, never on a command line,
+    and ``__repr__`` hides it.
+    """
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def path(self) -> UPath:
+        return as_path(self.url, self.options)
+
+    def child(self, *parts: str) -> "Location":
+        return Location(join_url(self.url, *parts), self.options)
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "options": self.options}
+
+    @classmethod
+    def from_any(cls, value: "Location | dict | str") -> "Location":
+        if isinstance(value, Location):
+            return value
+        if isinstance(value, dict):
+            return cls(value["url"], dict(value.get("options") or {}))
+        return cls(str(value))
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+
+def join_url(url: str, *parts: str) -> str:
+    out = url.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
+    if "://" not in url or url.startswith("file://"):
+        return UPath(os.path.abspath(url.removeprefix("file://")))
+    return UPath(url, **(options or {}))
+
+
+def is_local(path: UPath) -> bool:
+    return getattr(path, "protocol", "") in ("", "file", "local")
+
+
+def write_bytes_atomic(path: UPath, data: bytes) -> None:
+    """Writes the whole object at once: a rename on a local disk, a single upload elsewhere."""
+    if is_local(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        with path.open("wb") as f:  # s3fs switches to multipart above its block size
+            f.write(data)
+
+
+def write_text_atomic(path: UPath, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json(path: UPath, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False, default=str) + "\n")
+
+
+def read_json(path: UPath) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
+    """Writes JSON lines atomically; returns the row count."""
+    n = 0
+    parts = []
+    for row in rows:
+        parts.append(json.dumps(row, ensure_ascii=False, default=str))
+        n += 1
+    write_text_atomic(path, "\n".join(parts) + ("\n" if parts else ""))
+    return n
+
+
+def iter_jsonl(path: UPath) -> Iterator[dict]:
+    with path.open("r", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def write_manifest(directory: UPath, manifest: dict) -> UPath:
+    """The last write of a stage: the manifest that readers go by."""
+    path = directory / MANIFEST
+    write_json(path, manifest)
+    return path
+
+
+def read_manifest(directory_or_file: UPath) -> dict:
+    p = directory_or_file
+    if p.name != MANIFEST:
+        p = p / MANIFEST
+    return read_json(p)
+
+
+def exists(path: UPath) -> bool:
+    try:
+        return path.exists()
+    except FileNotFoundError:
+        return False
+
+
+def list_files(directory: UPath, suffix: str = "") -> list[UPath]:
+    """Files directly under ``directory`` (sorted by name); none when it does not exist."""
+    if not exists(directory):
+        return []
+    return sorted((p for p in directory.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")),
+                  key=lambda p: p.name)
+
+
+def remove_tree(path: UPath) -> None:
+    if not exists(path):
+        return
+    if is_local(path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.fs.rm(path.path, recursive=True)

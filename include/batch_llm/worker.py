@@ -1,0 +1,157 @@
+"""The engine worker: a shard run in a spawned process of its own, in its own process group.
+
+Why a separate process: Airflow's task supervisor forks, and CUDA fails in forked processes; a fresh
+interpreter (``python -m batch_llm.worker``) never inherits a CUDA context. Why its own process group: vLLM
+starts engine-core processes of its own; ending the group ends them all, so a stopped task frees its GPU.
+
+Parent side::
+
+    handle = WorkerHandle.start(spec, python=sys.executable, env={"CUDA_VISIBLE_DEVICES": "0"})
+    result = handle.wait(on_line=log.info)        # streams the worker's log lines
+    handle.stop()                                 # from on_kill: SIGTERM the group, then SIGKILL
+
+The spec (config, layout, model manifest, shard, storage options with credentials) goes over stdin, never on
+the command line; the result comes back as the last ``BATCH_LLM_RESULT {json}`` line of stdout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+RESULT_PREFIX = "BATCH_LLM_RESULT "
+EXIT_SHARD_FAILED = 3      # too many error rows: retrying will not help
+EXIT_ERROR = 1
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, message: str, returncode: int, retryable: bool = True):
+        super().__init__(message)
+        self.returncode = returncode
+        self.retryable = retryable
+
+
+class WorkerHandle:
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.tail: list[str] = []
+
+    @classmethod
+    def start(cls, spec: dict, *, python: str | None = None, env: dict | None = None) -> "WorkerHandle":
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True, text=True, bufsize=1)
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        return cls(proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, on_line: Callable[[str], None] = print) -> dict:
+        result = None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX):])
+                continue
+            self.tail = (self.tail + [line])[-40:]
+            on_line(line)
+        rc = self.proc.wait()
+        if rc == 0 and result is not None:
+            return result
+        reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)
+        msg = reason[len("WORKER_ERROR "):] if reason else "\n".join(self.tail[-15:])
+        if rc < 0:
+            msg = f"worker killed by signal {-rc}; {msg}"
+        raise WorkerFailed(msg, rc, retryable=rc != EXIT_SHARD_FAILED)
+
+    def stop(self, grace_seconds: float = 10.0) -> None:
+        """Ends the worker's whole process group (engine processes included) and waits for it."""
+        stop_process_group(self.proc.pid, grace_seconds)
+        try:
+            self.proc.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def stop_process_group(pgid: int, grace_seconds: float = 10.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline:
+            if not process_group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Zombies still count for killpg: look for a live member.
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    return True
+            except (OSError, IndexError, ValueError):
+                continue
+    return False
+
+
+def _die_with_parent() -> None:
+    """If the task process is killed -9, the worker must not live on holding a GPU (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main() -> int:
+    _die_with_parent()
+    # On SIGTERM end the whole group, engine processes included, then exit.
+    signal.signal(signal.SIGTERM, lambda *_: (os.killpg(os.getpgrp(), signal.SIGKILL)))
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
+    spec = json.loads(sys.stdin.read())
+    from batch_llm.config import parse_config
+    from batch_llm.infer import ShardFailed
+    from batch_llm.stages import RunLayout, infer_shard
+
+    cfg = parse_config(spec["config"], "worker spec")
+    layout = RunLayout.from_dict(spec["layout"])
+    try:
+        result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=lambda m: print(m, flush=True))
+    except ShardFailed as e:
+        print(f"WORKER_ERROR {e}", flush=True)
+        return EXIT_SHARD_FAILED
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which decides on retries
+        import traceback
+
+        traceback.print_exc(file=sys.stdout)
+        print(f"WORKER_ERROR {type(e).__name__}: {e}", flush=True)
+        return EXIT_ERROR
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
