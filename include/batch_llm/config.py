@@ -225,8 +225,6 @@ class PipelineConfig(_Section):
         """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
         data = self.model_dump()
         for dotted, value in overrides.items():
-            if value is None:
-                continue
             node = data
             *parents, leaf = dotted.split(".")
             for p in parents:

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +29,9 @@ from pathlib import Path
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
 MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/
 
-# Set only while EvalScope runs, then restored. Nothing on this path needs a hub (local dataset, replayed
-# outputs, rule-based scoring), these make sure a stray code path fails fast instead of downloading.
+# Nothing on this path needs a hub (local dataset, replayed outputs, rule-based scoring; the tests check that
+# no socket is opened). Set while EvalScope runs, then restored, for code imported only then; libraries
+# imported earlier (huggingface_hub, datasets) read these at import and are not affected.
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _PUNKT = "tokenizers/punkt_tab/english/"
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
@@ -38,17 +40,30 @@ _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "or
 def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "Rouge-L-F") -> dict:
     """Scores ``records`` (``id``, ``question``, ``output``, ``reference``) with EvalScope's ``general_qa``.
 
-    Returns ``metrics`` (name -> mean over the records), ``metric``/``score`` (the requested metric, its name
-    normalized), ``num_samples``, ``per_sample`` (id -> {name: score}), ``metric_errors`` (metric family ->
-    first error; its names are left out of ``metrics``), the report paths and ``evalscope_version``.
+    Returns ``metrics`` (name -> mean over the records, from EvalScope's report, which rounds to 4 decimals),
+    ``metric``/``score`` (the requested metric under its normalized name, and its value), ``num_samples``,
+    ``per_sample`` (id -> {name: unrounded score}), ``metric_errors`` (metric family -> first error; its
+    names are left out of ``metrics``), the report paths and ``evalscope_version``.
     Several calls per process are fine; use a fresh ``work_dir`` per call to keep each run's files.
     """
+    evalscope = _import_evalscope()
+    from evalscope import TaskConfig, run_task
+    from evalscope.api.metric.semantics import MetricIdentity
+    from evalscope.benchmarks.general_qa_vqa_metrics import METRIC_SCORE_KEYS
+    from evalscope.metrics.semantics.naming import canonicalize_producer_identity
+
+    names = [n for keys in METRIC_SCORE_KEYS.values() for n in keys]
+    wanted = _normalize_metric(metric, names)
     if not records:
         raise ValueError("score_with_evalscope: no records to score")
     ids = [str(r["id"]) for r in records]
     if len(set(ids)) != len(ids):
         raise ValueError("score_with_evalscope: record ids must be unique")
+
     work_dir = Path(work_dir).resolve()
+    for sub in ("reports", "predictions", "reviews"):
+        # A report left by an earlier run must not pass for this one's, and predictions would be appended.
+        shutil.rmtree(work_dir / sub / MODEL_ID, ignore_errors=True)
     data_dir = work_dir / "dataset"
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / f"{SUBSET}.jsonl", "w", encoding="utf-8") as f:
@@ -59,40 +74,33 @@ def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     outputs = {rid: r.get("output") or "" for rid, r in zip(ids, records)}
 
-    report_json = work_dir / "reports" / MODEL_ID / "general_qa.json"
-    report_json.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
-
-    with tempfile.TemporaryDirectory(prefix="batch_llm_evalscope_") as tmp, _sandbox(Path(tmp)):
-        evalscope = _import_evalscope()
-        from evalscope import TaskConfig, run_task
-        from evalscope.benchmarks.general_qa_vqa_metrics import METRIC_SCORE_KEYS
-        from evalscope.metrics.semantics.naming import canonicalize_producer_identity
-
-        names = [n for keys in METRIC_SCORE_KEYS.values() for n in keys]
-        wanted = _normalize_metric(metric, names)
-        task = TaskConfig(
-            model=_replay_model(outputs),
-            model_id=MODEL_ID,
-            eval_type="custom",
-            datasets=["general_qa"],
-            dataset_args={"general_qa": {"local_path": str(data_dir), "subset_list": [SUBSET]}},
-            dataset_dir=str(data_dir),
-            judge={"strategy": "rule"},  # the default may pick a hosted judge model, which needs the network
-            work_dir=str(work_dir),
-            no_timestamp=True,
-            seed=None,  # a seed makes EvalScope reseed random/numpy/torch for the whole process
-        )
+    task = TaskConfig(
+        model=_replay_model(outputs),
+        model_id=MODEL_ID,
+        eval_type="custom",
+        datasets=["general_qa"],
+        dataset_args={"general_qa": {"local_path": str(data_dir), "subset_list": [SUBSET]}},
+        dataset_dir=str(data_dir),
+        judge={"strategy": "rule"},  # the default may pick a hosted judge model, which needs the network
+        work_dir=str(work_dir),
+        no_timestamp=True,
+        seed=None,  # a seed makes EvalScope reseed random/numpy/torch for the whole process
+    )
+    with (
+        _restore_env_and_root_logging(),
+        tempfile.TemporaryDirectory(prefix="batch_llm_evalscope_") as tmp,
+        _sandbox(Path(tmp)),
+    ):
         try:
             run_task(task)
         finally:
             _close_log_file(work_dir)
 
+    report_json = work_dir / "reports" / MODEL_ID / "general_qa.json"
     if not report_json.is_file():
         raise RuntimeError(f"EvalScope wrote no report at {report_json}; see {work_dir / 'logs'}")
     report = json.loads(report_json.read_text(encoding="utf-8"))
     by_identity = {canonicalize_producer_identity(n, "mean"): n for n in names}
-    from evalscope.api.metric.semantics import MetricIdentity
-
     metrics, num = {}, {}
     for m in report["metrics"]:
         identity = MetricIdentity(**m["identity"])
@@ -153,28 +161,40 @@ def _replay_model(outputs: dict[str, str]):
 
 
 def _import_evalscope():
-    # Importing evalscope runs logging.basicConfig(force=True), which would replace the root handlers of
-    # the host process (an Airflow task's log handlers): keep them.
+    # Importing evalscope sets MODELSCOPE_LOG_LEVEL and runs logging.basicConfig(force=True), which would
+    # replace the root handlers of the host process (an Airflow task's log handlers): undo both.
+    with _restore_env_and_root_logging():
+        import evalscope
+        import evalscope.run  # noqa: F401  (the import that configures logging)
+    return evalscope
+
+
+@contextlib.contextmanager
+def _restore_env_and_root_logging() -> Iterator[None]:
+    env = dict(os.environ)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
-        import evalscope
-        import evalscope.run  # noqa: F401  (the import that configures logging)
+        yield
     finally:
+        for k in os.environ.keys() - env.keys():
+            del os.environ[k]
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
         root.handlers[:] = handlers
         root.setLevel(level)
-    return evalscope
 
 
 @contextlib.contextmanager
 def _sandbox(tmp: Path) -> Iterator[None]:
     """Offline env vars, jieba's cache and NLTK data inside ``tmp``, for the duration of one run.
 
-    Env vars that libraries read once at import (TMPDIR via ``tempfile``, NLTK_DATA via ``nltk.data.path``)
-    would stay pointed at a deleted folder, so jieba and NLTK are pointed at ``tmp`` directly instead.
+    TMPDIR and NLTK_DATA are not set: ``tempfile`` and ``nltk`` read them once per process, so they would
+    either be ignored or stay pointed at ``tmp`` after it is deleted. jieba and NLTK are pointed at ``tmp``
+    directly instead, and restored.
     """
-    saved_env = {k: os.environ.get(k) for k in (*_OFFLINE_ENV, "MODELSCOPE_CACHE")}
-    os.environ.update(_OFFLINE_ENV)
+    os.environ.update(_OFFLINE_ENV)  # _restore_env_and_root_logging, around this, undoes it
     os.environ["MODELSCOPE_CACHE"] = str(tmp / "modelscope")
 
     import jieba  # Chinese segmentation: writes jieba.cache into the system temp folder on first use
@@ -204,11 +224,6 @@ def _sandbox(tmp: Path) -> Iterator[None]:
             from nltk.tokenize import _get_punkt_tokenizer  # memoizes the tokenizer loaded from ``added``
 
             _get_punkt_tokenizer.cache_clear()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _close_log_file(work_dir: Path) -> None:

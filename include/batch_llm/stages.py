@@ -90,6 +90,16 @@ def _done(stage_dir: Location) -> dict | None:
     return read_manifest(p) if exists(p) else None
 
 
+def read_manifest_at(layout: RunLayout, stage: str) -> dict:
+    """The manifest a stage of this run committed (stages downstream go by it, not by XCom)."""
+    return read_manifest(layout.stage(stage).path())
+
+
+def shard_manifests(layout: RunLayout) -> list[dict]:
+    infer_dir = layout.stage("infer").path()
+    return [read_manifest(d) for d in list_files(infer_dir) if exists(d / "manifest.json")]
+
+
 # ------------------------------------------------------------------------------------------ stages
 def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> dict:
     t0 = time.perf_counter()

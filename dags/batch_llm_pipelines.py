@@ -1,0 +1,10 @@
+"""Every pipeline under dags/pipelines/ (or $BATCH_LLM_PIPELINES_DIR) becomes a DAG:
+
+    fetch_model → awq_export → batch_inference × N (mapped over plan_shards) → content_filter
+    → evalscope_score → publish (Asset batch_llm.<name>)
+"""
+from pathlib import Path
+
+from batch_llm_airflow.dag_factory import build_pipeline_dags, pipelines_dir
+
+globals().update(build_pipeline_dags(pipelines_dir(Path(__file__).parent / "pipelines")))

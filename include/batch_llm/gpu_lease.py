@@ -1,0 +1,128 @@
+"""GPU leases: several shard tasks on one worker, each pinned to GPUs of its own, never two on one GPU.
+
+A lease is an exclusive ``flock`` on ``<lease_dir>/gpu-<N>.lock``, held by the task process for as long as
+its shard runs. The kernel drops a lock when its holder dies, however it dies, so a crashed task's GPUs are
+free for the next one. Each lock file records the holder's worker process group; a new holder that finds
+that group still alive (an orphaned engine from a killed task) ends it first, so its memory is really free.
+
+The pool of the GPU queue carries the slot count (slots = GPUs / tensor_parallel_size); the leases decide
+which GPUs a running task gets.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_LEASE_DIR = "/tmp/batch_llm_gpu_leases"
+
+
+class NoGpuFree(TimeoutError):
+    pass
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this worker may hand out: $BATCH_LLM_GPUS ("0,1"), else what nvidia-smi lists, else none."""
+    env = os.environ.get("BATCH_LLM_GPUS")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+@dataclass
+class GpuLease:
+    gpus: list[str]
+    lease_dir: Path
+    _files: list = field(default_factory=list, repr=False)
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(self.gpus)
+
+    @classmethod
+    def acquire(cls, count: int, *, gpus: list[str] | None = None, lease_dir: str | os.PathLike | None = None,
+                timeout: float = 3600.0, poll: float = 2.0, holder: str = "") -> "GpuLease":
+        """Takes ``count`` free GPUs, waiting up to ``timeout`` seconds for them."""
+        gpus = visible_gpus() if gpus is None else gpus
+        if count > len(gpus):
+            raise ValueError(f"{count} GPU(s) asked for, this worker has {len(gpus)}: {gpus}")
+        ldir = Path(lease_dir or os.environ.get("BATCH_LLM_LEASE_DIR", DEFAULT_LEASE_DIR))
+        ldir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            taken, files = [], []
+            for g in gpus:
+                f = open(ldir / f"gpu-{g}.lock", "a+")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.close()
+                    continue
+                taken.append(g)
+                files.append(f)
+                if len(taken) == count:
+                    break
+            if len(taken) == count:
+                lease = cls(taken, ldir, files)
+                lease._reclaim_and_record(holder)
+                return lease
+            for f in files:
+                f.close()
+            if time.monotonic() >= deadline:
+                raise NoGpuFree(f"no {count} free GPU(s) among {gpus} within {timeout:.0f}s (leases in {ldir})")
+            time.sleep(poll)
+
+    def _reclaim_and_record(self, holder: str) -> None:
+        from batch_llm.worker import process_group_alive, stop_process_group
+
+        for f in self._files:
+            f.seek(0)
+            try:
+                prev = json.loads(f.read() or "{}")
+            except ValueError:
+                prev = {}
+            pgid = prev.get("worker_pgid")
+            if pgid and process_group_alive(pgid):
+                stop_process_group(pgid, grace_seconds=5)  # an orphan of a killed task still holds memory
+            self._write(f, {"holder": holder, "pid": os.getpid(), "worker_pgid": None, "since": time.time()})
+
+    def record_worker(self, pgid: int) -> None:
+        """Remembers the worker's process group, so a later holder can end it if this task dies."""
+        for f in self._files:
+            f.seek(0)
+            data = json.loads(f.read() or "{}")
+            self._write(f, {**data, "worker_pgid": pgid})
+
+    @staticmethod
+    def _write(f, data: dict) -> None:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(data))
+        f.flush()
+
+    def release(self) -> None:
+        for f in self._files:
+            try:
+                self._write(f, {})
+                fcntl.flock(f, fcntl.LOCK_UN)
+            finally:
+                f.close()
+        self._files = []
+
+    def __enter__(self) -> "GpuLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,220 @@
+"""Operators: one per stage, each a few lines over ``batch_llm.stages``.
+
+Every operator carries the pipeline's config (a dict, as parsed from YAML) and applies the run's Params on
+top, so what a user changes in the trigger form reaches the stage through the same typed model. XCom carries
+only the stage's manifest (small); artifacts live in object storage.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, BaseOperatorLink, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from batch_llm import stages
+from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.stages import RunLayout
+from batch_llm_airflow.params import overrides_from_params
+from batch_llm_airflow.storage_bridge import location, storage_options
+
+
+def run_date(context: Context) -> str:
+    """The partition date: the logical date, or for API-triggered runs without one, the run's run_after."""
+    dr = context["dag_run"]
+    when = dr.logical_date or dr.run_after
+    return when.date().isoformat()
+
+
+class PipelineStageOperator(BaseOperator):
+    """Base of the stage operators: resolves the config (YAML + Params) and the run's storage layout."""
+
+    template_fields: Sequence[str] = ("config_overrides",)
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, pipeline_config: dict, config_overrides: dict | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.pipeline_config = pipeline_config
+        self.config_overrides = config_overrides or {}
+
+    def resolve(self, context: Context) -> tuple[PipelineConfig, RunLayout]:
+        cfg = parse_config(self.pipeline_config, f"pipeline {self.pipeline_config.get('name')!r}")
+        params = context.get("params") or {}
+        cfg = cfg.with_overrides({**overrides_from_params(params, cfg), **self.config_overrides},
+                                 source=f"params of {self.dag_id}")
+        out = location(cfg.output.path, cfg.output.conn_id)
+        inp = location(cfg.input.path.format(ds=run_date(context)), cfg.input.conn_id)
+        layout = RunLayout(output_root=out, pipeline=cfg.name, partition=cfg.output.partition.format(
+            ds=run_date(context)), run_id=context["run_id"], input=inp)
+        return cfg, layout
+
+
+class FetchModelOperator(PipelineStageOperator):
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id))
+        self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m["id"], m["local_dir"], m["cache_hit"],
+                      m["total_bytes"] / 1e6)
+        return {k: m[k] for k in ("local_dir", "model_key", "id", "revision", "content_hash", "cache_hit")}
+
+
+class AwqExportOperator(PipelineStageOperator):
+    template_fields = (*PipelineStageOperator.template_fields, "model")
+
+    def __init__(self, *, model: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.model = model
+
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        m = stages.quantize(cfg, layout, self.model)
+        self.log.info("quantize: %s", m.get("quantization") or "disabled; serving the model as fetched")
+        return {k: m[k] for k in ("local_dir", "model_key", "id", "revision", "quantized")}
+
+
+class PlanShardsOperator(PipelineStageOperator):
+    def execute(self, context: Context) -> list[dict]:
+        """Returns the shard list (index, rows, url): the batch inference task is mapped over it."""
+        cfg, layout = self.resolve(context)
+        m = stages.plan_shards(cfg, layout)
+        self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards", m["rows_read"], m["valid"],
+                      m["invalid"], m["errors"], len(m["shards"]))
+        return m["shards"]
+
+
+class BatchInferenceOperator(PipelineStageOperator):
+    """Runs one shard on the configured engine in a spawned worker process of its own.
+
+    - The worker gets its own process group; ``on_kill`` (task marked failed, timeout, SIGTERM) ends the whole
+      group and waits until it is gone, so the GPU is free before the task is reported finished.
+    - On a GPU worker the task leases ``tensor_parallel_size`` GPUs (``CUDA_VISIBLE_DEVICES``); two tasks never
+      share a GPU. Put it on the GPU queue and pool with ``.partial(queue=..., pool=...)``.
+    - Outputs are committed in chunks; a retry resumes after the last committed chunk.
+    - Too many error rows fail the task without retry; the message says how many and where they are.
+    """
+
+    template_fields = (*PipelineStageOperator.template_fields, "shard", "model")
+    ui_color = "#fde2c8"
+
+    def __init__(self, *, shard: Any, model: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.shard = shard
+        self.model = model
+        self._handle = None
+        self._lease = None
+
+    def execute(self, context: Context) -> dict:
+        from batch_llm.gpu_lease import GpuLease, visible_gpus
+        from batch_llm.worker import WorkerFailed, WorkerHandle
+
+        cfg, layout = self.resolve(context)
+        env = {}
+        gpus = visible_gpus()
+        if gpus:
+            self._lease = GpuLease.acquire(cfg.engine.tensor_parallel_size, gpus=gpus,
+                                           holder=f"{context['ti'].dag_id}.{context['ti'].task_id}")
+            env["CUDA_VISIBLE_DEVICES"] = self._lease.cuda_visible_devices
+            self.log.info("leased GPU(s) %s", self._lease.cuda_visible_devices)
+        spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": self.model,
+                "shard": self.shard}
+        try:
+            self._handle = WorkerHandle.start(spec, python=cfg.engine.python or sys.executable, env=env)
+            if self._lease:
+                self._lease.record_worker(self._handle.pid)
+            self.log.info("shard %s (%s rows): worker pid %s", self.shard["index"], self.shard["rows"],
+                          self._handle.pid)
+            try:
+                manifest = self._handle.wait(on_line=self.log.info)
+            except WorkerFailed as e:
+                if not e.retryable:
+                    raise AirflowFailException(str(e)) from None
+                raise RuntimeError(f"shard {self.shard['index']} worker failed (exit {e.returncode}): {e}") from None
+        finally:
+            if self._lease:
+                self._lease.release()
+                self._lease = None
+        emit_shard_metrics(cfg.name, manifest)
+        return {"shard": manifest["shard"], "outputs": manifest["outputs"], "errors": manifest["errors"],
+                "metrics": manifest["metrics"], "engine": manifest.get("engine", {}).get("kind")}
+
+    def on_kill(self) -> None:
+        t0 = time.monotonic()
+        if self._handle is not None:
+            self._handle.stop()
+            self.log.info("worker process group %s ended in %.1fs", self._handle.pid, time.monotonic() - t0)
+        if self._lease is not None:
+            self._lease.release()
+
+
+def emit_shard_metrics(pipeline: str, manifest: dict) -> None:
+    """StatsD / OpenTelemetry metrics through Airflow's own Stats (configured by [metrics])."""
+    from airflow.sdk.observability.stats import Stats
+
+    m = manifest["metrics"]
+    tags = {"pipeline": pipeline, "shard": str(manifest["shard"])}
+    for name in ("rows", "errors", "input_tokens", "output_tokens", "cached_rows"):
+        Stats.incr(f"batch_llm.shard.{name}", m.get(name, 0), tags=tags)
+    for name in ("output_tokens_per_second", "engine_start_seconds", "generate_seconds", "seconds"):
+        Stats.gauge(f"batch_llm.shard.{name}", m.get(name, 0.0), tags=tags)
+
+
+class ContentFilterOperator(PipelineStageOperator):
+    template_fields = (*PipelineStageOperator.template_fields, "shards")
+
+    def __init__(self, *, shards: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.shards = shards
+
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        plan = stages.read_manifest_at(layout, "plan")
+        m = stages.content_filter(cfg, layout, plan, list(self.shards))
+        s = m["summary"]
+        self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.get("rows_scanned"),
+                      s.get("rows_affected"), s.get("rows_dropped"), s.get("hits_per_list"))
+        return {k: m[k] for k in ("outputs", "rows", "inference_error_rows")}
+
+
+class EvalScopeOperator(PipelineStageOperator):
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        try:
+            m = stages.evaluate(cfg, layout, stages.read_manifest_at(layout, "plan"),
+                                stages.read_manifest_at(layout, "filter"))
+        except stages.EvaluationBelowThreshold as e:
+            raise AirflowFailException(str(e)) from None
+        self.log.info("evaluate: %s", m.get("skipped") or m["metrics"])
+        return {k: m.get(k) for k in ("metrics", "num_samples", "report_json", "skipped")}
+
+
+class RunReportLink(BaseOperatorLink):
+    """"Run report" button on the publish task: opens the run's HTML report through the plugin."""
+
+    name = "Run report"
+
+    def get_link(self, operator, *, ti_key) -> str:
+        from airflow.sdk.execution_time.xcom import XCom
+
+        value = XCom.get_value(ti_key=ti_key, key="return_value") or {}
+        report = value.get("report") if isinstance(value, dict) else None
+        return f"/batch-llm/report?path={report}" if report else ""
+
+
+class PublishOperator(PipelineStageOperator):
+    operator_extra_links = (RunReportLink(),)
+    ui_color = "#d5f5e3"
+
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        get = lambda s: stages.read_manifest_at(layout, s)  # noqa: E731
+        m = stages.publish(cfg, layout, get("plan"), get("filter"), get("evaluate"),
+                           extra_manifests={"fetch": get("fetch"), "quantize": get("quantize"),
+                                            "infer": stages.shard_manifests(layout)})
+        self.log.info("published %d rows to %s", m["rows"], m["dataset"])
+        for outlet in self.outlets:
+            context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m["dataset"],
+                                                      "rows": m["rows"], "run_id": layout.run_id}
+        return {k: m.get(k) for k in ("partition", "dataset", "rows", "summary", "errors", "report")}

@@ -1,0 +1,42 @@
+"""The pipeline as a task group: drop it into a DAG of your own, with steps of your own around it.
+
+    with DAG("my_dag", ...) as dag:
+        redact = my_redaction_task()
+        group = batch_llm_task_group(load_config("pipelines/daily.yaml"))
+        notify = my_post_processing()
+        redact >> group >> notify
+"""
+from __future__ import annotations
+
+from airflow.sdk import Asset, TaskGroup, TriggerRule
+
+from batch_llm.config import PipelineConfig
+from batch_llm_airflow.operators import (AwqExportOperator, BatchInferenceOperator, ContentFilterOperator,
+                                         EvalScopeOperator, FetchModelOperator, PlanShardsOperator,
+                                         PublishOperator)
+
+
+def pipeline_asset(cfg: PipelineConfig) -> Asset:
+    """The Asset a pipeline's publish task updates; schedule downstream DAGs on it."""
+    root = cfg.output.path.rstrip("/")
+    uri = f"{root}/{cfg.name}" if "://" in root else f"file://{root}/{cfg.name}"
+    return Asset(name=f"batch_llm.{cfg.name}", uri=uri)
+
+
+def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm", **overrides) -> TaskGroup:
+    """fetch model → AWQ export → plan shards → batch inference × N → content filter → EvalScope → publish."""
+    common = dict(pipeline_config=cfg.model_dump(mode="json"), config_overrides=overrides or None)
+    with TaskGroup(group_id=group_id) as group:
+        model = FetchModelOperator(task_id="fetch_model", **common)
+        quantized = AwqExportOperator(task_id="awq_export", model=model.output, **common)
+        plan = PlanShardsOperator(task_id="plan_shards", **common)
+        shards = BatchInferenceOperator.partial(
+            task_id="batch_inference", pool=cfg.airflow.gpu_pool, queue=cfg.airflow.gpu_queue,
+            model=quantized.output, **common,
+        ).expand(shard=plan.output)
+        filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output,
+                                         trigger_rule=TriggerRule.NONE_FAILED, **common)
+        scores = EvalScopeOperator(task_id="evalscope_score", **common)
+        published = PublishOperator(task_id="publish", outlets=[pipeline_asset(cfg)], **common)
+        filtered >> scores >> published
+    return group
