@@ -63,6 +63,7 @@ def test_offline_no_writes_outside_work_dir_and_no_leaks(tmp_path):
     assert [p for kind, p in events if kind == "write" and not p.startswith(allowed)] == []
     assert dict(os.environ) == env
     assert logging.getLogger().handlers == root_handlers
+    assert not [h for h in logging.getLogger("evalscope").handlers if isinstance(h, logging.FileHandler)]
     import nltk
 
     assert not any("batch_llm_evalscope_" in p for p in nltk.data.path)
@@ -72,6 +73,7 @@ def test_offline_no_writes_outside_work_dir_and_no_leaks(tmp_path):
 def test_mixed_outputs(tmp_path):
     import evalscope.run  # noqa: F401  (importing it draws random numbers; a run must not reseed them)
 
+    random.seed("not EvalScope's 42")
     rng_state = random.getstate()
     result = score_with_evalscope(MIXED, tmp_path / "eval", metric="rouge-l-f")
     assert random.getstate() == rng_state

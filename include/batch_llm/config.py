@@ -127,7 +127,7 @@ class EngineConfig(_Section):
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     kv_cache_dtype: str = "auto"
-    cpu_kv_cache_gib: float = Field(2.0, gt=0, description="vLLM CPU backend KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    cpu_kv_cache_gib: int = Field(2, ge=1, description="vLLM CPU backend KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")

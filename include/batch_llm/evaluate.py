@@ -195,15 +195,15 @@ def _sandbox(tmp: Path) -> Iterator[None]:
     directly instead, and restored.
     """
     os.environ.update(_OFFLINE_ENV)  # _restore_env_and_root_logging, around this, undoes it
-    os.environ["MODELSCOPE_CACHE"] = str(tmp / "modelscope")
+    os.environ["MODELSCOPE_CACHE"] = str(tmp / "modelscope")  # should stay unused; else a cache lands here, not in ~
 
     import jieba  # Chinese segmentation: writes jieba.cache into the system temp folder on first use
     import nltk
 
     saved_jieba = jieba.dt.tmp_dir
     jieba.dt.tmp_dir = str(tmp)
-    # English BLEU tokenizes with nltk.word_tokenize, which needs the Punkt model "punkt_tab"; it is not
-    # installed and downloading it is not possible, so EvalScope would log the error and score BLEU 0.
+    # English BLEU tokenizes with nltk.word_tokenize, which needs the Punkt model "punkt_tab". Where it is not
+    # installed (and it cannot be downloaded here), EvalScope would log the error and score BLEU 0.
     # Punkt with empty parameters (no learned abbreviations) splits sentences at every ". "; the word
     # tokens differ only around abbreviations ("Dr." -> "Dr" "."), the same way in output and reference.
     added = None
@@ -221,9 +221,9 @@ def _sandbox(tmp: Path) -> Iterator[None]:
         jieba.dt.tmp_dir = saved_jieba
         if added:
             nltk.data.path.remove(added)
-            from nltk.tokenize import _get_punkt_tokenizer  # memoizes the tokenizer loaded from ``added``
-
-            _get_punkt_tokenizer.cache_clear()
+            memo = getattr(nltk.tokenize, "_get_punkt_tokenizer", None)  # holds the tokenizer made from ``added``
+            if memo is not None:
+                memo.cache_clear()
 
 
 def _close_log_file(work_dir: Path) -> None:

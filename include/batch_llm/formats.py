@@ -164,7 +164,7 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
             raise ValueError("empty prompt after rendering the template")
         messages = [{"role": "user", "content": text}]
     elif messages is not None:
-        if isinstance(messages, str):  # CSV / Parquet columns holding JSON text
+        if isinstance(messages, str) and fmt in ("csv", "parquet"):  # columns holding JSON text
             try:
                 messages = json.loads(messages)
             except json.JSONDecodeError:

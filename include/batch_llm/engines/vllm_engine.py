@@ -30,7 +30,7 @@ class VllmEngine(Engine):
     def start(self) -> EngineInfo:
         # The CPU backend sizes its KV cache from this variable, not from gpu_memory_utilization.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or \
-            f"{self.cfg.cpu_kv_cache_gib:g}"
+            str(self.cfg.cpu_kv_cache_gib)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
         try:
