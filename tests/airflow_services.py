@@ -111,25 +111,25 @@ class ProcessGroup:
         self.env = {**env, MARKER: self.marker}
         self.services: list[Service] = []
 
-    def spawn(self, name: str, argv: list[str], *, env: dict | None = None, preexec_user: str | None = None
-              ) -> Service:
+    def spawn(self, name: str, argv: list[str], *, env: dict | None = None, preexec_user: str | None = None,
+              cwd: Path | None = None) -> Service:
         log = self.log_dir / f"{name}.log"
         f = open(log, "ab")
         full_env = {**self.env, **(env or {})}
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=full_env, cwd=str(ROOT), start_new_session=True, user=preexec_user)
+                                env=full_env, cwd=str(cwd or ROOT), start_new_session=True, user=preexec_user)
         f.close()
         svc = Service(name, proc, log)
         self.services.append(svc)
         return svc
 
     def run(self, name: str, argv: list[str], *, timeout: float = 300, env: dict | None = None,
-            user: str | None = None) -> None:
+            user: str | None = None, cwd: Path | None = None) -> None:
         """Runs a one-off command to completion (output appended to <name>.log); raises with its tail."""
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as f:
             p = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**self.env, **(env or {})}, cwd=str(ROOT), timeout=timeout, user=user)
+                               env={**self.env, **(env or {})}, cwd=str(cwd or ROOT), timeout=timeout, user=user)
         if p.returncode:
             raise RuntimeError(f"{' '.join(argv)} exited with {p.returncode}:\n{_tail(log, 40)}")
 
@@ -264,12 +264,12 @@ class Postgres:
         bin_dir = pg_bin_dir()
         procs.run("postgres-initdb", [str(bin_dir / "initdb"), "-D", str(data), "-U", self.user_name,
                                       f"--pwfile={pwfile}", "--auth-host=scram-sha-256", "--auth-local=peer",
-                                      "-E", "UTF8", "--no-sync"], user=run_as, timeout=120)
+                                      "-E", "UTF8", "--no-sync"], user=run_as, cwd=self.dir, timeout=120)
         self.svc = procs.spawn("postgres", [str(bin_dir / "postgres"), "-D", str(data), "-c",
                                             "listen_addresses=127.0.0.1", "-c", f"port={self.port}", "-c",
                                             f"unix_socket_directories={self.dir}", "-c", "fsync=off", "-c",
                                             "max_connections=200", "-c", "shared_buffers=64MB"],
-                               preexec_user=run_as)
+                               preexec_user=run_as, cwd=self.dir)
         _wait_port(self.port, 60, self.svc.proc, "postgres")
         import psycopg2
 

@@ -45,3 +45,18 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def demo_config_path() -> Path:
     return ROOT / "dags" / "pipelines" / "demo.yaml"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server (SeaweedFS ``weed mini``) on loopback for the session, and Airflow connection ``lake``
+    pointing at it (``AIRFLOW_CONN_LAKE``). Yields the ``tests.s3_server.S3Server`` (endpoint, key, secret,
+    bucket; ``stop()`` / ``start()`` for an outage)."""
+    from s3_server import S3Server
+
+    with S3Server(tmp_path_factory.mktemp("s3"), bucket="batch-llm-lake") as server:
+        os.environ["AIRFLOW_CONN_LAKE"] = server.connection_json()
+        try:
+            yield server
+        finally:
+            os.environ.pop("AIRFLOW_CONN_LAKE", None)

@@ -224,6 +224,12 @@ class PipelineConfig(_Section):
     def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":
         """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
         data = self.model_dump()
+        overrides = dict(overrides)
+        # rows_per_shard and num_shards exclude each other: setting one alone unsets the other.
+        for key, other in (("sharding.rows_per_shard", "sharding.num_shards"),
+                           ("sharding.num_shards", "sharding.rows_per_shard")):
+            if overrides.get(key) is not None and other not in overrides:
+                overrides[other] = None
         for dotted, value in overrides.items():
             node = data
             *parents, leaf = dotted.split(".")

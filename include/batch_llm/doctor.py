@@ -43,7 +43,7 @@ class Finding:
     title: str
     evidence: str      # the numbers the finding comes from
     change: str        # one concrete change, e.g. "engine.max_num_seqs: 512"
-    check: str = ""    # which check found it: engine, batch_mode, max_num_seqs, kv_cache, ...
+    check: str = ""    # which check(s) found it: engine, batch_mode, max_num_seqs, ... (comma-separated)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -425,7 +425,7 @@ def _check_max_num_seqs(run: _Run) -> Iterable[Finding]:
               or run.engine_cfg.get("max_num_seqs") or 256)
     reqs = statistics.median(run.engine_rows(m) for m in run.metrics)
     if reqs and reqs < mns / 2:
-        sug = _shard_size_change(run, 2 * mns)
+        sug = _shard_size_change(run, max(2 * mns, _start_rows(run)[0]))
         if sug:
             yield Finding(
                 "info", "the engine's batch never fills",
@@ -531,22 +531,27 @@ def _check_prefix(run: _Run) -> Iterable[Finding]:
                   "engine.enable_prefix_caching: true", "prefix_cache")
 
 
-def _check_engine_start(run: _Run) -> Iterable[Finding]:
+def _start_rows(run: _Run) -> tuple[int, float, float, float, float]:
+    """(rows a shard needs so that engine start stays under START_SHARE_TARGET of its time — 0 when start
+    is no problem —, median start share, median start seconds, median shard seconds, generation s per row)."""
     started = [m for m in run.metrics if m.get("seconds") and m.get("engine_start_seconds")]
     if not started:
-        return
-    shares = [m["engine_start_seconds"] / m["seconds"] for m in started]
-    share = statistics.median(shares)
-    if share <= START_SHARE_MAX:
-        return
+        return 0, 0.0, 0.0, 0.0, 0.0
+    share = statistics.median(m["engine_start_seconds"] / m["seconds"] for m in started)
     start = statistics.median(m["engine_start_seconds"] for m in started)
     total = statistics.median(m["seconds"] for m in started)
     rows = sum(run.engine_rows(m) for m in started)
-    gen = sum(m.get("generate_seconds", 0.0) for m in started)
-    per_row = gen / rows if rows else 0.0
-    if per_row <= 0:
+    per_row = sum(m.get("generate_seconds", 0.0) for m in started) / rows if rows else 0.0
+    if share <= START_SHARE_MAX or per_row <= 0:
+        return 0, share, start, total, per_row
+    need = math.ceil(round(start * (1 / START_SHARE_TARGET - 1) / per_row, 6))
+    return need, share, start, total, per_row
+
+
+def _check_engine_start(run: _Run) -> Iterable[Finding]:
+    need, share, start, total, per_row = _start_rows(run)
+    if not need:
         return
-    need = math.ceil(start * (1 - START_SHARE_TARGET) / START_SHARE_TARGET / per_row)
     sug = _shard_size_change(run, need)
     if not sug:
         return
@@ -665,7 +670,7 @@ def diagnose(summary: dict, *, gpus: int | None = None, tokens: TokenStats | Non
             # Two checks that call for the same change: one finding, the stronger title, both reasons.
             first, second = sorted((prev, f), key=lambda x: SEVERITY_ORDER.get(x.severity, 9))
             by_change[f.change] = Finding(first.severity, first.title, f"{first.evidence}. Also: {second.evidence}",
-                                          f.change, first.check)
+                                          f.change, f"{first.check},{second.check}")
     return sorted(by_change.values(), key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
 
 

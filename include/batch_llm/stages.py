@@ -245,18 +245,22 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict, 
                "config": cfg.model_dump(mode="json"),
                "manifests": {"plan": plan, "filter": filtered, "evaluate": scores, **(extra_manifests or {})},
                "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
+    summary["report"] = version.child("report.html").url
     write_json(version.child("summary.json").path(), summary)
+    from batch_llm.report import write_run_report  # matplotlib loads only here, not when DAGs are parsed
+
+    report_url = write_run_report(summary, version, layout.pipeline_root)
     pointer = layout.published.child("_CURRENT.json")
     previous = read_json(pointer.path()).get("version") if exists(pointer.path()) else None
     write_json(pointer.path(), {"version": version.url, "dataset": data.url, "run_id": layout.run_id,
-                                "rows": n, "committed_at": summary["published_at"]})
+                                "rows": n, "committed_at": summary["published_at"], "report": report_url})
     for old in list_files(layout.published.path()):
         if old.name.startswith("v-") and old.name not in (version.url.rsplit("/", 1)[-1],
                                                           (previous or "").rsplit("/", 1)[-1]):
             remove_tree(old)
     m = {"stage": "publish", "partition": layout.published.url, "version": version.url, "dataset": data.url,
          "rows": n, "summary": version.child("summary.json").url, "errors": version.child("errors.jsonl").url,
-         "error_rows": len(errors)}
+         "error_rows": len(errors), "report": report_url}
     write_manifest(out_dir.path(), m)
     return m
 

@@ -71,8 +71,15 @@ def is_local(path: UPath) -> bool:
     return getattr(path, "protocol", "") in ("", "file", "local")
 
 
+# Objects up to this size are one PUT; larger ones a multipart upload of parts this size (boto3's default
+# multipart threshold and chunk size). s3fs's own default block is 50 MiB, and without fixed_upload_size it
+# sends everything buffered as one part: writing block-sized slices gives parts of one block each.
+MULTIPART_PART_BYTES = 8 * 2**20
+
+
 def write_bytes_atomic(path: UPath, data: bytes) -> None:
-    """Writes the whole object at once: a rename on a local disk, a single upload elsewhere."""
+    """Writes the whole object at once: a rename on a local disk; elsewhere one PUT, or above
+    ``MULTIPART_PART_BYTES`` one multipart upload, which the store makes visible only when it completes."""
     if is_local(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -81,9 +88,23 @@ def write_bytes_atomic(path: UPath, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    else:
-        with path.open("wb") as f:  # s3fs switches to multipart above its block size
-            f.write(data)
+        return
+    f = path.open("wb", block_size=MULTIPART_PART_BYTES)
+    try:
+        view = memoryview(data)
+        for start in range(0, len(view), MULTIPART_PART_BYTES):
+            f.write(view[start:start + MULTIPART_PART_BYTES])  # a full block uploads one part
+    except BaseException:
+        # Not ``with``: fsspec's close() would complete the upload with the parts sent so far, committing a
+        # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
+        try:
+            if hasattr(f, "discard"):
+                f.discard()
+        except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
+            pass
+        f.closed = True
+        raise
+    f.close()  # the single PUT, or the last part and CompleteMultipartUpload
 
 
 def write_text_atomic(path: UPath, text: str) -> None:
@@ -138,10 +159,20 @@ def exists(path: UPath) -> bool:
 
 
 def list_files(directory: UPath, suffix: str = "") -> list[UPath]:
-    """Files directly under ``directory`` (sorted by name); none when it does not exist."""
+    """Files directly under ``directory`` (sorted by name); none when it does not exist.
+
+    On object stores a zero-byte ``prefix/`` "folder marker" (S3 consoles and some tools create them) is
+    listed by s3fs as a child of the prefix, which ``UPath.iterdir`` turns into a phantom ``<prefix>/<name>``
+    entry: the listing is read from the filesystem here and the marker left out."""
     if not exists(directory):
         return []
-    return sorted((p for p in directory.iterdir() if p.name.endswith(suffix) and not p.name.startswith(".")),
+    if is_local(directory):
+        children = list(directory.iterdir())
+    else:
+        own = directory.path.rstrip("/")
+        children = [directory / entry.rstrip("/").rsplit("/", 1)[-1]
+                    for entry in directory.fs.ls(directory.path, detail=False) if entry.rstrip("/") != own]
+    return sorted((p for p in children if p.name.endswith(suffix) and not p.name.startswith(".")),
                   key=lambda p: p.name)
 
 

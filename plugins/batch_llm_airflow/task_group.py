@@ -23,9 +23,14 @@ def pipeline_asset(cfg: PipelineConfig) -> Asset:
     return Asset(name=f"batch_llm.{cfg.name}", uri=uri)
 
 
-def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm", **overrides) -> TaskGroup:
-    """fetch model → AWQ export → plan shards → batch inference × N → content filter → EvalScope → publish."""
-    common = dict(pipeline_config=cfg.model_dump(mode="json"), config_overrides=overrides or None)
+def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
+                         overrides: dict | None = None) -> TaskGroup:
+    """fetch model → AWQ export → plan shards → batch inference × N → content filter → EvalScope → publish.
+
+    ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
+    so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
+    """
+    common = dict(pipeline_config=cfg.model_dump(mode="json"), config_overrides=overrides)
     with TaskGroup(group_id=group_id) as group:
         model = FetchModelOperator(task_id="fetch_model", **common)
         quantized = AwqExportOperator(task_id="awq_export", model=model.output, **common)

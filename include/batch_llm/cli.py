@@ -1,0 +1,348 @@
+"""``batch-llm``: the pipeline without Airflow, on one machine, with the same stage functions.
+
+::
+
+    batch-llm validate dags/pipelines/demo.yaml
+    batch-llm run dags/pipelines/demo.yaml --ds 2026-11-30 --set sampling.max_tokens=64
+    batch-llm run-shard dags/pipelines/demo.yaml --shard 1 --run-id cli__2026-11-30
+    batch-llm report var/output/batch_llm_demo/dt=2026-11-30
+    batch-llm doctor var/output/batch_llm_demo --gpus 8
+
+``run`` goes through fetch, quantize, plan, every shard, content filter, EvalScope and publish, and prints
+where the dataset and the run report are. ``run-shard`` runs one shard of a run (planning it first when
+needed); a later ``run --run-id`` with the same id reuses every committed shard. ``report`` and ``doctor``
+take a ``summary.json``, a published version, a partition (``_CURRENT.json``), a run's folder under
+``runs/`` or a pipeline's output folder (its latest partition).
+
+Long work shows a progress bar (rows, output tokens/s, ETA) on a terminal, and plain lines otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import yaml
+
+from batch_llm.config import ConfigError, PipelineConfig, load_config
+
+PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value (a dotted config key), got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _date(text: str) -> str:
+    try:
+        return dt.date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date YYYY-MM-DD, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batch-llm", description="Offline batch LLM inference: the pipeline "
+                                "without Airflow, its run report and its doctor.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def config_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", metavar="CONFIG.yaml", help="a pipeline YAML file")
+        sp.add_argument("--set", dest="overrides", action="append", type=_key_value, default=[],
+                        metavar="KEY=VALUE", help="override a config key (dotted; value parsed as YAML), repeatable")
+
+    v = sub.add_parser("validate", help="check a pipeline file; prints OK or the error naming file and key")
+    config_args(v)
+
+    def run_args(sp: argparse.ArgumentParser) -> None:
+        config_args(sp)
+        sp.add_argument("--input", metavar="PATH", help="input.path instead of the file's")
+        sp.add_argument("--output", metavar="PATH", help="output.path instead of the file's")
+        sp.add_argument("--ds", type=_date, default=None, metavar="YYYY-MM-DD",
+                        help="the run's date: {ds} in paths and the partition (default: today)")
+        sp.add_argument("--run-id", default=None, help="reuse a run's committed stages and shards under this id")
+        sp.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+
+    r = sub.add_parser("run", help="run the whole pipeline locally, end to end")
+    run_args(r)
+    rs = sub.add_parser("run-shard", help="run one shard of a run (plans the run first when needed)")
+    run_args(rs)
+    rs.add_argument("--shard", type=int, required=True, metavar="N", help="the shard index (0-based)")
+
+    for name, text in (("report", "show a run's HTML report (written when missing) and the doctor's findings"),
+                       ("doctor", "the doctor's findings for a run")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("target", metavar="RUN_OUTPUT_PARTITION_OR_SUMMARY",
+                        help="summary.json, a published version, a partition, a run folder or a pipeline folder")
+        sp.add_argument("--gpus", type=int, default=None, help="GPUs in the pool (default: $BATCH_LLM_GPUS)")
+        if name == "report":
+            sp.add_argument("--regenerate", action="store_true", help="write report.html again")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ progress
+class Reporter:
+    """Receives the stages' messages (``say``): a rich progress bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, tty: bool | None = None, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._progress = None
+        self._task = None
+        self._total = 0
+
+    def __enter__(self) -> "Reporter":
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("rows"), TextColumn("{task.fields[tps]} tok/s"),
+                                      TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(),
+                                      console=Console(file=self.stream), transient=False)
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def begin(self, label: str, total: int) -> None:
+        self._total = total
+        if self._progress is not None:
+            self._task = self._progress.add_task(label, total=total, tps="–", eta="–")
+        else:
+            self.say(f"{label}: {total} rows")
+
+    def end(self) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=self._total, eta="0s")
+        self._task = None
+
+    def say(self, msg: str) -> None:
+        m = PROGRESS.search(msg)
+        if m and self._progress is not None and self._task is not None:
+            done, total, tps, eta = int(m[1]), int(m[2]), m[3], m[4]
+            self._progress.update(self._task, completed=done, total=total, tps=tps, eta=_eta(eta))
+            return
+        if self._progress is not None:
+            self._progress.console.print(msg, markup=False, highlight=False)
+        else:
+            print(msg, file=self.stream, flush=True)
+
+    __call__ = say
+
+
+def _eta(seconds: str) -> str:
+    try:
+        s = float(seconds)
+    except ValueError:
+        return seconds
+    if s != s or s == float("inf"):
+        return "?"
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+# ------------------------------------------------------------------------------------------ commands
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    cfg = load_config(args.config)
+    over: dict[str, Any] = {}
+    for key in ("input", "output"):
+        if getattr(args, key, None):
+            over[f"{key}.path"] = _abs(getattr(args, key))
+    over.update(dict(args.overrides))
+    return cfg.with_overrides(over, source=f"{args.config} (command line)") if over else cfg
+
+
+def _abs(path: str) -> str:
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    shards = f"num_shards {cfg.sharding.num_shards}" if cfg.sharding.num_shards else \
+        f"rows_per_shard {cfg.sharding.rows_per_shard or 'default'}"
+    print(f"OK: {args.config}: pipeline {cfg.name!r}, model {cfg.model.ref}, engine {cfg.engine.kind}, {shards}")
+    return 0
+
+
+def _layout(cfg: PipelineConfig, args: argparse.Namespace, default_run_id: str):
+    from batch_llm.stages import RunLayout
+
+    return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
+
+
+def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[dict, dict]:
+    from batch_llm import stages
+
+    say(f"run {layout.run_id}: artifacts under {layout.run_dir.url}")
+    t0 = time.perf_counter()
+    model = stages.fetch(cfg, layout)
+    say(f"model {model['id']} ({'cache hit' if model.get('cache_hit') else 'fetched'}, "
+        f"{model.get('total_bytes', 0) / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
+    model = stages.quantize(cfg, layout, model)
+    if model.get("quantized"):
+        say(f"quantized: {model['local_dir']}")
+    plan = stages.plan_shards(cfg, layout)
+    say(f"plan: {plan['rows_read']} rows read, {plan['valid']} valid, {plan['invalid']} invalid, "
+        f"{len(plan['shards'])} shard(s)")
+    return model, plan
+
+
+def _shard(cfg: PipelineConfig, layout, model: dict, shard: dict, rep: Reporter) -> dict:
+    from batch_llm import stages
+
+    rep.begin(f"shard {shard['index']}", shard["rows"])
+    try:
+        return stages.infer_shard(cfg, layout, model, shard, say=rep.say)
+    finally:
+        rep.end()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from batch_llm import stages
+    from batch_llm.doctor import diagnose, format_findings
+
+    cfg = _config(args)
+    layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
+    with Reporter(tty=False if args.plain else None) as rep:
+        model, plan = _prepare(cfg, layout, rep.say)
+        shards = [_shard(cfg, layout, model, s, rep) for s in plan["shards"]]
+        filtered = stages.content_filter(cfg, layout, plan, shards)
+        fs = filtered["summary"]
+        rep.say(f"content filter: {fs.get('rows_scanned')} rows scanned, {fs.get('rows_affected', 0)} affected, "
+                f"{fs.get('rows_dropped', 0)} dropped")
+        scores = stages.evaluate(cfg, layout, plan, filtered)
+        rep.say(f"evaluate: {scores.get('skipped') or scores.get('metrics', {}).get(cfg.evaluate.metric)}")
+        m = stages.publish(cfg, layout, plan, filtered, scores, extra_manifests={
+            "fetch": stages.read_manifest_at(layout, "fetch"), "quantize": stages.read_manifest_at(layout, "quantize"),
+            "infer": stages.shard_manifests(layout)})
+    print(f"published {m['rows']} rows")
+    print(f"  dataset: {m['dataset']}")
+    print(f"  errors:  {m['errors']} ({m.get('error_rows', 0)} rows)")
+    print(f"  summary: {m['summary']}")
+    if m.get("report"):
+        print(f"  report:  {m['report']}")
+    from batch_llm.storage import Location, read_json
+
+    print(format_findings(diagnose(read_json(Location(m["summary"], layout.output_root.options).path()))))
+    return 0
+
+
+def cmd_run_shard(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    ds = args.ds or dt.date.today().isoformat()
+    layout = _layout(cfg, args, f"cli__{ds}")
+    with Reporter(tty=False if args.plain else None) as rep:
+        model, plan = _prepare(cfg, layout, rep.say)
+        by_index = {s["index"]: s for s in plan["shards"]}
+        if args.shard not in by_index:
+            print(f"error: the plan of run {layout.run_id} has {len(by_index)} shard(s) "
+                  f"(0..{len(by_index) - 1}); no shard {args.shard}", file=sys.stderr)
+            return 1
+        m = _shard(cfg, layout, model, by_index[args.shard], rep)
+    mm = m["metrics"]
+    print(f"shard {m['shard']}: {mm['ok']} ok, {mm['errors']} errors, {mm['output_tokens']} output tokens, "
+          f"{mm.get('output_tokens_per_second', 0)} tok/s")
+    print(f"  outputs: {m['outputs']}")
+    print(f"  finish the run with: batch-llm run {args.config} --run-id {layout.run_id}"
+          + (f" --ds {args.ds}" if args.ds else ""))
+    return 0
+
+
+def find_summary(target: str):
+    """(summary, version Location, pipeline root Location) for a summary.json, a published version, a
+    partition, a run folder or a pipeline folder (its latest partition)."""
+    from batch_llm.storage import Location, exists, list_files, read_json, read_manifest
+
+    loc = Location(_abs(target))
+    p = loc.path()
+    if p.name != "summary.json":
+        if exists(p / "summary.json"):
+            loc = loc.child("summary.json")
+        elif exists(p / "_CURRENT.json"):
+            loc = Location(read_json(p / "_CURRENT.json")["version"]).child("summary.json")
+        elif exists(p / "publish" / "manifest.json"):
+            loc = Location(read_manifest(p / "publish")["summary"])
+        else:
+            parts = sorted(d.name for d in list_files(p) if exists(d / "_CURRENT.json"))
+            if not parts:
+                raise FileNotFoundError(
+                    f"{target}: no run summary here (give a summary.json, a published version, a partition with "
+                    f"_CURRENT.json, a run folder with publish/manifest.json or a pipeline folder)")
+            loc = Location(read_json(p / parts[-1] / "_CURRENT.json")["version"]).child("summary.json")
+    if not exists(loc.path()):
+        raise FileNotFoundError(f"{loc.url}: no such summary")
+    summary = read_json(loc.path())
+    version = Location(loc.url.rsplit("/", 1)[0], loc.options)
+    pipeline_root = Location(version.url.rsplit("/", 2)[0], loc.options)
+    return summary, version, pipeline_root
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from batch_llm.doctor import diagnose, format_findings
+    from batch_llm.report import REPORT_NAME, write_run_report
+    from batch_llm.storage import exists
+
+    summary, version, root = find_summary(args.target)
+    report = version.child(REPORT_NAME)
+    if args.regenerate or not exists(report.path()):
+        url = write_run_report(summary, version, root, gpus=args.gpus)
+        print(f"report written: {url}")
+    else:
+        print(f"report: {report.url}")
+    print(f"summary: {version.child('summary.json').url}")
+    print(format_findings(diagnose(summary, gpus=args.gpus, options=version.options)))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from batch_llm.doctor import diagnose, format_findings
+
+    summary, version, _ = find_summary(args.target)
+    print(f"{summary.get('pipeline')} {summary.get('partition')} (run {summary.get('run_id')})")
+    print(format_findings(diagnose(summary, gpus=args.gpus, options=version.options)))
+    return 0
+
+
+COMMANDS = {"validate": cmd_validate, "run": cmd_run, "run-shard": cmd_run_shard, "report": cmd_report,
+            "doctor": cmd_doctor}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"error: {e.filename + ': ' if getattr(e, 'filename', None) else ''}{e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; committed chunks are kept: run again with the same --run-id to resume",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - stage failures whose message says it all
+        if type(e).__name__ in ("ShardFailed", "EvaluationBelowThreshold"):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,562 @@
+"""The run report: one self-contained HTML page next to each published version's ``summary.json``.
+
+``publish`` writes it; ``batch-llm report`` shows it. Everything is in the one file (plots rendered with
+matplotlib's Agg backend to PNG and embedded as base64, CSS inline), so it opens from object storage, an
+e-mail attachment or the Airflow UI alike. Sections:
+
+- the doctor's findings (``batch_llm.doctor``): what to change, with the numbers
+- rows by outcome: published, dropped by the content filter, invalid input, inference errors
+- throughput: output tokens/s per shard
+- time per shard: engine start against generation
+- input and output token lengths (per row, from the shards' ``outputs.jsonl``)
+- content-filter hits by list
+- EvalScope scores, with the pipeline's previous partitions as a trend
+- the shards (every one for small runs, the slowest for large ones), the configuration used
+
+A 3-shard run gets one bar per shard; a 500-shard run gets distributions and percentiles instead, and its
+tables are capped, so the page stays small either way.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import logging
+import math
+import statistics
+
+import yaml
+
+from batch_llm.doctor import Finding, TokenStats, diagnose, engine_kind, engine_settings, infer_manifests, \
+    mean_of, quantile, read_token_stats
+from batch_llm.storage import Location, exists, list_files, read_json, write_text_atomic
+
+log = logging.getLogger("batch_llm.report")
+
+REPORT_NAME = "report.html"
+SHARD_BARS_MAX = 48        # up to this many shards: one bar per shard; above: distributions
+SHARD_TABLE_MAX = 20       # up to this many shards: a table row each; above: the slowest SHARD_TABLE_TOP
+SHARD_TABLE_TOP = 10
+TREND_MAX = 30             # partitions on the score trend (the current one and those before it)
+TREND_TABLE_MAX = 10
+WORDS_PER_LIST = 8
+DPI = 96
+
+C_START, C_GEN, C_OTHER = "#e8894a", "#3f6fb5", "#c9ced6"
+C_OK, C_DROP, C_INVALID, C_ERR = "#3c9a5f", "#e0a526", "#c8553d", "#8c2d2d"
+ACTION_COLORS = {"flag": "#6c8ebf", "mask": "#e0a526", "drop": "#c8553d"}
+
+
+# ------------------------------------------------------------------------------------------ entry points
+def write_run_report(summary: dict, version_dir: Location, pipeline_root: Location, *,
+                     gpus: int | None = None) -> str:
+    """Renders the run report into ``<version_dir>/report.html`` and returns its URL."""
+    page = render_report(summary, pipeline_root=pipeline_root, options=version_dir.options, gpus=gpus)
+    loc = version_dir.child(REPORT_NAME)
+    write_text_atomic(loc.path(), page)
+    return loc.url
+
+
+def render_report(summary: dict, *, pipeline_root: Location | None = None, options: dict | None = None,
+                  gpus: int | None = None) -> str:
+    import matplotlib
+
+    opts = options or (pipeline_root.options if pipeline_root else {})
+    tokens = read_token_stats(summary, opts)
+    findings = diagnose(summary, gpus=gpus, tokens=tokens, options=opts)
+    r = _Run(summary, tokens, findings, pipeline_root, opts)
+    style = {"font.size": 8.5, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+             "grid.alpha": 0.25, "axes.axisbelow": True, "legend.frameon": False, "axes.titlesize": 9.5,
+             "axes.titleweight": "bold", "figure.dpi": DPI}
+    sections = [("doctor", "What to change", _doctor), ("outcomes", "Rows by outcome", _outcomes),
+                ("throughput", "Throughput", _throughput), ("time", "Time per shard", _time),
+                ("lengths", "Token lengths", _lengths), ("filter", "Content filter", _filter),
+                ("scores", "EvalScope scores", _scores), ("shards", "Shards", _shards_table),
+                ("config", "Configuration used", _config)]
+    parts = []
+    with matplotlib.rc_context(style):
+        for anchor, title, fn in sections:
+            try:
+                body = fn(r)
+            except Exception as e:  # noqa: BLE001 - one broken section must not cost the whole report
+                log.exception("report section %s failed", anchor)
+                body = f'<p class="note">This section could not be rendered: {_e(type(e).__name__)}: {_e(e)}</p>'
+            parts.append(f'<section id="{anchor}"><h2>{_e(title)}</h2>\n{body}</section>')
+    nav = " · ".join(f'<a href="#{a}">{_e(t)}</a>' for a, t, _ in sections)
+    return _PAGE.format(title=_e(f"{summary.get('pipeline', 'batch-llm')} {summary.get('partition', '')}"),
+                        css=_CSS, header=_header(r), nav=nav, sections="\n".join(parts))
+
+
+# ------------------------------------------------------------------------------------------ run facts
+class _Run:
+    def __init__(self, summary: dict, tokens: TokenStats, findings: list[Finding], pipeline_root, options):
+        self.s = summary
+        self.tokens = tokens
+        self.findings = findings
+        self.pipeline_root = pipeline_root
+        self.options = options
+        self.cfg = summary.get("config") or {}
+        man = summary.get("manifests") or {}
+        self.plan = man.get("plan") or {}
+        self.filter = man.get("filter") or {}
+        self.eval = man.get("evaluate") or {}
+        self.fetch = man.get("fetch") or {}
+        self.quantize = man.get("quantize") or {}
+        self.shards = infer_manifests(summary)
+        self.metrics = [s.get("metrics") or {} for s in self.shards]
+
+    def total(self, key: str) -> float:
+        return sum(m.get(key) or 0 for m in self.metrics)
+
+    @property
+    def engine(self) -> tuple[str, str, dict]:
+        for s in self.shards:
+            if engine_settings(s):
+                return engine_kind(s) or "?", (s.get("engine") or {}).get("version") or "", engine_settings(s)
+        return (self.cfg.get("engine") or {}).get("kind", "?"), "", {}
+
+
+def _header(r: _Run) -> str:
+    s = r.s
+    read = r.plan.get("rows_read")
+    out_tok, gen = r.total("output_tokens"), r.total("generate_seconds")
+    metric = (r.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
+    score = (r.eval.get("metrics") or {}).get(metric)
+    errors = (r.plan.get("invalid") or 0) + (r.filter.get("inference_error_rows") or r.total("errors"))
+    tiles = [("rows read", _num(read)), ("published", _num(s.get("rows_published"))),
+             ("errors", _num(errors)), ("dropped by filter", _num((r.filter.get("summary") or {}).get("rows_dropped"))),
+             ("shards", _num(len(r.shards))), ("output tokens", _num(out_tok)),
+             ("output tok/s per engine", _num(out_tok / gen, 1) if gen else "–"),
+             ("engine-seconds", _num(r.total("seconds"))), (metric, f"{score:.4f}" if score is not None else "–")]
+    kind, version, st = r.engine
+    model = r.fetch.get("id") or (r.cfg.get("model") or {}).get("ref", "?")
+    rev = r.fetch.get("revision") or (r.cfg.get("model") or {}).get("revision", "")
+    samp = r.cfg.get("sampling") or {}
+    eng_bits = ", ".join(f"{k} {st[k]}" for k in ("device", "max_num_seqs", "max_model_len", "gpu_memory_utilization",
+                                                   "kv_cache_dtype", "enable_prefix_caching", "batch_size")
+                         if k in st)
+    facts = [
+        ("model", f"{model} @ {rev}" + (" (AWQ W4A16)" if r.quantize.get("quantized") else "")),
+        ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
+        ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
+                     f"seed {samp.get('seed')}"),
+        ("input", f"{r.plan.get('input', (r.cfg.get('input') or {}).get('path', ''))} ({r.plan.get('format', '')})"),
+        ("dataset", s.get("dataset")), ("errors", s.get("errors")),
+        ("EvalScope report", r.eval.get("report_html")),
+    ]
+    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_code(v) if k in ('dataset', 'errors', 'EvalScope report', 'input') else _e(v)}</dd>"
+                 for k, v in facts if v)
+    tile_html = "".join(f'<div class="tile"><b>{_e(v)}</b><span>{_e(k)}</span></div>' for k, v in tiles)
+    n_warn = sum(f.severity == "warning" for f in r.findings)
+    verdict = (f'<span class="badge warning">{n_warn} warning{"s" if n_warn != 1 else ""}</span>' if n_warn else
+               '<span class="badge ok">no warnings</span>')
+    return (f"<h1>{_e(s.get('pipeline', 'batch-llm'))} <small>{_e(s.get('partition', ''))}</small></h1>"
+            f"<p class=\"sub\">run {_code(s.get('run_id'))} · published {_e(s.get('published_at', ''))} · "
+            f"{verdict} · {len(r.findings)} finding{'s' if len(r.findings) != 1 else ''}</p>"
+            f'<div class="tiles">{tile_html}</div><dl class="facts">{dl}</dl>')
+
+
+# ------------------------------------------------------------------------------------------ sections
+def _doctor(r: _Run) -> str:
+    if not r.findings:
+        return '<p class="note">The doctor found nothing to change: no check\'s numbers are out of bounds.</p>'
+    items = "".join(
+        f'<li class="finding {f.severity}"><div><span class="badge {f.severity}">{_e(f.severity)}</span> '
+        f'<b>{_e(f.title)}</b></div><div class="ev">{_e(f.evidence)}</div>'
+        f'<div class="chg">change: <code>{_e(f.change)}</code></div></li>' for f in r.findings)
+    return f'<ul class="findings">{items}</ul><p class="note">The same list: <code>batch-llm doctor &lt;this folder&gt;</code>.</p>'
+
+
+def _outcomes(r: _Run) -> str:
+    fs = r.filter.get("summary") or {}
+    invalid = int(r.plan.get("invalid") or 0)
+    infer_err = int(r.filter.get("inference_error_rows") if r.filter.get("inference_error_rows") is not None
+                    else r.total("errors"))
+    dropped = int(fs.get("rows_dropped") or 0)
+    ok = int(r.s.get("rows_published") or 0)
+    read = int(r.plan.get("rows_read") or (ok + dropped + invalid + infer_err))
+    rows = [("published", ok, C_OK), ("dropped by content filter", dropped, C_DROP),
+            ("invalid input (plan)", invalid, C_INVALID), ("inference errors", infer_err, C_ERR)]
+    fig, ax = _figure(7.2, 1.9)
+    labels = [k for k, _, _ in rows][::-1]
+    vals = [v for _, v, _ in rows][::-1]
+    ax.barh(labels, vals, color=[c for _, _, c in rows][::-1], height=0.6)
+    top = max(vals) or 1
+    for y, v in enumerate(vals):
+        ax.text(v + top * 0.01, y, f"{v:,} ({v / read:.1%})" if read else f"{v:,}", va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.22)
+    ax.set_xlabel(f"rows (of {read:,} read)")
+    _integer_axis(ax.xaxis)
+    ax.grid(axis="y", visible=False)
+    extra = []
+    if fs.get("rows_masked"):
+        extra.append(f"{fs['rows_masked']:,} published rows had words masked")
+    if fs.get("rows_flagged"):
+        extra.append(f"{fs['rows_flagged']:,} were flagged")
+    cached = int(r.total("cached_rows"))
+    if cached:
+        extra.append(f"{cached:,} rows came from the result cache")
+    note = f'<p class="note">{_e("; ".join(extra))}.</p>' if extra else ""
+    return _img(fig, "rows by outcome") + note
+
+
+def _throughput(r: _Run) -> str:
+    pts = [(s.get("shard", i), m.get("output_tokens_per_second") or 0.0)
+           for i, (s, m) in enumerate(zip(r.shards, r.metrics)) if m.get("generate_seconds")]
+    if not pts:
+        return '<p class="note">No shard ran the engine (no shards, or every row came from the cache).</p>'
+    idx, tps = [p[0] for p in pts], [p[1] for p in pts]
+    med = statistics.median(tps)
+    if len(pts) <= SHARD_BARS_MAX:
+        fig, ax = _figure(7.2, 2.6)
+        ax.bar([str(i) for i in idx], tps, color=C_GEN, width=0.7)
+        ax.axhline(med, color="#333", lw=0.8, ls="--", label=f"median {med:,.1f}")
+        if len(pts) <= 12:
+            for x, v in enumerate(tps):
+                ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7.5)
+        _thin_xticks(ax, len(pts))
+        ax.set_xlabel("shard")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title("output tokens per second of generation, per shard")
+        ax.legend(loc="lower right")
+        return _img(fig, "tokens per second per shard")
+    fig, (a1, a2) = _figure(7.6, 2.6, ncols=2)
+    a1.hist(tps, bins=min(40, max(5, len(tps) // 10)), color=C_GEN)
+    a1.axvline(med, color="#333", lw=0.8, ls="--", label=f"median {med:,.1f}")
+    a1.set_xlabel("output tokens / s")
+    a1.set_ylabel("shards")
+    a1.set_title(f"distribution over {len(tps):,} shards")
+    a1.legend()
+    a2.scatter(idx, tps, s=5, color=C_GEN, alpha=0.7, lw=0)
+    a2.axhline(med, color="#333", lw=0.8, ls="--")
+    a2.set_xlabel("shard")
+    a2.set_ylabel("output tokens / s")
+    a2.set_title("by shard (stragglers stand out)")
+    return _img(fig, "tokens per second per shard") + _pct_table(
+        [("output tokens / s", tps)], note="slowest shards are listed under Shards")
+
+
+def _time(r: _Run) -> str:
+    rows = []
+    for i, (s, m) in enumerate(zip(r.shards, r.metrics)):
+        start, gen, total = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0, m.get("seconds") or 0.0
+        rows.append((s.get("shard", i), start, gen, max(0.0, total - start - gen), total))
+    if not rows:
+        return '<p class="note">No shard manifests in this summary.</p>'
+    many = len(rows) > SHARD_BARS_MAX
+    if many:
+        rows.sort(key=lambda t: t[4])
+    x = list(range(len(rows)))
+    start, gen, other = [t[1] for t in rows], [t[2] for t in rows], [t[3] for t in rows]
+    fig, ax = _figure(7.2, 2.7)
+    kw = dict(width=1.0, linewidth=0) if many else dict(width=0.7)
+    ax.bar(x, start, color=C_START, label="engine start", **kw)
+    ax.bar(x, gen, bottom=start, color=C_GEN, label="generation", **kw)
+    ax.bar(x, other, bottom=[a + b for a, b in zip(start, gen)], color=C_OTHER,
+           label="other (tokenize, cache, commit)", **kw)
+    if many:
+        ax.set_xlabel(f"{len(rows):,} shards, sorted by time")
+        ax.set_xticks([])
+        ax.set_xlim(-0.5, len(rows) - 0.5)
+    else:
+        ax.set_xticks(x, [str(t[0]) for t in rows])
+        _thin_xticks(ax, len(rows))
+        ax.set_xlabel("shard")
+    ax.set_ylabel("seconds")
+    ax.set_title("where each shard's time went")
+    ax.legend(loc="upper left", ncols=3, fontsize=7.5)
+    ax.set_ylim(0, max(t[4] for t in rows) * 1.18 or 1)
+    shares = [t[1] / t[4] for t in rows if t[4]]
+    note = f"engine start is a median {statistics.median(shares):.0%} of a shard's time" if shares else ""
+    return _img(fig, "engine start and generation time per shard") + _pct_table(
+        [("engine start (s)", start), ("generation (s)", gen), ("other (s)", other), ("shard total (s)", [t[4] for t in rows])],
+        note=note)
+
+
+def _lengths(r: _Run) -> str:
+    t = r.tokens
+    if not t.rows:
+        return '<p class="note">No output rows to measure.</p>'
+    max_tokens = (r.cfg.get("sampling") or {}).get("max_tokens")
+    fig, (a1, a2) = _figure(7.6, 2.5, ncols=2)
+    for ax, counts, color, title in ((a1, t.prompt, C_START, "input (prompt) tokens"),
+                                     (a2, t.completion, C_GEN, "output (completion) tokens")):
+        _hist_counts(ax, counts, color)
+        for q, ls in ((0.5, "--"), (0.95, ":")):
+            v = quantile(counts, q)
+            ax.axvline(v, color="#333", lw=0.8, ls=ls, label=f"p{int(q * 100)} {v:,.0f}")
+        ax.set_title(title)
+        ax.set_ylabel("rows")
+    if max_tokens:
+        a2.axvline(max_tokens, color=C_INVALID, lw=1, label=f"max_tokens {max_tokens}")
+    a1.legend(fontsize=7.5)
+    a2.legend(fontsize=7.5)
+    src = f"{t.rows:,} rows" + (f" (the first rows of each shard: {t.rows:,} of {t.rows_total:,})" if t.sampled else "")
+    trunc = f"; {t.truncated:,} completions ({t.truncated / t.rows:.0%}) stopped at max_tokens" if t.truncated else ""
+    table = _table(["", "mean", "p50", "p95", "p99", "max"],
+                   [[name, _num(mean_of(c), 1), _num(quantile(c, .5)), _num(quantile(c, .95)), _num(quantile(c, .99)),
+                     _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion))])
+    return _img(fig, "input and output token length histograms") + table + \
+        f'<p class="note">From {_e(src)}{_e(trunc)}.</p>'
+
+
+def _filter(r: _Run) -> str:
+    fs = r.filter.get("summary") or {}
+    if fs.get("enabled") is False or not (r.cfg.get("filter") or {}).get("enabled", True):
+        return f'<p class="note">The content filter was off ({_num(fs.get("rows_scanned"))} rows passed unscanned).</p>'
+    lists = fs.get("lists") or [{"name": k, "action": "?"} for k in (fs.get("hits_per_list") or {})]
+    hits = fs.get("hits_per_list") or {}
+    counts = f"{_num(fs.get('rows_scanned'))} rows scanned, {_num(fs.get('rows_affected'))} affected " \
+             f"({_num(fs.get('rows_masked'))} masked, {_num(fs.get('rows_flagged'))} flagged, " \
+             f"{_num(fs.get('rows_dropped'))} dropped)"
+    if not sum(hits.values()):
+        return f'<p class="note">No hits in {len(lists)} list(s): {_e(counts)}.</p>'
+    names = [lst["name"] for lst in lists]
+    vals = [hits.get(n, 0) for n in names]
+    fig, ax = _figure(7.2, max(1.4, 0.32 * len(names) + 0.7))
+    ax.barh(names[::-1], vals[::-1], color=[ACTION_COLORS.get(lst.get("action"), "#888") for lst in lists][::-1],
+            height=0.6)
+    for y, v in enumerate(vals[::-1]):
+        ax.text(v, y, f" {v:,}", va="center", fontsize=8)
+    ax.set_xlim(0, max(vals) * 1.15)
+    ax.set_xlabel("hits")
+    ax.set_title("content-filter hits by list")
+    ax.grid(axis="y", visible=False)
+    from matplotlib.patches import Patch
+
+    used = sorted({lst.get("action") for lst in lists if lst.get("action") in ACTION_COLORS})
+    ax.legend(handles=[Patch(color=ACTION_COLORS[a], label=a) for a in used], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title="action", fontsize=7.5)
+    _integer_axis(ax.xaxis)
+    per_word = fs.get("hits_per_word") or {}
+    rows = []
+    for lst in lists:
+        words = sorted((per_word.get(lst["name"]) or {}).items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{w} ({n})" for w, n in words[:WORDS_PER_LIST])
+        more = f" and {len(words) - WORDS_PER_LIST} more" if len(words) > WORDS_PER_LIST else ""
+        rows.append([lst["name"], lst.get("action", ""), _num(hits.get(lst["name"], 0)), shown + more or "–"])
+    return _img(fig, "content filter hits by list") + _table(["list", "action", "hits", "top words"], rows) + \
+        f'<p class="note">{_e(counts)}.</p>'
+
+
+def _scores(r: _Run) -> str:
+    metrics = r.eval.get("metrics") or {}
+    metric = (r.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
+    min_score = (r.cfg.get("evaluate") or {}).get("min_score")
+    history = score_history(r.s, r.pipeline_root, r.options) if r.pipeline_root else \
+        [{"partition": r.s.get("partition", "this run"), "run_id": r.s.get("run_id"), "metrics": metrics,
+          "num_samples": r.eval.get("num_samples"), "current": True}]
+    scored = [h for h in history if h["metrics"]]
+    if not scored:
+        why = r.eval.get("skipped") or "no scores recorded"
+        return f'<p class="note">EvalScope scoring was skipped: {_e(why)}.</p>'
+    names = [metric] + [m for m in ("Rouge-1-F", "Rouge-2-F", "Rouge-L-F", "bleu-4", "bleu-1")
+                        if m != metric and any(m in h["metrics"] for h in scored)]
+    names = [n for n in names if any(n in h["metrics"] for h in scored)][:4]
+    fig, ax = _figure(7.2, 2.6)
+    x = list(range(len(scored)))
+    for k, name in enumerate(names):
+        ys = [h["metrics"].get(name) for h in scored]
+        ax.plot(x, [math.nan if y is None else y for y in ys], marker="o", ms=4 if k else 5,
+                lw=2 if k == 0 else 1, label=name, alpha=1 if k == 0 else 0.6)
+    cur = [i for i, h in enumerate(scored) if h.get("current")]
+    if cur and scored[cur[0]]["metrics"].get(names[0]) is not None:
+        ax.scatter([cur[0]], [scored[cur[0]]["metrics"][names[0]]], s=90, facecolors="none", edgecolors="#111",
+                   lw=1.2, zorder=5, label="this run")
+    if min_score is not None:
+        ax.axhline(min_score, color=C_INVALID, ls="--", lw=1, label=f"min_score {min_score}")
+    ax.set_xticks(x, [h["partition"] for h in scored], rotation=30 if len(scored) > 4 else 0,
+                  ha="right" if len(scored) > 4 else "center")
+    _thin_xticks(ax, len(scored))
+    ax.set_xlim(-0.5, len(scored) - 0.5)
+    ax.set_ylim(0, max(1e-9, *(v for h in scored for n in names if (v := h["metrics"].get(n)) is not None)) * 1.2)
+    ax.set_title(f"EvalScope scores, this run and the {len(scored) - 1} partition(s) before it"
+                 if len(scored) > 1 else "EvalScope scores (no earlier partitions to compare with)")
+    ax.legend(loc="lower left", ncols=3, fontsize=7.5)
+    prev = next((h for h in reversed(scored) if not h.get("current")), None)
+    rows = [[name, f"{v:.4f}", _delta(v, (prev or {}).get("metrics", {}).get(name))] for name, v in metrics.items()
+            if isinstance(v, (int, float))]
+    cur_table = _table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows) if rows else ""
+    trend_rows = [[h["partition"] + (" (this run)" if h.get("current") else ""), _num(h.get("num_samples")),
+                   f"{h['metrics'][metric]:.4f}" if h["metrics"].get(metric) is not None else "–"]
+                  for h in scored[::-1][:TREND_TABLE_MAX]]
+    trend = _table(["partition", "samples", metric], trend_rows) if len(scored) > 1 else ""
+    rep = r.eval.get("report_html")
+    link = f'<p class="note">EvalScope\'s own report: {_code(rep)}</p>' if rep else ""
+    return _img(fig, "EvalScope score trend") + f'<div class="cols">{cur_table}{trend}</div>' + link
+
+
+def score_history(summary: dict, pipeline_root: Location, options: dict | None = None,
+                  limit: int = TREND_MAX) -> list[dict]:
+    """The scores of the pipeline's published partitions up to this one (each ``<partition>/_CURRENT.json``
+    → version → ``summary.json``), oldest first; this run's own scores stand for its partition."""
+    current = summary.get("partition") or ""
+    names = []
+    for d in list_files(pipeline_root.path()):
+        if d.name in ("runs", "_cache") or d.name == current or d.name > current:
+            continue
+        if exists(d / "_CURRENT.json"):
+            names.append(d.name)
+    out = []
+    for name in sorted(names)[-(limit - 1):] if limit > 1 else []:
+        try:
+            ptr = read_json(pipeline_root.child(name, "_CURRENT.json").path())
+            summ = read_json(Location(ptr["version"], options or pipeline_root.options).child("summary.json").path())
+        except (OSError, KeyError, ValueError):
+            continue  # a version removed meanwhile, or a pointer without a summary: no point on the trend
+        ev = (summ.get("manifests") or {}).get("evaluate") or {}
+        out.append({"partition": name, "run_id": summ.get("run_id"), "metrics": ev.get("metrics") or {},
+                    "num_samples": ev.get("num_samples"), "current": False})
+    ev = (summary.get("manifests") or {}).get("evaluate") or {}
+    out.append({"partition": current or "this run", "run_id": summary.get("run_id"),
+                "metrics": ev.get("metrics") or {}, "num_samples": ev.get("num_samples"), "current": True})
+    return out
+
+
+def _shards_table(r: _Run) -> str:
+    if not r.shards:
+        return '<p class="note">No shard manifests in this summary.</p>'
+    pairs = list(zip(r.shards, r.metrics))
+    if len(pairs) > SHARD_TABLE_MAX:
+        pairs = sorted(pairs, key=lambda p: -(p[1].get("seconds") or 0))[:SHARD_TABLE_TOP]
+        head = f"The {SHARD_TABLE_TOP} slowest of {len(r.shards):,} shards."
+    else:
+        head = ""
+    rows = [[s.get("shard"), _num(m.get("rows")), _num(m.get("ok")), _num(m.get("errors")), _num(m.get("cached_rows")),
+             _num(m.get("input_tokens")), _num(m.get("output_tokens")), _num(m.get("engine_start_seconds"), 1),
+             _num(m.get("generate_seconds"), 1), _num(m.get("seconds"), 1), _num(m.get("output_tokens_per_second"), 1)]
+            for s, m in pairs]
+    errs = sum(1 for m in r.metrics if m.get("errors"))
+    note = f"{errs:,} shard(s) have error rows; their reasons are in each shard's errors.jsonl." if errs else ""
+    return (f'<p class="note">{_e(head)}</p>' if head else "") + _table(
+        ["shard", "rows", "ok", "errors", "cached", "input tok", "output tok", "start s", "gen s", "total s",
+         "tok/s"], rows, numeric=True) + (f'<p class="note">{_e(note)}</p>' if note else "")
+
+
+def _config(r: _Run) -> str:
+    text = yaml.safe_dump(r.cfg, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
+    return f"<details><summary>the pipeline configuration this run used (YAML, Params applied)</summary>" \
+           f"<pre>{_e(text)}</pre></details>"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _figure(w: float, h: float, ncols: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=DPI, layout="constrained")
+    return fig, fig.subplots(1, ncols)
+
+
+def _img(fig, alt: str) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _hist_counts(ax, counts, color: str) -> None:
+    values = sorted(counts)
+    lo, hi = values[0], values[-1]
+    bins = max(1, min(40, int(hi - lo) + 1))
+    ax.hist(values, weights=[counts[v] for v in values], bins=bins, range=(lo - 0.5, hi + 0.5), color=color)
+
+
+def _integer_axis(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _thin_xticks(ax, n: int, most: int = 16) -> None:
+    if n > most:
+        step = math.ceil(n / most)
+        for i, label in enumerate(ax.get_xticklabels()):
+            label.set_visible(i % step == 0)
+
+
+def _pct_table(series: list[tuple[str, list[float]]], note: str = "") -> str:
+    rows = []
+    for name, vals in series:
+        c = sorted(vals)
+        if not c:
+            continue
+        q = lambda p: c[min(len(c) - 1, max(0, math.ceil(p * len(c)) - 1))]  # noqa: E731
+        rows.append([name, _num(c[0], 1), _num(q(.05), 1), _num(q(.5), 1), _num(q(.95), 1), _num(c[-1], 1)])
+    return _table(["", "min", "p5", "p50", "p95", "max"], rows, numeric=True) + \
+        (f'<p class="note">{_e(note)}.</p>' if note else "")
+
+
+def _table(head: list[str], rows: list[list], numeric: bool = False) -> str:
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{"num" if numeric else ""}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _delta(v, prev) -> str:
+    if not isinstance(prev, (int, float)):
+        return "–"
+    d = v - prev
+    return f"{d:+.4f}" if d else "±0"
+
+
+def _num(x, digits: int = 0) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, (int, float)):
+        return f"{x:,.{digits}f}" if digits and not float(x).is_integer() else f"{x:,.0f}"
+    return str(x)
+
+
+def _e(x) -> str:
+    return html.escape("" if x is None else str(x))
+
+
+def _code(x) -> str:
+    return f"<code>{_e(x)}</code>"
+
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;color:#1d2330;margin:0;background:#f5f6f8}
+main{max-width:980px;margin:0 auto;padding:20px 24px 40px;background:#fff}
+h1{font-size:22px;margin:4px 0}h1 small{color:#667;font-weight:400}
+h2{font-size:16px;margin:26px 0 8px;padding-bottom:4px;border-bottom:1px solid #e3e6ea}
+.sub{color:#556;margin:2px 0 12px}nav{font-size:12.5px;color:#667;margin:8px 0 4px}
+nav a{color:#3f6fb5;text-decoration:none}
+.tiles{display:grid;grid-template-columns:repeat(auto-fill,minmax(120px,1fr));gap:8px;margin:10px 0}
+.tile{background:#f3f5f9;border-radius:6px;padding:8px 10px}.tile b{display:block;font-size:18px}
+.tile span{color:#667;font-size:12px}
+dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;font-size:13px;margin:10px 0}
+dl.facts dt{color:#667}dl.facts dd{margin:0;overflow-wrap:anywhere}
+code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;background:#f1f2f5;padding:1px 4px;border-radius:3px}
+img{max-width:100%;display:block;margin:6px 0}
+table{border-collapse:collapse;font-size:12.5px;margin:8px 16px 8px 0}
+th,td{padding:3px 9px;border-bottom:1px solid #e8eaee;text-align:left}th{color:#556;font-weight:600}
+table.num td{text-align:right;font-variant-numeric:tabular-nums}table.num td:first-child{text-align:left}
+.cols{display:flex;flex-wrap:wrap;align-items:flex-start}
+.note{color:#5b6270;font-size:12.5px}
+ul.findings{list-style:none;padding:0;margin:0}
+.finding{border-left:4px solid #6c8ebf;background:#f6f8fc;margin:8px 0;padding:8px 12px;border-radius:0 6px 6px 0}
+.finding.warning{border-color:#d98b2b;background:#fdf7ee}
+.finding .ev{color:#3b4252;font-size:13px;margin:3px 0}.finding .chg{font-size:13px}
+.badge{display:inline-block;font-size:11px;padding:1px 7px;border-radius:9px;background:#dde6f5;color:#274b84}
+.badge.warning{background:#fbe3c4;color:#8a4b06}.badge.ok{background:#d8efdf;color:#1f6b3a}
+pre{background:#f6f7f9;padding:10px;border-radius:6px;font-size:12px;overflow:auto;max-height:520px}
+details summary{cursor:pointer;color:#3f6fb5}
+"""
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<title>{title} · batch-llm run report</title><style>{css}</style></head>
+<body><main>
+{header}
+<nav>{nav}</nav>
+{sections}
+<p class="note" style="margin-top:30px">Written by batch-llm at publish time from the run's summary.json and its
+shards' outputs.</p>
+</main></body></html>
+"""
+
+__all__ = ["REPORT_NAME", "render_report", "score_history", "write_run_report"]

@@ -1,0 +1,68 @@
+"""One config model: errors name the file and the key; a broken pipeline never hides the others."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from batch_llm.config import ConfigError, load_config
+from helpers import DEMO_YAML
+
+
+def test_demo_config_loads():
+    cfg = load_config(DEMO_YAML)
+    assert cfg.engine.kind == "vllm" and cfg.sampling.max_tokens == 48
+
+
+@pytest.mark.parametrize("patch,expected", [
+    ("engine:\n  gpu_memory_utilization: 1.5\n", "engine.gpu_memory_utilization"),
+    ("sampling:\n  max_tokens: lots\n", "sampling.max_tokens"),
+    ("engine:\n  kind: tensorrt\n", "engine.kind"),
+    ("filter:\n  lists:\n    - {name: x, path: y, action: burn}\n", "filter.lists.0.action"),
+    ("enigne:\n  kind: vllm\n", "enigne"),
+])
+def test_errors_name_file_and_key(tmp_path, patch, expected):
+    text = DEMO_YAML.read_text()
+    head = text.split("\nengine:")[0] if patch.startswith("engine") else text
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(head + "\n" + patch if patch.startswith("engine") else text + "\n" + patch)
+    with pytest.raises(ConfigError) as ei:
+        load_config(bad)
+    msg = str(ei.value)
+    assert str(bad) in msg and expected in msg, msg
+
+
+def test_not_yaml(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"x.yaml: not valid YAML"):
+        load_config(bad)
+
+
+def test_invalid_pipeline_does_not_break_the_others(tmp_path, monkeypatch):
+    shutil.copy(DEMO_YAML, tmp_path / "good.yaml")
+    (tmp_path / "good.yaml").write_text((tmp_path / "good.yaml").read_text().replace(
+        "../../include", str(DEMO_YAML.parents[2] / "include")).replace("../../var", str(tmp_path / "var")))
+    (tmp_path / "wordlists").symlink_to(DEMO_YAML.parent / "wordlists")
+    (tmp_path / "bad.yaml").write_text("name: bad\nmodel: {ref: a/b}\ninput: {path: x}\noutput: {path: y}\n"
+                                       "sampling: {temperature: -1}\n")
+    from batch_llm_airflow.dag_factory import build_pipeline_dags
+
+    dags = build_pipeline_dags(tmp_path)
+    assert "batch_llm_demo" in dags
+    broken = dags["bad__invalid_config"]
+    assert "sampling.temperature" in broken.doc_md and "bad.yaml" in broken.doc_md
+    assert [t.task_id for t in broken.tasks] == ["report_config_error"]
+
+
+def test_params_override_through_the_same_model(tmp_path):
+    from batch_llm_airflow.params import overrides_from_params, params_for
+
+    cfg = load_config(DEMO_YAML)
+    params = {k: p.value for k, p in params_for(cfg).items()}
+    params.update(temperature=0.7, rows_per_shard=5)
+    new = cfg.with_overrides(overrides_from_params(params, cfg))
+    assert new.sampling.temperature == 0.7
+    assert new.sharding.rows_per_shard == 5 and new.sharding.num_shards is None
+    with pytest.raises(ConfigError, match="sampling.top_p"):
+        cfg.with_overrides({"sampling.top_p": 2})

@@ -1,0 +1,90 @@
+"""Readers, validation, shard planning and writers for JSONL, Parquet, CSV and OpenAI Batch input."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batch_llm import plan as plan_mod
+from batch_llm.config import ShardingConfig
+from batch_llm.formats import output_record, write_rows
+from batch_llm.storage import Location, as_path, iter_jsonl
+from helpers import demo_config
+
+ROWS = [{"id": f"r{i}", "text": "x" * (10 - i), "lang": "French", "reference": f"ref {i}"} for i in range(7)]
+
+
+def _plan(tmp_path, path, **over):
+    cfg = demo_config(tmp_path, input__path=str(path), **over)
+    return plan_mod.plan_shards(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
+
+
+def test_csv_with_template_over_columns(tmp_path):
+    p = tmp_path / "in.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "text", "lang", "reference"])
+        w.writeheader()
+        w.writerows(ROWS)
+    m = _plan(tmp_path, p, input__template="Translate to {lang}: {text}", sharding__num_shards=2)
+    assert m["format"] == "csv" and m["valid"] == 7 and m["has_references"]
+    rows = [r for s in m["shards"] for r in iter_jsonl(Location(s["url"]).path())]
+    assert rows[0]["messages"] == [{"role": "user", "content": "Translate to French: " + rows[0]["messages"][0]["content"][21:]}]
+    assert {r["id"] for r in rows} == {r["id"] for r in ROWS}
+
+
+def test_template_missing_column_is_a_row_error(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps({"id": "a", "text": "hi"}) + "\n" + json.dumps({"id": "b", "lang": "de", "text": "x"}) + "\n")
+    m = _plan(tmp_path, p, input__template="To {lang}: {text}")
+    errors = list(iter_jsonl(Location(m["errors"]).path()))
+    assert m["valid"] == 1 and errors[0]["id"] == "a" and "column 'lang'" in errors[0]["reason"]
+
+
+def test_parquet_sorted_by_length_inside_shards(tmp_path):
+    p = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": r["id"], "prompt": r["text"]} for r in ROWS]), p)
+    m = _plan(tmp_path, p, sharding__rows_per_shard=4)
+    assert m["format"] == "parquet" and [s["rows"] for s in m["shards"]] == [4, 3]
+    first = [r["id"] for r in iter_jsonl(Location(m["shards"][0]["url"]).path())]
+    assert first == ["r3", "r2", "r1", "r0"]  # contiguous input range, shortest prompt first
+
+
+def test_openai_batch_in_and_out(tmp_path):
+    p = tmp_path / "batch.jsonl"
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "x", "messages": [{"role": "user", "content": f"Say {i}"}]}} for i in range(3)]
+    p.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    m = _plan(tmp_path, p)
+    assert m["format"] == "openai_batch" and m["valid"] == 3
+    rec = next(iter_jsonl(Location(m["records"]).path()))
+    out = output_record(rec["record"], {"id": "req-0", "output": "0", "finish_reason": "stop",
+                                        "prompt_tokens": 5, "completion_tokens": 1}, "openai_batch")
+    assert out["custom_id"] == "req-0" and out["error"] is None
+    assert out["response"]["body"]["choices"][0]["message"]["content"] == "0"
+    assert out["response"]["body"]["usage"]["total_tokens"] == 6
+
+
+@pytest.mark.parametrize("fmt,suffix", [("jsonl", ".jsonl"), ("csv", ".csv"), ("parquet", ".parquet")])
+def test_writers_keep_columns(tmp_path, fmt, suffix):
+    path = as_path(str(tmp_path / f"out{suffix}"))
+    rows = [output_record({"id": "a", "text": "t", "n": 1}, {"id": "a", "output": "o", "finish_reason": "stop",
+                                                             "prompt_tokens": 3, "completion_tokens": 1}, fmt)]
+    assert write_rows(path, rows, fmt) == 1
+    if fmt == "parquet":
+        back = pq.read_table(path).to_pylist()
+    elif fmt == "csv":
+        back = list(csv.DictReader(open(path)))
+    else:
+        back = list(iter_jsonl(path))
+    assert {"id", "text", "n", "output", "finish_reason"} <= set(back[0])
+    assert back[0]["output"] == "o"
+
+
+def test_shard_sizes():
+    assert plan_mod.shard_sizes(10, ShardingConfig(num_shards=3)) == [4, 3, 3]
+    assert plan_mod.shard_sizes(2, ShardingConfig(num_shards=5)) == [1, 1]
+    assert plan_mod.shard_sizes(5000, ShardingConfig()) == [1667, 1667, 1666]  # 2048 per shard at most
+    assert plan_mod.shard_sizes(0, ShardingConfig(rows_per_shard=10)) == []

@@ -1,0 +1,53 @@
+"""Memory back-off on the real vLLM engine: a KV cache too small for max_model_len fails the first start;
+the runner retries with the max_model_len vLLM says fits (within bounds), logs it, and records the attempts."""
+from __future__ import annotations
+
+import pytest
+
+from batch_llm.engines.base import EngineStartError, classify_start_failure
+from batch_llm.infer import _smaller_settings, start_engine
+from helpers import demo_config
+
+
+def test_classify_start_failure():
+    msg = ("ValueError: To serve at least one request with the model's max seq len (8192), (0.18 GiB KV cache is "
+           "needed, which is larger than the available KV cache memory (0.05 GiB). Based on the available "
+           "memory, the estimated maximum model length is 2176. Try increasing `gpu_memory_utilization`")
+    assert classify_start_failure(msg) == (True, 2176)
+    assert classify_start_failure("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == (True, None)
+    assert classify_start_failure("ValueError: unknown architecture Foo") == (False, None)
+
+
+def test_smaller_settings_stay_within_bounds(tmp_path):
+    e = demo_config(tmp_path).engine.model_copy(update={"gpu_memory_utilization": 0.9, "max_num_seqs": 64})
+    step = _smaller_settings(e, EngineStartError("oom", memory=True))
+    assert step == {"gpu_memory_utilization": 0.85, "max_num_seqs": 32}
+    floor = e.model_copy(update={"gpu_memory_utilization": 0.5, "max_num_seqs": 8, "max_model_len": 512})
+    assert _smaller_settings(floor, EngineStartError("oom", memory=True)) is None
+    by_len = _smaller_settings(e, EngineStartError("kv", memory=True, suggested_max_model_len=1000))
+    assert by_len == {"max_model_len": 992}
+
+
+def test_vllm_start_backs_off_to_a_context_that_fits(tmp_path, demo_model_dir):
+    cfg = demo_config(tmp_path, engine__max_model_len=8192,
+                      engine__extra={"kv_cache_memory_bytes": 40 * 1024 * 1024})  # ~1.7k tokens of KV cache
+    said: list[str] = []
+    engine, info = start_engine(str(demo_model_dir), cfg, said.append)
+    try:
+        assert len(info.attempts) == 2
+        assert info.attempts[0]["memory"] and info.attempts[0]["max_model_len"] == 8192
+        assert info.attempts[1]["ok"]
+        assert 512 <= info.settings["max_model_len"] < 8192
+        assert any("failed for memory" in s and "max_model_len" in s for s in said)
+    finally:
+        engine.close()
+
+
+def test_non_memory_failure_is_not_retried(tmp_path):
+    bad = tmp_path / "not_a_model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}')
+    cfg = demo_config(tmp_path)
+    with pytest.raises(EngineStartError) as ei:
+        start_engine(str(bad), cfg, print)
+    assert not ei.value.memory

@@ -1,0 +1,399 @@
+"""The run report (one HTML file, embedded PNG plots) and the doctor's checks, on synthetic runs.
+
+Synthetic runs are written with the storage helpers the stages use: shard outputs, plan shards, error files,
+earlier published partitions for the score trend. The doctor's tests feed it metrics that should and should
+not produce each finding.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from batch_llm.doctor import Finding, PrefixStats, TokenStats, diagnose, format_findings, read_token_stats
+from batch_llm.report import write_run_report
+from batch_llm.storage import Location, exists, read_json, write_json, write_jsonl
+
+SECTIONS = ("doctor", "outcomes", "throughput", "time", "lengths", "filter", "scores", "shards", "config")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------ synthetic runs
+def make_run(root, n_shards: int, rows_per_shard: int = 6, *, partition: str = "dt=2026-12-03",
+             earlier: tuple[str, ...] = ("dt=2026-12-01", "dt=2026-12-02"), seed: int = 0):
+    """A published-looking run under ``root/pipe``: (summary, version Location, pipeline root Location)."""
+    rng = random.Random(seed)
+    pipe = Location(str(root / "pipe"))
+    run = pipe.child("runs", partition, "r1")
+    plan_shards, shards = [], []
+    idx = 0
+    for i in range(n_shards):
+        rows, plan_rows = [], []
+        for _ in range(rows_per_shard):
+            p, c = rng.randint(20, 600), rng.randint(4, 256)
+            rows.append({"id": f"q{idx}", "idx": idx, "output": "ok", "finish_reason": "length" if c == 256 else "stop",
+                         "prompt_tokens": p, "completion_tokens": c, "cached": False, "error": None})
+            plan_rows.append({"id": f"q{idx}", "idx": idx, "messages": [{"role": "user", "content": f"question {idx}"}]})
+            idx += 1
+        sd = run.child("infer", f"shard-{i:05d}")
+        write_jsonl(sd.child("outputs.jsonl").path(), rows)
+        write_jsonl(sd.child("errors.jsonl").path(), [])
+        pu = run.child("plan", f"shard-{i:05d}.jsonl")
+        write_jsonl(pu.path(), plan_rows)
+        plan_shards.append({"index": i, "rows": rows_per_shard, "url": pu.url})
+        start, gen = 30 + rng.random() * 10, 200 + rng.random() * 100
+        out_tok = sum(r["completion_tokens"] for r in rows)
+        shards.append({
+            "stage": "infer", "shard": i, "status": "ok", "outputs": sd.child("outputs.jsonl").url,
+            "errors": sd.child("errors.jsonl").url,
+            "metrics": {"rows": rows_per_shard, "ok": rows_per_shard, "errors": 0,
+                        "input_tokens": sum(r["prompt_tokens"] for r in rows), "output_tokens": out_tok,
+                        "output_tokens_this_attempt": out_tok, "chunks": 1, "engine_start_seconds": round(start, 2),
+                        "generate_seconds": round(gen, 2), "cached_rows": 0, "seconds": round(start + gen + 5, 2),
+                        "output_tokens_per_second": round(out_tok / gen, 1), "unique_prompts": rows_per_shard},
+            "engine": {"kind": "vllm", "version": "0.32.0", "attempts": [{"ok": True}],
+                       "settings": {"max_model_len": 4096, "max_num_seqs": 256, "gpu_memory_utilization": 0.9,
+                                    "num_kv_blocks": 20000, "block_size": 16, "enable_prefix_caching": True,
+                                    "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "device": "cuda"}}})
+    plan_errors = run.child("plan", "errors.jsonl")
+    write_jsonl(plan_errors.path(), [{"source": "in.jsonl", "line": 3, "id": None, "reason": "missing id (column 'id')"}])
+    valid = n_shards * rows_per_shard
+    metrics = {"Rouge-L-F": 0.31, "Rouge-1-F": 0.35, "bleu-4": 0.15}
+    summary = {
+        "pipeline": "synthetic", "run_id": "r1", "partition": partition, "rows_published": valid - 2,
+        "format": "jsonl", "dataset": "data.jsonl", "errors": "errors.jsonl",
+        "config": {"name": "synthetic", "engine": {"kind": "vllm", "max_num_seqs": None, "batch_size": 16,
+                                                    "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto"},
+                   "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0},
+                   "sharding": {"rows_per_shard": rows_per_shard, "num_shards": None, "sort_by_length": True},
+                   "evaluate": {"enabled": True, "metric": "Rouge-L-F", "min_score": 0.2},
+                   "filter": {"enabled": True}},
+        "manifests": {
+            "plan": {"stage": "plan", "rows_read": valid + 1, "valid": valid, "invalid": 1, "format": "jsonl",
+                     "errors": plan_errors.url, "shards": plan_shards},
+            "filter": {"stage": "filter", "rows": valid - 2, "inference_error_rows": 0,
+                       "summary": {"rows_scanned": valid, "rows_affected": 5, "rows_dropped": 2, "rows_flagged": 1,
+                                   "rows_masked": 2, "hits_per_list": {"en": 4, "ours": 2},
+                                   "hits_per_word": {"en": {"darn": 3, "heck": 1}, "ours": {"secret": 2}},
+                                   "lists": [{"name": "en", "action": "mask"}, {"name": "zh", "action": "mask"},
+                                             {"name": "ours", "action": "drop"}]}},
+            "evaluate": {"stage": "evaluate", "metrics": metrics, "num_samples": valid},
+            "infer": shards},
+        "published_at": "2026-12-03T10:00:00+00:00"}
+    for k, name in enumerate(earlier):  # earlier partitions, published the way publish writes them
+        v = pipe.child(name, "v-1")
+        write_json(v.child("summary.json").path(), {
+            "partition": name, "run_id": f"old{k}",
+            "manifests": {"evaluate": {"metrics": {m: s - 0.02 * (len(earlier) - k) for m, s in metrics.items()},
+                                       "num_samples": 10}}})
+        write_json(pipe.child(name, "_CURRENT.json").path(), {"version": v.url})
+    version = pipe.child(partition, "v-20261203T100000-r1")
+    return summary, version, pipe
+
+
+def _images(page: str) -> list[bytes]:
+    return [base64.b64decode(d) for d in re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([^"]+)"', page)]
+
+
+def _section(page: str, anchor: str) -> str:
+    m = re.search(rf'<section id="{anchor}">(.*?)</section>', page, re.S)
+    assert m, f"section {anchor} missing"
+    return m.group(1)
+
+
+# ------------------------------------------------------------------------------------------ report
+@pytest.mark.parametrize("n_shards,size_bound", [(3, 350_000), (500, 450_000)])
+def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
+    summary, version, pipe = make_run(tmp_path, n_shards)
+    url = write_run_report(summary, version, pipe, gpus=8)
+    assert url == version.child("report.html").url
+    path = Location(url).path()
+    assert exists(path)
+    page = path.read_text(encoding="utf-8")
+    for anchor in SECTIONS:
+        body = _section(page, anchor)
+        assert "could not be rendered" not in body, (anchor, body[:500])
+    images = _images(page)
+    # outcomes, throughput, time, token lengths, filter hits, score trend
+    assert len(images) == 6
+    assert all(img.startswith(PNG_MAGIC) for img in images)
+    assert len(page.encode()) < size_bound, len(page.encode())
+    assert "max_num_seqs" in _section(page, "config")            # the configuration, as YAML
+    assert "dt=2026-12-02" in _section(page, "scores")          # the trend reaches the earlier partitions
+    assert "ours" in _section(page, "filter") and "secret (2)" in _section(page, "filter")
+    shards = _section(page, "shards")
+    rows = shards.count("<tr>") - 1                              # minus the header row
+    if n_shards == 3:
+        assert rows == 3
+        assert "p95" not in _section(page, "throughput")         # one bar per shard, no distribution table
+    else:
+        assert rows == 10 and "10 slowest of 500 shards" in shards
+        assert "p95" in _section(page, "throughput")             # a distribution instead of 500 bars
+
+
+def test_report_without_scores_filter_or_shards(tmp_path):
+    summary, version, pipe = make_run(tmp_path, 2, earlier=())
+    summary["manifests"]["evaluate"] = {"stage": "evaluate", "skipped": "no reference answers", "metrics": {}}
+    summary["manifests"]["filter"]["summary"] = {"enabled": False, "rows_scanned": 12}
+    summary["config"]["filter"]["enabled"] = False
+    del summary["manifests"]["infer"]
+    page = Location(write_run_report(summary, version, pipe)).path().read_text()
+    assert "could not be rendered" not in page
+    assert "skipped: no reference answers" in _section(page, "scores")
+    assert "filter was off" in _section(page, "filter")
+    assert len(_images(page)) == 1                                # only rows by outcome is left to plot
+
+
+def test_token_stats_stream_the_shard_outputs(tmp_path):
+    summary, _, _ = make_run(tmp_path, 4, rows_per_shard=5)
+    st = read_token_stats(summary)
+    assert st.rows == st.rows_total == 20
+    expect = Counter(r["prompt_tokens"] for s in summary["manifests"]["infer"]
+                     for r in map(json.loads, open(s["outputs"])))
+    assert st.prompt == expect
+
+
+def test_publish_writes_the_report_and_points_to_it(tmp_path):
+    from batch_llm.config import parse_config
+    from batch_llm.stages import RunLayout, publish
+
+    cfg = parse_config({"name": "pub", "model": {"ref": "m"}, "input": {"path": str(tmp_path / "in.jsonl")},
+                        "output": {"path": str(tmp_path / "out")}})
+    layout = RunLayout.for_run(cfg, run_id="t1", ds="2026-12-03")
+    plan_dir, filt_dir = layout.stage("plan"), layout.stage("filter")
+    write_jsonl(plan_dir.child("records.jsonl").path(),
+                [{"idx": 0, "id": "a", "reference": None, "record": {"id": "a", "prompt": "hi"}}])
+    write_jsonl(plan_dir.child("errors.jsonl").path(), [])
+    write_jsonl(filt_dir.child("outputs.jsonl").path(), [{"id": "a", "idx": 0, "output": "hello", "prompt_tokens": 5,
+                                                          "completion_tokens": 2, "finish_reason": "stop"}])
+    write_jsonl(filt_dir.child("errors.jsonl").path(), [])
+    plan = {"format": "jsonl", "records": plan_dir.child("records.jsonl").url, "errors": plan_dir.child("errors.jsonl").url,
+            "rows_read": 1, "valid": 1, "invalid": 0, "shards": []}
+    filtered = {"outputs": filt_dir.child("outputs.jsonl").url, "inference_errors": filt_dir.child("errors.jsonl").url,
+                "rows": 1, "inference_error_rows": 0, "summary": {"rows_scanned": 1, "hits_per_list": {}}}
+    m = publish(cfg, layout, plan, filtered, {"stage": "evaluate", "metrics": {}, "skipped": "no references"})
+    assert m["report"] == Location(m["version"]).child("report.html").url
+    assert exists(Location(m["report"]).path())
+    assert read_json(layout.published.child("_CURRENT.json").path())["report"] == m["report"]
+    assert read_json(Location(m["summary"]).path())["report"] == m["report"]
+
+
+# ------------------------------------------------------------------------------------------ doctor
+def shard(i=0, *, rows=1000, start=5.0, gen=100.0, seconds=None, errors=0, cached=0, unique=None, kind="vllm",
+          settings=None, attempts=None, out_tps=500.0):
+    # 8,000 blocks x 16 = 128k tokens: 320 sequences of the mean 400 tokens, just above max_num_seqs 256
+    st = {"max_num_seqs": 256, "max_model_len": 4096, "gpu_memory_utilization": 0.9, "num_kv_blocks": 8000,
+          "block_size": 16, "enable_prefix_caching": True, "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
+          "device": "cuda", **(settings or {})}
+    return {"shard": i, "metrics": {"rows": rows, "ok": rows - errors, "errors": errors, "cached_rows": cached,
+                                    "unique_prompts": rows - errors if unique is None else unique,
+                                    "input_tokens": 300 * rows, "output_tokens": 100 * (rows - errors),
+                                    "engine_start_seconds": start, "generate_seconds": gen,
+                                    "seconds": seconds if seconds is not None else start + gen + 1,
+                                    "output_tokens_per_second": out_tps},
+            "engine": {"kind": kind, "settings": st, "attempts": attempts or [{"ok": True}]}}
+
+
+def summary_of(shards, *, engine=None, sampling=None, sharding=None, invalid=0):
+    valid = sum(s["metrics"]["rows"] for s in shards)
+    return {"config": {"engine": {"kind": shards[0]["engine"]["kind"] if shards else "vllm", "batch_size": 16,
+                                  "dedupe_prompts": True, "gpu_memory_utilization": 0.9, "cpu_kv_cache_gib": 2.0,
+                                  **(engine or {})},
+                       "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0, **(sampling or {})},
+                       "sharding": {"sort_by_length": True, **(sharding or {})}},
+            "manifests": {"plan": {"rows_read": valid + invalid, "valid": valid, "invalid": invalid},
+                          "infer": shards}}
+
+
+def tokens(prompts=(300,) * 100, completions=(100,) * 100, *, truncated=0, batch=16, padded=None, real=None,
+           slots=None, used=None):
+    t = TokenStats(prompt=Counter(prompts), completion=Counter(completions), rows=len(prompts),
+                   rows_total=len(prompts), truncated=truncated, batch_size=batch)
+    t.real_tokens = real if real is not None else sum(prompts)
+    t.padded_tokens = padded if padded is not None else t.real_tokens
+    t.decode_used = used if used is not None else sum(completions)
+    t.decode_slots = slots if slots is not None else t.decode_used
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _no_pool_gpus(monkeypatch):
+    monkeypatch.setenv("BATCH_LLM_GPUS", "")  # the pool's GPUs come from each test's gpus argument
+
+
+def run_doctor(summary, gpus=None, tok=None, prefix=None, errors=None) -> list[Finding]:
+    return diagnose(summary, gpus=gpus, tokens=tok or tokens(), prefix=prefix, errors=errors, read_files=False)
+
+
+def checks(findings) -> set[str]:
+    return {c for f in findings for c in f.check.split(",")}
+
+
+def changes(findings) -> set[str]:
+    return {f.change for f in findings}
+
+
+def healthy(n=8):
+    return [shard(i, rows=4096, start=60.0, gen=1200.0) for i in range(n)]
+
+
+def test_a_healthy_run_has_no_findings():
+    f = run_doctor(summary_of(healthy()), gpus=8)
+    assert f == [], format_findings(f)
+    assert format_findings(f).startswith("No findings")
+
+
+def test_engine_transformers_where_vllm_could_run():
+    s = [shard(i, rows=4096, start=20, gen=2000, kind="transformers",
+               settings={"device": "cuda", "batch_size": 16}) for i in range(8)]
+    f = run_doctor(summary_of(s), gpus=8)
+    eng = [x for x in f if "engine" in x.check.split(",")]
+    assert eng and eng[0].change == "engine.kind: vllm" and eng[0].severity == "warning"
+    assert "32,768 rows" in eng[0].evidence
+    assert "engine" not in checks(run_doctor(summary_of(healthy()), gpus=8))
+
+
+def test_batch_mode_static_batches_waste_decode_slots():
+    s = [shard(i, rows=4096, start=20, gen=2000, kind="transformers", settings={"device": "cuda"}) for i in range(8)]
+    wasteful = tokens(completions=(10,) * 90 + (250,) * 10, slots=25000, used=3400)
+    f = run_doctor(summary_of(s), gpus=8, tok=wasteful)
+    assert "batch_mode" in checks(f)
+    assert "86% of decode slots" in next(x.evidence for x in f if "batch_mode" in x.check)
+    even = tokens(slots=10000, used=9500)
+    assert "batch_mode" not in checks(run_doctor(summary_of(s), gpus=8, tok=even))
+
+
+def test_padding_from_prompt_length_spread():
+    s = [shard(i, rows=4096, start=20, gen=2000, kind="transformers", settings={"device": "cuda"}) for i in range(8)]
+    spread = tokens(prompts=(50,) * 80 + (900,) * 20, padded=60000, real=22000)
+    f = run_doctor(summary_of(s, sharding={"sort_by_length": False}), gpus=8, tok=spread)
+    pad = next(x for x in f if x.check.split(",")[0] == "padding")
+    assert pad.change == "sharding.sort_by_length: true" and "p50 50, p95 900" in pad.evidence
+    f = run_doctor(summary_of(s), gpus=8, tok=spread)              # sorted already: smaller batches
+    assert next(x for x in f if x.check.split(",")[0] == "padding").change == "engine.batch_size: 8"
+    assert "padding" not in checks(run_doctor(summary_of(s), gpus=8, tok=tokens(padded=31000, real=30000)))
+    assert "padding" not in checks(run_doctor(summary_of(healthy()), gpus=8, tok=spread))  # vLLM does not pad
+
+
+def test_max_num_seqs_raised_when_the_kv_cache_has_room():
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"num_kv_blocks": 200000}) for i in range(8)]
+    f = run_doctor(summary_of(s), gpus=8)
+    assert "engine.max_num_seqs: 1024" in changes(f)                 # 3.2M tokens / 400 = 8000 seqs, capped
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"num_kv_blocks": 14000}) for i in range(8)]
+    f = run_doctor(summary_of(s), gpus=8)
+    assert "engine.max_num_seqs: 512" in changes(f)                  # 224k tokens / 400 = 560 seqs
+
+
+def test_max_num_seqs_never_filled_by_small_shards():
+    s = [shard(i, rows=40, start=60, gen=10) for i in range(100)]
+    f = run_doctor(summary_of(s), gpus=4)
+    ch = {x.change for x in f if x.check in ("max_num_seqs", "engine_start")}
+    assert ch == {"sharding.num_shards: 4"}                         # 4,000 rows: one shard per GPU
+    assert "max_num_seqs" not in checks(run_doctor(summary_of(healthy()), gpus=8))
+
+
+def test_kv_cache_limits_concurrency_on_gpu():
+    small = {"num_kv_blocks": 3000, "gpu_memory_utilization": 0.7}    # 48k tokens = 120 seqs of 400 < 256
+    s = [shard(i, rows=4096, start=60, gen=1200, settings=small) for i in range(8)]
+    f = run_doctor(summary_of(s, engine={"gpu_memory_utilization": 0.7}), gpus=8)
+    assert {"engine.gpu_memory_utilization: 0.88", "engine.kv_cache_dtype: fp8"} <= changes(f)
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"num_kv_blocks": 3000, "kv_cache_dtype": "fp8"})
+         for i in range(8)]
+    f = run_doctor(summary_of(s), gpus=8)
+    assert "engine.max_num_seqs: 64" in changes(f) and "kv_dtype" not in checks(f)
+    assert not checks(run_doctor(summary_of(healthy()), gpus=8)) & {"kv_cache", "kv_dtype", "memory"}
+
+
+def test_kv_cache_on_cpu_asks_for_a_bigger_cpu_cache():
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"num_kv_blocks": 3000, "device": "cpu"}) for i in range(8)]
+    f = run_doctor(summary_of(s))
+    assert "engine.cpu_kv_cache_gib: 5" in changes(f)               # 2 GiB x 256 / 120
+    assert "kv_dtype" not in checks(f)                               # fp8 is a GPU matter
+
+
+def test_memory_headroom_and_backoff():
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"gpu_memory_utilization": 0.98}) for i in range(8)]
+    f = run_doctor(summary_of(s, engine={"gpu_memory_utilization": 0.98}), gpus=8)
+    assert "engine.gpu_memory_utilization: 0.88" in changes(f)
+    tries = [{"gpu_memory_utilization": 0.9, "max_num_seqs": None, "error": "oom"},
+             {"gpu_memory_utilization": 0.85, "max_num_seqs": 128, "ok": True}]
+    s = [shard(i, rows=4096, start=60, gen=1200, attempts=tries) for i in range(8)]
+    f = run_doctor(summary_of(s), gpus=8)
+    mem = next(x for x in f if x.check.split(",")[0] == "memory")
+    assert mem.change == "engine.gpu_memory_utilization: 0.85, engine.max_num_seqs: 128"
+    assert "8 of 8 shards needed 8 failed start(s)" in mem.evidence
+
+
+def test_prefix_caching_off_while_prompts_share_a_system_prompt():
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={"enable_prefix_caching": False}) for i in range(8)]
+    shared = PrefixStats(rows=200, common_prefix_chars=1200, system_share=1.0, system_chars=1200)
+    f = run_doctor(summary_of(s), gpus=8, prefix=shared)
+    assert "engine.enable_prefix_caching: true" in changes(f)
+    assert "prefix_cache" not in checks(run_doctor(summary_of(s), gpus=8, prefix=PrefixStats(rows=200)))
+    on = [shard(i, rows=4096, start=60, gen=1200) for i in range(8)]
+    assert "prefix_cache" not in checks(run_doctor(summary_of(on), gpus=8, prefix=shared))
+
+
+def test_engine_start_share_suggests_bigger_shards():
+    s = [shard(i, rows=10000, start=60, gen=40) for i in range(100)]     # 0.004 s a row, start 59 %
+    f = run_doctor(summary_of(s))
+    st = next(x for x in f if x.check.split(",")[0] == "engine_start")
+    assert st.change == "sharding.rows_per_shard: 262144"            # >= 135,000 rows, rounded up
+    assert "≥135,000 rows" in st.evidence and "the change gives 4 shards" in st.evidence
+    f = run_doctor(summary_of(s), gpus=8)                            # 8 GPUs: one shard each at most
+    assert next(x for x in f if x.check.split(",")[0] == "engine_start").change == "sharding.num_shards: 8"
+    assert "engine_start" not in checks(run_doctor(summary_of(healthy()), gpus=8))
+
+
+def test_shards_against_gpus():
+    s = [shard(i, rows=4096, start=60, gen=1200) for i in range(3)]
+    f = run_doctor(summary_of(s), gpus=8)
+    assert next(x for x in f if x.check.split(",")[0] == "gpu_sharding").change == "sharding.num_shards: 8"
+    s = [shard(i, rows=4096, start=60, gen=1200) for i in range(9)]
+    assert "sharding.num_shards: 8" in changes(run_doctor(summary_of(s), gpus=8))
+    assert "gpu_sharding" not in checks(run_doctor(summary_of(healthy(16)), gpus=8))
+    assert "gpu_sharding" not in checks(run_doctor(summary_of(s)))   # pool unknown: no claim
+
+
+def test_gpus_from_the_environment(monkeypatch):
+    s = [shard(i, rows=4096, start=60, gen=1200) for i in range(3)]
+    monkeypatch.setenv("BATCH_LLM_GPUS", "0,1,2,3")
+    assert "sharding.num_shards: 4" in changes(run_doctor(summary_of(s)))
+
+
+def test_error_rates():
+    s = [shard(i, rows=4096, start=60, gen=1200, errors=(400 if i == 0 else 0)) for i in range(8)]
+    errs = {"plan": Counter({"missing id": 500}), "infer": Counter({"prompt is N tokens; ...": 400}),
+            "too_long": 400, "max_prompt_tokens": 7000}
+    f = run_doctor(summary_of(s, invalid=500), gpus=8, errors=errs)
+    by = {x.title: x for x in f}
+    assert "engine.max_model_len: 8192" == by["rows failed in inference"].change   # 7000 + 256 -> 8192
+    assert by["input rows rejected by the planner"].severity == "info"            # 500 of 33,268
+    assert "missing id (500)" in by["input rows rejected by the planner"].evidence
+    assert "errors" not in checks(run_doctor(summary_of(healthy()), gpus=8))
+
+
+def test_truncation():
+    f = run_doctor(summary_of(healthy()), gpus=8, tok=tokens(truncated=40))
+    assert "sampling.max_tokens: 512" in changes(f)
+    assert "truncation" not in checks(run_doctor(summary_of(healthy()), gpus=8, tok=tokens(truncated=5)))
+
+
+def test_cache_duplicates_and_random_sampling():
+    s = [shard(i, rows=4096, start=60, gen=1200, unique=3000) for i in range(8)]
+    f = run_doctor(summary_of(s, engine={"dedupe_prompts": False}), gpus=8)
+    assert "engine.dedupe_prompts: true" in changes(f)
+    assert "cache" not in checks(run_doctor(summary_of(s), gpus=8))  # folded already
+    s = [shard(i, rows=4096, start=60, gen=1200, cached=500) for i in range(8)]
+    f = run_doctor(summary_of(s, sampling={"temperature": 0.7, "seed": None}), gpus=8)
+    assert "cache.enabled: false" in changes(f)
+    assert "cache" not in checks(run_doctor(summary_of(s), gpus=8))  # greedy: a cache hit is the same answer
+
+
+def test_format_findings():
+    text = format_findings([Finding("warning", "t", "e 1", "engine.kind: vllm", "engine")])
+    assert "[warning] t" in text and "change:   engine.kind: vllm" in text

@@ -1,0 +1,207 @@
+"""A pipeline through real Airflow services (api-server, scheduler, dag-processor, LocalExecutor on SQLite),
+driven only through the REST API: a 3-day backfill (POST /api/v2/backfills) and a run triggered with
+``logical_date: null``.
+
+Airflow behaviours this test works with:
+
+- Backfill runs are created for a paused DAG too, but the scheduler queues no task of a paused DAG: the DAG
+  has to be unpaused for the backfill to run.
+- ``@daily`` is a CronTriggerTimetable in Airflow 3 (``[scheduler] create_cron_data_intervals`` False): the
+  logical date is the trigger time (00:00 of the day), so the backfill's runs write partitions
+  dt=<from>..dt=<to>. With ``catchup: false`` unpausing still creates one scheduled run, for today 00:00.
+  The backfill here ends today and is created before the DAG is unpaused, so its run for today takes that
+  slot: the scheduler skips a logical date that already has a run, and no extra scheduled run appears.
+- A run triggered with ``logical_date: null`` has no ``ds``; the operators take the partition date from the
+  run's ``run_after`` (``operators.run_date``).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from airflow_services import ROOT, AirflowServices
+from batch_llm.storage import Location, iter_jsonl, read_json
+
+pytestmark = pytest.mark.slow
+
+DAG_ID = "backfill_demo"
+ROWS_PER_DAY = 6
+TODAY = dt.datetime.now(dt.timezone.utc).date()
+DAYS = [TODAY - dt.timedelta(days=2), TODAY - dt.timedelta(days=1), TODAY]   # the backfill's three days
+
+
+def valid_sample_rows() -> list[dict]:
+    """The demo sample's valid rows only (the planted bad rows are another test's business)."""
+    rows, seen = [], set()
+    for line in (ROOT / "include" / "sample_data" / "demo_prompts.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ok = isinstance(r.get("id"), str) and r["id"] not in seen and (
+            isinstance(r.get("prompt"), str) or (r.get("messages") and r["messages"][-1]["role"] == "user"))
+        if ok:
+            seen.add(r["id"])
+            rows.append(r)
+    return rows
+
+
+def write_pipeline(tmp: Path, *, name: str, days: list[dt.date], rows_per_day: int, num_shards: int,
+                   schedule: str | None, start_date: dt.date) -> tuple[Path, Path, dict[str, list[str]]]:
+    """The demo pipeline adjusted for a services test: daily input partitions <tmp>/in/dt=<ds>/prompts.jsonl,
+    output under <tmp>/out, the transformers engine. Returns (pipelines dir, output dir, ids per day)."""
+    demo_dir = ROOT / "dags" / "pipelines"
+    cfg = yaml.safe_load((demo_dir / "demo.yaml").read_text())
+    rows = valid_sample_rows()
+    assert len(rows) >= rows_per_day * len(days), "not enough valid sample rows"
+    ids: dict[str, list[str]] = {}
+    for i, day in enumerate(days):
+        part = tmp / "in" / f"dt={day.isoformat()}"
+        part.mkdir(parents=True, exist_ok=True)
+        chunk = rows[i * rows_per_day:(i + 1) * rows_per_day]
+        (part / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+        ids[day.isoformat()] = [r["id"] for r in chunk]
+    out = tmp / "out"
+    cfg["name"] = name
+    cfg["description"] = f"services test: {cfg['description']}"
+    cfg["input"]["path"] = str(tmp / "in" / "dt={ds}" / "prompts.jsonl")
+    cfg["output"]["path"] = str(out)
+    cfg["sharding"] = {"num_shards": num_shards}
+    # transformers: the engine starts in seconds, where vLLM's CPU engine takes a minute or more per task.
+    # The vLLM path is covered end to end by tests/test_pipeline_e2e.py (dag.test on the demo pipeline).
+    cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": 8, "commit_every_rows": 8,
+                     "max_error_rate": 0.2}
+    cfg["sampling"]["max_tokens"] = 32
+    cfg["evaluate"]["enabled"] = True
+    for wl in cfg["filter"]["lists"]:
+        if wl["path"].startswith(("./", "../")):
+            wl["path"] = str((demo_dir / wl["path"]).resolve())
+    cfg["airflow"] = {"schedule": schedule, "start_date": start_date.isoformat(), "catchup": False,
+                      "retries": 1, "retry_delay_seconds": 5, "tags": ["test"]}
+    pipelines = tmp / "pipelines"
+    pipelines.mkdir(parents=True, exist_ok=True)
+    header = ("# Written by tests/test_rest_backfill.py: dags/pipelines/demo.yaml adjusted for a services test.\n"
+              "# engine.kind transformers starts fast; the vLLM path is covered by the dag.test e2e test\n"
+              "# (tests/test_pipeline_e2e.py).\n")
+    (pipelines / f"{name}.yaml").write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    return pipelines, out, ids
+
+
+def print_on_failure(request, svc: AirflowServices, failed_before: int) -> None:
+    if request.session.testsfailed > failed_before:
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        with capman.global_and_fixture_disabled():
+            print(f"\n===== service logs ({svc.procs.log_dir}) =====\n{svc.log_tails(60)}")
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, demo_model_dir, request):
+    tmp = tmp_path_factory.mktemp("rest_backfill")
+    pipelines, out, ids = write_pipeline(tmp, name=DAG_ID, days=DAYS, rows_per_day=ROWS_PER_DAY, num_shards=1,
+                                         schedule="@daily", start_date=TODAY - dt.timedelta(days=10))
+    svc = AirflowServices(tmp, pipelines_dir=pipelines)
+    failed_before = request.session.testsfailed
+    try:
+        svc.start()
+        svc.wait_dag_parsed(DAG_ID)
+        yield svc, out, ids
+    finally:
+        print_on_failure(request, svc, failed_before)
+        killed = svc.stop()
+        print(f"services: {svc.timings}; needed SIGKILL: {killed}")
+        assert not svc.procs.marked_pids(), "processes left behind"
+
+
+def midnight(day: dt.date) -> str:
+    return dt.datetime.combine(day, dt.time(), tzinfo=dt.timezone.utc).isoformat()
+
+
+def partition(out: Path, day: str) -> Location:
+    return Location(str(out)).child(DAG_ID, f"dt={day}")
+
+
+def versions(part: Location) -> list[Path]:
+    return sorted(p for p in part.path().iterdir() if p.name.startswith("v-"))
+
+
+def check_partition(part: Location, *, run_id: str, expected_ids: list[str]) -> dict:
+    """_CURRENT.json names this run's version; its data.jsonl has every input id exactly once."""
+    current = read_json(part.child("_CURRENT.json").path())
+    assert current["run_id"] == run_id, current
+    version = Location(current["version"])
+    assert version.path().is_dir(), current
+    rows = list(iter_jsonl(version.child("data.jsonl").path()))
+    got = [r["id"] for r in rows]
+    assert sorted(got) == sorted(expected_ids) and len(got) == len(set(got)), (got, expected_ids)
+    assert all(isinstance(r["output"], str) and r["output"].strip() for r in rows), rows
+    summary = read_json(version.child("summary.json").path())
+    assert summary["run_id"] == run_id and summary["rows_published"] == len(expected_ids), summary
+    assert summary["partition"] == part.path().name
+    assert current["rows"] == len(expected_ids)
+    return current
+
+
+def test_backfill_three_days_through_rest(services):
+    svc, out, ids = services
+    body = {"dag_id": DAG_ID, "from_date": midnight(DAYS[0]), "to_date": midnight(DAYS[-1]),
+            "max_active_runs": 3, "reprocess_behavior": "none"}
+    dry = svc.api("POST", "backfills/dry_run", json=body)
+    planned = sorted(b["logical_date"][:10] for b in dry["backfills"])
+    assert planned == [d.isoformat() for d in DAYS], dry
+
+    # Created while the DAG is still paused (see the module docstring), then unpaused so that it runs.
+    backfill = svc.api("POST", "backfills", json=body)
+    svc.unpause(DAG_ID)
+
+    runs = []
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline:
+        runs = svc.dag_runs(DAG_ID, run_type="backfill")
+        if len(runs) == 3 and all(r["state"] in ("success", "failed") for r in runs):
+            break
+        time.sleep(3)
+    by_day = {r["logical_date"][:10]: r for r in runs}
+    assert sorted(by_day) == [d.isoformat() for d in DAYS], runs
+    for r in runs:
+        if r["state"] != "success":
+            pytest.fail(f"backfill run {r['dag_run_id']} is {r['state']}\n{svc.describe_run(DAG_ID, r['dag_run_id'])}")
+    # The backfill's run for today took the slot of the catchup=False "latest" run: no scheduled run.
+    assert [r["run_type"] for r in svc.dag_runs(DAG_ID)] == ["backfill"] * 3
+    deadline = time.monotonic() + 60
+    while not svc.api("GET", f"backfills/{backfill['id']}")["completed_at"] and time.monotonic() < deadline:
+        time.sleep(2)
+    assert svc.api("GET", f"backfills/{backfill['id']}")["completed_at"], "backfill not marked completed"
+
+    # Three partitions, each written exactly once, by its own run.
+    parts = sorted(p.name for p in (out / DAG_ID).iterdir() if p.name.startswith("dt="))
+    assert parts == [f"dt={d.isoformat()}" for d in DAYS], parts
+    for day, run in by_day.items():
+        part = partition(out, day)
+        assert len(versions(part)) == 1, versions(part)
+        current = check_partition(part, run_id=run["dag_run_id"], expected_ids=ids[day])
+        assert Path(Location(current["version"]).path()) == versions(part)[0]
+
+    # The inference task went through the gpu pool and queue; every task instance succeeded.
+    tis = svc.task_instances(DAG_ID, by_day[DAYS[0].isoformat()]["dag_run_id"])
+    infer = [t for t in tis if t["task_id"].endswith("batch_inference")]
+    assert len(infer) == 1 and infer[0]["pool"] == "gpu" and infer[0]["queue"] == "gpu", infer
+    assert {t["state"] for t in tis} == {"success"}, [(t["task_id"], t["state"]) for t in tis]
+
+
+def test_trigger_without_logical_date_writes_run_after_partition(services):
+    svc, out, ids = services
+    run = svc.trigger(DAG_ID, logical_date=None)
+    assert run["logical_date"] is None and run["run_after"], run
+    svc.wait_run(DAG_ID, run["dag_run_id"], timeout=900)
+    day = dt.datetime.fromisoformat(run["run_after"].replace("Z", "+00:00")).astimezone(dt.timezone.utc).date()
+    part = partition(out, day.isoformat())
+    current = check_partition(part, run_id=run["dag_run_id"], expected_ids=ids[day.isoformat()])
+    # Today's partition was published by the backfill first: the pointer moved to the new version, and the
+    # previous one is kept (publish keeps the current and the previous version).
+    assert len(versions(part)) == 2, versions(part)
+    assert Path(Location(current["version"]).path()) in versions(part)
