@@ -5,6 +5,8 @@
 #
 #   scripts/services.sh ensure   # apt-get install redis-server / postgresql when missing (root, idempotent)
 #   scripts/services.sh check    # exit 0 when both are installed, 1 otherwise; installs nothing
+#   scripts/services.sh browser  # apt-get install chromium (/usr/bin/chromium) when missing, for the UI test
+#                                # (tests/test_ui_browser.py drives it with Playwright; no browser download)
 #
 # `ensure` also puts asyncpg into .venv when it is missing: Airflow 3 opens an async engine on its metadata
 # DB in every process (SQL_ALCHEMY_CONN_ASYNC, postgresql+asyncpg), so without it no Airflow command starts
@@ -71,11 +73,28 @@ case "${1:-ensure}" in
     [ -z "$want" ] || { echo "services: still missing after install: $want" >&2; exit 1; }
     echo "services: installed; postgresql binaries in $(pg_bin)"
     ;;
+  browser)
+    if [ -x /usr/bin/chromium ]; then
+      echo "services: chromium present ($(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium))"
+      exit 0
+    fi
+    if [ "$(id -u)" != 0 ]; then
+      echo "services: chromium missing; run 'scripts/services.sh browser' as root (apt-get)" >&2
+      exit 1
+    fi
+    if ! apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+      apt-get update -qq
+    fi
+    echo "services: installing chromium"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    [ -x /usr/bin/chromium ] || { echo "services: /usr/bin/chromium still missing after install" >&2; exit 1; }
+    echo "services: installed $(/usr/bin/chromium --version 2>/dev/null)"
+    ;;
   check)
     [ -z "$(missing)" ] && { [ ! -x "$VENV_PY" ] || "$VENV_PY" -c 'import asyncpg' 2>/dev/null; }
     ;;
   *)
-    echo "usage: $0 ensure|check" >&2
+    echo "usage: $0 ensure|check|browser" >&2
     exit 2
     ;;
 esac

@@ -89,6 +89,8 @@ class Service:
     name: str
     proc: subprocess.Popen
     log: Path
+    tier: int = 1                        # stop() ends higher tiers first (Airflow before its DB and broker)
+    stop_signal: int = signal.SIGTERM
 
 
 @dataclass
@@ -112,14 +114,14 @@ class ProcessGroup:
         self.services: list[Service] = []
 
     def spawn(self, name: str, argv: list[str], *, env: dict | None = None, preexec_user: str | None = None,
-              cwd: Path | None = None) -> Service:
+              cwd: Path | None = None, tier: int = 1, stop_signal: int = signal.SIGTERM) -> Service:
         log = self.log_dir / f"{name}.log"
         f = open(log, "ab")
         full_env = {**self.env, **(env or {})}
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=full_env, cwd=str(cwd or ROOT), start_new_session=True, user=preexec_user)
         f.close()
-        svc = Service(name, proc, log)
+        svc = Service(name, proc, log, tier, stop_signal)
         self.services.append(svc)
         return svc
 
@@ -148,33 +150,38 @@ class ProcessGroup:
         return out
 
     def stop(self, grace: float = 20.0) -> list[int]:
-        """SIGTERM every service's process group, wait up to ``grace`` seconds, SIGKILL what is left (groups
-        and marked strays). Returns the pids that needed SIGKILL."""
-        for s in self.services:
-            if s.proc.poll() is None or _group_alive(s.proc.pid):
-                _killpg(s.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            for s in self.services:
-                s.proc.poll()
-            if not any(_group_alive(s.proc.pid) for s in self.services) and not self.marked_pids():
-                break
+        """Ends the services tier by tier (highest first): each group gets its stop signal (SIGTERM; SIGINT,
+        fast shutdown, for PostgreSQL), up to ``grace`` seconds, then SIGKILL. Then every process still
+        carrying the marker gets SIGKILL. Returns the pids that needed SIGKILL."""
+        killed: list[int] = []
+        for tier in sorted({s.tier for s in self.services}, reverse=True):
+            group = [s for s in self.services if s.tier == tier]
+            for s in group:
+                if s.proc.poll() is None or _group_alive(s.proc.pid):
+                    _killpg(s.proc.pid, s.stop_signal)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                for s in group:
+                    s.proc.poll()
+                if not any(_group_alive(s.proc.pid) for s in group):
+                    break
+                time.sleep(0.3)
+            for s in group:
+                if _group_alive(s.proc.pid):
+                    killed.append(s.proc.pid)
+                    _killpg(s.proc.pid, signal.SIGKILL)
+                try:
+                    s.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        t = time.monotonic() + 5
+        while self.marked_pids() and time.monotonic() < t:
             time.sleep(0.3)
-        killed = []
-        for s in self.services:
-            if _group_alive(s.proc.pid):
-                killed.append(s.proc.pid)
-                _killpg(s.proc.pid, signal.SIGKILL)
         for pid in self.marked_pids():
             killed.append(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                pass
-        for s in self.services:
-            try:
-                s.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
                 pass
         t = time.monotonic() + 10
         while self.marked_pids() and time.monotonic() < t:
@@ -232,7 +239,7 @@ class Redis:
         exe = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.svc = procs.spawn("redis", [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
                                          "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "yes",
-                                         "--daemonize", "no"])
+                                         "--daemonize", "no"], tier=0)
         _wait_port(self.port, 30, self.svc.proc, "redis-server")
 
     @property
@@ -269,7 +276,7 @@ class Postgres:
                                             "listen_addresses=127.0.0.1", "-c", f"port={self.port}", "-c",
                                             f"unix_socket_directories={self.dir}", "-c", "fsync=off", "-c",
                                             "max_connections=200", "-c", "shared_buffers=64MB"],
-                               preexec_user=run_as, cwd=self.dir)
+                               preexec_user=run_as, cwd=self.dir, tier=0, stop_signal=signal.SIGINT)
         _wait_port(self.port, 60, self.svc.proc, "postgres")
         import psycopg2
 
@@ -507,3 +514,74 @@ class AirflowServices:
 
     def log_tails(self, lines: int = 40) -> str:
         return "\n".join(f"===== {s.name} ({s.log}) =====\n{_tail(s.log, lines)}" for s in self.procs.services)
+
+
+# ----------------------------------------------------------------------------------- test pipelines
+def valid_sample_rows() -> list[dict]:
+    """The demo sample's valid rows only (the planted bad rows are other tests' business)."""
+    rows, seen = [], set()
+    for line in (ROOT / "include" / "sample_data" / "demo_prompts.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ok = isinstance(r.get("id"), str) and r["id"] not in seen and (
+            isinstance(r.get("prompt"), str) or (r.get("messages") and r["messages"][-1]["role"] == "user"))
+        if ok:
+            seen.add(r["id"])
+            rows.append(r)
+    return rows
+
+
+def write_test_pipeline(tmp: Path, *, name: str, days: list, rows_per_day: int, num_shards: int,
+                        schedule: str | None, start_date, evaluate: bool = True
+                        ) -> tuple[Path, Path, dict[str, list[str]]]:
+    """dags/pipelines/demo.yaml adjusted for a services test: daily input partitions
+    <tmp>/in/dt=<ds>/prompts.jsonl (``rows_per_day`` valid sample rows each, no row in two days), output
+    under <tmp>/out, the transformers engine. Returns (pipelines dir, output dir, input ids per day)."""
+    import yaml
+
+    demo_dir = ROOT / "dags" / "pipelines"
+    cfg = yaml.safe_load((demo_dir / "demo.yaml").read_text())
+    rows = valid_sample_rows()
+    assert len(rows) >= rows_per_day * len(days), "not enough valid sample rows"
+    ids: dict[str, list[str]] = {}
+    for i, day in enumerate(days):
+        part = tmp / "in" / f"dt={day.isoformat()}"
+        part.mkdir(parents=True, exist_ok=True)
+        chunk = rows[i * rows_per_day:(i + 1) * rows_per_day]
+        (part / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
+        ids[day.isoformat()] = [r["id"] for r in chunk]
+    out = tmp / "out"
+    cfg["name"] = name
+    cfg["description"] = f"services test: {cfg['description']}"
+    cfg["input"]["path"] = str(tmp / "in" / "dt={ds}" / "prompts.jsonl")
+    cfg["output"]["path"] = str(out)
+    cfg["sharding"] = {"num_shards": num_shards}
+    # transformers: the engine starts in seconds, where vLLM's CPU engine takes a minute or more per task.
+    # The vLLM path is covered end to end by tests/test_pipeline_e2e.py (dag.test on the demo pipeline).
+    cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": 8, "commit_every_rows": 8,
+                     "max_error_rate": 0.2}
+    cfg["sampling"]["max_tokens"] = 32
+    cfg["evaluate"]["enabled"] = evaluate
+    for wl in cfg["filter"]["lists"]:
+        if wl["path"].startswith(("./", "../")):
+            wl["path"] = str((demo_dir / wl["path"]).resolve())
+    cfg["airflow"] = {"schedule": schedule, "start_date": start_date.isoformat(), "catchup": False,
+                      "retries": 1, "retry_delay_seconds": 5, "tags": ["test"]}
+    pipelines = tmp / "pipelines"
+    pipelines.mkdir(parents=True, exist_ok=True)
+    header = ("# Written by a services test (tests/airflow_services.py): dags/pipelines/demo.yaml adjusted.\n"
+              "# engine.kind transformers starts fast; the vLLM path is covered by the dag.test e2e test\n"
+              "# (tests/test_pipeline_e2e.py).\n")
+    (pipelines / f"{name}.yaml").write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    return pipelines, out, ids
+
+
+def print_on_failure(request, svc: AirflowServices, failed_before: int) -> None:
+    """From a fixture's teardown: when a test of the module failed, print the services' log tails past
+    pytest's capture (a failed wait_run already carries them in its message)."""
+    if request.session.testsfailed > failed_before:
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        with capman.global_and_fixture_disabled():
+            print(f"\n===== service logs ({svc.procs.log_dir}) =====\n{svc.log_tails(60)}")

@@ -86,5 +86,9 @@ def test_writers_keep_columns(tmp_path, fmt, suffix):
 def test_shard_sizes():
     assert plan_mod.shard_sizes(10, ShardingConfig(num_shards=3)) == [4, 3, 3]
     assert plan_mod.shard_sizes(2, ShardingConfig(num_shards=5)) == [1, 1]
-    assert plan_mod.shard_sizes(5000, ShardingConfig()) == [1667, 1667, 1666]  # 2048 per shard at most
+    # default rule: 70 s start, 15k tok/s, 10 % share → 36,915 rows of 256 output tokens
+    assert plan_mod.default_rows_per_shard(ShardingConfig(), 256) == 36915
+    assert plan_mod.shard_sizes(100_000, ShardingConfig(), 256) == [33334, 33333, 33333]
+    cpu = ShardingConfig(expected_engine_start_seconds=30, expected_output_tokens_per_second=350)
+    assert plan_mod.default_rows_per_shard(cpu, 64) == 1477
     assert plan_mod.shard_sizes(0, ShardingConfig(rows_per_shard=10)) == []

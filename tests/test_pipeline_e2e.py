@@ -91,3 +91,42 @@ def test_evalscope_report(demo_run):
     assert report  # EvalScope's own report, stored next to the run
     assert ev["metrics"] and all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in ev["metrics"].values())
     assert ev["metrics"]["Rouge-L-F"] > 0.1  # the model answers these questions; a broken join scores ~0
+
+
+@pytest.fixture(scope="module")
+def rerun(demo_run):
+    """The same day again, unchanged: a new run that must take every row from the result cache."""
+    cfg, _, part = demo_run
+    first = read_json(part.child("_CURRENT.json").path())
+    from batch_llm_airflow.dag_factory import pipeline_dag
+
+    dr = pipeline_dag(cfg).test(logical_date=dt.datetime.fromisoformat(DS).replace(tzinfo=dt.timezone.utc))
+    return first, read_json(part.child("_CURRENT.json").path()), dr
+
+
+def _infer_metrics(current: dict) -> list[dict]:
+    summary = read_json(Location(current["version"]).child("summary.json").path())
+    return [m["metrics"] for m in summary["manifests"]["infer"]]
+
+
+def test_unchanged_rerun_is_served_from_the_cache(rerun):
+    first, second, dr = rerun
+    assert str(dr.state).endswith("success")
+    m1, m2 = _infer_metrics(first), _infer_metrics(second)
+    assert sum(m["cached_rows"] for m in m1) == 0
+    assert sum(m["cached_rows"] for m in m2) == sum(m["rows"] for m in m2) == 20
+    assert all(m["engine_start_seconds"] == 0 for m in m2)  # the engine never started
+    t1, t2 = sum(m["seconds"] for m in m1), sum(m["seconds"] for m in m2)
+    print(f"inference time: first run {t1:.1f}s, unchanged re-run {t2:.2f}s ({t2 / t1:.1%})")
+    assert t2 <= 0.05 * t1
+
+
+def test_rerun_replaced_the_partition_atomically(rerun, demo_run):
+    first, second, _ = rerun
+    _, _, part = demo_run
+    assert second["version"] != first["version"] and second["rows"] == first["rows"] == 20
+    a = [r["output"] for r in iter_jsonl(Location(first["dataset"]).path())]
+    b = [r["output"] for r in iter_jsonl(Location(second["dataset"]).path())]
+    assert a == b  # cached results are the earlier results, byte for byte
+    versions = [p.name for p in part.path().iterdir() if p.name.startswith("v-")]
+    assert len(versions) <= 2  # the current and the previous version; older ones are removed

@@ -17,14 +17,12 @@ Airflow behaviours this test works with:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from airflow_services import ROOT, AirflowServices
+from airflow_services import AirflowServices, print_on_failure, write_test_pipeline
 from batch_llm.storage import Location, iter_jsonl, read_json
 
 pytestmark = pytest.mark.slow
@@ -35,75 +33,12 @@ TODAY = dt.datetime.now(dt.timezone.utc).date()
 DAYS = [TODAY - dt.timedelta(days=2), TODAY - dt.timedelta(days=1), TODAY]   # the backfill's three days
 
 
-def valid_sample_rows() -> list[dict]:
-    """The demo sample's valid rows only (the planted bad rows are another test's business)."""
-    rows, seen = [], set()
-    for line in (ROOT / "include" / "sample_data" / "demo_prompts.jsonl").read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ok = isinstance(r.get("id"), str) and r["id"] not in seen and (
-            isinstance(r.get("prompt"), str) or (r.get("messages") and r["messages"][-1]["role"] == "user"))
-        if ok:
-            seen.add(r["id"])
-            rows.append(r)
-    return rows
-
-
-def write_pipeline(tmp: Path, *, name: str, days: list[dt.date], rows_per_day: int, num_shards: int,
-                   schedule: str | None, start_date: dt.date) -> tuple[Path, Path, dict[str, list[str]]]:
-    """The demo pipeline adjusted for a services test: daily input partitions <tmp>/in/dt=<ds>/prompts.jsonl,
-    output under <tmp>/out, the transformers engine. Returns (pipelines dir, output dir, ids per day)."""
-    demo_dir = ROOT / "dags" / "pipelines"
-    cfg = yaml.safe_load((demo_dir / "demo.yaml").read_text())
-    rows = valid_sample_rows()
-    assert len(rows) >= rows_per_day * len(days), "not enough valid sample rows"
-    ids: dict[str, list[str]] = {}
-    for i, day in enumerate(days):
-        part = tmp / "in" / f"dt={day.isoformat()}"
-        part.mkdir(parents=True, exist_ok=True)
-        chunk = rows[i * rows_per_day:(i + 1) * rows_per_day]
-        (part / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
-        ids[day.isoformat()] = [r["id"] for r in chunk]
-    out = tmp / "out"
-    cfg["name"] = name
-    cfg["description"] = f"services test: {cfg['description']}"
-    cfg["input"]["path"] = str(tmp / "in" / "dt={ds}" / "prompts.jsonl")
-    cfg["output"]["path"] = str(out)
-    cfg["sharding"] = {"num_shards": num_shards}
-    # transformers: the engine starts in seconds, where vLLM's CPU engine takes a minute or more per task.
-    # The vLLM path is covered end to end by tests/test_pipeline_e2e.py (dag.test on the demo pipeline).
-    cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": 8, "commit_every_rows": 8,
-                     "max_error_rate": 0.2}
-    cfg["sampling"]["max_tokens"] = 32
-    cfg["evaluate"]["enabled"] = True
-    for wl in cfg["filter"]["lists"]:
-        if wl["path"].startswith(("./", "../")):
-            wl["path"] = str((demo_dir / wl["path"]).resolve())
-    cfg["airflow"] = {"schedule": schedule, "start_date": start_date.isoformat(), "catchup": False,
-                      "retries": 1, "retry_delay_seconds": 5, "tags": ["test"]}
-    pipelines = tmp / "pipelines"
-    pipelines.mkdir(parents=True, exist_ok=True)
-    header = ("# Written by tests/test_rest_backfill.py: dags/pipelines/demo.yaml adjusted for a services test.\n"
-              "# engine.kind transformers starts fast; the vLLM path is covered by the dag.test e2e test\n"
-              "# (tests/test_pipeline_e2e.py).\n")
-    (pipelines / f"{name}.yaml").write_text(header + yaml.safe_dump(cfg, sort_keys=False))
-    return pipelines, out, ids
-
-
-def print_on_failure(request, svc: AirflowServices, failed_before: int) -> None:
-    if request.session.testsfailed > failed_before:
-        capman = request.config.pluginmanager.getplugin("capturemanager")
-        with capman.global_and_fixture_disabled():
-            print(f"\n===== service logs ({svc.procs.log_dir}) =====\n{svc.log_tails(60)}")
-
-
 @pytest.fixture(scope="module")
 def services(tmp_path_factory, demo_model_dir, request):
     tmp = tmp_path_factory.mktemp("rest_backfill")
-    pipelines, out, ids = write_pipeline(tmp, name=DAG_ID, days=DAYS, rows_per_day=ROWS_PER_DAY, num_shards=1,
-                                         schedule="@daily", start_date=TODAY - dt.timedelta(days=10))
+    pipelines, out, ids = write_test_pipeline(tmp, name=DAG_ID, days=DAYS, rows_per_day=ROWS_PER_DAY,
+                                              num_shards=1, schedule="@daily",
+                                              start_date=TODAY - dt.timedelta(days=10))
     svc = AirflowServices(tmp, pipelines_dir=pipelines)
     failed_before = request.session.testsfailed
     try:

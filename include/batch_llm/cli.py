@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -258,9 +259,24 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
     print(f"shard {m['shard']}: {mm['ok']} ok, {mm['errors']} errors, {mm['output_tokens']} output tokens, "
           f"{mm.get('output_tokens_per_second', 0)} tok/s")
     print(f"  outputs: {m['outputs']}")
-    print(f"  finish the run with: batch-llm run {args.config} --run-id {layout.run_id}"
-          + (f" --ds {args.ds}" if args.ds else ""))
+    print(f"  finish the run with: {_finish_command(args, layout.run_id, ds)}")
     return 0
+
+
+def _finish_command(args: argparse.Namespace, run_id: str, ds: str) -> str:
+    """The ``run`` command that completes this shard's run: the same arguments, without ``--shard``."""
+    words, skip = [], False
+    for w in getattr(args, "argv", None) or []:
+        if skip:
+            skip = False
+            continue
+        if w in ("--shard", "--run-id", "--ds"):
+            skip = True
+            continue
+        if w.startswith(("--shard=", "--run-id=", "--ds=")):
+            continue
+        words.append("run" if w == "run-shard" else w)
+    return shlex.join(["batch-llm", *words, "--run-id", run_id, "--ds", ds])
 
 
 def find_summary(target: str):
@@ -324,6 +340,7 @@ COMMANDS = {"validate": cmd_validate, "run": cmd_run, "run-shard": cmd_run_shard
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:

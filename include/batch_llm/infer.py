@@ -139,6 +139,16 @@ def _load_tokenizer(model_dir: str, chat_template: str | None):
     return tok
 
 
+def _committed_ids(chunks_dir: Location) -> set[str]:
+    return {r["id"] for f in list_files(chunks_dir.path(), ".jsonl") for r in iter_jsonl(f)}
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def _committed(chunks_dir: Location) -> dict[str, dict]:
     done: dict[str, dict] = {}
     for f in list_files(chunks_dir.path(), ".jsonl"):
@@ -161,27 +171,37 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         _check_error_rate(cfg, manifest)
         return manifest
 
-    rows = list(iter_jsonl(Location(shard["url"], shard_dir.options).path()))
+    # The shard file is streamed twice (plan the requests, then feed them), so memory holds a few small
+    # fields per row rather than every prompt: a 100k-row shard costs what a 10k-row one does.
+    shard_path = Location(shard["url"], shard_dir.options).path()
     chunks_dir = shard_dir.child("chunks")
-    done = _committed(chunks_dir)
+    done = _committed_ids(chunks_dir)
     if done:
-        say(f"resuming shard {shard['index']}: {len(done)} of {len(rows)} rows already committed")
-    todo = [r for r in rows if r["id"] not in done]
+        say(f"resuming shard {shard['index']}: {len(done)} rows already committed")
 
-    tok = _load_tokenizer(model_dir, cfg.model.chat_template)
-    sampling = cfg.sampling.model_dump()
-    ns = namespace(model_key=model_key, chat_template=tok.chat_template, sampling=sampling,
-                   engine_kind=cfg.engine.kind)
-    cache = ResultCache(cache_root, ns) if (cache_root is not None and cfg.cache.enabled) else None
+    tok = None
 
-    # Render and tokenize; bad rows become error rows before anything reaches the engine.
+    def render(r: dict) -> tuple[str, list[int]]:
+        nonlocal tok
+        if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
+            return "", r["prompt_token_ids"]
+        if tok is None:
+            tok = _load_tokenizer(model_dir, cfg.model.chat_template)
+        text = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        return text, tok(text, add_special_tokens=False)["input_ids"]
+
+    dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
     max_len = cfg.engine.max_model_len
-    rendered: dict[str, tuple[str, list[int]]] = {}
     errors: list[dict] = []
-    for r in todo:
+    groups: dict[str, list[dict]] = {}   # request key -> rows {id, idx} that share its result
+    first_row: dict[str, str] = {}       # row id -> request key, for the row whose prompt is sent
+    n_rows = 0
+    for r in iter_jsonl(shard_path):
+        n_rows += 1
+        if r["id"] in done:
+            continue
         try:
-            text = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            _, ids = render(r)
         except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
             errors.append(_error_row(r, f"chat template failed: {e}"))
             continue
@@ -189,19 +209,21 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
             errors.append(_error_row(r, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}",
                                      prompt_tokens=len(ids)))
             continue
-        rendered[r["id"]] = (text, ids)
+        key = prompt_key(ids, r.get("max_tokens"))
+        rk = key if dedupe else f"{key}#{r['id']}"
+        if rk not in groups:
+            groups[rk] = []
+            first_row[r["id"]] = rk
+        groups[rk].append({"id": r["id"], "idx": r["idx"]})
+    n_prompts = len({rk.split("#")[0] for rk in groups})
 
-    keys = {rid: prompt_key(ids) for rid, (_, ids) in rendered.items()}
-    hits = cache.lookup(keys.values()) if cache else {}
-    by_key: dict[str, list[dict]] = {}
-    for r in todo:
-        if r["id"] in keys:
-            by_key.setdefault(keys[r["id"]], []).append(r)
-    dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
-    if not dedupe:  # every row is its own request
-        by_key = {f"{k}#{r['id']}": [r] for k, rs in by_key.items() for r in rs}
+    sampling = cfg.sampling.model_dump()
+    ns = namespace(model_key=model_key, chat_template=tok.chat_template if tok else "", sampling=sampling,
+                   engine_kind=cfg.engine.kind)
+    cache = ResultCache(cache_root, ns) if (cache_root is not None and cfg.cache.enabled) else None
+    hits = cache.lookup({rk.split("#")[0] for rk in groups}) if cache else {}
 
-    progress = _Progress(total=len(rows), say=say, every=cfg.engine.progress_every_seconds)
+    progress = _Progress(total=n_rows, say=say, every=cfg.engine.progress_every_seconds)
     progress.done = len(done)
     pending: list[dict] = list(errors)
     cache_new: list[dict] = []
@@ -224,28 +246,32 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         maybe_crash("after_commit")
 
     # Cache hits first: they cost nothing.
-    for rk in [rk for rk in by_key if rk.split("#")[0] in hits]:
-        for r in by_key.pop(rk):
+    for rk in [rk for rk in groups if rk.split("#")[0] in hits]:
+        for r in groups.pop(rk):
             pending.append(_result_row(r, hits[rk.split("#")[0]], cached=True))
             n_cached += 1
             progress.tick(1, 0)
     commit()
 
+    def requests() -> Iterator[GenRequest]:
+        """Second pass over the shard: one request per prompt still to generate, in the planner's order."""
+        for r in iter_jsonl(shard_path):
+            rk = first_row.get(r["id"])
+            if rk is not None and rk in groups:
+                text, ids = render(r)
+                yield GenRequest(key=rk, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
+
     info: EngineInfo | None = None
     gen_seconds = 0.0
-    engine = None
-    if by_key:
+    gen_tokens = 0  # generated in this attempt (a resumed shard's earlier chunks are not counted)
+    if groups:
         engine, info = start_engine(model_dir, cfg, say)
         say(f"engine {info.kind} {info.version} started in {info.start_seconds:.1f}s: {info.settings}")
-        # Shortest prompts first inside the shard (the planner sorted them); keys in that order.
-        requests: Iterator[GenRequest] = (
-            GenRequest(key=bk, prompt_token_ids=rendered[rs[0]["id"]][1], prompt_text=rendered[rs[0]["id"]][0])
-            for bk, rs in list(by_key.items()))
         t_gen = time.perf_counter()
         progress.t0 = progress.last = t_gen  # rates and ETA count generation, not engine start
         try:
-            for res in engine.generate(requests):
-                group = by_key.pop(res.key)
+            for res in engine.generate(requests()):
+                group = groups.pop(res.key)
                 entry = {"output": res.text, "finish_reason": res.finish_reason,
                          "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
                 for r in group:
@@ -255,6 +281,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
                         pending.append(_result_row(r, entry, cached=False))
                 if not res.error and cache is not None:
                     cache_new.append({"key": res.key.split("#")[0], **entry})
+                gen_tokens += res.completion_tokens
                 progress.tick(len(group), res.completion_tokens)
                 commit()
         finally:
@@ -263,13 +290,14 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     commit(force=True)
     progress.tick(0, 0, force=True)
 
-    manifest = _finish_shard(cfg, shard, shard_dir, chunks_dir, rows)
+    manifest = _finish_shard(shard, shard_dir, chunks_dir, shard_path)
     m = manifest["metrics"]
     m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
              generate_seconds=round(gen_seconds, 2), cached_rows=n_cached,
              seconds=round(time.perf_counter() - t_start, 2),
-             output_tokens_per_second=round(m["output_tokens_this_attempt"] / gen_seconds, 1) if gen_seconds else 0.0,
-             unique_prompts=len(set(keys.values())))
+             output_tokens_this_attempt=gen_tokens,
+             output_tokens_per_second=round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
+             unique_prompts=n_prompts, peak_rss_mb=_peak_rss_mb())
     manifest["engine"] = {"kind": cfg.engine.kind, "version": info.version if info else None,
                           "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
     maybe_crash("before_manifest")
@@ -291,11 +319,11 @@ def _error_row(r: dict, reason: str, prompt_tokens: int = 0) -> dict:
             "completion_tokens": 0, "cached": False, "error": reason}
 
 
-def _finish_shard(cfg: PipelineConfig, shard: dict, shard_dir: Location, chunks_dir: Location,
-                  rows: list[dict]) -> dict:
+def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_path) -> dict:
     """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order."""
     merged = _committed(chunks_dir)
-    missing = [r["id"] for r in rows if r["id"] not in merged]
+    expected = [r["id"] for r in iter_jsonl(shard_path)]
+    missing = [i for i in expected if i not in merged]
     if missing:
         raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
                            f"(first: {missing[:3]}); the engine dropped requests")
@@ -304,14 +332,12 @@ def _finish_shard(cfg: PipelineConfig, shard: dict, shard_dir: Location, chunks_
     bad = [r for r in ordered if r["error"]]
     write_jsonl(shard_dir.child("outputs.jsonl").path(), ok)
     write_jsonl(shard_dir.child("errors.jsonl").path(), bad)
-    this_attempt = sum(r["completion_tokens"] for r in ok if not r["cached"])
     return {
         "stage": "infer", "shard": shard["index"], "status": "ok",
         "outputs": shard_dir.child("outputs.jsonl").url, "errors": shard_dir.child("errors.jsonl").url,
-        "metrics": {"rows": len(rows), "ok": len(ok), "errors": len(bad),
+        "metrics": {"rows": len(expected), "ok": len(ok), "errors": len(bad),
                     "input_tokens": sum(r["prompt_tokens"] for r in ordered),
                     "output_tokens": sum(r["completion_tokens"] for r in ok),
-                    "output_tokens_this_attempt": this_attempt,
                     "chunks": len(list_files(chunks_dir.path(), ".jsonl"))},
         "checksum": hashlib.sha256(json.dumps([r["id"] for r in ordered]).encode()).hexdigest()[:16],
     }

@@ -12,25 +12,39 @@ from batch_llm.config import PipelineConfig, ShardingConfig
 from batch_llm.formats import PromptRow, detect_format, input_files, read_rows, to_prompt_row
 from batch_llm.storage import Location, write_jsonl, write_manifest
 
-# Rule for the default shard size (docs/benchmarks.md, "Engine start"): keep engine start under ~10 % of a
-# shard's time. vLLM starts in ~30-90 s (CPU, eager) / ~60-90 s (H200, compiled); one shard of 2048 rows at
-# 256 output tokens takes minutes on either, so start stays a small share.
-DEFAULT_ROWS_PER_SHARD = 2048
+def default_rows_per_shard(s: ShardingConfig, max_tokens: int) -> int:
+    """Rows per shard that keep engine start under ``max_engine_start_share`` of the shard's time:
+
+        start / (start + rows * max_tokens / tok_s) <= share  <=>  rows >= start * tok_s * (1 - share) / (share * max_tokens)
+
+    e.g. 70 s start, 15k tok/s, 256 tokens, 10 % → 36,915 rows (docs/benchmarks.md, "Engine start")."""
+    share = s.max_engine_start_share
+    rows = s.expected_engine_start_seconds * s.expected_output_tokens_per_second * (1 - share) / (share * max_tokens)
+    return max(256, math.ceil(rows))
 
 
-def shard_sizes(n: int, s: ShardingConfig) -> list[int]:
+def shard_sizes(n: int, s: ShardingConfig, max_tokens: int = 256) -> list[int]:
     if n == 0:
         return []
     if s.num_shards:
         k = min(s.num_shards, n)
     else:
-        k = math.ceil(n / (s.rows_per_shard or DEFAULT_ROWS_PER_SHARD))
+        k = math.ceil(n / (s.rows_per_shard or default_rows_per_shard(s, max_tokens)))
     base, extra = divmod(n, k)
     return [base + (1 if i < extra else 0) for i in range(k)]
 
 
 def _prompt_chars(r: PromptRow) -> int:
-    return sum(len(m["content"]) for m in r.messages)
+    return len(r.prompt_token_ids) * 4 if r.prompt_token_ids else sum(len(m["content"]) for m in r.messages)
+
+
+def _shard_row(r: PromptRow) -> dict:
+    row = {"id": r.id, "idx": r.idx, "messages": r.messages}
+    if r.prompt_token_ids:
+        row["prompt_token_ids"] = r.prompt_token_ids
+    if r.max_tokens:
+        row["max_tokens"] = r.max_tokens
+    return row
 
 
 def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location) -> dict:
@@ -66,13 +80,13 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location)
 
     shards = []
     start = 0
-    for i, size in enumerate(shard_sizes(len(valid), cfg.sharding)):
+    for i, size in enumerate(shard_sizes(len(valid), cfg.sharding, cfg.sampling.max_tokens)):
         part = valid[start:start + size]
         start += size
         if cfg.sharding.sort_by_length:
             part = sorted(part, key=_prompt_chars)
         loc = plan_dir.child(f"shard-{i:05d}.jsonl")
-        write_jsonl(loc.path(), ({"id": r.id, "idx": r.idx, "messages": r.messages} for r in part))
+        write_jsonl(loc.path(), (_shard_row(r) for r in part))
         shards.append({"index": i, "rows": size, "url": loc.url})
     write_jsonl(plan_dir.child("records.jsonl").path(), records)
     write_jsonl(plan_dir.child("errors.jsonl").path(), errors)

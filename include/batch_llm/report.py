@@ -66,7 +66,8 @@ def render_report(summary: dict, *, pipeline_root: Location | None = None, optio
     findings = diagnose(summary, gpus=gpus, tokens=tokens, options=opts)
     r = _Run(summary, tokens, findings, pipeline_root, opts)
     style = {"font.size": 8.5, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
-             "grid.alpha": 0.25, "axes.axisbelow": True, "legend.frameon": False, "axes.titlesize": 9.5,
+             "grid.alpha": 0.25, "axes.axisbelow": True, "legend.frameon": True, "legend.framealpha": 0.85,
+             "legend.edgecolor": "none", "axes.titlesize": 9.5,
              "axes.titleweight": "bold", "figure.dpi": DPI}
     sections = [("doctor", "What to change", _doctor), ("outcomes", "Rows by outcome", _outcomes),
                 ("throughput", "Throughput", _throughput), ("time", "Time per shard", _time),
@@ -144,8 +145,8 @@ def _header(r: _Run) -> str:
         ("dataset", s.get("dataset")), ("errors", s.get("errors")),
         ("EvalScope report", r.eval.get("report_html")),
     ]
-    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_code(v) if k in ('dataset', 'errors', 'EvalScope report', 'input') else _e(v)}</dd>"
-                 for k, v in facts if v)
+    paths = ("dataset", "errors", "EvalScope report", "input")
+    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_code(v) if k in paths else _e(v)}</dd>" for k, v in facts if v)
     tile_html = "".join(f'<div class="tile"><b>{_e(v)}</b><span>{_e(k)}</span></div>' for k, v in tiles)
     n_warn = sum(f.severity == "warning" for f in r.findings)
     verdict = (f'<span class="badge warning">{n_warn} warning{"s" if n_warn != 1 else ""}</span>' if n_warn else
@@ -164,7 +165,8 @@ def _doctor(r: _Run) -> str:
         f'<li class="finding {f.severity}"><div><span class="badge {f.severity}">{_e(f.severity)}</span> '
         f'<b>{_e(f.title)}</b></div><div class="ev">{_e(f.evidence)}</div>'
         f'<div class="chg">change: <code>{_e(f.change)}</code></div></li>' for f in r.findings)
-    return f'<ul class="findings">{items}</ul><p class="note">The same list: <code>batch-llm doctor &lt;this folder&gt;</code>.</p>'
+    return f'<ul class="findings">{items}</ul>' \
+        '<p class="note">The same list: <code>batch-llm doctor &lt;this folder&gt;</code>.</p>'
 
 
 def _outcomes(r: _Run) -> str:
@@ -239,7 +241,8 @@ def _throughput(r: _Run) -> str:
 def _time(r: _Run) -> str:
     rows = []
     for i, (s, m) in enumerate(zip(r.shards, r.metrics)):
-        start, gen, total = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0, m.get("seconds") or 0.0
+        start, gen = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0
+        total = m.get("seconds") or 0.0
         rows.append((s.get("shard", i), start, gen, max(0.0, total - start - gen), total))
     if not rows:
         return '<p class="note">No shard manifests in this summary.</p>'
@@ -268,9 +271,13 @@ def _time(r: _Run) -> str:
     ax.set_ylim(0, max(t[4] for t in rows) * 1.18 or 1)
     shares = [t[1] / t[4] for t in rows if t[4]]
     note = f"engine start is a median {statistics.median(shares):.0%} of a shard's time" if shares else ""
-    return _img(fig, "engine start and generation time per shard") + _pct_table(
-        [("engine start (s)", start), ("generation (s)", gen), ("other (s)", other), ("shard total (s)", [t[4] for t in rows])],
-        note=note)
+    img = _img(fig, "engine start and generation time per shard")
+    if not many:
+        total = sum(t[4] for t in rows)
+        return img + f'<p class="note">{_e(note)}; over all shards: {_num(sum(start), 1)} s engine start, ' \
+            f'{_num(sum(gen), 1)} s generation, {_num(sum(other), 1)} s other, {_num(total, 1)} s in all.</p>'
+    return img + _pct_table([("engine start (s)", start), ("generation (s)", gen), ("other (s)", other),
+                             ("shard total (s)", [t[4] for t in rows])], note=note)
 
 
 def _lengths(r: _Run) -> str:
@@ -352,7 +359,8 @@ def _scores(r: _Run) -> str:
         return f'<p class="note">EvalScope scoring was skipped: {_e(why)}.</p>'
     names = [metric] + [m for m in ("Rouge-1-F", "Rouge-2-F", "Rouge-L-F", "bleu-4", "bleu-1")
                         if m != metric and any(m in h["metrics"] for h in scored)]
-    names = [n for n in names if any(n in h["metrics"] for h in scored)][:4]
+    names = [n for n in names if any(n in h["metrics"] for h in scored)][:4] or \
+        [k for k, v in metrics.items() if isinstance(v, (int, float))][:4]
     fig, ax = _figure(7.2, 2.6)
     x = list(range(len(scored)))
     for k, name in enumerate(names):
@@ -369,7 +377,8 @@ def _scores(r: _Run) -> str:
                   ha="right" if len(scored) > 4 else "center")
     _thin_xticks(ax, len(scored))
     ax.set_xlim(-0.5, len(scored) - 0.5)
-    ax.set_ylim(0, max(1e-9, *(v for h in scored for n in names if (v := h["metrics"].get(n)) is not None)) * 1.2)
+    values = [v for h in scored for n in names if isinstance(v := h["metrics"].get(n), (int, float))]
+    ax.set_ylim(0, max(values, default=1.0) * 1.2 or 1.0)
     ax.set_title(f"EvalScope scores, this run and the {len(scored) - 1} partition(s) before it"
                  if len(scored) > 1 else "EvalScope scores (no earlier partitions to compare with)")
     ax.legend(loc="lower left", ncols=3, fontsize=7.5)

@@ -23,8 +23,10 @@ def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def prompt_key(prompt_token_ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(prompt_token_ids).encode()).hexdigest()
+def prompt_key(prompt_token_ids: list[int], max_tokens: int | None = None) -> str:
+    """The rendered prompt's token ids (plus a row's own max_tokens, when it sets one)."""
+    blob = json.dumps(prompt_token_ids if max_tokens is None else [prompt_token_ids, max_tokens])
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class ResultCache:

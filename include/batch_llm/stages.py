@@ -29,7 +29,7 @@ from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import FILE_SUFFIX, output_record, write_rows
 from batch_llm.storage import Location, exists, iter_jsonl, list_files, read_json, read_manifest, remove_tree, \
-    write_json, write_jsonl, write_manifest
+    write_bytes_atomic, write_json, write_jsonl, write_manifest
 
 
 class EvaluationBelowThreshold(RuntimeError):
@@ -210,8 +210,8 @@ def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict
                 if res.get(key):
                     src = Path(res[key])
                     dest = report_dir.child(src.name)
-                    dest.path().parent.mkdir(parents=True, exist_ok=True)
-                    dest.path().write_bytes(src.read_bytes())
+                    # Not mkdir + write_bytes: on S3, mkdir(parents=True) creates a missing bucket.
+                    write_bytes_atomic(dest.path(), src.read_bytes())
                     uploaded[key] = dest.url
         m = {"stage": "evaluate", "metrics": res["metrics"], "num_samples": res["num_samples"],
              "evalscope_version": res.get("evalscope_version"), "seconds": round(seconds, 2),

@@ -71,7 +71,7 @@ def is_local(path: UPath) -> bool:
     return getattr(path, "protocol", "") in ("", "file", "local")
 
 
-# Objects up to this size are one PUT; larger ones a multipart upload of parts this size (boto3's default
+# Objects smaller than this are one PUT; others a multipart upload of parts this size (boto3's default
 # multipart threshold and chunk size). s3fs's own default block is 50 MiB, and without fixed_upload_size it
 # sends everything buffered as one part: writing block-sized slices gives parts of one block each.
 MULTIPART_PART_BYTES = 8 * 2**20

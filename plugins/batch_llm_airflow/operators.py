@@ -47,8 +47,11 @@ class PipelineStageOperator(BaseOperator):
                                  source=f"params of {self.dag_id}")
         out = location(cfg.output.path, cfg.output.conn_id)
         inp = location(cfg.input.path.format(ds=run_date(context)), cfg.input.conn_id)
+        # A retry resumes in the same run folder; clearing the run in the UI starts a fresh one.
+        clears = getattr(context["dag_run"], "clear_number", 0) or 0
+        run_id = context["run_id"] + (f".clear{clears}" if clears else "")
         layout = RunLayout(output_root=out, pipeline=cfg.name, partition=cfg.output.partition.format(
-            ds=run_date(context)), run_id=context["run_id"], input=inp)
+            ds=run_date(context)), run_id=run_id, input=inp)
         return cfg, layout
 
 
@@ -198,9 +201,13 @@ class RunReportLink(BaseOperatorLink):
     def get_link(self, operator, *, ti_key) -> str:
         from airflow.sdk.execution_time.xcom import XCom
 
+        from batch_llm_airflow.report_app import report_href, split_conn
+
         value = XCom.get_value(ti_key=ti_key, key="return_value") or {}
         report = value.get("report") if isinstance(value, dict) else None
-        return f"/batch-llm/report?path={report}" if report else ""
+        out = (getattr(operator, "pipeline_config", None) or {}).get("output") or {}
+        conn_id = out.get("conn_id") or split_conn(str(out.get("path") or ""))[1]
+        return report_href(report, conn_id) if report else ""  # /batch-llm/report?path=<quoted url>
 
 
 class PublishOperator(PipelineStageOperator):

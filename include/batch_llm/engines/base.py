@@ -19,6 +19,7 @@ class GenRequest:
     key: str                      # unique within one generate() call
     prompt_token_ids: list[int]
     prompt_text: str = ""         # the rendered chat, for engines that take text
+    max_tokens: int | None = None  # a row's own limit (OpenAI batch bodies carry one); else the config's
 
 
 @dataclass

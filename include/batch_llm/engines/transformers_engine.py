@@ -55,14 +55,16 @@ class TransformersEngine(Engine):
                                device=self.device)
             mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
                                  for r in batch], device=self.device)
-            gen = dict(max_new_tokens=s.max_tokens, pad_token_id=pad, do_sample=s.temperature > 0)
+            limits = [min(r.max_tokens or s.max_tokens, s.max_tokens) for r in batch]
+            gen = dict(max_new_tokens=max(limits), pad_token_id=pad, do_sample=s.temperature > 0)
             if s.temperature > 0:
                 gen.update(temperature=s.temperature, top_p=s.top_p)
             if s.ignore_eos:
                 gen.update(eos_token_id=None)
             with torch.inference_mode():
                 out = self.model.generate(input_ids=ids, attention_mask=mask, **gen)
-            for r, row in zip(batch, out[:, width:].tolist()):
+            for r, row, limit in zip(batch, out[:, width:].tolist(), limits):
+                row = row[:limit]
                 n, reason = len(row), "length"
                 for i, t in enumerate(row):
                     if t in eos and not s.ignore_eos:

@@ -67,7 +67,8 @@ class VllmEngine(Engine):
 
         s = self.sampling
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                seed=s.seed, stop=s.stop or None, ignore_eos=s.ignore_eos)
+                                seed=s.seed, stop=s.stop or None, ignore_eos=s.ignore_eos,
+                                detokenize=not self.cfg.extra.get("skip_tokenizer_init", False))
         engine = self.llm.llm_engine
         # Enough requests queued to keep every batch slot busy, few enough to bound memory.
         max_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
@@ -82,7 +83,11 @@ class VllmEngine(Engine):
                     exhausted = True
                     break
                 try:
-                    engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params)
+                    p = params
+                    if req.max_tokens and req.max_tokens != s.max_tokens:
+                        p = params.clone()
+                        p.max_tokens = min(req.max_tokens, s.max_tokens)
+                    engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
                     inflight += 1
                 except Exception as e:  # noqa: BLE001 - a rejected request is an error row, not a crash
                     yield GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
