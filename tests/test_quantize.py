@@ -181,10 +181,15 @@ def test_vllm_serves_the_export(export, tmp_path):
     script.write_text(VLLM_SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=480)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
+    log_file = tmp_path / "vllm.log"
+    with open(log_file, "w") as log:
+        proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=log, text=True, timeout=540)
+    output = proc.stdout + log_file.read_text()
+    if proc.returncode != 0:
+        errors = [x for x in output.splitlines() if "Error" in x or "error" in x][:30]
+        pytest.fail(f"vLLM failed (exit {proc.returncode}); log {log_file}\nerror lines:\n" + "\n".join(errors)
+                    + "\n--- tail ---\n" + output[-3000:])
     assert "CompressedTensorsWNA16" in output  # quantization detected from config.json, 4-bit kernel
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     got = json.loads(line.removeprefix("RESULT "))

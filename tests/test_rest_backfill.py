@@ -49,7 +49,7 @@ def services(tmp_path_factory, demo_model_dir, request):
         print_on_failure(request, svc, failed_before)
         killed = svc.stop()
         print(f"services: {svc.timings}; needed SIGKILL: {killed}")
-        assert not svc.procs.marked_pids(), "processes left behind"
+        assert not svc.procs.leftovers(), "processes left behind"
 
 
 def midnight(day: dt.date) -> str:

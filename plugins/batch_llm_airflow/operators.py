@@ -6,6 +6,7 @@ only the stage's manifest (small); artifacts live in object storage.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ from batch_llm import stages
 from batch_llm.config import PipelineConfig, parse_config
 from batch_llm.stages import RunLayout
 from batch_llm_airflow.params import overrides_from_params
-from batch_llm_airflow.storage_bridge import location, storage_options
+from batch_llm_airflow.storage_bridge import StorageTarget, location, storage_errors, storage_options
 
 
 def run_date(context: Context) -> str:
@@ -29,11 +30,29 @@ def run_date(context: Context) -> str:
     return when.date().isoformat()
 
 
+def _naming_storage_errors(execute):
+    @functools.wraps(execute)
+    def wrapper(self, *args, **kwargs):
+        with storage_errors(lambda: getattr(self, "_storage_targets", [])):
+            return execute(self, *args, **kwargs)
+
+    return wrapper
+
+
 class PipelineStageOperator(BaseOperator):
-    """Base of the stage operators: resolves the config (YAML + Params) and the run's storage layout."""
+    """Base of the stage operators: resolves the config (YAML + Params) and the run's storage layout.
+
+    Every stage's ``execute`` runs inside ``storage_errors``: refused credentials or a missing bucket or path
+    fail naming the Airflow connection and the path, not as a bare ``PermissionError: Forbidden``."""
 
     template_fields: Sequence[str] = ("config_overrides",)
     ui_color = "#e8f0fe"
+    reads_input = False  # the input location is among the suspects of a storage error (plan_shards)
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "execute" in cls.__dict__:
+            cls.execute = _naming_storage_errors(cls.__dict__["execute"])
 
     def __init__(self, *, pipeline_config: dict, config_overrides: dict | None = None, **kwargs: Any):
         super().__init__(**kwargs)
@@ -52,6 +71,8 @@ class PipelineStageOperator(BaseOperator):
         run_id = context["run_id"] + (f".clear{clears}" if clears else "")
         layout = RunLayout(output_root=out, pipeline=cfg.name, partition=cfg.output.partition.format(
             ds=run_date(context)), run_id=run_id, input=inp)
+        self._storage_targets = [StorageTarget(cfg.output.conn_id, out)] + (
+            [StorageTarget(cfg.input.conn_id, inp, must_exist=True)] if self.reads_input else [])
         return cfg, layout
 
 
@@ -79,6 +100,8 @@ class AwqExportOperator(PipelineStageOperator):
 
 
 class PlanShardsOperator(PipelineStageOperator):
+    reads_input = True
+
     def execute(self, context: Context) -> list[dict]:
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it."""
         cfg, layout = self.resolve(context)
