@@ -18,12 +18,15 @@ Airflow starts beside the scheduler, the triggerer and Celery workers bind every
 ``airflow.utils.serve_logs``, with no setting to change it), so they are all started with
 ``--skip-serve-logs`` (task logs are read from the shared local log folder instead); the scheduler's health
 check server stays off (``[scheduler] enable_health_check`` False). Redis and PostgreSQL (CeleryExecutor
-test) get ``bind 127.0.0.1`` / ``listen_addresses=127.0.0.1``.
+test) get ``bind 127.0.0.1`` / ``listen_addresses=127.0.0.1``. ``assert_loopback_only()`` checks it
+(/proc/net/tcp{,6} against the sockets of every process under the services); ``start()`` calls it.
 
 Clean-up: each service runs in a session (process group) of its own; ``stop()`` sends SIGTERM to every
-group, waits, then SIGKILLs what is left. Every process also carries ``BATCH_LLM_TEST_SERVICES=<uuid>`` in
-its environment, so processes that left their group (the engine worker of a batch inference task starts a
-group of its own) are found through /proc and ended too.
+group (Airflow first, then PostgreSQL/Redis), waits, then SIGKILLs what is left. Processes that left their
+group are ended too: the ones under a service when stop() begins (Airflow's task processes and the batch
+inference engine worker start sessions of their own), found by walking /proc's parent links, and any that
+carries ``BATCH_LLM_TEST_SERVICES=<uuid>`` in its environment (an orphan reparented to init; processes that
+set their title, as Airflow's and Redis do, overwrite that environment block, hence the walk).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +133,7 @@ class ProcessGroup:
         """Runs a one-off command to completion (output appended to <name>.log); raises with its tail."""
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as f:
-            p = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            p = subprocess.run(argv, check=False, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**self.env, **(env or {})}, cwd=str(cwd or ROOT), timeout=timeout, user=user)
         if p.returncode:
             raise RuntimeError(f"{' '.join(argv)} exited with {p.returncode}:\n{_tail(log, 40)}")
@@ -305,8 +308,8 @@ def _group_alive(pgid: int) -> bool:
 # ------------------------------------------------------------------------------------- Redis, PostgreSQL
 def ensure_system_services() -> None:
     """``scripts/services.sh ensure``: apt-installs redis-server / postgresql when missing (root)."""
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "services.sh"), "ensure"], capture_output=True,
-                       text=True, timeout=900)
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "services.sh"), "ensure"], check=False,
+                       capture_output=True, text=True, timeout=900)
     if p.returncode:
         raise RuntimeError(f"scripts/services.sh ensure failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
 

@@ -109,3 +109,4 @@ def test_inference_runs_on_gpu_worker_rest_on_default(celery_services):
     assert current["run_id"] == run["dag_run_id"], current
     got = [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
     assert sorted(got) == sorted(ids[day.isoformat()]) and len(got) == len(set(got)), got
+    svc.assert_loopback_only()   # scheduler, api-server, both workers, Redis, PostgreSQL

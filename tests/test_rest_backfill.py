@@ -126,6 +126,7 @@ def test_backfill_three_days_through_rest(services):
     infer = [t for t in tis if t["task_id"].endswith("batch_inference")]
     assert len(infer) == 1 and infer[0]["pool"] == "gpu" and infer[0]["queue"] == "gpu", infer
     assert {t["state"] for t in tis} == {"success"}, [(t["task_id"], t["state"]) for t in tis]
+    svc.assert_loopback_only()
 
 
 def test_trigger_without_logical_date_writes_run_after_partition(services):
@@ -140,3 +141,4 @@ def test_trigger_without_logical_date_writes_run_after_partition(services):
     # previous one is kept (publish keeps the current and the previous version).
     assert len(versions(part)) == 2, versions(part)
     assert Path(Location(current["version"]).path()) in versions(part)
+    svc.assert_loopback_only()

@@ -15,7 +15,8 @@ from batch_llm.storage import Location, iter_jsonl, list_files
 from batch_llm.worker import WorkerFailed, WorkerHandle
 from helpers import demo_config
 
-SPEC_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=4, engine__commit_every_rows=4,
+# batch_size 1: no padding, so greedy outputs do not depend on which rows share a batch after a resume.
+SPEC_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=1, engine__commit_every_rows=4,
                       sharding__num_shards=1, sampling__max_tokens=16, cache__enabled=False)
 
 

@@ -124,7 +124,7 @@ def check_group_size(model_dir: str | Path, group_size: int) -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return  # the exporter reports a broken model folder itself
-    config = config.get("text_config", config)
+    config = config.get("text_config") or config
     sizes = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
     if isinstance(config.get("num_attention_heads"), int):
         head_dim = config.get("head_dim") or (sizes.get("hidden_size", 0) // config["num_attention_heads"])
@@ -151,14 +151,15 @@ def quantize_model(model_dir: str, cfg: QuantizeConfig, *, model_key: str) -> di
 
     ``model_key`` identifies the source weights (model id, revision and a content hash, chosen by the
     caller); together with the scheme, method, group size and calibration settings it keys the cache.
-    Result: ``{"model_dir", "cache_hit", "seconds", "method", "scheme", "group_size", "size_bytes", ...}``.
+    Result: the export's info (``method``, ``scheme``, ``group_size``, ``size_bytes``, ``export_seconds``,
+    ...) plus ``model_dir``, ``cache_hit`` and ``seconds`` (this call's wall time).
     """
     out_dir = cache_entry_dir(cfg, model_key)
     started = time.monotonic()
     info = read_export_info(out_dir)
     if info is not None:
         log.info("quantize: cache hit %s", out_dir)
-        return {**info, "model_dir": str(out_dir), "cache_hit": True, "seconds": time.monotonic() - started}
+        return _result(info, out_dir, True, started)
 
     check_settings(model_dir, cfg)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -172,13 +173,19 @@ def quantize_model(model_dir: str, cfg: QuantizeConfig, *, model_key: str) -> di
         info = read_export_info(out_dir)  # the other process may have finished it meanwhile
         if info is not None:
             log.info("quantize: cache hit %s (exported by another process)", out_dir)
-            return {**info, "model_dir": str(out_dir), "cache_hit": True,
-                    "seconds": time.monotonic() - started}
+            return _result(info, out_dir, True, started)
+        for stale in out_dir.parent.glob(f".{out_dir.name}.*.partial"):  # left by a killed exporter
+            shutil.rmtree(stale, ignore_errors=True)
         _run_exporter(Path(model_dir), out_dir, cfg)
     info = read_export_info(out_dir)
     if info is None:
         raise QuantizeError(f"quantize: the exporter finished but {out_dir} holds no complete export")
-    return {**info, "model_dir": str(out_dir), "cache_hit": False, "seconds": time.monotonic() - started}
+    return _result(info, out_dir, False, started)
+
+
+def _result(info: dict, out_dir: Path, cache_hit: bool, started: float) -> dict:
+    return {**info, "export_seconds": info.get("seconds"), "model_dir": str(out_dir), "cache_hit": cache_hit,
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 def _run_exporter(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> None:

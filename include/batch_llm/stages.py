@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch_llm import content_filter as _filter
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
@@ -151,6 +150,8 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: dict, shards: l
 
     summary: dict = {}
     if cfg.filter.enabled:
+        from batch_llm import content_filter as _filter  # pyahocorasick is not needed on GPU workers
+
         kept = list(_filter.filter_rows(rows(), cfg.filter, opts, summary=summary))
     else:
         kept = list(rows())

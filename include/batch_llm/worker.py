@@ -66,6 +66,9 @@ class WorkerHandle:
             self.tail = (self.tail + [line])[-40:]
             on_line(line)
         rc = self.proc.wait()
+        # Engine processes (vLLM's engine core) outlive a worker that died by SIGKILL and keep the GPU's
+        # memory; they share the worker's process group, so end the group whatever the exit was.
+        stop_process_group(self.proc.pid, grace_seconds=10)
         if rc == 0 and result is not None:
             return result
         reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)

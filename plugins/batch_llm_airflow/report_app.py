@@ -280,11 +280,12 @@ a{{color:#2a5db0}}.note{{color:#5b6472}}</style></head><body><h1>Batch LLM repor
 
 
 def render_index(reports: list[dict]) -> str:
+    """The list page. Its links open in place: inside the UI it is an iframe sandboxed without popups."""
     if not reports:
         return _INDEX.format(body='<p class="note">No published run reports yet (or none you may read).</p>')
     rows = "".join(
         f"<tr><td>{html.escape(r['dag_id'])}</td><td>{html.escape(r['partition'])}</td>"
-        f"<td><a href=\"{html.escape(report_href(r['url'], r['conn_id']))}\" target=\"_blank\">"
+        f"<td><a href=\"{html.escape(report_href(r['url'], r['conn_id']))}\">"
         f"{html.escape(r['version'])}</a></td></tr>" for r in reports)
     return _INDEX.format(body=f"<table><tr><th>pipeline</th><th>partition</th><th>version</th></tr>{rows}"
                               "</table>")
