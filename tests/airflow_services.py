@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batch_llm.worker import process_group_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 MARKER = "BATCH_LLM_TEST_SERVICES"
@@ -210,17 +212,17 @@ class ProcessGroup:
         for tier in sorted({s.tier for s in self.services}, reverse=True):
             group = [s for s in self.services if s.tier == tier]
             for s in group:
-                if s.proc.poll() is None or _group_alive(s.proc.pid):
+                if s.proc.poll() is None or process_group_alive(s.proc.pid):
                     _killpg(s.proc.pid, s.stop_signal)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline:
                 for s in group:
                     s.proc.poll()
-                if not any(_group_alive(s.proc.pid) for s in group):
+                if not any(process_group_alive(s.proc.pid) for s in group):
                     break
                 time.sleep(0.3)
             for s in group:
-                if _group_alive(s.proc.pid):
+                if process_group_alive(s.proc.pid):
                     killed.append(s.proc.pid)
                     _killpg(s.proc.pid, signal.SIGKILL)
                 try:
@@ -283,26 +285,6 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie group leader alone still answers; look for a live member
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
 
 
 # ------------------------------------------------------------------------------------- Redis, PostgreSQL

@@ -117,7 +117,7 @@ def quantize(cfg: PipelineConfig, layout: RunLayout, model: dict) -> dict:
 
         q = quantize_model(model["local_dir"], cfg.quantize, model_key=model["model_key"])
         m = {**model, "stage": "quantize", "quantized": True, "quantization": q,
-             "local_dir": q["model_dir"], "model_key": f"{model['model_key']}+{cfg.quantize.scheme}-{cfg.quantize.method}"}
+             "local_dir": q["model_dir"], "model_key": f"{model['model_key']}+{Path(q['model_dir']).name}"}
     write_manifest(layout.stage("quantize").path(), m)
     return m
 

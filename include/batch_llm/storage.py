@@ -78,8 +78,8 @@ MULTIPART_PART_BYTES = 8 * 2**20
 
 
 def write_bytes_atomic(path: UPath, data: bytes) -> None:
-    """Writes the whole object at once: a rename on a local disk; elsewhere one PUT, or above
-    ``MULTIPART_PART_BYTES`` one multipart upload, which the store makes visible only when it completes."""
+    """Writes the whole object at once: a rename on a local disk; elsewhere one PUT, or from
+    ``MULTIPART_PART_BYTES`` on one multipart upload, which the store makes visible only when it completes."""
     if is_local(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -94,6 +94,7 @@ def write_bytes_atomic(path: UPath, data: bytes) -> None:
         view = memoryview(data)
         for start in range(0, len(view), MULTIPART_PART_BYTES):
             f.write(view[start:start + MULTIPART_PART_BYTES])  # a full block uploads one part
+        f.close()  # the single PUT, or the last part and CompleteMultipartUpload
     except BaseException:
         # Not ``with``: fsspec's close() would complete the upload with the parts sent so far, committing a
         # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
@@ -102,9 +103,11 @@ def write_bytes_atomic(path: UPath, data: bytes) -> None:
                 f.discard()
         except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
             pass
-        f.closed = True
+        try:
+            f.closed = True  # fsspec files: no completing close() from __del__ later
+        except AttributeError:
+            pass
         raise
-    f.close()  # the single PUT, or the last part and CompleteMultipartUpload
 
 
 def write_text_atomic(path: UPath, text: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -57,18 +58,47 @@ class WorkerHandle:
         return self.proc.pid
 
     def wait(self, on_line: Callable[[str], None] = print) -> dict:
+        """Streams the worker's lines to ``on_line`` until it exits; returns its result or raises."""
+        lines: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
         result = None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
+
+        def handle(line: str) -> None:
+            nonlocal result
             if line.startswith(RESULT_PREFIX):
                 result = json.loads(line[len(RESULT_PREFIX):])
+            else:
+                self.tail = (self.tail + [line])[-40:]
+                on_line(line)
+
+        # Not "read until EOF": an engine process orphaned by a worker killed with SIGKILL still holds the
+        # pipe open. Watch the worker itself, then end its group (which closes the pipe) and drain.
+        while True:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
                 continue
-            self.tail = (self.tail + [line])[-40:]
-            on_line(line)
+            if line is None:
+                break
+            handle(line)
         rc = self.proc.wait()
         # Engine processes (vLLM's engine core) outlive a worker that died by SIGKILL and keep the GPU's
         # memory; they share the worker's process group, so end the group whatever the exit was.
         stop_process_group(self.proc.pid, grace_seconds=10)
+        reader.join(timeout=10)
+        while not lines.empty():
+            line = lines.get_nowait()
+            if line is not None:
+                handle(line)
         if rc == 0 and result is not None:
             return result
         reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)

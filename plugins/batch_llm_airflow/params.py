@@ -40,6 +40,8 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
         extra = {"enum": ENGINES} if name == "engine" else {}
+        if name == "filter_lists":  # without an item type the trigger form treats it as a list of strings
+            extra = {"items": {"type": "object"}}
         out[name] = Param(_get(cfg, key), type=typ, title=name.replace("_", " "), description=desc, **extra)
     return out
 
