@@ -217,3 +217,24 @@ def test_reporter_progress_bar_on_a_terminal():
 
 def test_console_script_is_declared():
     assert 'batch-llm = "batch_llm.cli:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_cli_run_end_to_end_then_report_and_doctor(tmp_path, demo_model_dir):
+    """``batch-llm run`` through the same stages (transformers engine: seconds to start), then ``report``."""
+    import json
+
+    out = tmp_path / "cli_out"
+    run = subprocess.run(
+        [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--output", str(out), "--ds", "2026-11-07",
+         "--plain", "--set", "engine.kind=transformers", "--set", "sampling.max_tokens=12",
+         "--set", "sharding.num_shards=1", "--set", "evaluate.enabled=false"],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "progress:" in run.stdout
+    current = json.loads((out / "batch_llm_demo" / "dt=2026-11-07" / "_CURRENT.json").read_text())
+    rows = [json.loads(x) for x in open(current["dataset"].removeprefix("file://"))]
+    assert len(rows) == 20 and all(r["output"].strip() for r in rows)
+    assert (out / "batch_llm_demo" / "dt=2026-11-07").exists() and current.get("report")
+    rep = subprocess.run([sys.executable, "-m", "batch_llm", "report", str(out / "batch_llm_demo")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0 and "report.html" in rep.stdout, rep.stdout + rep.stderr

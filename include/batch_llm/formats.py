@@ -16,7 +16,7 @@ from typing import Any
 from upath import UPath
 
 from batch_llm.config import InputConfig
-from batch_llm.storage import is_local, list_files, write_bytes_atomic
+from batch_llm.storage import list_files, write_bytes_atomic
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -250,9 +250,7 @@ def write_rows(path: UPath, rows: Iterable[dict], fmt: str) -> int:
         data = sink.getvalue().to_pybytes()
     else:
         raise ValueError(f"unknown output format {fmt!r}")
-    if not is_local(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(path, data)
+    write_bytes_atomic(path, data)  # no mkdir on S3: it would create a mistyped bucket
     return len(rows)
 
 

@@ -64,7 +64,11 @@ def join_url(url: str, *parts: str) -> str:
 def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
     if "://" not in url or url.startswith("file://"):
         return UPath(os.path.abspath(url.removeprefix("file://")))
-    return UPath(url, **(options or {}))
+    opts = dict(options or {})
+    if url.startswith(("s3://", "s3a://")):
+        # dag.test() and the CLI run every stage in one process; a cached listing would hide later writes.
+        opts.setdefault("use_listings_cache", False)
+    return UPath(url, **opts)
 
 
 def is_local(path: UPath) -> bool:
