@@ -200,6 +200,7 @@ def main() -> None:
         summary["stage_over_hf"] = round(results["stage"]["tok_s"] / results["hf"]["tok_s"], 2)
     print("SUMMARY " + json.dumps(summary), flush=True)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as f:
             f.write(json.dumps({"summary": summary, "results": results}) + "\n")
 

@@ -2,10 +2,11 @@
 
 How a shard is run::
 
-    rows ─> render chat + tokenize ─> error rows (bad template, over-long prompt)
-                                   └> cache lookup ─> hits become results without the engine
-                                                  └> identical prompts folded into one request
-                                                        └> engine (streamed) ─> chunks committed as they finish
+    rows (streamed) ─> key = chat or token ids (+ row max_tokens); template and sampling in the namespace
+                        └> cache lookup ─> hits become results without the engine (or a tokenizer)
+                        └> identical prompts folded into one request
+    rows (streamed again) ─> render + tokenize ─> error rows (template rejects the chat, prompt too long)
+                          └> engine (streamed requests) ─> chunks committed as results finish
 
 Committed chunks are immutable files under ``<shard>/chunks/``; a retry reads them, skips every committed
 row id and generates only the rest. The final ``outputs.jsonl`` is merged from the chunks (one row per id,
@@ -128,6 +129,22 @@ class _Progress:
                      f"ETA {eta:.0f}s")
 
 
+def chat_template_text(model_dir: str, override: str | None) -> str:
+    """The chat template the tokenizer will use, read from the model's files (no tokenizer load)."""
+    if override:
+        return override
+    from pathlib import Path
+
+    jinja = Path(model_dir) / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        value = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError):
+        return ""
+    return value if isinstance(value, str) else json.dumps(value or "")
+
+
 def _load_tokenizer(model_dir: str, chat_template: str | None):
     from transformers import AutoTokenizer
 
@@ -192,7 +209,8 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
 
     dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
     max_len = cfg.engine.max_model_len
-    errors: list[dict] = []
+    # Keys come from the chat (or token ids) plus the chat template in the namespace: the same thing as the
+    # rendered prompt, known without loading a tokenizer, so a fully cached shard costs almost nothing.
     groups: dict[str, list[dict]] = {}   # request key -> rows {id, idx} that share its result
     first_row: dict[str, str] = {}       # row id -> request key, for the row whose prompt is sent
     n_rows = 0
@@ -200,16 +218,8 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         n_rows += 1
         if r["id"] in done:
             continue
-        try:
-            _, ids = render(r)
-        except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
-            errors.append(_error_row(r, f"chat template failed: {e}"))
-            continue
-        if max_len and len(ids) >= max_len:
-            errors.append(_error_row(r, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}",
-                                     prompt_tokens=len(ids)))
-            continue
-        key = prompt_key(ids, r.get("max_tokens"))
+        basis = ["ids", r["prompt_token_ids"]] if "prompt_token_ids" in r else ["chat", r["messages"]]
+        key = prompt_key(basis, r.get("max_tokens"))
         rk = key if dedupe else f"{key}#{r['id']}"
         if rk not in groups:
             groups[rk] = []
@@ -218,14 +228,15 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     n_prompts = len({rk.split("#")[0] for rk in groups})
 
     sampling = cfg.sampling.model_dump()
-    ns = namespace(model_key=model_key, chat_template=tok.chat_template if tok else "", sampling=sampling,
+    ns = namespace(model_key=model_key, chat_template=chat_template_text(model_dir, cfg.model.chat_template),
+                   sampling=sampling,
                    engine_kind=cfg.engine.kind)
     cache = ResultCache(cache_root, ns) if (cache_root is not None and cfg.cache.enabled) else None
     hits = cache.lookup({rk.split("#")[0] for rk in groups}) if cache else {}
 
     progress = _Progress(total=n_rows, say=say, every=cfg.engine.progress_every_seconds)
     progress.done = len(done)
-    pending: list[dict] = list(errors)
+    pending: list[dict] = []
     cache_new: list[dict] = []
     chunk_seq = len(list_files(chunks_dir.path(), ".jsonl"))
     last_commit = time.perf_counter()
@@ -253,13 +264,28 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
             progress.tick(1, 0)
     commit()
 
+    def fail_group(rk: str, reason: str, prompt_tokens: int = 0) -> None:
+        group = groups.pop(rk)
+        pending.extend(_error_row(r, reason, prompt_tokens=prompt_tokens) for r in group)
+        progress.tick(len(group), 0)
+
     def requests() -> Iterator[GenRequest]:
-        """Second pass over the shard: one request per prompt still to generate, in the planner's order."""
+        """Second pass over the shard: one request per prompt still to generate, in the planner's order.
+        Rows that cannot become a request (the template rejects the chat, the prompt is longer than the
+        context) become error rows here."""
         for r in iter_jsonl(shard_path):
             rk = first_row.get(r["id"])
-            if rk is not None and rk in groups:
+            if rk is None or rk not in groups:
+                continue
+            try:
                 text, ids = render(r)
-                yield GenRequest(key=rk, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
+            except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
+                fail_group(rk, f"chat template failed: {e}")
+                continue
+            if max_len and len(ids) >= max_len:
+                fail_group(rk, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}", len(ids))
+                continue
+            yield GenRequest(key=rk, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
 
     info: EngineInfo | None = None
     gen_seconds = 0.0

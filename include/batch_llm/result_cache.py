@@ -1,7 +1,7 @@
 """The result cache: generated rows keyed by content, in object storage, safe under concurrent shards.
 
 A key hashes everything that decides an output: the model (id, revision, content hash, quantization), the
-chat template, the sampling parameters and the rendered prompt's token ids. Entries are written as
+chat template, the sampling parameters and the prompt that is rendered (chat messages or token ids). Entries are written as
 immutable segment files with unique names (one per committed chunk), so concurrent shards never write the
 same object, and a reader simply takes the union. A hit is only ever a byte-exact earlier result for the
 same key.
@@ -23,9 +23,10 @@ def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def prompt_key(prompt_token_ids: list[int], max_tokens: int | None = None) -> str:
-    """The rendered prompt's token ids (plus a row's own max_tokens, when it sets one)."""
-    blob = json.dumps(prompt_token_ids if max_tokens is None else [prompt_token_ids, max_tokens])
+def prompt_key(prompt: list | dict, max_tokens: int | None = None) -> str:
+    """What is rendered: the chat messages (the template is in the namespace) or pre-tokenized ids, plus a
+    row's own max_tokens when it sets one."""
+    blob = json.dumps(prompt if max_tokens is None else [prompt, max_tokens], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 
-from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
+from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, OutputTail, \
     classify_start_failure
 
 
@@ -28,18 +28,24 @@ class VllmEngine(Engine):
         return {k: v for k, v in args.items() if v is not None}
 
     def start(self) -> EngineInfo:
-        # The CPU backend sizes its KV cache from this variable, not from gpu_memory_utilization.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or \
-            str(self.cfg.cpu_kv_cache_gib)
+        # The CPU backend sizes its KV cache from this variable, not from gpu_memory_utilization; an explicit
+        # kv_cache_memory_bytes in engine.extra wins (the variable would override it).
+        if "kv_cache_memory_bytes" in self.cfg.extra:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or \
+                str(self.cfg.cpu_kv_cache_gib)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
+        tail = OutputTail()
         try:
             import vllm
             from vllm import LLM
 
-            self.llm = LLM(**self._constructor_args())
+            with tail.capture():
+                self.llm = LLM(**self._constructor_args())
         except Exception as e:  # noqa: BLE001 - classified and re-raised
-            memory, suggested = classify_start_failure(_exception_text(e))
+            memory, suggested = classify_start_failure(_exception_text(e) + "\n" + tail.text())
             raise EngineStartError(f"vLLM failed to start: {e}", memory=memory,
                                    suggested_max_model_len=suggested) from e
         vc = self.llm.llm_engine.vllm_config
