@@ -60,9 +60,14 @@ def test_params_override_through_the_same_model(tmp_path):
 
     cfg = load_config(DEMO_YAML)
     params = {k: p.value for k, p in params_for(cfg).items()}
-    params.update(temperature=0.7, rows_per_shard=5)
+    assert params["filter_lists"][0] == "mask en builtin:en"
+    params.update(temperature=0.7, rows_per_shard=5, filter_lists=["drop zh builtin:zh", "flag mine /tmp/w.txt"])
     new = cfg.with_overrides(overrides_from_params(params, cfg))
     assert new.sampling.temperature == 0.7
+    assert [(w.action, w.name, w.path) for w in new.filter.lists] == [("drop", "zh", "builtin:zh"),
+                                                                     ("flag", "mine", "/tmp/w.txt")]
+    with pytest.raises(ConfigError, match=r"filter.lists.0.action"):
+        cfg.with_overrides(overrides_from_params({**params, "filter_lists": ["burn zh builtin:zh"]}, cfg))
     assert new.sharding.rows_per_shard == 5 and new.sharding.num_shards is None
     with pytest.raises(ConfigError, match="sampling.top_p"):
         cfg.with_overrides({"sampling.top_p": 2})

@@ -246,9 +246,14 @@ def test_trigger_from_ui_and_open_run_report(services, browser):
     run_page = f"{base}/dags/{DAG_ID}/runs/{quote(run_id, safe='')}"
     page.goto(run_page)
     page.get_by_role("button", name=re.compile("Show Graph")).click()
+    expect(page.locator(".react-flow__node").first).to_be_visible()
+    # The pipeline's tasks sit in a task group, drawn collapsed: expand it once the graph is drawn.
     expand = page.get_by_role("button", name="Expand all task groups")
-    if expand.count():
-        expand.click()
+    deadline = time.monotonic() + 30
+    while page.locator(".react-flow__node").count() < 7 and time.monotonic() < deadline:
+        if expand.count() and expand.first.is_visible():
+            expand.first.click()
+        time.sleep(1)
     nodes = wait_graph(page, 60)
     assert nodes >= 7, f"graph shows {nodes} nodes"
     expect(page.locator(".react-flow").get_by_text("publish", exact=True)).to_be_visible()

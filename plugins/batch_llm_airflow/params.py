@@ -21,7 +21,8 @@ PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
     "seed": ("sampling.seed", ["integer", "null"], "Sampling seed (fixed seed: reproducible, cacheable)"),
     "rows_per_shard": ("sharding.rows_per_shard", ["integer", "null"], "Rows per inference task (or set num_shards)"),
     "num_shards": ("sharding.num_shards", ["integer", "null"], "Number of inference tasks (or set rows_per_shard)"),
-    "filter_lists": ("filter.lists", "array", "Sensitive-word lists: [{name, path, action: flag|mask|drop}]"),
+    "filter_lists": ("filter.lists", "array", "Sensitive-word lists, one per line: ACTION NAME PATH "
+                     "(action flag, mask or drop; path a file, s3://… or builtin:en / builtin:zh)"),
     "evaluate": ("evaluate.enabled", "boolean", "Score outputs with EvalScope when references exist"),
     "min_score": ("evaluate.min_score", ["number", "null"], "Fail the run below this score (evaluate.metric)"),
     "use_cache": ("cache.enabled", "boolean", "Reuse cached results for unchanged prompts"),
@@ -40,16 +41,28 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
         extra = {"enum": ENGINES} if name == "engine" else {}
-        if name == "filter_lists":  # without an item type the trigger form treats it as a list of strings
-            extra = {"items": {"type": "object"}}
-        out[name] = Param(_get(cfg, key), type=typ, title=name.replace("_", " "), description=desc, **extra)
+        default = _get(cfg, key)
+        if name == "filter_lists":  # the trigger form edits lists of strings well, lists of objects not at all
+            default = [f"{wl['action']} {wl['name']} {wl['path']}" for wl in default]
+            extra = {"items": {"type": "string"}}
+        out[name] = Param(default, type=typ, title=name.replace("_", " "), description=desc, **extra)
     return out
+
+
+def _word_list(item: Any) -> Any:
+    """"mask en builtin:en" → {action, name, path}; anything else goes to validation as it is."""
+    if isinstance(item, str) and len(item.split(maxsplit=2)) == 3:
+        action, name, path = item.split(maxsplit=2)
+        return {"action": action, "name": name, "path": path}
+    return item
 
 
 def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
     """Dotted-key overrides from the run's params. rows_per_shard and num_shards exclude each other: the one
     the user changed from the pipeline's default wins."""
     over = {PARAM_KEYS[k][0]: v for k, v in params.items() if k in PARAM_KEYS}
+    if isinstance(over.get("filter.lists"), list):
+        over["filter.lists"] = [_word_list(item) for item in over["filter.lists"]]
     rps, ns = over.get("sharding.rows_per_shard"), over.get("sharding.num_shards")
     if rps and ns:
         if rps != cfg.sharding.rows_per_shard:
