@@ -212,10 +212,27 @@ def test_trigger_from_ui_and_open_run_report(services, browser):
     # 3. the trigger form: every Param with its description, the YAML's values as defaults
     from batch_llm_airflow.params import PARAM_KEYS
 
-    page.get_by_role("button", name="Trigger").first.click()
-    dialog = page.get_by_role("dialog")
-    expect(dialog).to_be_visible()
-    expect(dialog.get_by_text("Run Parameters")).to_be_visible()
+    first_param = next(iter(PARAM_KEYS.values()))[2]
+    for attempt in range(3):
+        # The form sometimes opens before the DAG's params have loaded (seen in CI): if the fields are not
+        # there, unfold "Run Parameters", and failing that reopen the form on a fresh page.
+        page.get_by_role("button", name="Trigger").first.click()
+        dialog = page.get_by_role("dialog")
+        expect(dialog).to_be_visible()
+        expect(dialog.get_by_text("Run Parameters")).to_be_visible()
+        field = dialog.get_by_text(first_param, exact=True)
+        try:
+            expect(field).to_be_visible(timeout=20_000)
+            break
+        except AssertionError:
+            dialog.get_by_text("Run Parameters").first.click()
+            try:
+                expect(field).to_be_visible(timeout=10_000)
+                break
+            except AssertionError:
+                shot(f"03-trigger-form-attempt{attempt + 1}")
+                page.keyboard.press("Escape")
+                page.reload()
     for _key, _type, description in PARAM_KEYS.values():
         expect(dialog.get_by_text(description, exact=True)).to_be_visible()
     expect(dialog.get_by_text("transformers", exact=True).first).to_be_visible()        # engine default
