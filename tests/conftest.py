@@ -47,9 +47,10 @@ def demo_config_path() -> Path:
     return ROOT / "dags" / "pipelines" / "demo.yaml"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    """A real S3 server (SeaweedFS ``weed mini``) on loopback for the session, and Airflow connection ``lake``
+    """A real S3 server (SeaweedFS ``weed mini``) on loopback for the module (its connection must not leak into
+    the Airflow services that later tests start), and Airflow connection ``lake``
     pointing at it (``AIRFLOW_CONN_LAKE``). Yields the ``tests.s3_server.S3Server`` (endpoint, key, secret,
     bucket; ``stop()`` / ``start()`` for an outage)."""
     from s3_server import S3Server
