@@ -1,9 +1,12 @@
 """Throughput of the inference stage against the raw engine, measured in one run on the same prompts.
 
     python bench/bench_inference.py --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256
+    python bench/bench_inference.py --engine lmdeploy --model DIR --vocab 32000 --modes raw,stage   # GPU only
 
 Modes, each in a fresh process (so GPU memory is free between them):
-  raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call)
+  raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call); with
+         --engine lmdeploy: LMDeploy's pipeline(prompts, gen_config) over the whole list (the prompts as text,
+         decoded from the same token ids: its public batch API takes text)
   stage  the project's inference stage exactly as the operator runs it: shard file in storage, the spawned
          worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, outputs
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
@@ -60,6 +63,8 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
 
 # ------------------------------------------------------------------------------------------ the modes
 def run_raw(a, rows) -> dict:
+    if a.engine == "lmdeploy":
+        return run_raw_lmdeploy(a, rows)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -77,6 +82,26 @@ def run_raw(a, rows) -> dict:
     return dict(mode="raw", seconds=el, output_tokens=n_out, engine_start_s=start)
 
 
+def run_raw_lmdeploy(a, rows) -> dict:
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    texts = [tok.decode(r["prompt_token_ids"]) for r in rows]
+    t0 = time.perf_counter()
+    pipe = pipeline(a.model, backend_config=PytorchEngineConfig(session_len=a.max_model_len, max_batch_size=256,
+                    cache_max_entry_count=a.gpu_util, dtype=a.dtype, eager_mode=a.enforce_eager), log_level="WARNING")
+    start = time.perf_counter() - t0
+    gens = [GenerationConfig(max_new_tokens=r["max_tokens"], do_sample=False, ignore_eos=True) for r in rows]
+    pipe(texts[:16], gen_config=gens[:16], do_preprocess=False)  # warm-up
+    t1 = time.perf_counter()
+    outs = pipe(texts, gen_config=gens, do_preprocess=False)
+    el = time.perf_counter() - t1
+    pipe.close()
+    return dict(mode="raw", engine="lmdeploy", seconds=el, output_tokens=sum(o.generate_token_len for o in outs),
+                input_tokens=sum(o.input_token_len for o in outs), engine_start_s=start)
+
+
 def run_stage(a, rows) -> dict:
     from batch_llm.config import parse_config
     from batch_llm.stages import RunLayout
@@ -87,9 +112,11 @@ def run_stage(a, rows) -> dict:
     shard_url = str(work / "shard-00000.jsonl")
     write_jsonl(Location(shard_url).path(), ({**r, "idx": i, "messages": []} for i, r in enumerate(rows)))
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
+    if a.engine == "lmdeploy":
+        extra = {}
     cfg = parse_config({
         "name": "bench", "model": {"ref": a.model}, "input": {"path": shard_url}, "output": {"path": str(work)},
-        "engine": {"kind": "vllm", "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
+        "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30},
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
@@ -103,7 +130,7 @@ def run_stage(a, rows) -> dict:
                                       if "progress" in line or "done" in line or "Error" in line else None)
     wall = time.perf_counter() - t0
     mt = m["metrics"]
-    return dict(mode="stage", seconds=mt["generate_seconds"], output_tokens=mt["output_tokens"],
+    return dict(mode="stage", engine=a.engine, seconds=mt["generate_seconds"], output_tokens=mt["output_tokens"],
                 engine_start_s=mt["engine_start_seconds"], wall_s=wall, unique_prompts=mt["unique_prompts"],
                 worker_peak_rss_mb=mt.get("peak_rss_mb"))
 
@@ -151,8 +178,8 @@ def engine_kwargs(a) -> dict:
 
 def child(a) -> None:
     cfg = json.load(open(Path(a.model) / "config.json"))
-    rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, min(cfg.get("vocab_size", 32000), 150000) - 1,
-                        a.max_model_len)
+    vocab = a.vocab or min(cfg.get("vocab_size", 32000), 150000)
+    rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
     res = {"raw": run_raw, "stage": run_stage, "hf": run_hf}[a.child](a, rows)
     res["tok_s"] = round(res["output_tokens"] / res["seconds"], 1)
     import resource
@@ -164,6 +191,8 @@ def child(a) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    p.add_argument("--engine", choices=["vllm", "lmdeploy"], default="vllm")
+    p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
     p.add_argument("--dataset", choices=["fixed", "mix", "tiny"], default="fixed")
     p.add_argument("--n", type=int, default=1000)
@@ -192,7 +221,7 @@ def main() -> None:
             continue
         results[mode] = json.loads(line[7:])
         print(f"{mode}: {results[mode]}", flush=True)
-    summary = {"dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy,
+    summary = {"engine": a.engine, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy,
                "model": a.model, **{f"{m}_tok_s": r["tok_s"] for m, r in results.items()}}
     if "stage" in results and "raw" in results:
         summary["stage_over_raw"] = round(results["stage"]["tok_s"] / results["raw"]["tok_s"], 3)

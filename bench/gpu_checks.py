@@ -4,16 +4,23 @@
          SIGKILL), and measure how soon the GPU memory is back (nvidia-smi)
   resume kill the worker with SIGKILL after its 3rd committed chunk, retry, and check that the shard holds
          every row exactly once; report the time the retry needed and how much it skipped
+  leases (a worker with several GPUs) each shard task is a process of its own that leases a GPU as the
+         operator does (GpuLease → CUDA_VISIBLE_DEVICES → worker): first one task alone, then three at once
+         on two GPUs — two run side by side, the third waits for a free GPU. Reports which GPU each task
+         got, whether two tasks ever held one GPU, and throughput of two GPUs against one
 
-    python bench/gpu_checks.py --model DIR --dummy stop|resume
+    python bench/gpu_checks.py --model DIR --dummy stop|resume|leases
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,9 +39,9 @@ def gpu_used_mib() -> int:
     return sum(int(x) for x in out.split())
 
 
-def make_spec(a, n: int, work: Path) -> tuple[dict, Location]:
+def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
     cfgjson = json.load(open(Path(a.model) / "config.json"))
-    rows = make_dataset("fixed", n, 256, 256, min(cfgjson.get("vocab_size", 32000), 150000) - 1, 2048)
+    rows = make_dataset("fixed", n, 256, 256, min(cfgjson.get("vocab_size", 32000), 150000) - 1, 2048, seed=seed)
     shard_url = str(work / "shard-00000.jsonl")
     write_jsonl(Location(shard_url).path(), ({**r, "idx": i, "messages": []} for i, r in enumerate(rows)))
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
@@ -96,11 +103,114 @@ def check_resume(a) -> dict:
                 retry_engine_start_s=m["metrics"]["engine_start_seconds"])
 
 
+def lease_task(a) -> None:
+    """One shard task, as BatchInferenceOperator.execute runs it: lease a GPU, start the worker pinned to it."""
+    from batch_llm.gpu_lease import GpuLease
+
+    spec, _ = make_spec(a, a.rows, Path(tempfile.mkdtemp()), seed=a.seed)
+    t0 = time.time()
+    lease = GpuLease.acquire(1, holder=f"task-{a.seed}", poll=0.5)
+    t_lease = time.time()
+    marks = {}
+
+    def on_line(line: str) -> None:
+        if " started in " in line and "gen_start" not in marks:
+            marks["gen_start"] = time.time()
+
+    try:
+        h = WorkerHandle.start(spec, env={"CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices})
+        lease.record_worker(h.pid)
+        m = h.wait(on_line=on_line)
+    finally:
+        t_end = time.time()
+        lease.release()
+    mt = m["metrics"]
+    print("TASK " + json.dumps(dict(task=a.seed, gpu=lease.cuda_visible_devices, rows=mt["rows"], asked_at=t0,
+                                    leased_at=t_lease, gen_start=marks.get("gen_start", t_lease), end=t_end,
+                                    output_tokens=mt["output_tokens"], generate_s=mt["generate_seconds"],
+                                    engine_start_s=mt["engine_start_seconds"])), flush=True)
+
+
+def run_tasks(a, rows: list[int], lease_dir: str) -> tuple[list[dict], list[dict]]:
+    """Starts one task process per entry of ``rows``, 2 s apart (so the lease order is the list's order)."""
+    env = {**os.environ, "BATCH_LLM_LEASE_DIR": lease_dir}
+    procs = []
+    for i, n in enumerate(rows):
+        procs.append(subprocess.Popen([sys.executable, __file__, "--model", a.model, *(["--dummy"] if a.dummy else []),
+                                       "--rows", str(n), "--seed", str(i), "lease-task"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env))
+        time.sleep(2)
+    samples: list[dict] = []  # which worker processes hold memory on which GPU, sampled every 0.5 s
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set() and shutil.which("nvidia-smi"):
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout
+            per_gpu: dict[str, set[str]] = {}  # GPU → process groups (one per task's worker) using it
+            for line in out.splitlines():
+                bus, pid = [x.strip() for x in line.split(",")]
+                per_gpu.setdefault(bus, set()).add(task_group_of(pid))
+            samples.append(per_gpu)
+            time.sleep(0.5)
+
+    threading.Thread(target=sample, daemon=True).start()
+    results, logs = [], []
+    for p in procs:
+        out, _ = p.communicate()
+        logs.append(out)
+        line = next((x for x in out.splitlines() if x.startswith("TASK ")), None)
+        if line is None:
+            raise RuntimeError("a task failed:\n" + out[-3000:])
+        results.append(json.loads(line[5:]))
+    stop.set()
+    return results, samples
+
+
+def task_group_of(pid: str) -> str:
+    try:
+        return str(os.getpgid(int(pid)))
+    except (ProcessLookupError, ValueError):
+        return "?"
+
+
+def check_leases(a) -> dict:
+    lease_dir = tempfile.mkdtemp(prefix="leases_")
+    (one,), _ = run_tasks(a, [a.rows], lease_dir)
+    one_tok_s = one["output_tokens"] / (one["end"] - one["gen_start"])
+    many, samples = run_tasks(a, [a.rows, a.rows, max(a.rows // 10, 10)], lease_dir)
+    first_two, third = many[:2], many[2]
+    span = max(t["end"] for t in first_two) - min(t["gen_start"] for t in first_two)
+    two_tok_s = sum(t["output_tokens"] for t in first_two) / span
+    # Never two tasks on one GPU: the lease intervals of tasks that got the same GPU do not overlap.
+    overlaps = [(x["task"], y["task"]) for x in many for y in many if x["task"] < y["task"] and x["gpu"] == y["gpu"]
+                and x["leased_at"] < y["end"] and y["leased_at"] < x["end"]]
+    sharing = max((len(groups) for s in samples for groups in s.values()), default=0)
+    return dict(check="leases", gpus=sorted({t["gpu"] for t in many}),
+                tasks=[dict(task=t["task"], gpu=t["gpu"], rows=t["rows"], waited_s=round(t["leased_at"] - t["asked_at"], 1),
+                            engine_start_s=round(t["engine_start_s"], 1), generate_s=round(t["generate_s"], 1))
+                       for t in many],
+                third_task_waited_s=round(third["leased_at"] - third["asked_at"], 1),
+                lease_overlaps_on_one_gpu=overlaps, max_workers_seen_on_one_gpu=sharing,
+                one_gpu_tok_s=round(one_tok_s), two_gpus_tok_s=round(two_tok_s),
+                two_over_one=round(two_tok_s / one_tok_s, 3),
+                per_task_tok_s=[round(t["output_tokens"] / t["generate_s"]) for t in first_two],
+                two_over_one_sum_of_rates=round(sum(t["output_tokens"] / t["generate_s"] for t in first_two)
+                                                / (one["output_tokens"] / one["generate_s"]), 3),
+                start_offset_s=round(abs(first_two[0]["gen_start"] - first_two[1]["gen_start"]), 1))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--dummy", action="store_true")
-    p.add_argument("checks", nargs="+", choices=["stop", "resume"])
+    p.add_argument("--rows", type=int, default=3000, help="rows per shard task (leases)")
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("checks", nargs="+", choices=["stop", "resume", "leases", "lease-task"])
     a = p.parse_args()
+    if a.checks == ["lease-task"]:
+        lease_task(a)
+        sys.exit(0)
     for c in a.checks:
-        print("RESULT " + json.dumps({"stop": check_stop, "resume": check_resume}[c](a)), flush=True)
+        print("RESULT " + json.dumps({"stop": check_stop, "resume": check_resume, "leases": check_leases}[c](a)),
+              flush=True)
