@@ -34,9 +34,12 @@ from batch_llm.worker import WorkerFailed, WorkerHandle  # noqa: E402
 
 
 def gpu_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+    """Memory in use on the GPUs this check may use ($CUDA_VISIBLE_DEVICES, else all)."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout
-    return sum(int(x) for x in out.split())
+    rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+    return sum(int(used) for idx, used in rows if mine is None or idx in mine.split(","))
 
 
 def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
