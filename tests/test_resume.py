@@ -94,3 +94,42 @@ def test_vllm_crash_after_commit_resumes(tmp_path, demo_model_dir):
     ids = _chunk_ids(layout)
     assert len(ids) == len(set(ids)) == 20
     assert all(r["output"].strip() for r in _outputs(layout))
+
+
+def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch):
+    """The final merge of a shard: more chunks than one merge pass takes (so runs are merged in passes), a
+    row committed twice (an interrupted commit), and a missing row, which fails the merge with its id."""
+    import random
+
+    from batch_llm import infer
+    from batch_llm.storage import write_jsonl
+
+    monkeypatch.setattr(infer, "MERGE_FAN_IN", 3)
+    shard_dir = Location(str(tmp_path / "shard"))
+    rows = [{"id": f"r{i}", "idx": i * 7, "output": f"o{i}", "finish_reason": "stop", "prompt_tokens": 3,
+             "completion_tokens": 2, "cached": False, "error": "too long" if i % 9 == 0 else None}
+            for i in range(100)]
+    shard_file = tmp_path / "rows.jsonl"
+    write_jsonl(Location(str(shard_file)).path(), [{"id": r["id"], "idx": r["idx"]} for r in rows])
+    shuffled = rows[:]
+    random.Random(1).shuffle(shuffled)
+    chunks = [sorted(shuffled[i:i + 8], key=lambda r: r["idx"]) for i in range(0, 100, 8)]
+    chunks.append([rows[42]])  # committed twice
+    for n, chunk in enumerate(chunks):
+        write_jsonl(shard_dir.child("chunks").child(f"chunk-{n:05d}.jsonl").path(), chunk)
+    m = infer._finish_shard({"index": 0}, shard_dir, shard_dir.child("chunks"), Location(str(shard_file)).path(),
+                            100)
+    ok = list(iter_jsonl(shard_dir.child("outputs.jsonl").path()))
+    bad = list(iter_jsonl(shard_dir.child("errors.jsonl").path()))
+    assert [r["id"] for r in ok] == [r["id"] for r in rows if not r["error"]]
+    assert [r["id"] for r in bad] == [r["id"] for r in rows if r["error"]]
+    assert m["metrics"] | {"chunks": 0} == {"rows": 100, "ok": 88, "errors": 12, "input_tokens": 300,
+                                            "output_tokens": 176, "chunks": 0}
+
+    for f in list_files(shard_dir.child("chunks").path(), ".jsonl"):
+        if any(r["id"] == "r55" for r in iter_jsonl(f)):
+            write_jsonl(f, [r for r in iter_jsonl(f) if r["id"] != "r55"])
+    other = Location(str(tmp_path / "other"))
+    with pytest.raises(RuntimeError, match=r"1 rows have no committed result \(first: \['r55'\]\)"):
+        infer._finish_shard({"index": 0}, other, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
+    assert not (tmp_path / "other" / "outputs.jsonl").exists(), "a failed merge must not publish a partial file"

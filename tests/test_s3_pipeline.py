@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from batch_llm.config import load_config
-from batch_llm.storage import as_path, list_files, write_bytes_atomic
+from batch_llm.storage import as_path, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
 
 ROOT_INPUT = os.path.join(os.path.dirname(__file__), "..", "include", "sample_data", "demo_prompts.jsonl")
 
@@ -116,6 +116,26 @@ def test_large_artifact_is_multipart_small_is_single_put(s3):
     assert c.head_object(Bucket=s3.bucket, Key="unit/big.bin")["ETag"].strip('"').endswith("-2")
     assert "-" not in c.head_object(Bucket=s3.bucket, Key="unit/small.jsonl")["ETag"]
     assert c.get_object(Bucket=s3.bucket, Key="unit/big.bin")["Body"].read() == big
+
+
+def test_streamed_jsonl_is_multipart_and_a_failure_leaves_nothing(s3):
+    opts = s3.storage_options()
+    blob = "x" * 4000
+
+    def rows(fail_at=None):
+        for i in range(3000):  # ~12 MB: more than one 8 MiB part
+            if i == fail_at:
+                raise OSError("the source broke mid-stream")
+            yield {"id": f"r{i}", "text": blob}
+
+    assert write_jsonl(as_path(f"s3://{s3.bucket}/unit/stream.jsonl", opts), rows()) == 3000
+    c = s3.client()
+    assert c.head_object(Bucket=s3.bucket, Key="unit/stream.jsonl")["ETag"].strip('"').endswith("-2")
+    back = list(iter_jsonl(as_path(f"s3://{s3.bucket}/unit/stream.jsonl", opts)))
+    assert [r["id"] for r in back] == [f"r{i}" for i in range(3000)]
+    with pytest.raises(OSError, match="mid-stream"):
+        write_jsonl(as_path(f"s3://{s3.bucket}/unit/broken.jsonl", opts), rows(fail_at=2500))
+    assert c.list_objects_v2(Bucket=s3.bucket, Prefix="unit/broken")["KeyCount"] == 0
 
 
 def test_list_files_skips_folder_marker(s3):

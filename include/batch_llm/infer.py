@@ -9,16 +9,18 @@ How a shard is run::
                           └> engine (streamed requests) ─> chunks committed as results finish
 
 Committed chunks are immutable files under ``<shard>/chunks/``; a retry reads them, skips every committed
-row id and generates only the rest. The final ``outputs.jsonl`` is merged from the chunks (one row per id,
-in input order), then ``manifest.json`` is written last.
+row id and generates only the rest. Each chunk is sorted by input position, so the final ``outputs.jsonl``
+is a streamed merge of the chunks (one row per id, in input order); ``manifest.json`` is written last.
 """
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
 import signal
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 from batch_llm.config import EngineConfig, PipelineConfig
 from batch_llm.engines.base import EngineInfo, EngineStartError, GenRequest, make_engine
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.storage import Location, exists, iter_jsonl, list_files, read_manifest, write_jsonl, \
-    write_manifest
+from batch_llm.storage import Location, atomic_writer, exists, iter_jsonl, list_files, read_manifest, \
+    write_jsonl, write_manifest
 
 log = logging.getLogger("batch_llm.infer")
 
@@ -166,14 +168,6 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def _committed(chunks_dir: Location) -> dict[str, dict]:
-    done: dict[str, dict] = {}
-    for f in list_files(chunks_dir.path(), ".jsonl"):
-        for r in iter_jsonl(f):
-            done.setdefault(r["id"], r)
-    return done
-
-
 def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
               cache_root: Location | None = None, say: Callable[[str], None] = print) -> dict:
     """Runs one shard to completion (or resumes it) and returns its manifest.
@@ -211,7 +205,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     max_len = cfg.engine.max_model_len
     # Keys come from the chat (or token ids) plus the chat template in the namespace: the same thing as the
     # rendered prompt, known without loading a tokenizer, so a fully cached shard costs almost nothing.
-    groups: dict[str, list[dict]] = {}   # request key -> rows {id, idx} that share its result
+    groups: dict[str, list[tuple[str, int]]] = {}  # request key -> rows (id, idx) that share its result
     first_row: dict[str, str] = {}       # row id -> request key, for the row whose prompt is sent
     n_rows = 0
     for r in iter_jsonl(shard_path):
@@ -224,7 +218,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         if rk not in groups:
             groups[rk] = []
             first_row[r["id"]] = rk
-        groups[rk].append({"id": r["id"], "idx": r["idx"]})
+        groups[rk].append((r["id"], r["idx"]))
     n_prompts = len({rk.split("#")[0] for rk in groups})
 
     sampling = cfg.sampling.model_dump()
@@ -248,6 +242,8 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
                                time.perf_counter() - last_commit >= cfg.engine.commit_every_seconds):
             return
         maybe_crash("before_commit")
+        # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
+        pending.sort(key=lambda r: r["idx"])
         write_jsonl(chunks_dir.child(f"chunk-{chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(), pending)
         chunk_seq += 1
         if cache is not None:
@@ -316,7 +312,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     commit(force=True)
     progress.tick(0, 0, force=True)
 
-    manifest = _finish_shard(shard, shard_dir, chunks_dir, shard_path)
+    manifest = _finish_shard(shard, shard_dir, chunks_dir, shard_path, n_rows)
     m = manifest["metrics"]
     m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
              generate_seconds=round(gen_seconds, 2), cached_rows=n_cached,
@@ -334,38 +330,72 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     return manifest
 
 
-def _result_row(r: dict, entry: dict, *, cached: bool) -> dict:
-    return {"id": r["id"], "idx": r["idx"], "output": entry["output"], "finish_reason": entry["finish_reason"],
+def _result_row(r: tuple[str, int], entry: dict, *, cached: bool) -> dict:
+    return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
             "cached": cached, "error": None}
 
 
-def _error_row(r: dict, reason: str, prompt_tokens: int = 0) -> dict:
-    return {"id": r["id"], "idx": r["idx"], "output": None, "finish_reason": None, "prompt_tokens": prompt_tokens,
+def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
+    return {"id": r[0], "idx": r[1], "output": None, "finish_reason": None, "prompt_tokens": prompt_tokens,
             "completion_tokens": 0, "cached": False, "error": reason}
 
 
-def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_path) -> dict:
-    """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order."""
-    merged = _committed(chunks_dir)
-    expected = [r["id"] for r in iter_jsonl(shard_path)]
-    missing = [i for i in expected if i not in merged]
-    if missing:
-        raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
-                           f"(first: {missing[:3]}); the engine dropped requests")
-    ordered = sorted(merged.values(), key=lambda r: r["idx"])
-    ok = [r for r in ordered if not r["error"]]
-    bad = [r for r in ordered if r["error"]]
-    write_jsonl(shard_dir.child("outputs.jsonl").path(), ok)
-    write_jsonl(shard_dir.child("errors.jsonl").path(), bad)
+# Chunks merged at once; more are merged in passes through local runs, so open files stay bounded.
+MERGE_FAN_IN = 64
+
+
+def _merged_rows(files: list, tmp_dir: str) -> Iterator[dict]:
+    """Rows of idx-sorted JSONL files in one idx-sorted stream, each id once (a row committed twice by an
+    interrupted commit is the same row). Holds one row per open file, not the shard."""
+    level = 0
+    while len(files) > MERGE_FAN_IN:
+        runs = []
+        for i in range(0, len(files), MERGE_FAN_IN):
+            run = Location(os.path.join(tmp_dir, f"run-{level}-{i:06d}.jsonl")).path()
+            write_jsonl(run, heapq.merge(*(iter_jsonl(f) for f in files[i:i + MERGE_FAN_IN]),
+                                         key=lambda r: r["idx"]))
+            runs.append(run)
+        files, level = runs, level + 1
+    last = None
+    for r in heapq.merge(*(iter_jsonl(f) for f in files), key=lambda r: r["idx"]):
+        if r["id"] != last:
+            yield r
+        last = r["id"]
+
+
+def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_path, n_rows: int) -> dict:
+    """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order, streamed
+    (a worker's memory does not grow with the shard)."""
+    chunk_files = list_files(chunks_dir.path(), ".jsonl")
+    m = {"rows": n_rows, "ok": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0, "chunks": len(chunk_files)}
+    digest = hashlib.sha256(b"[")  # sha256 of the JSON list of ids in input order, built as rows pass
+    with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
+            atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
+            atomic_writer(shard_dir.child("errors.jsonl").path()) as bad:
+        seen = 0
+        for r in _merged_rows(chunk_files, tmp):
+            digest.update(((", " if seen else "") + json.dumps(r["id"])).encode())
+            seen += 1
+            m["input_tokens"] += r["prompt_tokens"]
+            line = (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+            if r["error"]:
+                m["errors"] += 1
+                bad.write(line)
+            else:
+                m["ok"] += 1
+                m["output_tokens"] += r["completion_tokens"]
+                ok.write(line)
+        if seen != n_rows:
+            committed = _committed_ids(chunks_dir)
+            missing = [r["id"] for r in iter_jsonl(shard_path) if r["id"] not in committed]
+            raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
+                               f"(first: {missing[:3]}); the engine dropped requests")
+    digest.update(b"]")
     return {
         "stage": "infer", "shard": shard["index"], "status": "ok",
         "outputs": shard_dir.child("outputs.jsonl").url, "errors": shard_dir.child("errors.jsonl").url,
-        "metrics": {"rows": len(expected), "ok": len(ok), "errors": len(bad),
-                    "input_tokens": sum(r["prompt_tokens"] for r in ordered),
-                    "output_tokens": sum(r["completion_tokens"] for r in ok),
-                    "chunks": len(list_files(chunks_dir.path(), ".jsonl"))},
-        "checksum": hashlib.sha256(json.dumps([r["id"] for r in ordered]).encode()).hexdigest()[:16],
+        "metrics": m, "checksum": digest.hexdigest()[:16],
     }
 
 

@@ -16,10 +16,11 @@ the CLI, the benchmarks and the tests all call these same functions::
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,30 +139,36 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: dict, shard: dict
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: dict, shards: list[dict]) -> dict:
-    """Merges the shards' outputs in input order and applies the word lists."""
+    """Merges the shards' outputs in input order (streamed) and applies the word lists."""
     out_dir = layout.stage("filter")
     if m := _done(out_dir):
         return m
     opts = layout.output_root.options
 
-    def rows():
-        for s in sorted(shards, key=lambda s: s["shard"]):
-            yield from iter_jsonl(Location(s["outputs"], opts).path())
+    def merged(key: str) -> Iterator[dict]:
+        # Each shard's files are in input order: a streamed merge puts the run in input order.
+        return heapq.merge(*(iter_jsonl(Location(s[key], opts).path()) for s in shards), key=lambda r: r["idx"])
 
     summary: dict = {}
+    counts = {"kept": 0, "scanned": 0}
+
+    def counted(rows: Iterator[dict], name: str) -> Iterator[dict]:
+        for r in rows:
+            counts[name] += 1
+            yield r
+
     if cfg.filter.enabled:
         from batch_llm import content_filter as _filter  # pyahocorasick is not needed on GPU workers
 
-        kept = list(_filter.filter_rows(rows(), cfg.filter, opts, summary=summary))
+        kept = _filter.filter_rows(merged("outputs"), cfg.filter, opts, summary=summary)
     else:
-        kept = list(rows())
-        summary = {"enabled": False, "rows_scanned": len(kept)}
-    kept.sort(key=lambda r: r["idx"])
-    write_jsonl(out_dir.child("outputs.jsonl").path(), kept)
-    errors = [e for s in shards for e in iter_jsonl(Location(s["errors"], opts).path())]
-    write_jsonl(out_dir.child("errors.jsonl").path(), sorted(errors, key=lambda r: r["idx"]))
-    m = {"stage": "filter", "outputs": out_dir.child("outputs.jsonl").url, "rows": len(kept),
-         "inference_errors": out_dir.child("errors.jsonl").url, "inference_error_rows": len(errors),
+        kept = counted(merged("outputs"), "scanned")
+    write_jsonl(out_dir.child("outputs.jsonl").path(), counted(kept, "kept"))
+    if not cfg.filter.enabled:
+        summary = {"enabled": False, "rows_scanned": counts["scanned"]}
+    n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
+    m = {"stage": "filter", "outputs": out_dir.child("outputs.jsonl").url, "rows": counts["kept"],
+         "inference_errors": out_dir.child("errors.jsonl").url, "inference_error_rows": n_errors,
          "summary": summary}
     write_manifest(out_dir.path(), m)
     return m

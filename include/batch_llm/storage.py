@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,37 +82,75 @@ def is_local(path: UPath) -> bool:
 MULTIPART_PART_BYTES = 8 * 2**20
 
 
-def write_bytes_atomic(path: UPath, data: bytes) -> None:
-    """Writes the whole object at once: a rename on a local disk; elsewhere one PUT, or from
-    ``MULTIPART_PART_BYTES`` on one multipart upload, which the store makes visible only when it completes."""
-    if is_local(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return
-    f = path.open("wb", block_size=MULTIPART_PART_BYTES)
-    try:
-        view = memoryview(data)
-        for start in range(0, len(view), MULTIPART_PART_BYTES):
-            f.write(view[start:start + MULTIPART_PART_BYTES])  # a full block uploads one part
-        f.close()  # the single PUT, or the last part and CompleteMultipartUpload
-    except BaseException:
-        # Not ``with``: fsspec's close() would complete the upload with the parts sent so far, committing a
+class AtomicWriter:
+    """Streams bytes into an object that becomes visible only when complete: a temporary file renamed on a
+    local disk; elsewhere one PUT, or from ``MULTIPART_PART_BYTES`` on one multipart upload of block-sized
+    parts, which the store makes visible only when it completes. Use ``atomic_writer(path)``."""
+
+    def __init__(self, path: UPath):
+        self.path = path
+        self._buf = bytearray()
+        if is_local(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            self._f = open(self._tmp, "wb")
+        else:
+            self._tmp = None
+            self._f = path.open("wb", block_size=MULTIPART_PART_BYTES)
+
+    def write(self, data: bytes) -> None:
+        if self._tmp is not None:
+            self._f.write(data)
+            return
+        self._buf += data
+        while len(self._buf) >= MULTIPART_PART_BYTES:  # a full block uploads one part
+            self._f.write(bytes(self._buf[:MULTIPART_PART_BYTES]))
+            del self._buf[:MULTIPART_PART_BYTES]
+
+    def commit(self) -> None:
+        if self._tmp is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self._tmp, self.path)
+            return
+        self._f.write(bytes(self._buf))
+        self._buf.clear()
+        self._f.close()  # the single PUT, or the last part and CompleteMultipartUpload
+
+    def abort(self) -> None:
+        if self._tmp is not None:
+            self._f.close()
+            self._tmp.unlink(missing_ok=True)
+            return
+        # Not close(): fsspec's close() would complete the upload with the parts sent so far, committing a
         # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
         try:
-            if hasattr(f, "discard"):
-                f.discard()
+            if hasattr(self._f, "discard"):
+                self._f.discard()
         except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
             pass
         try:
-            f.closed = True  # fsspec files: no completing close() from __del__ later
+            self._f.closed = True  # fsspec files: no completing close() from __del__ later
         except AttributeError:
             pass
+
+
+@contextmanager
+def atomic_writer(path: UPath) -> Iterator[AtomicWriter]:
+    w = AtomicWriter(path)
+    try:
+        yield w
+    except BaseException:
+        w.abort()
         raise
+    w.commit()
+
+
+def write_bytes_atomic(path: UPath, data: bytes) -> None:
+    """Writes the whole object at once (see ``AtomicWriter``)."""
+    with atomic_writer(path) as w:
+        w.write(data)
 
 
 def write_text_atomic(path: UPath, text: str) -> None:
@@ -127,13 +166,12 @@ def read_json(path: UPath) -> Any:
 
 
 def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
-    """Writes JSON lines atomically; returns the row count."""
+    """Writes JSON lines atomically, streaming (rows are not held in memory); returns the row count."""
     n = 0
-    parts = []
-    for row in rows:
-        parts.append(json.dumps(row, ensure_ascii=False, default=str))
-        n += 1
-    write_text_atomic(path, "\n".join(parts) + ("\n" if parts else ""))
+    with atomic_writer(path) as w:
+        for row in rows:
+            w.write((json.dumps(row, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+            n += 1
     return n
 
 

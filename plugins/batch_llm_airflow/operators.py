@@ -7,7 +7,6 @@ only the stage's manifest (small); artifacts live in object storage.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 from collections.abc import Sequence
