@@ -12,7 +12,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -138,6 +138,34 @@ class Engine(ABC):
     @property
     def max_model_len(self) -> int | None:
         return self.cfg.max_model_len
+
+
+def stream_requests(requests: Iterable[GenRequest], *, window: int,
+                    submit: Callable[[GenRequest], "GenResult | None"],
+                    collect: Callable[[], Iterable[GenResult]]) -> Iterator[GenResult]:
+    """Feeds an engine that batches continuously: keeps up to ``window`` requests in flight (enough to keep
+    every batch slot busy, few enough to bound memory), pulling ``requests`` lazily, and yields results as
+    they finish. ``submit`` queues one request (or returns its error result when the engine rejects it);
+    ``collect`` advances the engine and returns the requests that finished meanwhile."""
+    pending = iter(requests)
+    inflight = 0
+    exhausted = False
+    while True:
+        while not exhausted and inflight < window:
+            req = next(pending, None)
+            if req is None:
+                exhausted = True
+                break
+            rejected = submit(req)
+            if rejected is not None:
+                yield rejected
+            else:
+                inflight += 1
+        if inflight == 0:
+            return
+        for res in collect():
+            inflight -= 1
+            yield res
 
 
 def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig) -> Engine:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    classify_start_failure
+    classify_start_failure, stream_requests
 
 
 class LmdeployEngine(Engine):
@@ -77,23 +77,11 @@ class LmdeployEngine(Engine):
                 done.put(GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
                                    error=f"engine rejected the request: {getattr(e, 'message', None) or e}"))
 
-        # Enough requests in flight to keep every batch slot busy, few enough to bound memory.
-        window = max(4 * (self.cfg.max_num_seqs or 256), 512)
-        pending = iter(requests)
-        inflight = 0
-        exhausted = False
-        while True:
-            while not exhausted and inflight < window:
-                req = next(pending, None)
-                if req is None:
-                    exhausted = True
-                    break
-                asyncio.run_coroutine_threadsafe(one(req), loop)
-                inflight += 1
-            if inflight == 0:
-                return
-            yield done.get()
-            inflight -= 1
+        def submit(req: GenRequest) -> None:
+            asyncio.run_coroutine_threadsafe(one(req), loop)
+
+        yield from stream_requests(requests, window=max(4 * (self.cfg.max_num_seqs or 256), 512), submit=submit,
+                                   collect=lambda: [done.get()])
 
     def close(self) -> None:
         pipe = getattr(self, "pipe", None)

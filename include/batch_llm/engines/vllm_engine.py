@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, OutputTail, \
-    classify_start_failure
+    classify_start_failure, stream_requests
 
 
 class VllmEngine(Engine):
@@ -76,40 +76,27 @@ class VllmEngine(Engine):
                                 seed=s.seed, stop=s.stop or None, ignore_eos=s.ignore_eos,
                                 detokenize=not self.cfg.extra.get("skip_tokenizer_init", False))
         engine = self.llm.llm_engine
-        # Enough requests queued to keep every batch slot busy, few enough to bound memory.
-        max_seqs = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        window = max(4 * max_seqs, 512)
-        pending = iter(requests)
-        inflight = 0
-        exhausted = False
-        while True:
-            while not exhausted and inflight < window:
-                req = next(pending, None)
-                if req is None:
-                    exhausted = True
-                    break
-                try:
-                    p = params
-                    if req.max_tokens and req.max_tokens != s.max_tokens:
-                        p = params.clone()
-                        p.max_tokens = min(req.max_tokens, s.max_tokens)
-                    engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
-                    inflight += 1
-                except Exception as e:  # noqa: BLE001 - a rejected request is an error row, not a crash
-                    yield GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
-                                    error=f"engine rejected the request: {e}")
-            if inflight == 0:
-                if exhausted:
-                    return
-                continue
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                inflight -= 1
-                o = out.outputs[0]
-                yield GenResult(out.request_id, text=o.text, finish_reason=o.finish_reason,
-                                prompt_tokens=len(out.prompt_token_ids or []),
-                                completion_tokens=len(o.token_ids))
+
+        def submit(req: GenRequest) -> GenResult | None:
+            try:
+                p = params
+                if req.max_tokens and req.max_tokens != s.max_tokens:
+                    p = params.clone()
+                    p.max_tokens = min(req.max_tokens, s.max_tokens)
+                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
+                return None
+            except Exception as e:  # noqa: BLE001 - a rejected request is an error row, not a crash
+                return GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
+                                 error=f"engine rejected the request: {e}")
+
+        def collect() -> list[GenResult]:
+            return [GenResult(out.request_id, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
+                              prompt_tokens=len(out.prompt_token_ids or []),
+                              completion_tokens=len(out.outputs[0].token_ids))
+                    for out in engine.step() if out.finished]
+
+        max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+        yield from stream_requests(requests, window=max(4 * max_seqs, 512), submit=submit, collect=collect)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
