@@ -51,3 +51,30 @@ def test_non_memory_failure_is_not_retried(tmp_path):
     with pytest.raises(EngineStartError) as ei:
         start_engine(str(bad), cfg, print)
     assert not ei.value.memory
+
+
+def test_probe_sizes_the_batch_from_the_kv_cache_and_keeps_the_margin(tmp_path, demo_model_dir):
+    """One start shows how big the KV cache is; the engine restarts with the most sequences of max_model_len
+    tokens that fit, less the safety margin (here 20 %), and the shard's settings say so."""
+    cfg = demo_config(tmp_path, engine__max_model_len=1024, engine__enforce_eager=True,
+                      engine__extra={"kv_cache_memory_bytes": 512 * 1024 * 1024},
+                      engine__memory_backoff={"probe": True, "safety_margin": 0.2})
+    said: list[str] = []
+    engine, info = start_engine(str(demo_model_dir), cfg, said.append)
+    try:
+        s = info.settings
+        fits = s["num_kv_blocks"] * s["block_size"] // 1024
+        assert 4 <= fits < 256, s  # 512 MiB at ~23 KB a token (SmolLM2-135M): ~22 sequences of 1k tokens
+        assert s["max_num_seqs"] == int(fits * 0.8) == s["probe"]["max_num_seqs"]
+        assert s["probe"]["sequences_that_fit"] == fits
+        assert [a.get("max_num_seqs") for a in info.attempts] == [None, int(fits * 0.8)]
+        assert any(line.startswith("probe: the KV cache holds") and "keeps 20% free" in line for line in said)
+        # the engine that runs is the restarted one, at the probed size
+        assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == int(fits * 0.8)
+    finally:
+        engine.close()
+
+
+def test_probe_is_refused_for_engines_without_a_kv_cache_report(tmp_path):
+    with pytest.raises(Exception, match="probe sizes vLLM's batch"):
+        demo_config(tmp_path, engine__kind="transformers", engine__memory_backoff={"probe": True})

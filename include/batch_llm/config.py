@@ -115,8 +115,10 @@ class MemoryBackoffConfig(_Section):
     min_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     min_max_num_seqs: int = Field(8, ge=1)
     min_max_model_len: int = Field(512, ge=16)
-    probe: bool = Field(False, description="Probe the largest max_num_seqs that fits, keep safety_margin")
+    probe: bool = Field(False, description="vLLM: size max_num_seqs from the KV cache the engine got (the most "
+                        "sequences of max_model_len tokens that fit), less safety_margin; one extra engine start")
     safety_margin: float = Field(0.12, ge=0, lt=0.5, description="ms-swift guidance: 10-15 %")
+    probe_max_num_seqs: int = Field(1024, ge=1, description="the probe never goes above this")
 
 
 class EngineConfig(_Section):
@@ -143,6 +145,12 @@ class EngineConfig(_Section):
     max_error_rate: float = Field(0.1, ge=0, le=1, description="Fail the shard above this share of error rows")
     dedupe_prompts: bool = Field(True, description="Generate identical prompts once per shard (greedy or seeded)")
     memory_backoff: MemoryBackoffConfig = Field(default_factory=MemoryBackoffConfig)
+
+    @model_validator(mode="after")
+    def _probe_needs_vllm(self) -> "EngineConfig":
+        if self.memory_backoff.probe and self.kind != "vllm":
+            raise ValueError(f"memory_backoff.probe sizes vLLM's batch from its KV cache; engine.kind is {self.kind!r}")
+        return self
 
 
 class SamplingConfig(_Section):

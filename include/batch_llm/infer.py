@@ -59,8 +59,47 @@ _fault_counts: dict[str, int] = {}
 
 # ------------------------------------------------------------------------------------------ engine start
 def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]):
-    """Starts the engine, retrying a start that failed for memory with smaller settings within bounds."""
-    ecfg = cfg.engine
+    """Starts the engine, retrying a start that failed for memory with smaller settings within bounds; with
+    ``engine.memory_backoff.probe``, restarts it once with the largest batch its KV cache holds, less the
+    safety margin."""
+    engine, info = _start_with_backoff(model_dir, cfg.engine, cfg, say)
+    b = cfg.engine.memory_backoff
+    if not b.probe:
+        return engine, info
+    chosen = probe_max_num_seqs(info.settings, b)
+    if chosen is None:
+        say("probe: the engine did not report its KV cache size; max_num_seqs kept")
+        return engine, info
+    s = info.settings
+    kv_tokens = s["num_kv_blocks"] * s["block_size"]
+    probe = {"kv_cache_tokens": kv_tokens, "max_model_len": s["max_model_len"],
+             "sequences_that_fit": kv_tokens // s["max_model_len"], "safety_margin": b.safety_margin,
+             "max_num_seqs": chosen}
+    say(f"probe: the KV cache holds {kv_tokens:,} tokens = {probe['sequences_that_fit']:,} sequences of "
+        f"{s['max_model_len']:,} tokens; max_num_seqs {chosen} keeps {b.safety_margin:.0%} free "
+        f"(was {s.get('max_num_seqs')})")
+    if chosen == s.get("max_num_seqs"):
+        info.settings["probe"] = probe
+        return engine, info
+    engine.close()
+    ecfg = info.config.model_copy(update={"max_num_seqs": chosen})
+    engine, again = _start_with_backoff(model_dir, ecfg, cfg, say)
+    again.start_seconds += info.start_seconds  # the probe's start is part of this shard's start cost
+    again.attempts = info.attempts + again.attempts
+    again.settings["probe"] = probe
+    return engine, again
+
+
+def probe_max_num_seqs(settings: dict, b) -> int | None:
+    """The most sequences of max_model_len tokens the KV cache holds, less the safety margin, within bounds."""
+    blocks, block, max_len = settings.get("num_kv_blocks"), settings.get("block_size"), settings.get("max_model_len")
+    if not (blocks and block and max_len):
+        return None
+    fits = blocks * block // max_len
+    return max(1, min(b.probe_max_num_seqs, int(fits * (1 - b.safety_margin))))
+
+
+def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig, say: Callable[[str], None]):
     b = ecfg.memory_backoff
     attempts: list[dict] = []
     for attempt in range(1, b.max_attempts + 1):
@@ -83,6 +122,7 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
             continue
         attempts.append({**tried, "ok": True})
         info.attempts = attempts
+        info.config = ecfg
         if attempt > 1:
             say(f"engine started after back-off with {tried}")
         return engine, info

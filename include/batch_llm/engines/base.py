@@ -44,6 +44,7 @@ class EngineInfo:
     settings: dict = field(default_factory=dict)   # the effective settings after any back-off
     start_seconds: float = 0.0
     attempts: list[dict] = field(default_factory=list)
+    config: EngineConfig | None = None  # the engine section it started with (after any back-off)
 
 
 class EngineStartError(RuntimeError):
