@@ -8,11 +8,6 @@
 #   scripts/services.sh browser  # apt-get install chromium (/usr/bin/chromium) when missing, for the UI test
 #                                # (tests/test_ui_browser.py drives it with Playwright; no browser download)
 #
-# `ensure` also puts asyncpg into .venv when it is missing: Airflow 3 opens an async engine on its metadata
-# DB in every process (SQL_ALCHEMY_CONN_ASYNC, postgresql+asyncpg), so without it no Airflow command starts
-# on PostgreSQL ("No module named 'asyncpg'"). It belongs in requirements.txt / requirements.lock (with the
-# pin below); once it is there this step does nothing.
-#
 # Installing does not leave a system-wide server running: Debian's postinst starts one only where an init
 # system runs (not in containers / CI jobs); the test never uses a system instance either way.
 set -euo pipefail
@@ -32,23 +27,8 @@ missing() {
   echo "${pkgs[@]:-}"
 }
 
-ASYNCPG=asyncpg==0.32.0
-VENV_PY=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python
-
-ensure_asyncpg() {
-  [ -x "$VENV_PY" ] || return 0
-  "$VENV_PY" -c 'import asyncpg' 2>/dev/null && return 0
-  echo "services: installing $ASYNCPG into .venv (Airflow's async driver for PostgreSQL)"
-  if command -v uv >/dev/null 2>&1; then
-    uv pip install -q --python "$VENV_PY" "$ASYNCPG"
-  else
-    "$VENV_PY" -m pip install -q "$ASYNCPG"
-  fi
-}
-
 case "${1:-ensure}" in
   ensure)
-    ensure_asyncpg
     want=$(missing)
     if [ -z "$want" ]; then
       echo "services: redis-server and postgresql present ($(pg_bin))"
@@ -91,7 +71,7 @@ case "${1:-ensure}" in
     echo "services: installed $(/usr/bin/chromium --version 2>/dev/null)"
     ;;
   check)
-    [ -z "$(missing)" ] && { [ ! -x "$VENV_PY" ] || "$VENV_PY" -c 'import asyncpg' 2>/dev/null; }
+    [ -z "$(missing)" ]
     ;;
   *)
     echo "usage: $0 ensure|check|browser" >&2
