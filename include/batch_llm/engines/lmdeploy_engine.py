@@ -80,8 +80,18 @@ class LmdeployEngine(Engine):
         def submit(req: GenRequest) -> None:
             asyncio.run_coroutine_threadsafe(one(req), loop)
 
+        def collect() -> list[GenResult]:
+            while True:
+                try:
+                    return [done.get(timeout=5)]
+                except queue.Empty:
+                    # A stopped loop cancels its requests: fail the shard (the retry resumes), do not wait forever
+                    # and do not turn the rows into error rows.
+                    if not self.pipe.internal_thread.thread.is_alive():
+                        raise RuntimeError("LMDeploy's event loop stopped with requests in flight") from None
+
         yield from stream_requests(requests, window=max(4 * (self.cfg.max_num_seqs or 256), 512), submit=submit,
-                                   collect=lambda: [done.get()])
+                                   collect=collect)
 
     def close(self) -> None:
         pipe = getattr(self, "pipe", None)
