@@ -66,17 +66,14 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
     b = cfg.engine.memory_backoff
     if not b.probe:
         return engine, info
-    chosen = probe_max_num_seqs(info.settings, b)
-    if chosen is None:
+    s = info.settings
+    probe = kv_cache_probe(s, b)
+    if probe is None:
         say("probe: the engine did not report its KV cache size; max_num_seqs kept")
         return engine, info
-    s = info.settings
-    kv_tokens = s["num_kv_blocks"] * s["block_size"]
-    probe = {"kv_cache_tokens": kv_tokens, "max_model_len": s["max_model_len"],
-             "sequences_that_fit": kv_tokens // s["max_model_len"], "safety_margin": b.safety_margin,
-             "max_num_seqs": chosen}
-    say(f"probe: the KV cache holds {kv_tokens:,} tokens = {probe['sequences_that_fit']:,} sequences of "
-        f"{s['max_model_len']:,} tokens; max_num_seqs {chosen} keeps {b.safety_margin:.0%} free "
+    chosen = probe["max_num_seqs"]
+    say(f"probe: the KV cache holds {probe['kv_cache_tokens']:,} tokens = {probe['sequences_that_fit']:,} "
+        f"sequences of {s['max_model_len']:,} tokens; max_num_seqs {chosen} keeps {b.safety_margin:.0%} free "
         f"(was {s.get('max_num_seqs')})")
     if chosen == s.get("max_num_seqs"):
         info.settings["probe"] = probe
@@ -90,13 +87,16 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
     return engine, again
 
 
-def probe_max_num_seqs(settings: dict, b) -> int | None:
-    """The most sequences of max_model_len tokens the KV cache holds, less the safety margin, within bounds."""
+def kv_cache_probe(settings: dict, b) -> dict | None:
+    """The most sequences of max_model_len tokens the KV cache holds, and max_num_seqs: that less the safety
+    margin, within bounds. None when the engine did not report its KV cache."""
     blocks, block, max_len = settings.get("num_kv_blocks"), settings.get("block_size"), settings.get("max_model_len")
     if not (blocks and block and max_len):
         return None
     fits = blocks * block // max_len
-    return max(1, min(b.probe_max_num_seqs, int(fits * (1 - b.safety_margin))))
+    return {"kv_cache_tokens": blocks * block, "max_model_len": max_len, "sequences_that_fit": fits,
+            "safety_margin": b.safety_margin,
+            "max_num_seqs": max(1, min(b.probe_max_num_seqs, int(fits * (1 - b.safety_margin))))}
 
 
 def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig, say: Callable[[str], None]):
@@ -413,10 +413,8 @@ def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_
     with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
             atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
             atomic_writer(shard_dir.child("errors.jsonl").path()) as bad:
-        seen = 0
         for r in _merged_rows(chunk_files, tmp):
-            digest.update(((", " if seen else "") + json.dumps(r["id"])).encode())
-            seen += 1
+            digest.update(((", " if m["ok"] + m["errors"] else "") + json.dumps(r["id"])).encode())
             m["input_tokens"] += r["prompt_tokens"]
             line = (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode("utf-8")
             if r["error"]:
@@ -426,7 +424,7 @@ def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_
                 m["ok"] += 1
                 m["output_tokens"] += r["completion_tokens"]
                 ok.write(line)
-        if seen != n_rows:
+        if m["ok"] + m["errors"] != n_rows:
             committed = _committed_ids(chunks_dir)
             missing = [r["id"] for r in iter_jsonl(shard_path) if r["id"] not in committed]
             raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
