@@ -182,6 +182,9 @@ class FilterConfig(_Section):
 
 class EvaluateConfig(_Section):
     enabled: bool = True
+    sample_rows: int | None = Field(2000, gt=0, description="Score a deterministic sample of this many rows "
+                                    "with references (null scores every row)")
+    sample_seed: int = Field(0, description="Seed of the sample: the same seed picks the same rows")
     min_score: float | None = Field(None, description="Fail the run when the metric falls below this")
     metric: str = Field("Rouge-L-F", description="EvalScope metric that min_score applies to")
 
@@ -196,8 +199,15 @@ class OutputConfig(_Section):
 
 
 class CacheConfig(_Section):
+    """The result cache: earlier outputs reused by content key (see ``result_cache.py`` for the layout)."""
+
     enabled: bool = True
     path: str | None = Field(None, description="default: <output.path>/_cache")
+    max_age_days: float | None = Field(90.0, gt=0, description="Entries older than this are misses and are "
+                                       "dropped at compaction; null keeps them forever")
+    compact_after_tables: int = Field(64, ge=2, description="Compact a namespace once it holds this many "
+                                      "shard tables (the publish task does it)")
+    max_runs: int = Field(8, ge=1, description="Compacted runs kept before they are merged into one")
 
 
 class AirflowConfig(_Section):
