@@ -42,8 +42,11 @@ with DAG("example_custom_steps", schedule=None, start_date=dt.datetime(2026, 1, 
     @task
     def post_process(published: dict) -> dict:
         """Adds a word count per answer and writes a small digest next to the dataset."""
-        rows = list(iter_jsonl(Location(published["dataset"]).path()))
-        digest = {"rows": len(rows), "mean_words": sum(len(r["output"].split()) for r in rows) / max(len(rows), 1)}
+        rows = words = 0
+        for r in iter_jsonl(Location(published["dataset"]).path()):  # streamed: a day may be millions of rows
+            rows += 1
+            words += len(r["output"].split())
+        digest = {"rows": rows, "mean_words": words / max(rows, 1)}
         write_json(Location(published["dataset"]).path().parent / "digest.json", digest)
         return digest
 

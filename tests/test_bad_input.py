@@ -50,19 +50,19 @@ def planned(corpus, demo_model_dir):
 
 def test_planner_reports_each_bad_row(planned):
     _, _, _, plan = planned
-    errors = {e["line"]: e for e in iter_jsonl(Location(plan["errors"]).path())}
+    errors = {e["line"]: e for e in iter_jsonl(Location(plan.errors).path())}
     for line, reason in EXPECTED_PLAN_REASONS.items():
         assert line in errors, f"line {line} not reported"
         assert reason in errors[line]["reason"], (line, errors[line])
-    assert plan["valid"] == 5  # good-1..4 and the huge prompt (too long only once tokenized)
-    assert plan["invalid"] == len(EXPECTED_PLAN_REASONS)
+    assert plan.valid == 5  # good-1..4 and the huge prompt (too long only once tokenized)
+    assert plan.invalid == len(EXPECTED_PLAN_REASONS)
 
 
 def test_shard_turns_long_prompt_into_error_row_and_completes_the_rest(planned):
     cfg, layout, model, plan = planned
     # max_error_rate 0: the one error row fails the shard, with counts and the errors file in the message
     with pytest.raises(ShardFailed, match=r"1 of 5 rows failed .* reasons are in .*errors.jsonl"):
-        stages.infer_shard(cfg, layout, model, plan["shards"][0])
+        stages.infer_shard(cfg, layout, model, plan.shards[0])
     shard_dir = layout.stage("infer").child("shard-00000")
     errors = list(iter_jsonl(shard_dir.child("errors.jsonl").path()))
     assert [e["id"] for e in errors] == ["huge-prompt"]
@@ -72,5 +72,5 @@ def test_shard_turns_long_prompt_into_error_row_and_completes_the_rest(planned):
     assert all(r["output"].strip() for r in outputs)
     # A retry with a tolerant threshold takes the committed shard as is: no engine start, same rows.
     tolerant = cfg.with_overrides({"engine.max_error_rate": 0.5})
-    m = stages.infer_shard(tolerant, layout, model, plan["shards"][0])
+    m = stages.infer_shard(tolerant, layout, model, plan.shards[0])
     assert m["metrics"]["ok"] == 4 and m["metrics"]["errors"] == 1

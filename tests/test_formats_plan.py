@@ -29,8 +29,8 @@ def test_csv_with_template_over_columns(tmp_path):
         w.writeheader()
         w.writerows(ROWS)
     m = _plan(tmp_path, p, input__template="Translate to {lang}: {text}", sharding__num_shards=2)
-    assert m["format"] == "csv" and m["valid"] == 7 and m["has_references"]
-    rows = [r for s in m["shards"] for r in iter_jsonl(Location(s["url"]).path())]
+    assert m.format == "csv" and m.valid == 7 and m.has_references
+    rows = [r for s in m.shards for r in iter_jsonl(Location(s.url).path())]
     assert rows[0]["messages"] == [{"role": "user", "content": "Translate to French: " + rows[0]["messages"][0]["content"][21:]}]
     assert {r["id"] for r in rows} == {r["id"] for r in ROWS}
 
@@ -39,16 +39,16 @@ def test_template_missing_column_is_a_row_error(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_text(json.dumps({"id": "a", "text": "hi"}) + "\n" + json.dumps({"id": "b", "lang": "de", "text": "x"}) + "\n")
     m = _plan(tmp_path, p, input__template="To {lang}: {text}")
-    errors = list(iter_jsonl(Location(m["errors"]).path()))
-    assert m["valid"] == 1 and errors[0]["id"] == "a" and "column 'lang'" in errors[0]["reason"]
+    errors = list(iter_jsonl(Location(m.errors).path()))
+    assert m.valid == 1 and errors[0]["id"] == "a" and "column 'lang'" in errors[0]["reason"]
 
 
 def test_parquet_sorted_by_length_inside_shards(tmp_path):
     p = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist([{"id": r["id"], "prompt": r["text"]} for r in ROWS]), p)
     m = _plan(tmp_path, p, sharding__rows_per_shard=4)
-    assert m["format"] == "parquet" and [s["rows"] for s in m["shards"]] == [4, 3]
-    first = [r["id"] for r in iter_jsonl(Location(m["shards"][0]["url"]).path())]
+    assert m.format == "parquet" and [s.rows for s in m.shards] == [4, 3]
+    first = [r["id"] for r in iter_jsonl(Location(m.shards[0].url).path())]
     assert first == ["r3", "r2", "r1", "r0"]  # contiguous input range, shortest prompt first
 
 
@@ -58,8 +58,8 @@ def test_openai_batch_in_and_out(tmp_path):
               "body": {"model": "x", "messages": [{"role": "user", "content": f"Say {i}"}]}} for i in range(3)]
     p.write_text("".join(json.dumps(line) + "\n" for line in lines))
     m = _plan(tmp_path, p)
-    assert m["format"] == "openai_batch" and m["valid"] == 3
-    rec = next(iter_jsonl(Location(m["records"]).path()))
+    assert m.format == "openai_batch" and m.valid == 3
+    rec = next(iter_jsonl(Location(m.records).path()))
     out = output_record(rec["record"], {"id": "req-0", "output": "0", "finish_reason": "stop",
                                         "prompt_tokens": 5, "completion_tokens": 1}, "openai_batch")
     assert out["custom_id"] == "req-0" and out["error"] is None

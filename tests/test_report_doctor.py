@@ -163,6 +163,7 @@ def test_token_stats_stream_the_shard_outputs(tmp_path):
 
 def test_publish_writes_the_report_and_points_to_it(tmp_path):
     from batch_llm.config import parse_config
+    from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest
     from batch_llm.stages import RunLayout, publish
 
     cfg = parse_config({"name": "pub", "model": {"ref": "m"}, "input": {"path": str(tmp_path / "in.jsonl")},
@@ -175,16 +176,17 @@ def test_publish_writes_the_report_and_points_to_it(tmp_path):
     write_jsonl(filt_dir.child("outputs.jsonl").path(), [{"id": "a", "idx": 0, "output": "hello", "prompt_tokens": 5,
                                                           "completion_tokens": 2, "finish_reason": "stop"}])
     write_jsonl(filt_dir.child("errors.jsonl").path(), [])
-    plan = {"format": "jsonl", "records": plan_dir.child("records.jsonl").url,
-            "errors": plan_dir.child("errors.jsonl").url,
-            "rows_read": 1, "valid": 1, "invalid": 0, "shards": []}
-    filtered = {"outputs": filt_dir.child("outputs.jsonl").url, "inference_errors": filt_dir.child("errors.jsonl").url,
-                "rows": 1, "inference_error_rows": 0, "summary": {"rows_scanned": 1, "hits_per_list": {}}}
-    m = publish(cfg, layout, plan, filtered, {"stage": "evaluate", "metrics": {}, "skipped": "no references"})
-    assert m["report"] == Location(m["version"]).child("report.html").url
-    assert exists(Location(m["report"]).path())
-    assert read_json(layout.published.child("_CURRENT.json").path())["report"] == m["report"]
-    assert read_json(Location(m["summary"]).path())["report"] == m["report"]
+    plan = PlanManifest(input=str(tmp_path / "in.jsonl"), format="jsonl", records=plan_dir.child("records.jsonl").url,
+                        errors=plan_dir.child("errors.jsonl").url, rows_read=1, valid=1, invalid=0, shards=[],
+                        has_references=False)
+    filtered = FilterManifest(outputs=filt_dir.child("outputs.jsonl").url,
+                              inference_errors=filt_dir.child("errors.jsonl").url, rows=1, inference_error_rows=0,
+                              summary=FilterSummary(rows_scanned=1))
+    m = publish(cfg, layout, plan, filtered, EvaluateManifest(skipped="no references"))
+    assert m.report == Location(m.version).child("report.html").url
+    assert exists(Location(m.report).path())
+    assert read_json(layout.published.child("_CURRENT.json").path())["report"] == m.report
+    assert read_json(Location(m.summary).path())["report"] == m.report
 
 
 # ------------------------------------------------------------------------------------------ doctor

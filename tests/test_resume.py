@@ -26,7 +26,7 @@ def _prepare(tmp, run_id, **over):
     model = stages.fetch(cfg, layout)
     plan = stages.plan_shards(cfg, layout)
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model,
-            "shard": plan["shards"][0]}
+            "shard": plan.shards[0].model_dump()}
     return cfg, layout, spec
 
 

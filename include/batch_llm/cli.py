@@ -198,15 +198,15 @@ def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[d
     if model.get("quantized"):
         say(f"quantized: {model['local_dir']}")
     plan = stages.plan_shards(cfg, layout)
-    say(f"plan: {plan['rows_read']} rows read, {plan['valid']} valid, {plan['invalid']} invalid, "
-        f"{len(plan['shards'])} shard(s)")
+    say(f"plan: {plan.rows_read} rows read, {plan.valid} valid, {plan.invalid} invalid, "
+        f"{len(plan.shards)} shard(s) in {plan.seconds:.1f}s")
     return model, plan
 
 
-def _shard(cfg: PipelineConfig, layout, model: dict, shard: dict, rep: Reporter) -> dict:
+def _shard(cfg: PipelineConfig, layout, model: dict, shard, rep: Reporter) -> dict:
     from batch_llm import stages
 
-    rep.begin(f"shard {shard['index']}", shard["rows"])
+    rep.begin(f"shard {shard.index}", shard.rows)
     try:
         return stages.infer_shard(cfg, layout, model, shard, say=rep.say)
     finally:
@@ -221,25 +221,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with Reporter(tty=False if args.plain else None) as rep:
         model, plan = _prepare(cfg, layout, rep.say)
-        shards = [_shard(cfg, layout, model, s, rep) for s in plan["shards"]]
+        shards = [_shard(cfg, layout, model, s, rep) for s in plan.shards]
         filtered = stages.content_filter(cfg, layout, plan, shards)
-        fs = filtered["summary"]
-        rep.say(f"content filter: {fs.get('rows_scanned')} rows scanned, {fs.get('rows_affected', 0)} affected, "
-                f"{fs.get('rows_dropped', 0)} dropped")
+        fs = filtered.summary
+        rep.say(f"content filter: {fs.rows_scanned} rows scanned, {fs.rows_affected} affected, "
+                f"{fs.rows_dropped} dropped")
         scores = stages.evaluate(cfg, layout, plan, filtered)
-        rep.say(f"evaluate: {scores.get('skipped') or scores.get('metrics', {}).get(cfg.evaluate.metric)}")
+        sample = f" (a sample of {scores.num_samples} of {scores.rows_with_references} rows)" if scores.sampled else ""
+        rep.say(f"evaluate: {scores.skipped or scores.metrics.get(cfg.evaluate.metric)}{sample}")
         m = stages.publish(cfg, layout, plan, filtered, scores, extra_manifests={
             "fetch": stages.read_manifest_at(layout, "fetch"), "quantize": stages.read_manifest_at(layout, "quantize"),
             "infer": stages.shard_manifests(layout)})
-    print(f"published {m['rows']} rows")
-    print(f"  dataset: {m['dataset']}")
-    print(f"  errors:  {m['errors']} ({m.get('error_rows', 0)} rows)")
-    print(f"  summary: {m['summary']}")
-    if m.get("report"):
-        print(f"  report:  {m['report']}")
+    print(f"published {m.rows} rows")
+    print(f"  dataset: {m.dataset}")
+    print(f"  errors:  {m.errors} ({m.error_rows} rows)")
+    print(f"  summary: {m.summary}")
+    if m.report:
+        print(f"  report:  {m.report}")
     from batch_llm.storage import Location, read_json
 
-    print(format_findings(diagnose(read_json(Location(m["summary"], layout.output_root.options).path()))))
+    print(format_findings(diagnose(read_json(Location(m.summary, layout.output_root.options).path()))))
     return 0
 
 
@@ -249,7 +250,7 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
     layout = _layout(cfg, args, f"cli__{ds}")
     with Reporter(tty=False if args.plain else None) as rep:
         model, plan = _prepare(cfg, layout, rep.say)
-        by_index = {s["index"]: s for s in plan["shards"]}
+        by_index = {s.index: s for s in plan.shards}
         if args.shard not in by_index:
             print(f"error: the plan of run {layout.run_id} has {len(by_index)} shard(s) "
                   f"(0..{len(by_index) - 1}); no shard {args.shard}", file=sys.stderr)

@@ -6,6 +6,7 @@ boundaries) match anywhere.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 import ahocorasick
 
 from batch_llm.config import FilterConfig, WordListConfig
+from batch_llm.manifests import FilterSummary
 from batch_llm.storage import as_path
 
 BUILTIN = Path(__file__).parent / "wordlists"
@@ -96,33 +98,55 @@ def _hit(h) -> dict:
     return {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
 
 
-def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None,
-                summary: dict | None = None) -> Iterator[dict]:
-    """Yields the rows that survive, masked or flagged; fills ``summary`` with hits per list and word."""
-    f = ContentFilter(cfg, storage_options)
-    per_list: Counter = Counter()
-    per_word: dict[str, Counter] = defaultdict(Counter)
-    affected = dropped = flagged = masked = scanned = 0
-    dropped_ids = []
-    for row in rows:
-        scanned += 1
-        out, hits = f.apply(row)
-        if hits:
-            affected += 1
-            for h in hits:
-                per_list[h["list"]] += 1
-                per_word[h["list"]][h["word"]] += 1
-            actions = {h["action"] for h in hits}
-            flagged += "flag" in actions
-            masked += "mask" in actions
-        if out is None:
-            dropped += 1
-            dropped_ids.append(row["id"])
-            continue
-        yield out
-    if summary is not None:
-        summary.update(rows_scanned=scanned, rows_affected=affected, rows_dropped=dropped, rows_flagged=flagged,
-                       rows_masked=masked, hits_per_list=dict(per_list),
-                       hits_per_word={k: dict(v) for k, v in per_word.items()}, dropped_ids=dropped_ids,
-                       lists=[{"name": lst.cfg.name, "path": lst.cfg.path, "action": lst.cfg.action}
-                              for lst in f.lists])
+# Dropped ids listed in the manifest; every dropped row is in ``dropped.jsonl``.
+DROPPED_IDS_SHOWN = 100
+
+
+class FilteredRows:
+    """The rows that survive the lists (masked or flagged), streamed; dropped rows' ids and hits go to
+    ``dropped`` (a writer) as they pass. Counts per list and word are bounded by the word lists."""
+
+    def __init__(self, rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
+                 dropped=None):
+        self.rows, self.filter, self.dropped = rows, ContentFilter(cfg, storage_options), dropped
+        self.per_list: Counter = Counter()
+        self.per_word: dict[str, Counter] = defaultdict(Counter)
+        self.counts: Counter = Counter()
+        self.dropped_ids: list[str] = []
+
+    def __iter__(self) -> Iterator[dict]:
+        for row in self.rows:
+            self.counts["scanned"] += 1
+            out, hits = self.filter.apply(row)
+            if hits:
+                self.counts["affected"] += 1
+                for h in hits:
+                    self.per_list[h["list"]] += 1
+                    self.per_word[h["list"]][h["word"]] += 1
+                actions = {h["action"] for h in hits}
+                self.counts["flagged"] += "flag" in actions
+                self.counts["masked"] += "mask" in actions
+            if out is None:
+                self.counts["dropped"] += 1
+                if len(self.dropped_ids) < DROPPED_IDS_SHOWN:
+                    self.dropped_ids.append(row["id"])
+                if self.dropped is not None:
+                    self.dropped.write((json.dumps({"id": row["id"], "idx": row["idx"], "hits": hits},
+                                                   ensure_ascii=False) + "\n").encode("utf-8"))
+                continue
+            yield out
+
+    def summary(self, *, dropped: str | None = None) -> FilterSummary:
+        c = self.counts
+        return FilterSummary(
+            rows_scanned=c["scanned"], rows_affected=c["affected"], rows_dropped=c["dropped"],
+            rows_flagged=c["flagged"], rows_masked=c["masked"], hits_per_list=dict(self.per_list),
+            hits_per_word={k: dict(v) for k, v in self.per_word.items()}, dropped_ids=self.dropped_ids,
+            dropped=dropped, lists=[{"name": lst.cfg.name, "path": lst.cfg.path, "action": lst.cfg.action}
+                                    for lst in self.filter.lists])
+
+
+def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
+                dropped=None) -> FilteredRows:
+    """The surviving rows (iterate once); ``.summary()`` afterwards says what the lists did."""
+    return FilteredRows(rows, cfg, storage_options, dropped=dropped)

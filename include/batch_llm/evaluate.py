@@ -18,12 +18,15 @@ the names above. ``metric`` is matched case-insensitively (``rouge-l-f`` and ``m
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import heapq
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
@@ -233,3 +236,48 @@ def _close_log_file(work_dir: Path) -> None:
         if Path(h.baseFilename).is_relative_to(work_dir):
             log.removeHandler(h)
             h.close()
+
+
+@dataclass
+class ScoringSample:
+    """The rows EvalScope scores: ``records`` (id, question, output, reference), drawn from ``population``
+    rows that have both an output and a reference."""
+
+    records: list[dict]
+    population: int
+
+
+def _rank(seed: int, rid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}\x00{rid}".encode(), digest_size=8).digest(), "big")
+
+
+def sample_for_scoring(*, records: Iterable[dict], outputs: Iterable[dict], shards: Iterable[Iterable[dict]],
+                       size: int | None, seed: int) -> ScoringSample:
+    """A deterministic sample of ``size`` rows (all of them when None): the rows whose seeded hash of the id
+    ranks lowest, so the same seed picks the same rows whatever the order or the sharding, and a larger
+    size picks a superset. Streams the records, the outputs (both in input order) and the shard files (for
+    the question text); holds only the sample."""
+    from batch_llm.formats import joined_outputs
+
+    heap: list[tuple[int, int, dict]] = []   # (-rank, idx, row): the kept rows, largest rank on top
+    population = 0
+    for rec, out in joined_outputs(iter(records), iter(outputs)):
+        if not rec.get("reference"):
+            continue
+        population += 1
+        item = (-_rank(seed, rec["id"]), rec["idx"],
+                {"id": rec["id"], "output": out.get("output"), "reference": rec["reference"]})
+        if size is None or len(heap) < size:
+            heapq.heappush(heap, item)
+        elif item[0] > heap[0][0]:
+            heapq.heapreplace(heap, item)
+    chosen = {row["id"]: row for _, _, row in heap}
+    for rows in shards:
+        for r in rows:
+            if r["id"] in chosen:
+                msgs = r.get("messages") or []
+                chosen[r["id"]]["question"] = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+    picked = [row for _, _, row in sorted(heap, key=lambda t: t[1])]  # input order
+    for row in picked:
+        row.setdefault("question", "")
+    return ScoringSample(records=picked, population=population)

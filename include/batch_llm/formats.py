@@ -8,15 +8,18 @@ from __future__ import annotations
 import csv
 import io
 import json
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from upath import UPath
 
 from batch_llm.config import InputConfig
-from batch_llm.storage import list_files, write_bytes_atomic
+from batch_llm.storage import atomic_writer, iter_jsonl, json_bytes, list_files, write_jsonl
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -64,13 +67,33 @@ def input_files(path: UPath) -> list[UPath]:
 
 
 def read_rows(path: UPath, fmt: str) -> Iterator[RawRow]:
+    """Every row of a file or of a folder's data files (in name order), streamed; ``source`` names the file."""
     for f in input_files(path):
-        kind = detect_format(f, fmt) if fmt == "auto" else fmt
-        reader = {"jsonl": _read_jsonl, "openai_batch": _read_jsonl, "parquet": _read_parquet,
-                  "csv": _read_csv}[kind]
-        for raw in reader(f):
-            raw.source = f.name
-            yield raw
+        yield from read_file_rows(f, fmt)
+
+
+def read_file_rows(f: UPath, fmt: str) -> Iterator[RawRow]:
+    kind = detect_format(f, fmt) if fmt == "auto" else fmt
+    reader = {"jsonl": _read_jsonl, "openai_batch": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv}[kind]
+    for raw in reader(f):
+        raw.source = f.name
+        yield raw
+
+
+def sniff_openai_batch(path: UPath) -> str | None:
+    """A .jsonl file whose first object has custom_id and body is OpenAI Batch API input."""
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    return None
+                return "openai_batch" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else None
+    return None
+
+
+_FAST_DECODER = msgspec.json.Decoder()
 
 
 def _read_jsonl(path: UPath) -> Iterator[RawRow]:
@@ -78,6 +101,14 @@ def _read_jsonl(path: UPath) -> Iterator[RawRow]:
         for n, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue
+            try:  # the fast path; a line it refuses is parsed again by json, for json's own message
+                obj = _FAST_DECODER.decode(raw)
+            except (msgspec.DecodeError, ValueError):
+                pass
+            else:
+                if isinstance(obj, dict):
+                    yield RawRow(n, obj)
+                    continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -198,6 +229,19 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
 
 
 # ---------------------------------------------------------------------------------------------- writing
+def joined_outputs(records: Iterator[dict], outputs: Iterator[dict]) -> Iterator[tuple[dict, dict]]:
+    """(input record, output row) pairs by position: both streams are in input order (``idx`` ascending);
+    a record without an output (an error, a dropped row) is skipped."""
+    out = next(outputs, None)
+    for rec in records:
+        while out is not None and out["idx"] < rec["idx"]:
+            out = next(outputs, None)
+        if out is None:
+            return
+        if out["idx"] == rec["idx"]:
+            yield rec, out
+
+
 def output_record(record: dict, result: dict, fmt: str) -> dict:
     """The published row: the input's columns plus the generated ones (OpenAI batch output lines for
     OpenAI batch input)."""
@@ -224,34 +268,114 @@ def output_record(record: dict, result: dict, fmt: str) -> dict:
     return out
 
 
+# Rows converted to Arrow at once: one Parquet row group each (and the unit of CSV writes).
+WRITE_BATCH_ROWS = 50_000
+
+
 def write_rows(path: UPath, rows: Iterable[dict], fmt: str) -> int:
-    """Writes rows in ``fmt`` as one atomic object; returns the count."""
-    rows = list(rows)
+    """Writes rows in ``fmt`` as one atomic object, streamed; returns the count.
+
+    JSONL streams in one pass. CSV needs every column before its header and Parquet one schema before its
+    first row group, so those formats spool the rows to a local JSONL file while collecting the columns (or
+    the unified Arrow schema), then write from the spool batch by batch: memory holds one batch, not the run.
+    """
     if fmt in ("jsonl", "openai_batch"):
-        data = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows).encode()
-    elif fmt == "csv":
+        return write_jsonl(path, rows)
+    if fmt not in ("csv", "parquet"):
+        raise ValueError(f"unknown output format {fmt!r}")
+    with tempfile.TemporaryDirectory(prefix="batch_llm_write_") as tmp:
+        spool = Path(tmp) / "rows.jsonl"
+        shape = _CsvColumns() if fmt == "csv" else _ArrowSchema()
+        n = 0
+        with open(spool, "wb") as fh:
+            for batch in _batches(rows, WRITE_BATCH_ROWS):
+                shape.add(batch)
+                fh.writelines(json_bytes(r) + b"\n" for r in batch)
+                n += len(batch)
+        spooled = iter_jsonl(Path(spool))
+        with atomic_writer(path) as w:  # no mkdir on S3: it would create a mistyped bucket
+            shape.write(w, _batches(spooled, WRITE_BATCH_ROWS))
+    return n
+
+
+def _batches(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    batch: list[dict] = []
+    for r in rows:
+        batch.append(r)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class _CsvColumns:
+    """Every column any row has, in order of first appearance; lists and objects are written as JSON."""
+
+    def __init__(self) -> None:
+        self.cols: dict[str, None] = {}
+
+    def add(self, batch: list[dict]) -> None:
+        for r in batch:
+            for k in r:
+                if k not in self.cols:
+                    self.cols[k] = None
+
+    def write(self, w, batches: Iterator[list[dict]]) -> None:
         buf = io.StringIO()
-        cols: list[str] = []
-        for r in rows:
-            cols.extend(k for k in r if k not in cols)
-        w = csv.DictWriter(buf, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v)
-                        for k, v in r.items()})
-        data = buf.getvalue().encode()
-    elif fmt == "parquet":
+        writer = csv.DictWriter(buf, fieldnames=list(self.cols))
+        writer.writeheader()
+        for batch in batches:
+            for r in batch:
+                writer.writerow({k: (json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v)
+                                 for k, v in r.items()})
+            w.write(buf.getvalue().encode("utf-8"))
+            buf.seek(0)
+            buf.truncate()
+        w.write(buf.getvalue().encode("utf-8"))
+
+
+class _ArrowSchema:
+    """The schema every batch fits: the batches' inferred schemas unified (int and float widen, nulls take
+    the other side's type)."""
+
+    def __init__(self) -> None:
+        self.schema = None
+
+    def add(self, batch: list[dict]) -> None:
+        import pyarrow as pa
+
+        s = pa.Table.from_pylist(batch).schema
+        self.schema = s if self.schema is None else pa.unify_schemas([self.schema, s], promote_options="permissive")
+
+    def write(self, w, batches: Iterator[list[dict]]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pa.Table.from_pylist(rows) if rows else pa.table({})
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        data = sink.getvalue().to_pybytes()
-    else:
-        raise ValueError(f"unknown output format {fmt!r}")
-    write_bytes_atomic(path, data)  # no mkdir on S3: it would create a mistyped bucket
-    return len(rows)
+        schema = self.schema or pa.schema([])
+        with pq.ParquetWriter(_WriterSink(w), schema) as pw:
+            for batch in batches:
+                pw.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=len(batch))
+
+
+class _WriterSink(io.RawIOBase):
+    """A write-only file over an ``AtomicWriter`` (what pyarrow's ParquetWriter writes into)."""
+
+    def __init__(self, w) -> None:
+        self.w = w
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        data = bytes(b)
+        self.w.write(data)
+        self.pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
 
 
 FILE_SUFFIX = {"jsonl": ".jsonl", "openai_batch": ".jsonl", "parquet": ".parquet", "csv": ".csv"}

@@ -1,16 +1,41 @@
-"""Plan shards: read the run's input, validate every row, split the valid rows into shards.
+"""Plan shards: read the run's input, validate every row, split the valid rows into shards, in bounded memory.
 
-Invalid rows go to ``errors.jsonl`` with a reason (line, id when known) and the rest goes on. Shards are
+Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on. Shards are
 contiguous ranges of the input (so outputs merge back in input order), sorted by prompt length inside
 (similar lengths batch together: less padding for static batching, steadier decode batches for vLLM).
+
+Memory does not grow with the input. How, in three streamed passes over local temporary files::
+
+    input files ─> validate ─> spool (valid rows, input order) + row errors + one 8-byte id hash per row
+    id hashes (an array, sorted) ─> candidate duplicates ─> one pass over the spool confirms them by id
+    spool ─> records.jsonl + shard files (each sorted by length: in-memory runs spilled and merged)
+
+The spool is a local file of tab-separated fields whose JSON parts are written once in the first pass and
+copied as bytes afterwards (JSON escapes tabs and newlines, so a field never holds one). Planning needs
+about three times the input's size in local temporary space (``$TMPDIR``).
 """
 from __future__ import annotations
 
+import heapq
+import json
 import math
+import tempfile
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
-from batch_llm.formats import PromptRow, detect_format, input_files, read_rows, to_prompt_row
-from batch_llm.storage import Location, write_jsonl, write_manifest
+from batch_llm.formats import PromptRow, detect_format, input_files, read_file_rows, sniff_openai_batch, \
+    to_prompt_row
+from batch_llm.manifests import PlanManifest, ShardSpec
+from batch_llm.storage import Location, atomic_writer, json_bytes, peak_rss_mb
+
+# Rows sorted in memory at once inside a shard; larger shards are sorted in runs and merged.
+SORT_RUN_ROWS = 100_000
+
 
 def default_rows_per_shard(s: ShardingConfig, max_tokens: int) -> int:
     """Rows per shard that keep engine start under ``max_engine_start_share`` of the shard's time:
@@ -34,12 +59,60 @@ def shard_sizes(n: int, s: ShardingConfig, max_tokens: int = 256) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(k)]
 
 
-def _prompt_chars(r: PromptRow) -> int:
+def prompt_chars(r: PromptRow) -> int:
+    """The sort key inside a shard: a prompt's length (token ids count as 4 characters)."""
     return len(r.prompt_token_ids) * 4 if r.prompt_token_ids else sum(len(m["content"]) for m in r.messages)
 
 
-def _shard_row(r: PromptRow) -> dict:
-    row = {"id": r.id, "idx": r.idx, "messages": r.messages}
+_dumps = json_bytes
+
+
+def _with_idx(body: bytes, idx: int) -> bytes:
+    """``{"idx": N, ...body's fields}``: the idx is known only after duplicates are found."""
+    return b'{"idx": %d, %s\n' % (idx, body[1:])
+
+
+class _Scan:
+    """Pass 1: every input row validated once; valid rows spooled, row errors written, id hashes kept."""
+
+    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path):
+        self.cfg, self.fmt = cfg, fmt
+        self.spool_path, self.errors_path = tmp / "spool.tsv", tmp / "errors-rows.tsv"
+        self.id_hashes = array("q")   # hash(id) of spooled row i: duplicates are found from these alone
+        self.rows_read = 0
+        self.has_references = False
+
+    def run(self, files: list) -> None:
+        read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
+        with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
+            for file_no, f in enumerate(files):
+                for raw in read_file_rows(f, read_fmt):
+                    self.rows_read += 1
+                    where = b"%d\t%d\t" % (file_no, raw.line)
+                    if raw.error:
+                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": None,
+                                                     "reason": raw.error}) + b"\n")
+                        continue
+                    try:
+                        row = to_prompt_row(raw, 0, self.cfg.input, self.fmt)
+                    except ValueError as e:
+                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
+                                                     "reason": str(e)}) + b"\n")
+                        continue
+                    self.id_hashes.append(hash(row.id))
+                    self.has_references = self.has_references or bool(row.reference)
+                    shard_body = _dumps(_shard_fields(row))
+                    record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
+                    spool.write(b"\t".join((where[:-1], b"%d" % prompt_chars(row), _dumps(row.id), shard_body,
+                                            record_body)) + b"\n")
+
+    def _raw_id(self, raw) -> str | int | None:
+        rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
+        return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def _shard_fields(r: PromptRow) -> dict:
+    row: dict = {"id": r.id, "messages": r.messages}
     if r.prompt_token_ids:
         row["prompt_token_ids"] = r.prompt_token_ids
     if r.max_tokens:
@@ -47,69 +120,176 @@ def _shard_row(r: PromptRow) -> dict:
     return row
 
 
-def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location) -> dict:
-    """Validates the input and writes shards; returns the plan manifest (shards listed for mapping)."""
-    in_path = input_loc.path()
-    first = input_files(in_path)[0]
-    fmt = detect_format(first, cfg.input.format)
-    if fmt == "jsonl" and cfg.input.format == "auto":
-        fmt = _sniff_openai_batch(first) or fmt
-    valid: list[PromptRow] = []
-    records: list[dict] = []
-    errors: list[dict] = []
-    seen: dict[str, int] = {}
-    n_read = 0
-    for raw in read_rows(in_path, "openai_batch" if fmt == "openai_batch" else cfg.input.format):
-        n_read += 1
-        where = {"source": raw.source, "line": raw.line}
-        if raw.error:
-            errors.append({**where, "id": None, "reason": raw.error})
-            continue
-        try:
-            row = to_prompt_row(raw, len(valid), cfg.input, fmt)
-        except ValueError as e:
-            rid = (raw.record or {}).get("custom_id" if fmt == "openai_batch" else cfg.input.id_column)
-            errors.append({**where, "id": rid if isinstance(rid, (str, int)) else None, "reason": str(e)})
-            continue
-        if row.id in seen:
-            errors.append({**where, "id": row.id, "reason": f"duplicate id {row.id!r} (first at line {seen[row.id]})"})
-            continue
-        seen[row.id] = raw.line
-        valid.append(row)
-        records.append({"idx": row.idx, "id": row.id, "reference": row.reference, "record": raw.record})
+def _spool_lines(path: Path) -> Iterator[list[bytes]]:
+    """Spool rows as their fields: file_no, line, chars, id (JSON), shard body, record body."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            yield line.rstrip(b"\n").split(b"\t")
 
-    shards = []
-    start = 0
-    for i, size in enumerate(shard_sizes(len(valid), cfg.sharding, cfg.sampling.max_tokens)):
-        part = valid[start:start + size]
-        start += size
-        if cfg.sharding.sort_by_length:
-            part = sorted(part, key=_prompt_chars)
-        loc = plan_dir.child(f"shard-{i:05d}.jsonl")
-        write_jsonl(loc.path(), (_shard_row(r) for r in part))
-        shards.append({"index": i, "rows": size, "url": loc.url})
-    write_jsonl(plan_dir.child("records.jsonl").path(), records)
-    write_jsonl(plan_dir.child("errors.jsonl").path(), errors)
-    manifest = {
-        "stage": "plan", "input": input_loc.url, "format": fmt, "rows_read": n_read, "valid": len(valid),
-        "invalid": len(errors), "errors": plan_dir.child("errors.jsonl").url,
-        "records": plan_dir.child("records.jsonl").url, "shards": shards,
-        "has_references": any(r["reference"] for r in records),
-    }
-    write_manifest(plan_dir.path(), manifest)
+
+def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
+    """Spool positions of rows whose id an earlier row has, sorted; their errors go to ``errors-dups.tsv``.
+
+    Equal hashes only make candidates: one pass over the spool compares the candidates' ids, so a hash
+    collision never drops a row. Memory: the hash array (8 bytes a row) and the ids of candidate rows."""
+    out = tmp / "errors-dups.tsv"
+    h = np.frombuffer(scan.id_hashes, dtype=np.int64)
+    order = np.argsort(h, kind="stable")
+    sh = h[order]
+    same = sh[1:] == sh[:-1]
+    if not same.any():
+        out.write_bytes(b"")
+        return np.empty(0, dtype=np.int64)
+    member = np.zeros(len(h), dtype=bool)
+    member[1:] |= same
+    member[:-1] |= same
+    candidates = np.sort(order[member])
+    first_seen: dict[bytes, tuple[int, int]] = {}
+    dups = array("q")
+    ptr = 0
+    with open(out, "wb") as errors:
+        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+            if ptr == len(candidates):
+                break
+            if seq != candidates[ptr]:
+                continue
+            ptr += 1
+            file_no, line, rid = int(fields[0]), int(fields[1]), fields[3]
+            first = first_seen.setdefault(rid, (file_no, line))
+            if first != (file_no, line):
+                dups.append(seq)
+                where = files[first[0]].name + ":" if first[0] != file_no else ""
+                rid_s = json.loads(rid)
+                errors.write(b"%d\t%d\t" % (file_no, line) + _dumps({
+                    "source": files[file_no].name, "line": line, "id": rid_s,
+                    "reason": f"duplicate id {rid_s!r} (first at line {where}{first[1]})"}) + b"\n")
+    return np.frombuffer(dups, dtype=np.int64)
+
+
+class _SortedShardWriter:
+    """Writes one shard's rows sorted by (prompt length, input position), in bounded memory: runs of
+    ``SORT_RUN_ROWS`` rows are sorted in memory and spilled to local files, then merged into the shard."""
+
+    def __init__(self, loc: Location, tmp: Path, *, sort: bool):
+        self.loc, self.tmp, self.sort = loc, tmp, sort
+        self.buf: list[tuple[int, int, bytes]] = []
+        self.runs: list[Path] = []
+
+    def add(self, chars: int, idx: int, line: bytes) -> None:
+        self.buf.append((chars, idx, line))
+        if len(self.buf) >= SORT_RUN_ROWS:
+            self._spill()
+
+    def _spill(self) -> None:
+        run = self.tmp / f"run-{len(self.runs):05d}.tsv"
+        with open(run, "wb") as fh:
+            fh.writelines(b"%d\t%d\t%s" % item for item in self._sorted_buf())
+        self.runs.append(run)
+        self.buf = []
+
+    def _sorted_buf(self) -> list[tuple[int, int, bytes]]:
+        return sorted(self.buf) if self.sort else self.buf
+
+    def close(self) -> None:
+        with atomic_writer(self.loc.path()) as w:
+            if not self.runs:
+                for _, _, line in self._sorted_buf():
+                    w.write(line)
+                return
+            self._spill()
+            handles = [open(run, "rb") for run in self.runs]
+            try:
+                # Unsorted runs are consecutive input ranges: chaining them keeps input order.
+                items = heapq.merge(*map(_run_items, handles)) if self.sort else \
+                    (item for h in handles for item in _run_items(h))
+                for _, _, line in items:
+                    w.write(line)
+            finally:
+                for h in handles:
+                    h.close()
+        for run in self.runs:
+            run.unlink(missing_ok=True)
+
+
+def _run_items(fh) -> Iterator[tuple[int, int, bytes]]:
+    for ln in fh:
+        chars, idx, line = ln.split(b"\t", 2)
+        yield int(chars), int(idx), line
+
+
+def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
+    """Row errors and duplicate errors in input order (file, line), as JSON lines."""
+    def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
+        with open(p, "rb") as fh:
+            for ln in fh:
+                file_no, line, body = ln.split(b"\t", 2)
+                yield int(file_no), int(line), body
+
+    for _, _, body in heapq.merge(*(items(p) for p in paths)):
+        yield body
+
+
+def resolve_format(first_file, configured: str) -> str:
+    fmt = detect_format(first_file, configured)
+    if fmt == "jsonl" and configured == "auto":
+        fmt = sniff_openai_batch(first_file) or fmt
+    return fmt
+
+
+def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location) -> PlanManifest:
+    """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
+    listed for mapping)."""
+    t0 = time.perf_counter()
+    files = input_files(input_loc.path())
+    fmt = resolve_format(files[0], cfg.input.format)
+    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        scan = _Scan(cfg, fmt, tmp)
+        scan.run(files)
+        dups = _find_duplicates(scan, files, tmp)
+        n_valid = len(scan.id_hashes) - len(dups)
+        sizes = shard_sizes(n_valid, cfg.sharding, cfg.sampling.max_tokens)
+        shards = _write_shards(scan, dups, sizes, plan_dir, tmp, sort=cfg.sharding.sort_by_length)
+        errors_loc = plan_dir.child("errors.jsonl")
+        n_errors = 0
+        with atomic_writer(errors_loc.path()) as w:
+            for line in _merged_errors([scan.errors_path, tmp / "errors-dups.tsv"]):
+                w.write(line)
+                n_errors += 1
+    manifest = PlanManifest(
+        input=input_loc.url, input_files=len(files), format=fmt, rows_read=scan.rows_read, valid=n_valid,
+        invalid=n_errors, duplicates=len(dups), errors=errors_loc.url, records=plan_dir.child("records.jsonl").url,
+        shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_mb=peak_rss_mb())
+    manifest.write(plan_dir.path())
     return manifest
 
 
-def _sniff_openai_batch(path) -> str | None:
-    """A .jsonl file whose first object has custom_id and body is OpenAI Batch API input."""
-    import json
-
-    with path.open("rb") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    return None
-                return "openai_batch" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else None
-    return None
+def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Location, tmp: Path, *,
+                  sort: bool) -> list[ShardSpec]:
+    """Pass 3: the spool, less duplicates, into records.jsonl and the shard files (contiguous ranges)."""
+    shards: list[ShardSpec] = []
+    bounds = iter(sizes)
+    writer: _SortedShardWriter | None = None
+    left = 0
+    idx = 0
+    dup_ptr = 0
+    with atomic_writer(plan_dir.child("records.jsonl").path()) as records:
+        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+            if dup_ptr < len(dups) and dups[dup_ptr] == seq:
+                dup_ptr += 1
+                continue
+            if left == 0:
+                if writer is not None:
+                    writer.close()
+                left = next(bounds)
+                loc = plan_dir.child(f"shard-{len(shards):05d}.jsonl")
+                shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
+                writer = _SortedShardWriter(loc, tmp, sort=sort)
+            writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
+            records.write(_with_idx(fields[5], idx))
+            idx += 1
+            left -= 1
+        if writer is not None:
+            writer.close()
+    return shards

@@ -8,7 +8,7 @@ the CLI, the benchmarks and the tests all call these same functions::
     model = fetch(cfg, layout)
     model = quantize(cfg, layout, model)
     plan = plan_shards(cfg, layout)
-    shards = [infer_shard(cfg, layout, model, s) for s in plan["shards"]]
+    shards = [infer_shard(cfg, layout, model, s) for s in plan.shards]
     filtered = content_filter(cfg, layout, plan, shards)
     scores = evaluate(cfg, layout, plan, filtered)
     publish(cfg, layout, plan, filtered, scores)
@@ -27,9 +27,11 @@ from pathlib import Path
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
-from batch_llm.formats import FILE_SUFFIX, output_record, write_rows
-from batch_llm.storage import Location, exists, iter_jsonl, list_files, read_json, read_manifest, remove_tree, \
-    write_bytes_atomic, write_json, write_jsonl, write_manifest
+from batch_llm.formats import FILE_SUFFIX, joined_outputs, output_record, write_rows
+from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, PublishManifest, \
+    ShardSpec
+from batch_llm.storage import Location, atomic_writer, exists, iter_jsonl, list_files, peak_rss_mb, read_json, \
+    read_manifest, remove_tree, write_bytes_atomic, write_json, write_jsonl, write_manifest
 
 
 class EvaluationBelowThreshold(RuntimeError):
@@ -84,15 +86,16 @@ class RunLayout:
                    partition=d["partition"], run_id=d["run_id"], input=Location.from_any(d["input"]))
 
 
-def _done(stage_dir: Location) -> dict | None:
-    """A stage whose manifest exists already ran for this run: a retry returns it instead of redoing it."""
-    p = stage_dir.path() / "manifest.json"
-    return read_manifest(p) if exists(p) else None
+STAGE_MANIFESTS = {"plan": PlanManifest, "filter": FilterManifest, "evaluate": EvaluateManifest,
+                   "publish": PublishManifest}
 
 
-def read_manifest_at(layout: RunLayout, stage: str) -> dict:
-    """The manifest a stage of this run committed (stages downstream go by it, not by XCom)."""
-    return read_manifest(layout.stage(stage).path())
+def read_manifest_at(layout: RunLayout, stage: str):
+    """The manifest a stage of this run committed (stages downstream go by it, not by XCom): typed for the
+    stages that have a model, a dict for fetch and quantize."""
+    path = layout.stage(stage).path()
+    kind = STAGE_MANIFESTS.get(stage)
+    return kind.read(path) if kind else read_manifest(path)
 
 
 def shard_manifests(layout: RunLayout) -> list[dict]:
@@ -123,25 +126,27 @@ def quantize(cfg: PipelineConfig, layout: RunLayout, model: dict) -> dict:
     return m
 
 
-def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> dict:
-    return _done(layout.stage("plan")) or _plan.plan_shards(cfg, input_loc=layout.input,
-                                                            plan_dir=layout.stage("plan"))
+def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    return PlanManifest.read_if_done(layout.stage("plan").path()) or _plan.plan_shards(
+        cfg, input_loc=layout.input, plan_dir=layout.stage("plan"))
 
 
-def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: dict, shard: dict,
+def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: dict, shard: ShardSpec | dict,
                 say: Callable[[str], None] = print) -> dict:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead)."""
     from batch_llm.infer import run_shard
 
+    shard = ShardSpec.model_validate(shard).model_dump()
     return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard['index']:05d}"),
                      model_dir=model["local_dir"], model_key=model["model_key"],
                      cache_root=layout.cache_root(cfg), say=say)
 
 
-def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: dict, shards: list[dict]) -> dict:
-    """Merges the shards' outputs in input order (streamed) and applies the word lists."""
+def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, shards: list[dict]) -> FilterManifest:
+    """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
+    ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size."""
     out_dir = layout.stage("filter")
-    if m := _done(out_dir):
+    if m := FilterManifest.read_if_done(out_dir.path()):
         return m
     opts = layout.output_root.options
 
@@ -149,109 +154,105 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: dict, shards: l
         # Each shard's files are in input order: a streamed merge puts the run in input order.
         return heapq.merge(*(iter_jsonl(Location(s[key], opts).path()) for s in shards), key=lambda r: r["idx"])
 
-    summary: dict = {}
-    counts = {"kept": 0, "scanned": 0}
-
-    def counted(rows: Iterator[dict], name: str) -> Iterator[dict]:
-        for r in rows:
-            counts[name] += 1
-            yield r
-
     if cfg.filter.enabled:
-        from batch_llm import content_filter as _filter  # pyahocorasick is not needed on GPU workers
+        from batch_llm.content_filter import filter_rows  # pyahocorasick is not needed on GPU workers
 
-        kept = _filter.filter_rows(merged("outputs"), cfg.filter, opts, summary=summary)
+        dropped_loc = out_dir.child("dropped.jsonl")
+        with atomic_writer(dropped_loc.path()) as dropped:
+            kept = filter_rows(merged("outputs"), cfg.filter, opts, dropped=dropped)
+            n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), kept)
+        summary = kept.summary(dropped=dropped_loc.url)
     else:
-        kept = counted(merged("outputs"), "scanned")
-    write_jsonl(out_dir.child("outputs.jsonl").path(), counted(kept, "kept"))
-    if not cfg.filter.enabled:
-        summary = {"enabled": False, "rows_scanned": counts["scanned"]}
+        n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), merged("outputs"))
+        summary = FilterSummary(enabled=False, rows_scanned=n_kept)
     n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
-    m = {"stage": "filter", "outputs": out_dir.child("outputs.jsonl").url, "rows": counts["kept"],
-         "inference_errors": out_dir.child("errors.jsonl").url, "inference_error_rows": n_errors,
-         "summary": summary}
-    write_manifest(out_dir.path(), m)
+    m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept,
+                       inference_errors=out_dir.child("errors.jsonl").url, inference_error_rows=n_errors,
+                       summary=summary)
+    m.write(out_dir.path())
     return m
 
 
-def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict) -> dict:
-    """Scores outputs against reference answers with EvalScope; stores its report next to the run."""
+def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest) -> EvaluateManifest:
+    """Scores outputs against reference answers with EvalScope (a deterministic sample of
+    ``evaluate.sample_rows`` rows); stores its report next to the run."""
     out_dir = layout.stage("evaluate")
-    if not (m := _done(out_dir)):
+    if not (m := EvaluateManifest.read_if_done(out_dir.path())):
         m = _evaluate(cfg, layout, plan, filtered, out_dir)
-    score = m.get("metrics", {}).get(cfg.evaluate.metric)
+    score = m.metrics.get(cfg.evaluate.metric)
     if cfg.evaluate.enabled and cfg.evaluate.min_score is not None and score is not None \
             and score < cfg.evaluate.min_score:
+        of = f" of {m.rows_with_references} rows with references" if m.sampled else ""
         raise EvaluationBelowThreshold(
             f"{cfg.evaluate.metric} = {score:.4f} is below evaluate.min_score = {cfg.evaluate.min_score} "
-            f"({m['num_samples']} samples; report: {m['report_json']})")
+            f"({m.num_samples} samples{of}; report: {m.report_json})")
     return m
 
 
-def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict, out_dir: Location) -> dict:
+def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
+              out_dir: Location) -> EvaluateManifest:
     opts = layout.output_root.options
     if not cfg.evaluate.enabled:
-        m = {"stage": "evaluate", "skipped": "evaluate.enabled is false", "metrics": {}}
-    elif not plan.get("has_references"):
-        m = {"stage": "evaluate", "skipped": f"no reference answers (column {cfg.input.reference_column!r})",
-             "metrics": {}}
+        m = EvaluateManifest(skipped="evaluate.enabled is false")
+    elif not plan.has_references:
+        m = EvaluateManifest(skipped=f"no reference answers (column {cfg.input.reference_column!r})")
     else:
-        from batch_llm.evaluate import score_with_evalscope
+        from batch_llm.evaluate import sample_for_scoring, score_with_evalscope
 
-        refs = {r["id"]: r["reference"] for r in iter_jsonl(Location(plan["records"], opts).path())
-                if r["reference"]}
-        questions = {}
-        for s in plan["shards"]:
-            for r in iter_jsonl(Location(s["url"], opts).path()):
-                if r["id"] in refs:
-                    questions[r["id"]] = next((m["content"] for m in reversed(r["messages"]) if m["role"] == "user"), "")
-        records = [{"id": r["id"], "question": questions.get(r["id"], ""), "output": r["output"],
-                    "reference": refs[r["id"]]} for r in iter_jsonl(Location(filtered["outputs"], opts).path())
-                   if r["id"] in refs]
+        sample = sample_for_scoring(
+            records=iter_jsonl(Location(plan.records, opts).path()),
+            outputs=iter_jsonl(Location(filtered.outputs, opts).path()),
+            shards=(iter_jsonl(Location(s.url, opts).path()) for s in plan.shards),
+            size=cfg.evaluate.sample_rows, seed=cfg.evaluate.sample_seed)
         with tempfile.TemporaryDirectory(prefix="batch_llm_eval_") as tmp:
             t0 = time.perf_counter()
-            res = score_with_evalscope(records, Path(tmp), metric=cfg.evaluate.metric)
+            res = score_with_evalscope(sample.records, Path(tmp), metric=cfg.evaluate.metric)
             seconds = time.perf_counter() - t0
             report_dir = out_dir.child("evalscope")
             uploaded = {}
             for key in ("report_json", "report_html"):
                 if res.get(key):
                     src = Path(res[key])
-                    dest = report_dir.child(src.name)
                     # Not mkdir + write_bytes: on S3, mkdir(parents=True) creates a missing bucket.
-                    write_bytes_atomic(dest.path(), src.read_bytes())
-                    uploaded[key] = dest.url
-        m = {"stage": "evaluate", "metrics": res["metrics"], "num_samples": res["num_samples"],
-             "evalscope_version": res.get("evalscope_version"), "seconds": round(seconds, 2),
-             "report_json": uploaded.get("report_json"), "report_html": uploaded.get("report_html")}
-    write_manifest(out_dir.path(), m)
+                    write_bytes_atomic(report_dir.child(src.name).path(), src.read_bytes())
+                    uploaded[key] = report_dir.child(src.name).url
+        m = EvaluateManifest(metrics=res["metrics"], num_samples=res["num_samples"],
+                             rows_with_references=sample.population, sample_seed=cfg.evaluate.sample_seed,
+                             evalscope_version=res.get("evalscope_version"), seconds=round(seconds, 2),
+                             report_json=uploaded.get("report_json"), report_html=uploaded.get("report_html"))
+    m.write(out_dir.path())
     return m
 
 
-def publish(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict, scores: dict,
-            extra_manifests: dict | None = None) -> dict:
-    """Writes the final dataset (input's format) and the run summary into a new version of the partition,
-    then switches the partition's ``_CURRENT.json`` pointer to it: readers see the old or the new version,
-    never a mix. Older versions but the previous one are removed."""
+def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
+    yield from iter_jsonl(Location(plan.errors, opts).path())
+    for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
+        yield {"id": e["id"], "reason": e["error"], "stage": "infer"}
+
+
+def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
+            scores: EvaluateManifest, extra_manifests: dict | None = None) -> PublishManifest:
+    """Writes the final dataset (input's format, streamed) and the run summary into a new version of the
+    partition, then switches the partition's ``_CURRENT.json`` pointer to it: readers see the old or the new
+    version, never a mix. Older versions but the previous one are removed. Last, the result cache's
+    maintenance (retention, compaction) runs for the namespaces this pipeline writes."""
     out_dir = layout.stage("publish")
-    if m := _done(out_dir):
+    if m := PublishManifest.read_if_done(out_dir.path()):
         return m
+    t0 = time.perf_counter()
     opts = layout.output_root.options
-    fmt = plan["format"]
-    results = {r["id"]: r for r in iter_jsonl(Location(filtered["outputs"], opts).path())}
+    fmt = plan.format
     version = layout.published.child(f"v-{time.strftime('%Y%m%dT%H%M%S')}-{re.sub(r'[^A-Za-z0-9]', '', layout.run_id)[-12:]}")
-    rows = (output_record(rec["record"], results[rec["id"]], fmt)
-            for rec in iter_jsonl(Location(plan["records"], opts).path()) if rec["id"] in results)
+    pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
+                           iter_jsonl(Location(filtered.outputs, opts).path()))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
-    n = write_rows(data.path(), rows, fmt)
-    errors = list(iter_jsonl(Location(plan["errors"], opts).path())) + [
-        {"id": e["id"], "reason": e["error"], "stage": "infer"}
-        for e in iter_jsonl(Location(filtered["inference_errors"], opts).path())]
-    write_jsonl(version.child("errors.jsonl").path(), errors)
+    n = write_rows(data.path(), (output_record(rec["record"], out, fmt) for rec, out in pairs), fmt)
+    n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
     summary = {"pipeline": cfg.name, "run_id": layout.run_id, "partition": layout.partition,
                "rows_published": n, "format": fmt, "dataset": data.url, "errors": version.child("errors.jsonl").url,
                "config": cfg.model_dump(mode="json"),
-               "manifests": {"plan": plan, "filter": filtered, "evaluate": scores, **(extra_manifests or {})},
+               "manifests": {"plan": plan.model_dump(mode="json"), "filter": filtered.model_dump(mode="json"),
+                             "evaluate": scores.model_dump(mode="json"), **(extra_manifests or {})},
                "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
     summary["report"] = version.child("report.html").url
     write_json(version.child("summary.json").path(), summary)
@@ -266,11 +267,29 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: dict, filtered: dict, 
         if old.name.startswith("v-") and old.name not in (version.url.rsplit("/", 1)[-1],
                                                           (previous or "").rsplit("/", 1)[-1]):
             remove_tree(old)
-    m = {"stage": "publish", "partition": layout.published.url, "version": version.url, "dataset": data.url,
-         "rows": n, "summary": version.child("summary.json").url, "errors": version.child("errors.jsonl").url,
-         "error_rows": len(errors), "report": report_url}
-    write_manifest(out_dir.path(), m)
+    m = PublishManifest(partition=layout.published.url, version=version.url, dataset=data.url, rows=n,
+                        summary=version.child("summary.json").url, errors=version.child("errors.jsonl").url,
+                        error_rows=n_errors, report=report_url, cache=maintain_cache(cfg, layout),
+                        seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
+    m.write(out_dir.path())
     return m
+
+
+def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:
+    """Retention and compaction of the result cache, once per run (a CPU task, not a GPU one): every
+    namespace under the cache root, each cheap unless it is due (see ``result_cache.ResultCache.maintain``)."""
+    if not cfg.cache.enabled:
+        return None
+    from batch_llm.result_cache import ResultCache
+
+    root = layout.cache_root(cfg)
+    done = {}
+    for ns_dir in list_files(root.path()):
+        stats = ResultCache(root, ns_dir.name).maintain(max_age_days=cfg.cache.max_age_days,
+                                                        compact_after_tables=cfg.cache.compact_after_tables,
+                                                        max_runs=cfg.cache.max_runs)
+        done[ns_dir.name] = stats
+    return {"namespaces": done}
 
 
 def read_published(partition: Location) -> Location:

@@ -105,9 +105,9 @@ class PlanShardsOperator(PipelineStageOperator):
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it."""
         cfg, layout = self.resolve(context)
         m = stages.plan_shards(cfg, layout)
-        self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards", m["rows_read"], m["valid"],
-                      m["invalid"], m["errors"], len(m["shards"]))
-        return m["shards"]
+        self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs", m.rows_read, m.valid,
+                      m.invalid, m.errors, len(m.shards), m.seconds)
+        return [s.model_dump() for s in m.shards]
 
 
 class BatchInferenceOperator(PipelineStageOperator):
@@ -197,10 +197,10 @@ class ContentFilterOperator(PipelineStageOperator):
         cfg, layout = self.resolve(context)
         plan = stages.read_manifest_at(layout, "plan")
         m = stages.content_filter(cfg, layout, plan, list(self.shards))
-        s = m["summary"]
-        self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.get("rows_scanned"),
-                      s.get("rows_affected"), s.get("rows_dropped"), s.get("hits_per_list"))
-        return {k: m[k] for k in ("outputs", "rows", "inference_error_rows")}
+        s = m.summary
+        self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.rows_scanned,
+                      s.rows_affected, s.rows_dropped, s.hits_per_list)
+        return m.model_dump(include={"outputs", "rows", "inference_error_rows"})
 
 
 class EvalScopeOperator(PipelineStageOperator):
@@ -211,8 +211,9 @@ class EvalScopeOperator(PipelineStageOperator):
                                 stages.read_manifest_at(layout, "filter"))
         except stages.EvaluationBelowThreshold as e:
             raise AirflowFailException(str(e)) from None
-        self.log.info("evaluate: %s", m.get("skipped") or m["metrics"])
-        return {k: m.get(k) for k in ("metrics", "num_samples", "report_json", "skipped")}
+        self.log.info("evaluate: %s%s", m.skipped or m.metrics,
+                      f" (a sample of {m.num_samples} of {m.rows_with_references} rows)" if m.sampled else "")
+        return m.model_dump(include={"metrics", "num_samples", "rows_with_references", "report_json", "skipped"})
 
 
 class RunReportLink(BaseOperatorLink):
@@ -242,8 +243,8 @@ class PublishOperator(PipelineStageOperator):
         m = stages.publish(cfg, layout, get("plan"), get("filter"), get("evaluate"),
                            extra_manifests={"fetch": get("fetch"), "quantize": get("quantize"),
                                             "infer": stages.shard_manifests(layout)})
-        self.log.info("published %d rows to %s", m["rows"], m["dataset"])
+        self.log.info("published %d rows to %s", m.rows, m.dataset)
         for outlet in self.outlets:
-            context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m["dataset"],
-                                                      "rows": m["rows"], "run_id": layout.run_id}
-        return {k: m.get(k) for k in ("partition", "dataset", "rows", "summary", "errors", "report")}
+            context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m.dataset,
+                                                      "rows": m.rows, "run_id": layout.run_id}
+        return m.model_dump(include={"partition", "dataset", "rows", "summary", "errors", "report"})

@@ -1,0 +1,120 @@
+"""Typed manifests: what each stage commits next to its outputs and hands to the stages after it.
+
+A stage writes its manifest last (``manifest.json`` in its folder), so a reader that finds one knows the
+stage's outputs are complete; a retry that finds one returns it instead of redoing the stage. Manifests stay
+small whatever the run's size (counts and locations, never rows): XCom carries them between Airflow tasks.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from upath import UPath
+
+from batch_llm.storage import MANIFEST, exists, read_json, write_json
+
+M = TypeVar("M", bound="Manifest")
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def write(self, directory: UPath) -> UPath:
+        """The last write of a stage: the manifest that readers go by."""
+        path = directory / MANIFEST
+        write_json(path, self.model_dump(mode="json"))
+        return path
+
+    @classmethod
+    def read(cls: type[M], directory: UPath) -> M:
+        return cls.model_validate(read_json(directory / MANIFEST))
+
+    @classmethod
+    def read_if_done(cls: type[M], directory: UPath) -> M | None:
+        """The manifest when the stage already committed in this folder, else None."""
+        return cls.read(directory) if exists(directory / MANIFEST) else None
+
+
+class ShardSpec(Manifest):
+    """One planned shard: what one mapped inference task runs."""
+
+    index: int
+    rows: int
+    url: str
+
+
+class PlanManifest(Manifest):
+    stage: Literal["plan"] = "plan"
+    input: str
+    input_files: int = 1
+    format: str
+    rows_read: int
+    valid: int
+    invalid: int
+    duplicates: int = 0
+    errors: str              # errors.jsonl: {source, line, id, reason}, in input order
+    records: str             # records.jsonl: {idx, id, reference, record}, in input order
+    shards: list[ShardSpec]
+    has_references: bool
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+class FilterSummary(BaseModel):
+    """What the content filter did; per-word counts are bounded by the word lists, not by the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    rows_scanned: int = 0
+    rows_affected: int = 0
+    rows_dropped: int = 0
+    rows_flagged: int = 0
+    rows_masked: int = 0
+    hits_per_list: dict[str, int] = Field(default_factory=dict)
+    hits_per_word: dict[str, dict[str, int]] = Field(default_factory=dict)
+    dropped_ids: list[str] = Field(default_factory=list, description="the first DROPPED_IDS_SHOWN dropped ids")
+    dropped: str | None = Field(None, description="dropped.jsonl: every dropped row's id and hits")
+    lists: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class FilterManifest(Manifest):
+    stage: Literal["filter"] = "filter"
+    outputs: str
+    rows: int
+    inference_errors: str
+    inference_error_rows: int
+    summary: FilterSummary
+
+
+class EvaluateManifest(Manifest):
+    stage: Literal["evaluate"] = "evaluate"
+    skipped: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    num_samples: int | None = None
+    rows_with_references: int | None = Field(None, description="rows the sample was drawn from")
+    sample_seed: int | None = None
+    evalscope_version: str | None = None
+    seconds: float | None = None
+    report_json: str | None = None
+    report_html: str | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.num_samples is not None and self.rows_with_references
+                    and self.num_samples < self.rows_with_references)
+
+
+class PublishManifest(Manifest):
+    stage: Literal["publish"] = "publish"
+    partition: str
+    version: str
+    dataset: str
+    rows: int
+    summary: str
+    errors: str
+    error_rows: int
+    report: str | None = None
+    cache: dict[str, Any] | None = Field(None, description="result-cache maintenance done after publishing")
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
