@@ -33,6 +33,9 @@ from batch_llm.formats import PromptRow, detect_format, input_files, read_file_r
 from batch_llm.manifests import PlanManifest, ShardSpec
 from batch_llm.storage import Location, atomic_writer, json_bytes, peak_rss_mb
 
+# 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
+id_hash = hash
+
 # Rows sorted in memory at once inside a shard; larger shards are sorted in runs and merged.
 SORT_RUN_ROWS = 100_000
 
@@ -99,7 +102,7 @@ class _Scan:
                         errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
                                                      "reason": str(e)}) + b"\n")
                         continue
-                    self.id_hashes.append(hash(row.id))
+                    self.id_hashes.append(id_hash(row.id))
                     self.has_references = self.has_references or bool(row.reference)
                     shard_body = _dumps(_shard_fields(row))
                     record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
@@ -158,11 +161,11 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
             first = first_seen.setdefault(rid, (file_no, line))
             if first != (file_no, line):
                 dups.append(seq)
-                where = files[first[0]].name + ":" if first[0] != file_no else ""
+                where = f" of {files[first[0]].name}" if first[0] != file_no else ""
                 rid_s = json.loads(rid)
                 errors.write(b"%d\t%d\t" % (file_no, line) + _dumps({
                     "source": files[file_no].name, "line": line, "id": rid_s,
-                    "reason": f"duplicate id {rid_s!r} (first at line {where}{first[1]})"}) + b"\n")
+                    "reason": f"duplicate id {rid_s!r} (first at line {first[1]}{where})"}) + b"\n")
     return np.frombuffer(dups, dtype=np.int64)
 
 
