@@ -127,6 +127,7 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
     assert "max_num_seqs" in _section(page, "config")            # the configuration, as YAML
     assert "dt=2026-12-02" in _section(page, "scores")          # the trend reaches the earlier partitions
     assert "ours" in _section(page, "filter") and "secret (2)" in _section(page, "filter")
+    assert "of a sample" not in _section(page, "scores")         # every row with a reference was scored
     shards = _section(page, "shards")
     rows = shards.count("<tr>") - 1                              # minus the header row
     if n_shards == 3:
@@ -137,6 +138,14 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
         assert rows == 10 and "10 slowest of 500 shards" in shards
         assert "p95" in _section(page, "throughput")             # a distribution instead of 500 bars
         assert "p95" in _section(page, "time")
+
+
+def test_report_says_the_score_is_a_sample(tmp_path):
+    summary, version, pipe = make_run(tmp_path, 3)
+    summary["manifests"]["evaluate"].update(num_samples=2000, rows_with_references=1_000_000, sample_seed=7)
+    page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
+    assert "a sample: 2,000 of the 1,000,000 rows with a reference answer" in _section(page, "scores")
+    assert "evaluate.sample_seed = 7" in _section(page, "scores")
 
 
 def test_report_without_scores_filter_or_shards(tmp_path):

@@ -118,3 +118,26 @@ def test_a_folder_of_parts_is_read_in_order_with_errors_naming_file_and_line(tmp
     assert errors == [("part-00001.jsonl", 3, "not valid JSON: Expect"),
                       ("part-00001.jsonl", 5, "duplicate id 'p0-1' (f")]
     assert "first at line 2 of part-00000.jsonl" in list(iter_jsonl(Location(m.errors).path()))[1]["reason"]
+
+
+def test_scoring_sample_is_seeded_bounded_and_grows_as_a_superset():
+    from batch_llm.evaluate import sample_for_scoring
+
+    records = [{"idx": i, "id": f"r{i}", "reference": f"ref {i}" if i % 3 else None} for i in range(3000)]
+    outputs = [{"idx": i, "id": f"r{i}", "output": f"out {i}"} for i in range(3000) if i % 7]
+    shards = [[{"id": f"r{i}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(3000)][::-1]]
+
+    def pick(size, seed, recs=records):
+        s = sample_for_scoring(records=recs, outputs=outputs, shards=shards, size=size, seed=seed)
+        return s, [r["id"] for r in s.records]
+
+    s, ids = pick(100, 0)
+    eligible = sum(1 for i in range(3000) if i % 3 and i % 7)
+    assert s.population == eligible and len(ids) == 100 == len(set(ids))
+    assert pick(100, 0)[1] == ids and pick(100, 1)[1] != ids            # seeded
+    assert set(ids) <= set(pick(200, 0)[1])                             # a larger sample is a superset
+    assert [int(i[1:]) for i in ids] == sorted(int(i[1:]) for i in ids)  # in input order
+    r = s.records[0]
+    n = int(r["id"][1:])
+    assert r == {"id": f"r{n}", "output": f"out {n}", "reference": f"ref {n}", "question": f"q {n}"}
+    assert len(pick(None, 0)[1]) == eligible

@@ -392,7 +392,11 @@ def _scores(r: _Run) -> str:
     trend = _table(["partition", "samples", metric], trend_rows) if len(scored) > 1 else ""
     rep = r.eval.get("report_html")
     link = f'<p class="note">EvalScope\'s own report: {_code(rep)}</p>' if rep else ""
-    return _img(fig, "EvalScope score trend") + f'<div class="cols">{cur_table}{trend}</div>' + link
+    n, pop = r.eval.get("num_samples"), r.eval.get("rows_with_references")
+    sample = (f'<p class="note">These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference '
+              f'answer (seeded by evaluate.sample_seed = {_e(r.eval.get("sample_seed"))}; the same seed scores '
+              f'the same rows).</p>') if n and pop and n < pop else ""
+    return _img(fig, "EvalScope score trend") + sample + f'<div class="cols">{cur_table}{trend}</div>' + link
 
 
 def score_history(summary: dict, pipeline_root: Location, options: dict | None = None,
