@@ -1,12 +1,20 @@
-"""The result cache keys on everything that decides an output; concurrent writers never collide."""
+"""The result cache keys on everything that decides an output; concurrent writers never collide; a lookup
+reads what the run asks for, not the history; compaction keeps the object count bounded and loses nothing."""
 from __future__ import annotations
 
+import hashlib
+import random
 import threading
 
-from batch_llm import stages
+import pytest
+
+from batch_llm import result_cache, stages
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.storage import Location
+from batch_llm.storage import Location, write_jsonl
 from helpers import demo_config
+
+DAY = 86400.0
+T0 = 1_800_000_000.0
 
 
 def test_namespace_changes_with_model_template_sampling_engine():
@@ -24,13 +32,14 @@ def test_concurrent_writers_and_union_reads(tmp_path):
     cache = ResultCache(Location(str(tmp_path)), "ns")
 
     def writer(i):
-        cache.add([{"key": f"k{i}-{j}", "output": f"{i}-{j}", "finish_reason": "stop", "prompt_tokens": 1,
-                    "completion_tokens": 1} for j in range(50)])
+        cache.write_table({"key": f"k{i}-{j}", "output": f"{i}-{j}", "finish_reason": "stop", "prompt_tokens": 1,
+                           "completion_tokens": 1} for j in range(50))
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    found = cache.lookup([f"k{i}-{j}" for i in range(8) for j in range(50)] + ["missing"])
+    assert len(cache.tables()) == 8
+    found = {e["key"]: e for e in cache.lookup([f"k{i}-{j}" for i in range(8) for j in range(50)] + ["missing"])}
     assert len(found) == 400 and found["k3-7"]["output"] == "3-7"
 
 
@@ -42,5 +51,304 @@ def test_changed_sampling_misses_on_a_real_engine(tmp_path, demo_model_dir):
         layout = stages.RunLayout.for_run(cfg, run_id=run, ds="2026-11-06")
         model = stages.fetch(cfg, layout)
         plan = stages.plan_shards(cfg, layout)
-        m = stages.infer_shard(cfg, layout, model, plan["shards"][0], say=lambda _: None)
+        m = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
         assert m["metrics"]["cached_rows"] == expect_cached, run
+
+
+class _EchoEngine:
+    """Stands in for the engine (the shard runner's cache path does not depend on it): echoes the prompt size."""
+
+    requests = 0
+
+    def generate(self, reqs):
+        from batch_llm.engines.base import GenResult
+
+        for r in reqs:
+            _EchoEngine.requests += 1
+            n = len(r.prompt_token_ids)
+            yield GenResult(key=r.key, text=f"echo {n}", finish_reason="stop", prompt_tokens=n, completion_tokens=2)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("dedupe", [True, False])
+def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, dedupe):
+    """The first attempt dies after its first chunk commit (before any table is written); the retry generates
+    the rest and writes one table with every generated row, so the next run is served from the cache."""
+    from batch_llm import infer
+    from batch_llm.engines.base import EngineInfo
+
+    cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
+                      engine__commit_every_rows=4, engine__dedupe_prompts=dedupe)
+    real = infer.maybe_crash
+    crashed: list[str] = []
+
+    def crash_once(point):
+        if point == "after_commit" and not crashed:
+            crashed.append(point)
+            raise RuntimeError("injected crash")
+        real(point)
+
+    monkeypatch.setattr(infer, "maybe_crash", crash_once)
+    monkeypatch.setattr(infer, "start_engine", lambda *a: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
+    _EchoEngine.requests = 0
+    layout = stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")
+    model = stages.fetch(cfg, layout)
+    plan = stages.plan_shards(cfg, layout)
+    with pytest.raises(RuntimeError, match="injected"):
+        stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+    cache_dir = layout.cache_root(cfg).path()
+    assert not list(cache_dir.rglob("*.sst")), "no table before the shard ends"
+    first = _EchoEngine.requests
+    m = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+    assert m["metrics"]["cached_rows"] == 0 and m["metrics"]["rows"] == 20
+    assert 4 <= first < _EchoEngine.requests
+    assert len(list(cache_dir.rglob("*.sst"))) == 1
+    layout_b = stages.RunLayout.for_run(cfg, run_id="b", ds="2026-11-07")
+    plan_b = stages.plan_shards(cfg, layout_b)
+    before = _EchoEngine.requests
+    m = stages.infer_shard(cfg, layout_b, stages.fetch(cfg, layout_b), plan_b.shards[0], say=lambda _: None)
+    assert m["metrics"]["cached_rows"] == 20 and _EchoEngine.requests == before
+    assert len(list(cache_dir.rglob("*.sst"))) == 1, "a fully cached shard writes no table"
+
+
+# ------------------------------------------------------------------------------------------ the format
+def _key(i: int) -> str:
+    return hashlib.sha256(f"prompt-{i}".encode()).hexdigest()
+
+
+_POOL = "".join(random.Random(7).choices("abcdefghij klmnopqrstuvwxyz.,", k=1 << 20))
+
+
+def _output(i: int) -> str:
+    """Synthesized: ~400 characters of random text, a function of i (checked on every hit)."""
+    o = (i * 7919) % (len(_POOL) - 500)
+    return f"{i}:{_POOL[o:o + 400]}"
+
+
+def _entry(i: int, t: float | None = None) -> dict:
+    e = {"key": _key(i), "output": _output(i), "finish_reason": "stop", "prompt_tokens": 12,
+         "completion_tokens": 100}
+    if t is not None:
+        e["t"] = t
+    return e
+
+
+def _check(found: list[dict], expect: set[int]) -> None:
+    keys = [e["key"] for e in found]
+    assert len(keys) == len(set(keys)), "a key came twice"
+    by_key = {_key(i): i for i in expect}
+    assert set(keys) == set(by_key), (len(set(keys) - set(by_key)), len(set(by_key) - set(keys)))
+    assert all(e["output"] == _output(by_key[e["key"]]) for e in found)
+
+
+@pytest.fixture(scope="module")
+def big_cache(tmp_path_factory):
+    """300k synthesized entries in 6 shard tables of 50k."""
+    root = Location(str(tmp_path_factory.mktemp("big")))
+    cache = ResultCache(root, "ns")
+    for t in range(6):
+        cache.write_table(_entry(i) for i in range(t * 50_000, (t + 1) * 50_000))
+    return root
+
+
+def test_a_small_run_reads_a_small_share_of_a_large_cache(big_cache):
+    cache = ResultCache(big_cache, "ns", max_age_days=90)
+    total = sum(t.size for t in cache.tables())
+    rng = random.Random(1)
+    present = set(rng.sample(range(300_000), 2000))
+    absent = set(range(1_000_000, 1_002_000))
+    lk = cache.lookup([_key(i) for i in present | absent])
+    _check(list(lk), present)
+    s = lk.stats
+    assert s["hits"] == 2000 and s["keys"] == 4000 and s["tables"] == 6 and s["cache_bytes"] == total
+    assert s["objects_read"] <= 6
+    assert s["bytes_read"] < 0.10 * total, s
+    assert s["ranges_read"] <= 6 * 3 + 2000 + 2 * 6 * 64, s  # per table: tail, key pages, offsets; values
+    # A new day (all misses) reads key pages only: no offsets, no values.
+    miss = cache.lookup(_key(i) for i in range(2_000_000, 2_002_000))
+    assert list(miss) == [] and miss.stats["bytes_read"] < 0.05 * total, miss.stats
+
+
+def test_every_key_of_a_table_and_none_other(tmp_path):
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    cache.write_table(_entry(i) for i in range(0, 3000, 3))
+    lk = cache.lookup(_key(i) for i in range(3000))
+    _check(list(lk), set(range(0, 3000, 3)))
+
+
+def test_key64_collisions_are_told_apart_by_the_full_key(tmp_path):
+    """Keys sharing their first 16 hex digits (the index key), 200 of them: runs over page boundaries."""
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    same = [f"{'ab' * 8}{i:048x}" for i in range(200)]
+    others = [_key(i) for i in range(500)]
+    cache.write_table([{"key": k, "output": k} for k in same[::2] + others])
+    found = list(cache.lookup(same + ["ab" * 32]))
+    assert sorted(e["key"] for e in found) == sorted(same[::2])
+    assert all(e["output"] == e["key"] for e in found)
+
+
+def test_write_table_sorts_in_bounded_runs_and_keeps_the_newest(tmp_path, monkeypatch):
+    monkeypatch.setattr(result_cache, "SORT_RUN_ENTRIES", 1000)  # spills 10 runs
+    cache = ResultCache(Location(str(tmp_path)), "ns", clock=lambda: T0)
+    order = list(range(5000))
+    random.Random(3).shuffle(order)
+    stale = [{**_entry(i, T0 - DAY), "output": "stale"} for i in range(0, 5000, 10)]
+    info = cache.write_table([_entry(i, T0) for i in order] + stale)
+    assert info["entries"] == 5000
+    _check(list(cache.lookup(_key(i) for i in range(5000))), set(range(5000)))
+
+
+# ------------------------------------------------------------------------------------------ retention
+def test_expired_entries_miss_and_are_dropped_at_compaction(tmp_path):
+    now = [T0]
+    cache = ResultCache(Location(str(tmp_path)), "ns", max_age_days=30, clock=lambda: now[0])
+    cache.write_table(_entry(i, T0 - 40 * DAY) for i in range(100))               # all expired
+    cache.write_table([_entry(i, T0 - 40 * DAY) for i in range(100, 200)] +       # half expired
+                      [_entry(i, T0 - 10 * DAY) for i in range(200, 300)])
+    lk = cache.lookup(_key(i) for i in range(300))
+    _check(list(lk), set(range(200, 300)))
+    assert lk.stats["tables"] == 1 and lk.stats["expired"] == 100  # the dead table is not even opened
+    s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
+    assert s["expired_tables_deleted"] == 1 and s["tables_merged"] == 0  # one shard table left: below 2
+    now[0] = T0 + 15 * DAY
+    cache.write_table(_entry(i, now[0]) for i in range(300, 310))
+    s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
+    assert s["expired_entries_dropped"] == 100 and s["entries_written"] == 110 and s["tables_after"] == 1, s
+    _check(list(cache.lookup(_key(i) for i in range(310))), set(range(200, 310)))
+    now[0] = T0 + 100 * DAY
+    s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
+    assert s["expired_tables_deleted"] == 1 and s["bytes_read"] == 0 and cache.tables() == []
+
+
+def test_compaction_keeps_the_object_count_bounded_over_many_days(tmp_path):
+    """60 simulated days, 5 shards a day; retention 20 days; maintain after each day."""
+    now = [T0]
+    cache = ResultCache(Location(str(tmp_path)), "ns", max_age_days=20, clock=lambda: now[0])
+    written: dict[int, float] = {}  # entry -> day written (latest)
+    rng = random.Random(5)
+    peak = 0
+    for day in range(60):
+        now[0] = T0 + day * DAY
+        for shard in range(5):
+            ids = [day * 1000 + shard * 100 + j for j in range(60)]
+            ids += rng.sample(sorted(written), min(10, len(written)))  # regenerated again (duplicates)
+            cache.write_table(_entry(i) for i in ids)
+            for i in ids:
+                written[i] = now[0]
+        peak = max(peak, len(cache.tables()))
+        s = cache.maintain(max_age_days=20, compact_after_tables=8, max_runs=3)
+        assert s["aborted"] is None
+        tables = cache.tables()
+        assert len(tables) <= 8 - 1 + 3, [t.name for t in tables]
+        assert sum(t.kind == "r" for t in tables) <= 3
+        if day % 10 == 9:
+            live = {i for i, t in written.items() if t >= now[0] - 20 * DAY}
+            _check(list(cache.lookup(_key(i) for i in written)), live)
+    assert peak <= 8 - 1 + 3 + 5
+
+
+# ------------------------------------------------------------------------------------------ concurrency
+def _fill(cache: ResultCache, n_tables: int, per: int, start: int = 0) -> set[int]:
+    ids = set()
+    for t in range(n_tables):
+        batch = range(start + t * per, start + (t + 1) * per)
+        cache.write_table(_entry(i) for i in batch)
+        ids.update(batch)
+    return ids
+
+
+def test_a_writer_during_compaction_loses_nothing(tmp_path):
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    ids = _fill(cache, 4, 200)
+    merge = cache._merge
+
+    def a_shard_commits_then_merge(inputs, cutoff, stats):  # after the listing, before the merge
+        ids.update(_fill(cache, 1, 200, start=10_000))
+        return merge(inputs, cutoff, stats)
+
+    cache._merge = a_shard_commits_then_merge
+    s = cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=8)
+    assert s["tables_merged"] == 4 and s["tables_after"] == 2  # the run, and the table written meanwhile
+    assert sorted(t.kind for t in cache.tables()) == ["r", "s"]
+    _check(list(cache.lookup(_key(i) for i in ids)), ids)
+
+
+def test_racing_compactions_and_writers_lose_nothing(tmp_path):
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    ids = _fill(cache, 6, 100)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def writer(w):
+        try:
+            for t in range(6):
+                batch = range(100_000 * (w + 1) + t * 100, 100_000 * (w + 1) + (t + 1) * 100)
+                cache.write_table(_entry(i) for i in batch)
+                with lock:
+                    ids.update(batch)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def compactor():
+        try:
+            for _ in range(6):
+                cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=1)
+                # a reader at any moment finds every committed entry, and only right ones
+                with lock:
+                    snapshot = set(ids)
+                lk = cache.lookup(_key(i) for i in snapshot)
+                found = list(lk)
+                _check(found, {i for i in snapshot if _key(i) in {e["key"] for e in found}})  # only right ones
+                assert len(found) == len(snapshot) or lk.stats["retried"], lk.stats  # a miss only after a retry
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
+    threads += [threading.Thread(target=compactor) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=1)
+    assert len(cache.tables()) <= 2
+    _check(list(cache.lookup(_key(i) for i in ids)), ids)
+
+
+def test_a_lookup_that_meets_a_deleted_table_lists_again(tmp_path):
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    ids = _fill(cache, 4, 300)
+    lk = cache.lookup(_key(i) for i in ids)  # lists the 4 shard tables now
+    cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=8)  # merges them and deletes them
+    _check(list(lk), ids)
+    assert lk.stats["retried"] and lk.stats["tables"] == 5
+
+
+def test_legacy_segments_are_folded_into_a_table(tmp_path):
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    write_jsonl(cache.dir.child("seg-0123.jsonl").path(), [{k: v for k, v in _entry(i).items()} for i in range(50)])
+    assert list(cache.lookup([_key(1)])) == []
+    s = cache.maintain(max_age_days=90, compact_after_tables=64, max_runs=8)
+    assert s["legacy_segments_folded"] == 1
+    _check(list(cache.lookup(_key(i) for i in range(60))), set(range(50)))
+    assert result_cache.maintain_all(Location(str(tmp_path)))["ns"]["tables_after"] == 1
+
+
+# ------------------------------------------------------------------------------------------ on S3
+def test_range_reads_and_compaction_on_s3(s3):
+    root = Location(f"s3://{s3.bucket}/cache-test", s3.storage_options())
+    cache = ResultCache(root, "ns")
+    ids = _fill(cache, 3, 20_000)
+    total = sum(t.size for t in cache.tables())
+    present = set(random.Random(2).sample(sorted(ids), 300))
+    lk = cache.lookup([_key(i) for i in present] + [_key(-i) for i in range(1, 301)])
+    _check(list(lk), present)
+    assert lk.stats["objects_read"] <= 3 and lk.stats["bytes_read"] < 0.10 * total, lk.stats
+    # a compaction deletes the tables under a listed lookup: it lists again and finds the run
+    lk = cache.lookup(_key(i) for i in present)
+    s = cache.maintain(max_age_days=90, compact_after_tables=2, max_runs=8)
+    assert s["tables_merged"] == 3 and s["tables_after"] == 1 and s["entries_written"] == 60_000
+    _check(list(lk), present)
+    assert lk.stats["retried"]
+    assert [t.kind for t in cache.tables()] == ["r"]
+    _check(list(cache.lookup(_key(i) for i in ids)), ids)

@@ -103,7 +103,7 @@ def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig,
     b = ecfg.memory_backoff
     attempts: list[dict] = []
     for attempt in range(1, b.max_attempts + 1):
-        engine = make_engine(model_dir, ecfg, cfg.sampling)
+        engine = make_engine(model_dir, ecfg, cfg.sampling, trust_remote_code=cfg.model.trust_remote_code)
         tried = dict(gpu_memory_utilization=ecfg.gpu_memory_utilization, max_num_seqs=ecfg.max_num_seqs,
                      max_model_len=ecfg.max_model_len)
         try:
@@ -187,10 +187,10 @@ def chat_template_text(model_dir: str, override: str | None) -> str:
     return value if isinstance(value, str) else json.dumps(value or "")
 
 
-def _load_tokenizer(model_dir: str, chat_template: str | None):
+def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if chat_template:
         tok.chat_template = chat_template
     if not tok.chat_template:
@@ -237,7 +237,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
             return "", r["prompt_token_ids"]
         if tok is None:
-            tok = _load_tokenizer(model_dir, cfg.model.chat_template)
+            tok = _load_tokenizer(model_dir, cfg.model.chat_template, cfg.model.trust_remote_code)
         text = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         return text, tok(text, add_special_tokens=False)["input_ids"]
 
@@ -265,19 +265,22 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     ns = namespace(model_key=model_key, chat_template=chat_template_text(model_dir, cfg.model.chat_template),
                    sampling=sampling,
                    engine_kind=cfg.engine.kind)
-    cache = ResultCache(cache_root, ns) if (cache_root is not None and cfg.cache.enabled) else None
-    hits = cache.lookup({rk.split("#")[0] for rk in groups}) if cache else {}
+    cache = ResultCache(cache_root, ns, max_age_days=cfg.cache.max_age_days) \
+        if (cache_root is not None and cfg.cache.enabled) else None
+    rks_of: dict[str, list[str]] = {}  # without dedupe a key's rows are requests "<key>#<id>" of their own
+    for rk in (groups if cache is not None and not dedupe else ()):
+        rks_of.setdefault(rk.split("#")[0], []).append(rk)
+    hits = cache.lookup(rks_of or groups) if cache else ()  # streamed: each key found, once
 
     progress = _Progress(total=n_rows, say=say, every=cfg.engine.progress_every_seconds)
     progress.done = len(done)
     pending: list[dict] = []
-    cache_new: list[dict] = []
     chunk_seq = len(list_files(chunks_dir.path(), ".jsonl"))
     last_commit = time.perf_counter()
     n_cached = 0
 
     def commit(force: bool = False) -> None:
-        nonlocal chunk_seq, last_commit, pending, cache_new
+        nonlocal chunk_seq, last_commit, pending
         if not pending or not (force or len(pending) >= cfg.engine.commit_every_rows or
                                time.perf_counter() - last_commit >= cfg.engine.commit_every_seconds):
             return
@@ -286,18 +289,20 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
         pending.sort(key=lambda r: r["idx"])
         write_jsonl(chunks_dir.child(f"chunk-{chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(), pending)
         chunk_seq += 1
-        if cache is not None:
-            cache.add(cache_new)
-        pending, cache_new = [], []
+        pending = []
         last_commit = time.perf_counter()
         maybe_crash("after_commit")
 
     # Cache hits first: they cost nothing.
-    for rk in [rk for rk in groups if rk.split("#")[0] in hits]:
-        for r in groups.pop(rk):
-            pending.append(_result_row(r, hits[rk.split("#")[0]], cached=True))
-            n_cached += 1
-            progress.tick(1, 0)
+    for hit in hits:
+        for rk in rks_of.get(hit["key"]) or [hit["key"]]:
+            for r in groups.pop(rk):
+                pending.append(_result_row(r, hit, cached=True, key=hit["key"]))
+                n_cached += 1
+                progress.tick(1, 0)
+        commit()
+    if cache is not None:
+        say(f"cache: {n_cached} rows cached; lookup {hits.stats}")
     commit()
 
     def fail_group(rk: str, reason: str, prompt_tokens: int = 0) -> None:
@@ -340,9 +345,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
                     if res.error:
                         pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
                     else:
-                        pending.append(_result_row(r, entry, cached=False))
-                if not res.error and cache is not None:
-                    cache_new.append({"key": res.key.split("#")[0], **entry})
+                        pending.append(_result_row(r, entry, cached=False, key=res.key.split("#")[0]))
                 gen_tokens += res.completion_tokens
                 progress.tick(len(group), res.completion_tokens)
                 commit()
@@ -353,6 +356,12 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     progress.tick(0, 0, force=True)
 
     manifest = _finish_shard(shard, shard_dir, chunks_dir, shard_path, n_rows)
+    if cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
+        table = cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
+                                                     "completion_tokens")}
+                                  for r in iter_jsonl(Location(manifest["outputs"], shard_dir.options).path())
+                                  if not r["cached"] and r.get("key"))
+        say(f"cache: wrote {table}")
     m = manifest["metrics"]
     m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
              generate_seconds=round(gen_seconds, 2), cached_rows=n_cached,
@@ -370,10 +379,10 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     return manifest
 
 
-def _result_row(r: tuple[str, int], entry: dict, *, cached: bool) -> dict:
+def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
-            "cached": cached, "error": None}
+            "cached": cached, "error": None, "key": key}
 
 
 def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
