@@ -56,7 +56,8 @@ class QuantizeConfig(_Section):
     enabled: bool = False
     scheme: Literal["W4A16"] = "W4A16"
     method: Literal["awq", "rtn"] = Field("awq", description="awq: activation-aware; rtn: round-to-nearest")
-    group_size: int = Field(128, gt=0)
+    group_size: int | None = Field(None, gt=0, description="Weights per quantization group; null: the largest "
+                                   "of 128, 64, 32 dividing the model's hidden size (from its config.json)")
     calibration_samples: int = Field(64, gt=0)
     calibration_seq_len: int = Field(256, gt=0)
     awq_grid: int = Field(20, gt=0, description="AWQ scale search grid; smaller is faster")
@@ -136,7 +137,8 @@ class EngineConfig(_Section):
     kv_cache_dtype: str = "auto"
     cpu_kv_cache_gib: int = Field(2, ge=1, description="vLLM CPU backend KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
-    extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
+                                  "(LMDeploy: `backend` and fields of that backend's engine config)")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")
     # Bookkeeping of the shard runner
     commit_every_rows: int = Field(64, gt=0, description="Rows per committed output chunk")
@@ -150,6 +152,19 @@ class EngineConfig(_Section):
     def _probe_needs_vllm(self) -> "EngineConfig":
         if self.memory_backoff.probe and self.kind != "vllm":
             raise ValueError(f"memory_backoff.probe sizes vLLM's batch from its KV cache; engine.kind is {self.kind!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _every_key_honored(self) -> "EngineConfig":
+        """A key the engine would not honor is refused here, naming it, never dropped at start."""
+        if "trust_remote_code" in self.extra:
+            raise ValueError("engine.extra.trust_remote_code: set model.trust_remote_code instead")
+        if self.kind == "lmdeploy":
+            from batch_llm.engines.lmdeploy_config import lmdeploy_problems
+
+            problems = lmdeploy_problems(self)
+            if problems:
+                raise ValueError("; ".join(problems))
         return self
 
 

@@ -48,18 +48,31 @@ class EngineInfo:
 
 
 class EngineStartError(RuntimeError):
-    """The engine could not start; ``memory`` tells whether a smaller setting might fit."""
+    """The engine could not start; ``memory`` tells whether a smaller setting might fit; ``output`` is the text
+    the classification read (the exception chain and the tail of the engine's output)."""
 
-    def __init__(self, message: str, *, memory: bool = False, suggested_max_model_len: int | None = None):
+    def __init__(self, message: str, *, memory: bool = False, suggested_max_model_len: int | None = None,
+                 output: str = ""):
         super().__init__(message)
         self.memory = memory
         self.suggested_max_model_len = suggested_max_model_len
+        self.output = output
 
 
+class EngineFailed(RuntimeError):
+    """The engine as a whole failed while generating (its engine-core process died, a CUDA error, vLLM's
+    ``EngineDeadError``): no row is to blame, so none becomes an error row. The shard fails, and its retry
+    resumes from the committed chunks. Only a request the engine refuses by itself (a prompt too long, bad
+    sampling parameters) is an error row."""
+
+
+# Memory failures only: each pattern is a message an engine writes when memory ran out. Lines a healthy start
+# prints must not match ("num_gpu_blocks is: 10240", "CPU KV cache size: 46,592 tokens"): a non-memory
+# failure must not be retried with smaller settings. Zero KV blocks is a memory failure, any other count not.
 _MEMORY_PATTERNS = re.compile(
     r"out of memory|OutOfMemoryError|No available memory for the cache blocks|KV cache is needed|"
     r"larger than the available KV cache|Insufficient memory|Cannot allocate memory|CUDA error: out of memory|"
-    r"not enough (?:KV cache|memory)|num_gpu_blocks.*0",
+    r"not enough (?:KV cache|GPU memory|memory)|num_gpu_blocks(?: is)?\s*[:=]\s*0\b(?![.,]\d)",
     re.IGNORECASE)
 _EST_MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
 
@@ -120,10 +133,12 @@ class OutputTail:
 class Engine(ABC):
     kind: str = ""
 
-    def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig):
+    def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
+                 trust_remote_code: bool = False):
         self.model_dir = model_dir
         self.cfg = engine
         self.sampling = sampling
+        self.trust_remote_code = trust_remote_code  # model.trust_remote_code: run code shipped with the model
 
     @abstractmethod
     def start(self) -> EngineInfo:
@@ -169,17 +184,35 @@ def stream_requests(requests: Iterable[GenRequest], *, window: int,
             yield res
 
 
-def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig) -> Engine:
+def model_context_limit(model_dir: str) -> int | None:
+    """The longest context the model was built for (``max_position_embeddings`` in its config.json, or its
+    text config's), when the folder says; None otherwise."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for c in (config, config.get("text_config") or {}):
+        v = c.get("max_position_embeddings") if isinstance(c, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
+                trust_remote_code: bool = False) -> Engine:
     if engine.kind == "vllm":
         from batch_llm.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir, engine, sampling)
+        return VllmEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
     if engine.kind == "transformers":
         from batch_llm.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, engine, sampling)
+        return TransformersEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
     if engine.kind == "lmdeploy":
         from batch_llm.engines.lmdeploy_engine import LmdeployEngine
 
-        return LmdeployEngine(model_dir, engine, sampling)
+        return LmdeployEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
     raise ValueError(f"unknown engine kind {engine.kind!r}")

@@ -9,12 +9,14 @@ engines see the same prompt tokens, and each row keeps its own ``max_tokens``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import time
 from collections.abc import Iterable, Iterator
 
-from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    classify_start_failure, stream_requests
+from batch_llm.engines.base import Engine, EngineFailed, EngineInfo, EngineStartError, GenRequest, GenResult, \
+    classify_start_failure, model_context_limit, stream_requests
+from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
 
 
 class LmdeployEngine(Engine):
@@ -22,25 +24,28 @@ class LmdeployEngine(Engine):
 
     def start(self) -> EngineInfo:
         t0 = time.perf_counter()
-        c = self.cfg
+        # Every engine key is mapped onto the backend's config or was refused when the config loaded
+        # (lmdeploy_config.py); cache_max_entry_count is LMDeploy's share of *free* GPU memory for the KV cache.
         try:
+            backend, kwargs = lmdeploy_backend_config(self.cfg)
             import lmdeploy
             from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig, pipeline
 
-            backend = c.extra.get("backend", "pytorch")
-            # cache_max_entry_count is LMDeploy's share of free GPU memory for the KV cache.
-            common = dict(session_len=c.max_model_len, max_batch_size=c.max_num_seqs or 256,
-                          cache_max_entry_count=c.gpu_memory_utilization, tp=c.tensor_parallel_size)
-            if backend == "turbomind":
-                bc = TurbomindEngineConfig(**common)
-            else:
-                bc = PytorchEngineConfig(dtype="auto" if c.dtype == "auto" else c.dtype, eager_mode=c.enforce_eager,
-                                         **common)
-            self.pipe = pipeline(self.model_dir, backend_config=bc, log_level="WARNING")
+            cls = TurbomindEngineConfig if backend == "turbomind" else PytorchEngineConfig
+            unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:  # another LMDeploy version than the one the mapping was written for
+                raise EngineStartError(f"LMDeploy {lmdeploy.__version__}'s {cls.__name__} has no field(s) {unknown} "
+                                       "(set through engine.extra or mapped from the engine section)")
+            self.pipe = pipeline(self.model_dir, backend_config=cls(**kwargs), log_level="WARNING",
+                                 trust_remote_code=self.trust_remote_code)
+        except EngineStartError:
+            raise
         except Exception as e:  # noqa: BLE001
             memory, _ = classify_start_failure(str(e))
-            raise EngineStartError(f"LMDeploy failed to start: {e}", memory=memory) from e
-        return EngineInfo(kind="lmdeploy", version=lmdeploy.__version__, settings=dict(backend=backend, **common),
+            raise EngineStartError(f"LMDeploy failed to start: {e}", memory=memory, output=str(e)) from e
+        return EngineInfo(kind="lmdeploy", version=lmdeploy.__version__,
+                          settings=dict(backend=backend, **kwargs, model_context_limit=model_context_limit(
+                              self.model_dir), trust_remote_code=self.trust_remote_code),
                           start_seconds=time.perf_counter() - t0)
 
     def _gen_config(self, max_tokens: int | None):
@@ -54,7 +59,7 @@ class LmdeployEngine(Engine):
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         engine = self.pipe.async_engine
         loop = self.pipe.internal_thread.loop
-        done: queue.Queue[GenResult] = queue.Queue()
+        done: queue.Queue[GenResult | BaseException] = queue.Queue()
         configs: dict[int | None, object] = {}
 
         async def one(req: GenRequest) -> None:
@@ -73,9 +78,15 @@ class LmdeployEngine(Engine):
                 else:
                     done.put(GenResult(req.key, text=out.text, finish_reason=out.finish_reason,
                                        prompt_tokens=out.input_token_len, completion_tokens=out.generate_token_len))
-            except Exception as e:  # noqa: BLE001 - one request's failure is that row's error, not the shard's
+            except Exception as e:  # noqa: BLE001 - classified: the request's fault (a row error) or the engine's
+                if not lmdeploy_request_refusal(e):
+                    done.put(e)  # the engine failed: the shard fails and its retry resumes
+                    return
                 done.put(GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
                                    error=f"engine rejected the request: {getattr(e, 'message', None) or e}"))
+            except BaseException as e:  # cancelled: the engine is stopping
+                done.put(e)
+                raise
 
         def submit(req: GenRequest) -> None:
             asyncio.run_coroutine_threadsafe(one(req), loop)
@@ -83,12 +94,17 @@ class LmdeployEngine(Engine):
         def collect() -> list[GenResult]:
             while True:
                 try:
-                    return [done.get(timeout=5)]
+                    item = done.get(timeout=5)
                 except queue.Empty:
                     # A stopped loop cancels its requests: fail the shard (the retry resumes), do not wait forever
                     # and do not turn the rows into error rows.
                     if not self.pipe.internal_thread.thread.is_alive():
-                        raise RuntimeError("LMDeploy's event loop stopped with requests in flight") from None
+                        raise EngineFailed("LMDeploy's event loop stopped with requests in flight") from None
+                    continue
+                if isinstance(item, BaseException):
+                    raise EngineFailed(f"LMDeploy's engine failed mid-shard: {type(item).__name__}: "
+                                       f"{getattr(item, 'message', None) or item}") from item
+                return [item]
 
         yield from stream_requests(requests, window=max(4 * (self.cfg.max_num_seqs or 256), 512), submit=submit,
                                    collect=collect)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 
 from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    classify_start_failure
+    classify_start_failure, model_context_limit
 
 
 class TransformersEngine(Engine):
@@ -27,8 +27,9 @@ class TransformersEngine(Engine):
                      "float32": torch.float32}.get(self.cfg.dtype, "auto")
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
+                                                              trust_remote_code=self.trust_remote_code,
                                                               **self.cfg.extra).to(device).eval()
-            self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+            self.tok = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
             self.tok.padding_side = "left"
             if self.tok.pad_token_id is None:
                 self.tok.pad_token = self.tok.eos_token
@@ -38,7 +39,9 @@ class TransformersEngine(Engine):
             memory, _ = classify_start_failure(str(e))
             raise EngineStartError(f"transformers failed to load the model: {e}", memory=memory) from e
         return EngineInfo(kind="transformers", version=transformers.__version__,
-                          settings=dict(batch_size=self.cfg.batch_size, device=device, dtype=str(self.model.dtype)),
+                          settings=dict(batch_size=self.cfg.batch_size, device=device, dtype=str(self.model.dtype),
+                                        model_context_limit=model_context_limit(self.model_dir),
+                                        trust_remote_code=self.trust_remote_code),
                           start_seconds=time.perf_counter() - t0)
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:

@@ -7,11 +7,12 @@ stays full, and the request list is never held in memory twice.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, OutputTail, \
-    classify_start_failure, stream_requests
+from batch_llm.engines.base import Engine, EngineFailed, EngineInfo, EngineStartError, GenRequest, GenResult, \
+    OutputTail, classify_start_failure, model_context_limit, stream_requests
 
 
 class VllmEngine(Engine):
@@ -24,7 +25,7 @@ class VllmEngine(Engine):
                     tensor_parallel_size=c.tensor_parallel_size, dtype=c.dtype, quantization=c.quantization,
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
-                    trust_remote_code=False, **c.extra)
+                    trust_remote_code=self.trust_remote_code, **c.extra)
         return {k: v for k, v in args.items() if v is not None}
 
     def start(self) -> EngineInfo:
@@ -45,9 +46,10 @@ class VllmEngine(Engine):
             with tail.capture():
                 self.llm = LLM(**self._constructor_args())
         except Exception as e:  # noqa: BLE001 - classified and re-raised
-            memory, suggested = classify_start_failure(_exception_text(e) + "\n" + tail.text())
+            text = _exception_text(e) + "\n" + tail.text()
+            memory, suggested = classify_start_failure(text)
             raise EngineStartError(f"vLLM failed to start: {e}", memory=memory,
-                                   suggested_max_model_len=suggested) from e
+                                   suggested_max_model_len=suggested, output=text) from e
         vc = self.llm.llm_engine.vllm_config
         settings = dict(max_model_len=vc.model_config.max_model_len,
                         max_num_seqs=vc.scheduler_config.max_num_seqs,
@@ -59,7 +61,9 @@ class VllmEngine(Engine):
                         kv_cache_dtype=str(vc.cache_config.cache_dtype),
                         enforce_eager=vc.model_config.enforce_eager,
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
-                        device=str(vc.device_config.device))
+                        device=str(vc.device_config.device),
+                        model_context_limit=model_context_limit(self.model_dir),
+                        trust_remote_code=vc.model_config.trust_remote_code)
         return EngineInfo(kind="vllm", version=vllm.__version__, settings=settings,
                           start_seconds=time.perf_counter() - t0)
 
@@ -85,20 +89,33 @@ class VllmEngine(Engine):
                     p.max_tokens = min(req.max_tokens, s.max_tokens)
                 engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
                 return None
-            except Exception as e:  # noqa: BLE001 - a rejected request is an error row, not a crash
+            except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
+                if not is_request_refusal(e, engine_dead=_engine_dead(engine)):
+                    raise EngineFailed(f"vLLM failed while taking requests: {_exception_text(e)}") from e
                 return GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
                                  error=f"engine rejected the request: {e}")
 
         def collect() -> list[GenResult]:
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
+                raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
             return [GenResult(out.request_id, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
                               prompt_tokens=len(out.prompt_token_ids or []),
                               completion_tokens=len(out.outputs[0].token_ids))
-                    for out in engine.step() if out.finished]
+                    for out in outputs if out.finished]
 
         max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
-        yield from stream_requests(requests, window=max(4 * max_seqs, 512), submit=submit, collect=collect)
+        self._watch = _wake_reader_on_engine_death(engine.engine_core)
+        try:
+            yield from stream_requests(requests, window=max(4 * max_seqs, 512), submit=submit, collect=collect)
+        finally:
+            if self._watch is not None:
+                self._watch.set()
 
     def close(self) -> None:
+        if getattr(self, "_watch", None) is not None:
+            self._watch.set()
         llm = getattr(self, "llm", None)
         if llm is not None:
             try:
@@ -106,6 +123,54 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def is_request_refusal(e: BaseException, *, engine_dead: bool = False) -> bool:
+    """Whether an exception from submitting one request is that request's fault (an error row) rather than
+    the engine's (the shard fails and is retried). vLLM says which it is: ``VLLMClientError`` (validation:
+    a prompt too long, bad sampling parameters) against ``VLLMServerError`` (``EngineDeadError``); plain
+    ``ValueError``/``TypeError`` are input checks too. Anything else, and anything once the engine is dead,
+    is the engine's."""
+    if engine_dead:
+        return False
+    try:
+        from vllm.exceptions import VLLMClientError, VLLMServerError
+    except ImportError:  # an older vLLM without the hierarchy
+        VLLMClientError = VLLMServerError = ()  # type: ignore[assignment]  # noqa: N806
+    if VLLMServerError and isinstance(e, VLLMServerError):
+        return False
+    if type(e).__name__ in ("EngineDeadError", "AsyncEngineDeadError"):
+        return False
+    return isinstance(e, (ValueError, TypeError, *((VLLMClientError,) if VLLMClientError else ())))
+
+
+def _engine_dead(engine) -> bool:
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def _wake_reader_on_engine_death(core) -> threading.Event | None:
+    """vLLM's synchronous client waits for the engine core's outputs with a blocking ``queue.get()``. When the
+    engine-core process dies without a word (SIGKILL, the kernel's OOM killer), vLLM's monitor thread marks
+    the engine dead and shuts the client down, but nothing wakes that reader: ``step()`` would wait forever.
+    This thread puts an ``EngineDeadError`` on the queue once the engine is marked dead, so ``step()`` raises
+    it. Returns the event that stops the watch (set it when generation ends); None for an in-process engine
+    core, whose failures raise in ``step()`` by themselves."""
+    resources, q = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
+    if resources is None or q is None or not hasattr(resources, "engine_dead"):
+        return None
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            if resources.engine_dead:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                q.put_nowait(EngineDeadError())
+                return
+
+    threading.Thread(target=watch, name="batch-llm-engine-death-watch", daemon=True).start()
+    return stop
 
 
 def _exception_text(e: BaseException) -> str:
