@@ -17,8 +17,11 @@ Calibration data is built offline from a small English text bundled below, rende
 own chat template; nothing is downloaded.
 
 Group size: it must divide every linear layer's input size, and vLLM's CPU kernel (CPUWNA16) wants layer
-sizes that are multiples of 32. SmolLM2-135M (hidden 576, intermediate 1536) takes 32 or 64, not the
-default 128; ``quantize_model`` says so before starting anything.
+sizes that are multiples of 32. Unset (``quantize.group_size: null``, the default), it is the largest of
+128, 64 and 32 that divides the model's layer sizes (hidden size first, read from its config.json):
+SmolLM2-135M (hidden 576, intermediate 1536) gets 64. The choice is logged and recorded in the result
+(``group_size``, ``group_size_chosen``). A size set explicitly that does not divide them fails before
+anything starts.
 
     python -m batch_llm.quantize MODEL_DIR OUT_DIR '{"method": "awq", "group_size": 64}'
 """
@@ -106,6 +109,48 @@ def read_export_info(out_dir: Path) -> dict | None:
     return info if (Path(out_dir) / "config.json").exists() else None
 
 
+GROUP_SIZE_CHOICES = (128, 64, 32)
+
+
+def _layer_sizes(model_dir: str | Path) -> dict[str, int] | None:
+    """The sizes a group must divide (hidden, intermediate, attention width), from config.json; None when
+    the folder has no readable config."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    config = config.get("text_config") or config
+    sizes = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
+    if isinstance(config.get("num_attention_heads"), int):
+        head_dim = config.get("head_dim") or (sizes.get("hidden_size", 0) // config["num_attention_heads"])
+        if head_dim:
+            sizes["num_attention_heads*head_dim"] = config["num_attention_heads"] * head_dim
+    return sizes
+
+
+def choose_group_size(model_dir: str | Path) -> int:
+    """The largest of 128, 64, 32 that divides the model's hidden size and its other layer sizes."""
+    sizes = _layer_sizes(model_dir)
+    if not sizes or "hidden_size" not in sizes:
+        raise ValueError(f"quantize.group_size is unset and {model_dir} has no config.json with a hidden_size "
+                         "to choose it from; set quantize.group_size")
+    for g in GROUP_SIZE_CHOICES:
+        if all(v % g == 0 for v in sizes.values()):
+            return g
+    raise ValueError(f"quantize.group_size: none of {list(GROUP_SIZE_CHOICES)} divides the model's layer sizes "
+                     f"{sizes}; set quantize.group_size to a divisor of them")
+
+
+def resolve_group_size(model_dir: str | Path, cfg: QuantizeConfig) -> tuple[QuantizeConfig, str]:
+    """(the config with its group size set, "configured" or "auto"): an unset group size is chosen from the
+    model (``choose_group_size``)."""
+    if cfg.group_size is not None:
+        return cfg, "configured"
+    g = choose_group_size(model_dir)
+    log.info("quantize: group_size unset; chose %d from %s's layer sizes %s", g, model_dir, _layer_sizes(model_dir))
+    return cfg.model_copy(update={"group_size": g}), "auto"
+
+
 def check_settings(model_dir: str | Path, cfg: QuantizeConfig) -> None:
     """Fails early, before any process starts, on settings the export would reject."""
     if cfg.method == "awq" and cfg.awq_grid < 3:
@@ -120,16 +165,9 @@ def check_group_size(model_dir: str | Path, group_size: int) -> None:
     vLLM's CPU kernel (CPUWNA16) also wants input and output sizes that are multiples of 32, and a group
     must not straddle two rows: SmolLM2-135M (hidden 576, intermediate 1536) takes 32, 64 or 192, not 128.
     """
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    sizes = _layer_sizes(model_dir)
+    if sizes is None:
         return  # the exporter reports a broken model folder itself
-    config = config.get("text_config") or config
-    sizes = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
-    if isinstance(config.get("num_attention_heads"), int):
-        head_dim = config.get("head_dim") or (sizes.get("hidden_size", 0) // config["num_attention_heads"])
-        if head_dim:
-            sizes["num_attention_heads*head_dim"] = config["num_attention_heads"] * head_dim
     bad = {k: v for k, v in sizes.items() if v % group_size}
     if bad:
         common = 0
@@ -152,14 +190,16 @@ def quantize_model(model_dir: str, cfg: QuantizeConfig, *, model_key: str) -> di
     ``model_key`` identifies the source weights (model id, revision and a content hash, chosen by the
     caller); together with the scheme, method, group size and calibration settings it keys the cache.
     Result: the export's info (``method``, ``scheme``, ``group_size``, ``size_bytes``, ``export_seconds``,
-    ...) plus ``model_dir``, ``cache_hit`` and ``seconds`` (this call's wall time).
+    ...) plus ``model_dir``, ``cache_hit``, ``seconds`` (this call's wall time) and ``group_size_chosen``
+    ("auto" when ``cfg.group_size`` was unset and chosen from the model, else "configured").
     """
-    out_dir = cache_entry_dir(cfg, model_key)
     started = time.monotonic()
+    cfg, chosen = resolve_group_size(model_dir, cfg)
+    out_dir = cache_entry_dir(cfg, model_key)
     info = read_export_info(out_dir)
     if info is not None:
         log.info("quantize: cache hit %s", out_dir)
-        return _result(info, out_dir, True, started)
+        return {**_result(info, out_dir, True, started), "group_size_chosen": chosen}
 
     check_settings(model_dir, cfg)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -173,14 +213,14 @@ def quantize_model(model_dir: str, cfg: QuantizeConfig, *, model_key: str) -> di
         info = read_export_info(out_dir)  # the other process may have finished it meanwhile
         if info is not None:
             log.info("quantize: cache hit %s (exported by another process)", out_dir)
-            return _result(info, out_dir, True, started)
+            return {**_result(info, out_dir, True, started), "group_size_chosen": chosen}
         for stale in out_dir.parent.glob(f".{out_dir.name}.*.partial"):  # left by a killed exporter
             shutil.rmtree(stale, ignore_errors=True)
         _run_exporter(Path(model_dir), out_dir, cfg)
     info = read_export_info(out_dir)
     if info is None:
         raise QuantizeError(f"quantize: the exporter finished but {out_dir} holds no complete export")
-    return _result(info, out_dir, False, started)
+    return {**_result(info, out_dir, False, started), "group_size_chosen": chosen}
 
 
 def _result(info: dict, out_dir: Path, cache_hit: bool, started: float) -> dict:
@@ -366,6 +406,7 @@ def export_w4a16(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
     _bypass_pin_memory_without_accelerator()
     if cfg.scheme != "W4A16":
         raise ValueError(f"unsupported scheme {cfg.scheme!r}")
+    cfg, _ = resolve_group_size(model_dir, cfg)  # quantize_model passes it resolved; a direct call may not
     check_settings(model_dir, cfg)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
