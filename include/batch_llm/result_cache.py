@@ -19,11 +19,12 @@ the uuid makes names unique, so concurrent shards never write the same object. O
 
 Why this shape: a lookup of k keys against a table of n entries reads the footer and the top index (one range
 read from the end: 8 bytes per 64 entries), then only the 512-byte key pages that can hold a wanted key, then
-16 bytes of offsets per candidate, then the value lines of the candidates: about k x (512 + 16 + one entry)
-bytes, whatever n is. Ranges closer than ``gap_bytes`` are read as one (a request costs more than a few KiB
+16 bytes of offsets per candidate, then the value lines of the candidates: about min(512 k, 8 n) bytes of
+key pages per table plus 16 bytes and one entry per hit, never the history's values. Ranges closer than ``gap_bytes`` are read as one (a request costs more than a few KiB
 of transfer); every round is one batch of range reads over all tables (``fs.cat_ranges``, which s3fs runs
-concurrently), so a lookup makes 4 rounds of requests per 64k keys, not 4 per table. Every candidate is
-verified against its full key (key64 only narrows the search) and its write time.
+concurrently): one round for the footers, then three per 64k wanted keys (key pages, offsets, values),
+whatever the number of tables. Every candidate is verified against its full key (key64 only narrows the
+search) and its write time. A miss costs only key pages: no offsets, no values.
 
 Writes: a shard streams its newly generated rows into ``write_table`` at its end; the entries are sorted in
 bounded memory (runs of 50k entries spilled to local temporary files, then ``heapq.merge``) and streamed into
@@ -71,7 +72,8 @@ log = logging.getLogger("batch_llm.result_cache")
 PAGE = 64                        # index entries per page of the top index
 SORT_RUN_ENTRIES = 50_000        # entries sorted in memory before a run is spilled to a local file
 SORT_RUN_BYTES = 64 * 2**20
-WAVE_KEYS = 65_536               # wanted keys looked up per round trip
+WAVE_KEYS = 65_536               # wanted keys looked up per round trip, at most...
+WAVE_PAGE_BYTES = 64 * 2**20     # ...and fewer when their key pages would come to more than this
 MAX_RANGE_BYTES = 8 * 2**20      # merged ranges are split at this size (parallel reads, bounded memory)
 BATCH_BYTES = 64 * 2**20         # bytes asked for in one batch of range reads
 BATCH_RANGES = 1024
@@ -110,6 +112,17 @@ def key64(key: str) -> int:
     return int(hashlib.sha256(key.encode()).hexdigest()[:16], 16)
 
 
+_HEX_RUN = re.compile(r"[0-9a-f]*")
+
+
+def _key64_array(keys: list[str]) -> np.ndarray:
+    """``key64`` of many keys: one hex decode when they all are sha256-hex keys (the usual case)."""
+    heads = "".join(k[:16] for k in keys)
+    if len(heads) == 16 * len(keys) and _HEX_RUN.fullmatch(heads):
+        return np.frombuffer(bytes.fromhex(heads), dtype=">u8").astype(np.uint64)
+    return np.fromiter(map(key64, keys), dtype=np.uint64, count=len(keys))
+
+
 # ------------------------------------------------------------------------------------------ table parts
 @dataclass(frozen=True)
 class _Table:
@@ -134,13 +147,13 @@ class _Meta:
     max_k64: int
 
 
-def _parse_footer(table: _Table, tail: bytes, tail_start: int) -> tuple[tuple, int]:
+def _parse_footer(table: _Table, tail: bytes) -> tuple:
     if len(tail) < FOOTER.size:
         raise ValueError(f"{table.name}: {len(tail)} bytes, shorter than a footer")
     f = FOOTER.unpack(tail[-FOOTER.size:])
     if f[0] != MAGIC or f[-1] != MAGIC or f[1] != VERSION:
         raise ValueError(f"{table.name}: not a result-cache table (magic {f[0]!r}, version {f[1]})")
-    return f, tail_start
+    return f
 
 
 def _meta(table: _Table, f: tuple, top: np.ndarray) -> _Meta:
@@ -244,15 +257,15 @@ def _open_tables(reader: _Reader, tables: list[_Table]) -> tuple[list[_Meta], li
         if isinstance(tail, FileNotFoundError):
             gone.append(t)
             continue
+        tail_start = max(0, t.size - TAIL_BYTES)
         try:
-            f, tail_start = _parse_footer(t, tail, max(0, t.size - TAIL_BYTES))
+            f = _parse_footer(t, tail)
         except ValueError as e:
             log.warning("result cache: skipping %s: %s", t.path, e)
             continue
-        top_off, n_top = f[7], f[8]
         parsed.append((t, f, tail, tail_start))
-        if top_off < tail_start:
-            more.append((t.path, top_off, tail_start))
+        if f[7] < tail_start:  # the top index starts before the tail read
+            more.append((t.path, f[7], tail_start))
     extra = dict(zip((m[0] for m in more), reader.read(more))) if more else {}
     metas = []
     for t, f, tail, tail_start in parsed:
@@ -482,7 +495,7 @@ class ResultCache:
         inputs = shards if len(shards) >= compact_after_tables else []
         if len(runs) + (1 if inputs else 0) > max_runs:
             inputs = runs + inputs
-        if len(inputs) >= 2 or (inputs and cutoff is not None):
+        if inputs:
             self._merge(inputs, cutoff, stats)
         stats["tables_after"] = len(self.tables())  # shards that committed meanwhile included
         stats["seconds"] = round(time.perf_counter() - t0, 3)
@@ -590,7 +603,7 @@ class Lookup:
         t0 = time.perf_counter()
         self.cache = cache
         uniq = list(set(keys))
-        k64 = np.fromiter(map(key64, uniq), dtype=np.uint64, count=len(uniq))
+        k64 = _key64_array(uniq)
         order = np.argsort(k64, kind="stable")
         self._k64 = k64[order]
         self._keys = [uniq[i] for i in order]
@@ -626,8 +639,11 @@ class Lookup:
                 self.stats["tables"] = len(consulted)
                 self.stats["cache_bytes"] += sum(m.table.size for m in metas)
                 gone_names = {x.name for x in gone}
-                for a in range(0, len(self._keys), WAVE_KEYS):
-                    for entry in self._wave(reader, metas, gone_names, a, min(a + WAVE_KEYS, len(self._keys))):
+                wave = WAVE_KEYS
+                while wave > 1024 and sum(min(wave, len(m.top)) for m in metas) * PAGE * 8 > WAVE_PAGE_BYTES:
+                    wave //= 2
+                for a in range(0, len(self._keys), wave):
+                    for entry in self._wave(reader, metas, gone_names, a, min(a + wave, len(self._keys))):
                         self.stats["seconds"] += time.perf_counter() - t
                         yield entry
                         t = time.perf_counter()
@@ -677,7 +693,9 @@ class Lookup:
                 gone.add(m.table.name)
                 continue
             kc = np.concatenate([np.frombuffer(p, dtype="<u8") for p in parts])
-            ic = np.concatenate([np.arange((s - m.keys_off) // 8, (e - m.keys_off) // 8) for s, e in zip(gs, ge)])
+            span0 = (gs - m.keys_off) // 8  # entry index of each span's first key
+            lens = (ge - gs) // 8
+            cum = np.cumsum(lens) - lens    # its position in kc
             i = np.searchsorted(kc, w, "left")
             j = np.searchsorted(kc, w, "right")
             hit = j > i
@@ -686,7 +704,8 @@ class Lookup:
             i, j = i[hit], j[hit]
             cnt = j - i
             pos = np.repeat(i, cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-            idx, first = np.unique(ic[pos], return_index=True)
+            g = np.searchsorted(cum, pos, "right") - 1
+            idx, first = np.unique(span0[g] + pos - cum[g], return_index=True)
             cands.append((rank, m, idx, kc[pos][first]))
         if not cands:
             return
