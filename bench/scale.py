@@ -60,7 +60,8 @@ def synthesize_outputs(cfg, layout, plan) -> list[dict]:
         d = layout.stage("infer").child(f"shard-{s.index:05d}")
         rows = sorted((r["idx"], r["id"]) for r in iter_jsonl(Location(s.url).path()))  # one shard: bounded
         n = write_jsonl(d.child("outputs.jsonl").path(), (
-            {"id": rid, "idx": idx, "output": _text(rng, 200), "finish_reason": "stop", "prompt_tokens": 60,
+            {"id": rid, "idx": idx, "output": _text(rng, 200) + (" my password" if idx % 100 == 0 else ""),  # 1 % hits
+             "finish_reason": "stop", "prompt_tokens": 60,
              "completion_tokens": 48, "cached": False, "error": None, "synthesized": True} for idx, rid in rows))
         write_jsonl(d.child("errors.jsonl").path(), [])
         shards.append({"shard": s.index, "outputs": d.child("outputs.jsonl").url, "errors": d.child("errors.jsonl").url,

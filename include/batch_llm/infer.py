@@ -369,6 +369,7 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
              output_tokens_this_attempt=gen_tokens,
              output_tokens_per_second=round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
              unique_prompts=n_prompts, peak_rss_mb=_peak_rss_mb())
+    manifest["cache_lookup"] = hits.stats if cache is not None else None  # objects and bytes this shard read
     manifest["engine"] = {"kind": cfg.engine.kind, "version": info.version if info else None,
                           "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
     maybe_crash("before_manifest")

@@ -280,18 +280,8 @@ def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:
     namespace under the cache root, each cheap unless it is due (see ``result_cache.ResultCache.maintain``)."""
     if not cfg.cache.enabled:
         return None
-    from batch_llm.result_cache import ResultCache
+    from batch_llm.result_cache import maintain_all
 
-    root = layout.cache_root(cfg)
-    done = {}
-    for ns_dir in list_files(root.path()):
-        stats = ResultCache(root, ns_dir.name).maintain(max_age_days=cfg.cache.max_age_days,
-                                                        compact_after_tables=cfg.cache.compact_after_tables,
-                                                        max_runs=cfg.cache.max_runs)
-        done[ns_dir.name] = stats
-    return {"namespaces": done}
-
-
-def read_published(partition: Location) -> Location:
-    """The dataset of a partition's current version (what a reader should go by)."""
-    return Location(read_json(partition.child("_CURRENT.json").path())["dataset"], partition.options)
+    return {"namespaces": maintain_all(layout.cache_root(cfg), max_age_days=cfg.cache.max_age_days,
+                                       compact_after_tables=cfg.cache.compact_after_tables,
+                                       max_runs=cfg.cache.max_runs)}
