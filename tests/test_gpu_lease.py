@@ -1,6 +1,7 @@
 """GPU leases without GPUs: exclusive, reclaimed when the holder dies, orphaned workers ended."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -54,3 +55,63 @@ def test_lease_of_a_killed_task_is_reclaimed_and_its_orphan_ended(tmp_path):
     assert lease.gpus == ["0"] and time.monotonic() - t0 < 10
     assert not process_group_alive(orphan)
     lease.release()
+
+
+def _own_session(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_reused_pid_is_not_killed(tmp_path):
+    """The lease names a worker group whose leader's start time is not the live process's: the pid was reused
+    by an unrelated process (here: one started after the record's start time), which must survive."""
+    import json
+
+    from batch_llm.gpu_lease import process_start_time
+
+    innocent = _own_session("import time; time.sleep(600)")
+    try:
+        start = process_start_time(innocent.pid)
+        assert start is not None
+        (tmp_path / "gpu-0.lock").write_text(json.dumps({"holder": "dead task", "pid": 1,
+                                                         "worker_pgid": innocent.pid, "worker_start": start - 1}))
+        lease = GpuLease.acquire(1, gpus=["0"], lease_dir=tmp_path, timeout=5, poll=0.1)
+        time.sleep(0.3)
+        assert innocent.poll() is None and process_group_alive(innocent.pid), "an unrelated process was killed"
+        lease.release()
+        # a record without a start time cannot be checked: nothing is killed either
+        (tmp_path / "gpu-0.lock").write_text(json.dumps({"worker_pgid": innocent.pid}))
+        GpuLease.acquire(1, gpus=["0"], lease_dir=tmp_path, timeout=5, poll=0.1).release()
+        assert innocent.poll() is None
+    finally:
+        innocent.kill()
+        innocent.wait()
+
+
+def test_orphans_of_a_dead_worker_leader_are_ended(tmp_path):
+    """The worker (group leader) died, its engine process lives on in the group: the recorded start time is
+    the dead leader's, the survivor started after it, so the group is the recorded one and is ended."""
+    from batch_llm.gpu_lease import is_recorded_group, process_start_time
+
+    leader = _own_session(textwrap.dedent("""
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+    """))
+    pgid = leader.pid
+    start = process_start_time(pgid)
+    orphan = int(leader.stdout.readline())
+    leader.wait()
+    assert process_start_time(pgid) is None and process_group_alive(pgid)  # leader gone, the group lives
+    try:
+        assert not is_recorded_group(pgid, process_start_time(orphan) + 1)  # a member older than the record: no
+        import json
+
+        (tmp_path / "gpu-0.lock").write_text(json.dumps({"worker_pgid": pgid, "worker_start": start}))
+        GpuLease.acquire(1, gpus=["0"], lease_dir=tmp_path, timeout=10, poll=0.1).release()
+        deadline = time.monotonic() + 10
+        while process_group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process_group_alive(pgid)
+    finally:
+        if process_group_alive(pgid):
+            os.killpg(pgid, 9)

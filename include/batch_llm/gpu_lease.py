@@ -2,8 +2,11 @@
 
 A lease is an exclusive ``flock`` on ``<lease_dir>/gpu-<N>.lock``, held by the task process for as long as
 its shard runs. The kernel drops a lock when its holder dies, however it dies, so a crashed task's GPUs are
-free for the next one. Each lock file records the holder's worker process group; a new holder that finds
-that group still alive (an orphaned engine from a killed task) ends it first, so its memory is really free.
+free for the next one. Each lock file records the holder's worker process group and the start time of its
+leader (``/proc/<pid>/stat``); a new holder that finds that group still alive (an orphaned engine from a
+killed task) ends it first, so its memory is really free. Process ids are reused: a group is ended only when
+its leader is the recorded process (same start time), or, with the leader gone, when every live member
+started after it; a record without a start time ends nothing.
 
 The pool of the GPU queue carries the slot count (slots = GPUs / tensor_parallel_size); the leases decide
 which GPUs a running task gets.
@@ -39,6 +42,50 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on; the command name in field 2 may hold spaces and parentheses."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks after boot (field 22 of /proc/<pid>/stat): with the pid, it
+    names one process for the machine's uptime, where a pid alone is reused. None when there is no such
+    process (or no /proc)."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def is_recorded_group(pgid: int, start: int | None) -> bool:
+    """Whether the live process group ``pgid`` is the one recorded with leader start time ``start``.
+
+    The leader alive: it must have that start time (a pid reused by another process has a later one). The
+    leader gone: Linux does not hand out a pid while a group still bears it, so the group's survivors are the
+    recorded leader's orphans, provided none started before the leader did. No start time recorded: unknown,
+    so no."""
+    if start is None:
+        return False
+    leader = process_start_time(pgid)
+    if leader is not None:
+        return leader == start
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fields = _stat_fields(int(pid))
+        try:
+            if fields and int(fields[2]) == pgid and fields[0] != "Z" and int(fields[19]) < start:
+                return False
+        except (IndexError, ValueError):
+            continue
+    return True
 
 
 @dataclass
@@ -94,16 +141,18 @@ class GpuLease:
             except ValueError:
                 prev = {}
             pgid = prev.get("worker_pgid")
-            if pgid and process_group_alive(pgid):
+            if pgid and process_group_alive(pgid) and is_recorded_group(pgid, prev.get("worker_start")):
                 stop_process_group(pgid, grace_seconds=5)  # an orphan of a killed task still holds memory
             self._write(f, {"holder": holder, "pid": os.getpid(), "worker_pgid": None, "since": time.time()})
 
     def record_worker(self, pgid: int) -> None:
-        """Remembers the worker's process group, so a later holder can end it if this task dies."""
+        """Remembers the worker's process group (its leader's pid, as the worker starts a session of its own)
+        and the leader's start time, so a later holder can end that group, and only it, if this task dies."""
+        start = process_start_time(pgid)
         for f in self._files:
             f.seek(0)
             data = json.loads(f.read() or "{}")
-            self._write(f, {**data, "worker_pgid": pgid})
+            self._write(f, {**data, "worker_pgid": pgid, "worker_start": start})
 
     @staticmethod
     def _write(f, data: dict) -> None:
