@@ -414,3 +414,30 @@ def test_cache_duplicates_and_random_sampling():
 def test_format_findings():
     text = format_findings([Finding("warning", "t", "e 1", "engine.kind: vllm", "engine")])
     assert "[warning] t" in text and "change:   engine.kind: vllm" in text
+
+
+def test_max_model_len_advice_is_bounded_by_the_model(demo_model_dir):
+    """A 200k-token row on a model of 8,192 positions: no max_model_len helps, and the doctor says so instead
+    of advising 262144; rows that fit get at most the model's limit."""
+    s = [shard(i, rows=4096, start=60, gen=1200, errors=(400 if i == 0 else 0),
+               settings={"model_context_limit": 8192}) for i in range(8)]
+
+    def advice(longest, summary=None):
+        errs = {"plan": Counter(), "infer": Counter({"prompt is N tokens; ...": 400}), "too_long": 400,
+                "max_prompt_tokens": longest}
+        f = run_doctor(summary or summary_of(s), gpus=8, errors=errs)
+        return {x.title: x for x in f}["rows failed in inference"]
+
+    huge = advice(200_000)
+    assert "262144" not in huge.change and "max_model_len: " not in huge.change
+    assert huge.change.startswith("input: split or shorten prompts to under 7,936 tokens")
+    assert "cannot fit at all" in huge.evidence and "8,192" in huge.evidence
+    assert advice(7000).change == "engine.max_model_len: 8192"                  # 7000 + 256 fits in 8192
+    near = advice(8100)                                                          # fits, but not with 256 more
+    assert near.change.startswith("engine.max_model_len: 8192") and "fewer than" in near.evidence
+    # no limit recorded by the engine: the model folder the run names says it (config.json)
+    old = [shard(i, rows=4096, start=60, gen=1200, errors=(400 if i == 0 else 0)) for i in range(8)]
+    summary = summary_of(old)
+    summary["manifests"]["fetch"] = {"local_dir": str(demo_model_dir)}
+    assert advice(200_000, summary).change.startswith("input: split")
+    assert advice(20_000, summary_of(old)).change == "engine.max_model_len: 32768"  # limit unknown: as before

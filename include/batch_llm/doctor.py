@@ -256,6 +256,7 @@ class _Run:
     tokens: TokenStats | None
     prefix: PrefixStats | None
     errors: dict | None
+    model_limit: int | None = None  # the model's own context limit (max_position_embeddings), when known
 
     @property
     def engine_cfg(self) -> dict:
@@ -286,6 +287,25 @@ class _Run:
             sum(m.get("output_tokens", 0) for m in self.metrics) / ok
 
 
+def model_limit_of(summary: dict, settings: dict) -> int | None:
+    """The model's context limit: what the engine recorded (``model_context_limit`` in the shard's engine
+    settings), else ``max_position_embeddings`` in the config.json of the model folder the run names, when
+    that folder is on this machine."""
+    v = settings.get("model_context_limit")
+    if isinstance(v, int) and v > 0:
+        return v
+    from batch_llm.engines.base import model_context_limit
+
+    manifests = summary.get("manifests") or {}
+    for d in ((manifests.get("quantize") or {}).get("local_dir"), (manifests.get("fetch") or {}).get("local_dir"),
+              ((summary.get("config") or {}).get("model") or {}).get("ref")):
+        if isinstance(d, str) and os.path.isdir(d):
+            limit = model_context_limit(d)
+            if limit:
+                return limit
+    return None
+
+
 def _context(summary: dict, gpus, tokens, prefix, errors, options, read_files) -> _Run:
     cfg = summary.get("config") or {}
     shards = infer_manifests(summary)
@@ -305,7 +325,7 @@ def _context(summary: dict, gpus, tokens, prefix, errors, options, read_files) -
         errors = errors or read_error_reasons(summary, options)
     return _Run(summary=summary, cfg=cfg, shards=shards, metrics=metrics, settings=settings, kind=kind,
                 device=device or "unknown device", on_gpu=on_gpu, gpus=n_gpus, tokens=tokens, prefix=prefix,
-                errors=errors)
+                errors=errors, model_limit=model_limit_of(summary, settings))
 
 
 def _pct(x: float) -> str:
@@ -599,16 +619,32 @@ def _check_errors(run: _Run) -> Iterable[Finding]:
         counter = reasons.get("infer") or Counter()
         top = ", ".join(f"{k} ({v})" for k, v in counter.most_common(3))
         max_tokens = int((run.cfg.get("sampling") or {}).get("max_tokens") or 256)
+        limit = run.model_limit  # the advice never goes past what the model allows
+        why = ""
         if reasons.get("too_long") and reasons["too_long"] >= errs / 2:
-            change = f"engine.max_model_len: {_pow2_at_least(reasons['max_prompt_tokens'] + max_tokens)}"
+            longest = reasons["max_prompt_tokens"]
+            current = run.settings.get("max_model_len") or run.engine_cfg.get("max_model_len")
+            if limit and longest >= limit:
+                # No max_model_len helps these rows: the prompt alone is over the model's context.
+                why = (f"; the longest prompt ({longest:,} tokens) cannot fit at all: the model allows {limit:,} "
+                       f"tokens (max_position_embeddings)")
+                if current and current < limit:
+                    why += f", engine.max_model_len {current:,} is below that (raising it helps shorter rows)"
+                change = (f"input: split or shorten prompts to under {max(1, limit - max_tokens):,} tokens "
+                          f"(the model's {limit:,} less sampling.max_tokens), or use a model with a longer context")
+            else:
+                change = f"engine.max_model_len: {min(_pow2_at_least(longest + max_tokens), limit or 1 << 62)}"
+                if limit and longest + max_tokens > limit:
+                    why = (f"; the model allows {limit:,} tokens, so the longest rows get fewer than "
+                           f"sampling.max_tokens = {max_tokens} new tokens")
         elif any(k.startswith("chat template failed") for k in counter):
             change = "model.chat_template: a template that accepts these chats"
         else:
             change = f"look at the reasons in the shards' errors.jsonl (engine.max_error_rate is " \
                      f"{run.engine_cfg.get('max_error_rate', 0.1)})"
         yield Finding("warning" if errs / rows >= ERROR_RATE_WARN else "info", "rows failed in inference",
-                      f"{errs:,} of {rows:,} rows ({_pct(errs / rows)}) became error rows{': ' + top if top else ''}",
-                      change, "errors")
+                      f"{errs:,} of {rows:,} rows ({_pct(errs / rows)}) became error rows{': ' + top if top else ''}"
+                      f"{why}", change, "errors")
 
 
 def _check_truncation(run: _Run) -> Iterable[Finding]:
