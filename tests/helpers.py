@@ -14,3 +14,36 @@ def demo_config(tmp: Path, **overrides) -> PipelineConfig:
     cfg = load_config(DEMO_YAML)
     return cfg.with_overrides({"output.path": str(tmp / "out"), **{k.replace("__", "."): v
                                                                    for k, v in overrides.items()}})
+
+
+def custom_code_model(demo_dir: Path, dest: Path) -> Path:
+    """A copy of the demo model whose config, model class and tokenizer are code shipped in the folder
+    (``auto_map``), as a ``trust_remote_code`` checkpoint has them: transformers and vLLM refuse to load it
+    unless told to run that code. The classes subclass Llama's, so the weights load as they are (linked)."""
+    import json
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in demo_dir.iterdir():
+        if f.name == "model.safetensors":
+            (dest / f.name).symlink_to(f)
+        elif f.name not in ("config.json", "tokenizer_config.json"):
+            shutil.copy2(f, dest / f.name)
+    config = json.loads((demo_dir / "config.json").read_text())
+    config.update(model_type="smol_custom", auto_map={"AutoConfig": "custom_config.SmolCustomConfig",
+                                                      "AutoModelForCausalLM": "custom_model.SmolCustomForCausalLM"})
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    tok = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    tok.update(tokenizer_class="SmolCustomTokenizer",
+               auto_map={"AutoTokenizer": [None, "custom_tokenizer.SmolCustomTokenizer"]})
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
+    (dest / "custom_config.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass SmolCustomConfig(LlamaConfig):\n"
+        "    model_type = \"smol_custom\"\n")
+    (dest / "custom_model.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .custom_config import SmolCustomConfig\n\n\n"
+        "class SmolCustomForCausalLM(LlamaForCausalLM):\n    config_class = SmolCustomConfig\n")
+    (dest / "custom_tokenizer.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass SmolCustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    return dest
