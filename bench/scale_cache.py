@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "include"))
-sys.path.insert(0, str(ROOT / "tests"))  # s3_server, for --s3
+sys.path.insert(0, str(ROOT / "tests"))  # s3_server, for --s3 (batch_llm itself: the installed package)
 
 from batch_llm.config import CacheConfig  # noqa: E402
 from batch_llm.result_cache import ResultCache  # noqa: E402

@@ -2,7 +2,7 @@
 # One-shot setup of a deployment, run by compose's airflow-init service before the other Airflow services
 # start (on Kubernetes: a Job with the same environment). Idempotent: run it again after changing a value.
 #   1. airflow db migrate (Airflow's tables and the FAB auth manager's)
-#   2. the GPU pool: GPU_POOL_SLOTS = GPUs of all GPU workers / engine.tensor_parallel_size
+#   2. the GPU pool: GPU_POOL_SLOTS = GPUs of all GPU workers (a shard takes engine.tensor_parallel_size slots)
 #   3. the admin user of the FAB auth manager
 #   4. the object-storage connection (LAKE_CONN_ID, type aws, endpoint in its extra), stored encrypted with
 #      the Fernet key; and the bucket, when it does not exist yet
@@ -20,7 +20,7 @@ echo "airflow-init: migrating the metadata database"
 airflow db migrate
 
 echo "airflow-init: pool ${pool} with ${GPU_POOL_SLOTS:-1} slot(s)"
-airflow pools set "$pool" "${GPU_POOL_SLOTS:-1}" "GPU slots: GPUs of the gpu-queue workers / tensor_parallel_size" >/dev/null
+airflow pools set "$pool" "${GPU_POOL_SLOTS:-1}" "GPU slots: GPUs of the gpu-queue workers (a shard takes tensor_parallel_size)" >/dev/null
 
 echo "airflow-init: admin user ${AIRFLOW_ADMIN_USER:-admin}"
 airflow users create --role Admin --username "${AIRFLOW_ADMIN_USER:-admin}" \

@@ -1,5 +1,6 @@
 # Sourced by the demo, the tests' helpers and by hand: an Airflow home inside the checkout (SQLite,
-# LocalExecutor), with this project's dags/ and plugins/. Override any variable before sourcing.
+# LocalExecutor), with this project's dags/ and plugins/. Override any variable before sourcing. The packages
+# (batch_llm, batch_llm_airflow: provider and plugin entry points) come from .venv's install, no PYTHONPATH.
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export AIRFLOW_HOME=${AIRFLOW_HOME:-$ROOT/var/airflow}
 export AIRFLOW__CORE__DAGS_FOLDER=${AIRFLOW__CORE__DAGS_FOLDER:-$ROOT/dags}
@@ -12,5 +13,4 @@ export AIRFLOW__CORE__UNIT_TEST_MODE=${AIRFLOW__CORE__UNIT_TEST_MODE:-False}
 export BATCH_LLM_MODEL_CACHE=${BATCH_LLM_MODEL_CACHE:-$ROOT/.cache/modelscope}
 export MODELSCOPE_CACHE=${MODELSCOPE_CACHE:-$BATCH_LLM_MODEL_CACHE}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export PYTHONPATH=$ROOT/plugins${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$AIRFLOW_HOME"

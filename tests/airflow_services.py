@@ -9,9 +9,10 @@
 
 Every process gets a fresh ``AIRFLOW_HOME`` in the test's tmp dir, its own SQLite DB (or the given
 ``sql_alchemy_conn``), the simple auth manager with a passwords file (user ``admin``), a shared JWT secret,
-this checkout's ``dags/`` and ``plugins/`` and ``BATCH_LLM_PIPELINES_DIR`` pointing at the test's pipeline
-YAML files. Each service's stdout/stderr go to ``<tmp>/service-logs/<name>.log``; ``log_tails()`` prints
-their ends (and the failed tasks' logs), which the wait helpers put into their failure messages.
+this checkout's ``dags/`` and ``plugins/`` (no PYTHONPATH: the packages come from the install) and
+``BATCH_LLM_PIPELINES_DIR`` pointing at the test's pipeline YAML files. Each service's stdout/stderr go to
+``<tmp>/service-logs/<name>.log``; ``log_tails()`` prints their ends (and the failed tasks' logs), which the
+wait helpers put into their failure messages.
 
 Nothing listens on anything but 127.0.0.1: the api-server gets ``-H 127.0.0.1``; the log servers that
 Airflow starts beside the scheduler, the triggerer and Celery workers bind every interface (``host=""`` in
@@ -48,7 +49,6 @@ from typing import Any
 from batch_llm.worker import process_group_alive
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 MARKER = "BATCH_LLM_TEST_SERVICES"
 TERMINAL = {"success", "failed"}
 
@@ -394,7 +394,9 @@ class AirflowServices:
         pwfile = self.home / "simple_auth_manager_passwords.json"
         pwfile.write_text(json.dumps({"admin": self.password}))
         (self.tmp / "tmpdir").mkdir(exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+        # No PYTHONPATH: the services import batch_llm / batch_llm_airflow from the installed distribution and
+        # find the provider and the plugin through its entry points, as a deployment that installed the wheel.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW") and k != "PYTHONPATH"}
         env.update({
             "AIRFLOW_HOME": str(self.home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
@@ -419,8 +421,6 @@ class AirflowServices:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "BATCH_LLM_PIPELINES_DIR": str(pipelines_dir),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "plugins"), str(TESTS),
-                                                        os.environ.get("PYTHONPATH")])),
             "TMPDIR": str(self.tmp / "tmpdir"),
             "PYTHONUNBUFFERED": "1",
         })

@@ -1,5 +1,6 @@
-"""Test setup: an Airflow home of the test session's own (SQLite), the project's plugins on sys.path, the
-offline demo model, and offline switches for every library that would reach for a hub."""
+"""Test setup: an Airflow home of the test session's own (SQLite), the offline demo model, and offline switches
+for every library that would reach for a hub. batch_llm and batch_llm_airflow come from the installed
+distribution (scripts/setup.sh: an editable install), not from sys.path or PYTHONPATH."""
 from __future__ import annotations
 
 import os
@@ -23,9 +24,6 @@ os.environ.setdefault("MODELSCOPE_CACHE", os.environ["BATCH_LLM_MODEL_CACHE"])
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
              "TOKENIZERS_PARALLELISM": "false", "BATCH_LLM_GPUS": ""}.items():
     os.environ.setdefault(k, v)
-# Airflow processes put plugins/ on sys.path themselves; pytest does not.
-sys.path.insert(0, str(ROOT / "plugins"))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "plugins"), os.environ.get("PYTHONPATH")]))
 (VAR / "airflow").mkdir(parents=True, exist_ok=True)
 
 

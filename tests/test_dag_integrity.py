@@ -51,3 +51,25 @@ def test_params_form(dagbag):
         assert name in params
         assert params.get_param(name).description
     assert params["max_tokens"] == 48  # the YAML's value is the form's default
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_inference_takes_a_pool_slot_per_gpu(dagbag, tp):
+    """batch_inference asks the GPU pool for engine.tensor_parallel_size slots (one per GPU it leases)."""
+    import datetime as dt
+
+    from airflow.sdk import DAG
+
+    from batch_llm.config import load_config
+    from batch_llm_airflow.task_group import batch_llm_task_group
+
+    demo = next(t for t in dagbag.dags["batch_llm_demo"].tasks if t.task_id.endswith("batch_inference"))
+    assert demo.pool_slots == 1  # demo.yaml: tensor_parallel_size 1
+    cfg = load_config(ROOT / "dags" / "pipelines" / "demo.yaml").with_overrides(
+        {"engine.tensor_parallel_size": tp})
+    with DAG(f"pool_slots_tp{tp}", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        batch_llm_task_group(cfg)
+    infer = dag.get_task("batch_llm.batch_inference")
+    assert infer.pool_slots == tp and infer.pool == cfg.airflow.gpu_pool
+    others = [t for t in dag.tasks if t is not infer]
+    assert others and all(t.pool_slots == 1 for t in others)

@@ -412,12 +412,29 @@ def test_airflow_image():
     instrs = dockerfile_instructions(DOCKERFILES["airflow"])
     froms = [a for i, a in instrs if i == "FROM"]
     assert all(a.startswith(("python:3.11", "apache/airflow:3.3.2-python3.11")) for a in froms), froms
+    # the image that runs is the official one, of the Airflow release the image's lock pins
+    airflow = lock_pins(DOCKER / "requirements-airflow.lock")["apache-airflow"]
+    assert froms[-1] == f"apache/airflow:{airflow}-python3.11", froms
     text = DOCKERFILES["airflow"].read_text()
     assert "requirements-airflow.lock" in text and "requirements-quantize.lock" in text
     assert re.search(r"pip install .*--no-deps /src", text)
     assert "BATCH_LLM_QUANTIZE_PYTHON=/opt/venv-quantize/bin/python" in text
     for src in ("dags/", "plugins/"):
         assert any(i == "COPY" and src in a for i, a in instrs), src
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_images_install_the_distribution_without_path_tricks(image):
+    """Both packages reach the image as the installed distribution (entry points included), never through
+    PYTHONPATH: the build copies both package folders and installs /src without dependencies."""
+    instrs = dockerfile_instructions(DOCKERFILES[image])
+    env = " ".join(a for i, a in instrs if i in ("ENV", "ARG"))
+    assert "PYTHONPATH" not in env, env
+    copied = [src for i, a in instrs if i == "COPY" for src in (copy_sources(a) or [])]
+    assert {"include/batch_llm", "include/batch_llm_airflow"} <= {c.rstrip("/") for c in copied}, copied
+    runs = " ".join(a for i, a in instrs if i == "RUN")
+    assert re.search(r"pip install .*--no-deps /src", runs), runs
+    assert not any(c.rstrip("/").startswith("plugins/batch_llm_airflow") for c in copied)
 
 
 def test_gpu_worker_image():
@@ -472,7 +489,8 @@ def third_party_imports() -> dict[str, set[str]]:
     import ast
 
     out = {}
-    for path in sorted([*(ROOT / "include" / "batch_llm").rglob("*.py"), *(ROOT / "plugins").rglob("*.py"),
+    for path in sorted([*(ROOT / "include" / "batch_llm").rglob("*.py"),
+                        *(ROOT / "include" / "batch_llm_airflow").rglob("*.py"), *(ROOT / "plugins").rglob("*.py"),
                         *(ROOT / "dags").rglob("*.py")]):
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):

@@ -237,9 +237,8 @@ def _run_exporter(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("TQDM_MININTERVAL", "10")  # progress bars: a log line per bar every 10 s, not per step
-    # The package is installed in the quantize environment too; the path only helps an env without it.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
-                                                    env.get("PYTHONPATH")) if p)
+    # No PYTHONPATH: batch-llm is installed in the quantize environment too (scripts/setup.sh, the image,
+    # `pip install "batch-llm[quantize]"`), so the exporter runs the version installed there.
     log.info("quantize: exporting %s (%s %s, group %d) into %s with %s", model_dir, cfg.scheme, cfg.method,
              cfg.group_size, out_dir, python)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)

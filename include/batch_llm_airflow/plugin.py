@@ -4,17 +4,20 @@
   serves a published version's ``report.html`` from object storage to signed-in users who may read the
   pipeline's DAG; ``/batch-llm/`` lists recent reports.
 - ``external_views``: "Batch LLM reports" in the UI's navigation (Browse), the list above inside the UI.
-- ``operator_extra_links``: the "Run report" button of the publish task (``RunReportLink``, also declared on
-  ``PublishOperator``; Airflow 3 computes the link when the task finishes and keeps it in XCom).
 
-Airflow imports every ``.py`` file under ``plugins/`` in each of its processes, task processes included;
-this file imports nothing heavy (the FastAPI app is built on its first request).
+The "Run report" button of the publish task (``RunReportLink``) is not registered here: it is declared once,
+on ``PublishOperator.operator_extra_links`` (Airflow 3 computes the link when the task finishes and keeps it in
+XCom), and listed in the provider info's ``extra-links`` (``get_provider_info.py``).
+
+Airflow finds this class through the ``airflow.plugins`` entry point of the installed distribution
+(``pyproject.toml``); ``plugins/batch_llm_plugin.py`` stands in only where that entry point is missing. The
+plugin loads in each Airflow process, task processes included; this module imports nothing heavy (the FastAPI
+app is built on its first request).
 """
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from batch_llm_airflow.operators import RunReportLink
 from batch_llm_airflow.report_app import URL_PREFIX, LazyReportApp
 
 
@@ -23,4 +26,3 @@ class BatchLlmPlugin(AirflowPlugin):
     fastapi_apps = [{"app": LazyReportApp(), "url_prefix": URL_PREFIX, "name": "batch-llm reports"}]
     external_views = [{"name": "Batch LLM reports", "href": f"{URL_PREFIX}/", "url_route": "batch-llm-reports",
                        "destination": "nav", "category": "browse"}]
-    operator_extra_links = [RunReportLink()]

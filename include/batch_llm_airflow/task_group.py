@@ -35,9 +35,13 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
         model = FetchModelOperator(task_id="fetch_model", **common)
         quantized = AwqExportOperator(task_id="awq_export", model=model.output, **common)
         plan = PlanShardsOperator(task_id="plan_shards", **common)
+        # One pool slot per GPU the shard's engine leases (tensor parallelism): a pool sized to the GPUs of the
+        # workers admits only the shards that fit. Taken from the config the DAG was built with (the trigger
+        # form's Params do not change tensor_parallel_size). A pool with fewer slots leaves the shard scheduled
+        # forever (the scheduler logs "Requested pool slots ... are greater than total pool slots").
         shards = BatchInferenceOperator.partial(
             task_id="batch_inference", pool=cfg.airflow.gpu_pool, queue=cfg.airflow.gpu_queue,
-            model=quantized.output, **common,
+            pool_slots=cfg.engine.tensor_parallel_size, model=quantized.output, **common,
         ).expand(shard=plan.output)
         filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output,
                                          trigger_rule=TriggerRule.NONE_FAILED, **common)

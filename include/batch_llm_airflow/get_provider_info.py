@@ -1,0 +1,51 @@
+"""What Airflow's ProvidersManager reads about this distribution (entry point ``apache_airflow_provider`` in
+``pyproject.toml``): ``airflow providers list`` shows it, ``airflow providers links`` lists its extra link.
+
+Modelled on apache/airflow's generated ``get_provider_info.py`` files (the runtime schema is
+``airflow/provider_info.schema.json``: ``name`` and ``description`` required, more keys allowed) and on
+third-party providers such as astro-provider-ray (``versions``). ``package-name`` must be the distribution's
+name as pip knows it, or Airflow refuses the provider.
+
+- No ``connection-types``: storage goes through the amazon provider's ``aws`` connections
+  (``storage_bridge.py``); this package defines no hook.
+- No ``plugins``: Airflow loads a provider's ``plugins`` only with ``[core] lazy_discover_providers = False``
+  (default True), so the UI plugin is registered through the ``airflow.plugins`` entry point, which every
+  plugins manager reads. Listing it here too would, in that setting, register ``batch_llm`` a second time:
+  Airflow 3.3's plugins manager skips it ("Plugin 'batch_llm' already registered, skipping") and reports that
+  as a plugin import error. tests/test_provider_wheel.py checks both settings. (apache/airflow's
+  openlineage provider lists its plugin both ways; this one does not.)
+- ``extra-links``: ``RunReportLink``, whose one registration is ``PublishOperator.operator_extra_links``
+  (the plugin no longer lists it); Airflow 3 only shows this list (``airflow providers links``).
+
+Imports nothing beyond the standard library: Airflow calls this in every process that discovers providers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+PACKAGE = "batch-llm"
+PLUGIN_ENTRY_POINT = "batch_llm_airflow.plugin:BatchLlmPlugin"  # [project.entry-points."airflow.plugins"]
+RUN_REPORT_LINK = "batch_llm_airflow.operators.RunReportLink"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # imported from a source tree that is not installed
+        return "0.0.0"
+
+
+def get_provider_info() -> dict[str, Any]:
+    return {
+        "package-name": PACKAGE,
+        "name": "Batch LLM",
+        "description": "Offline batch LLM inference as Airflow 3 pipelines: fetch model, AWQ export, sharded "
+                       "batch inference (vLLM, LMDeploy, transformers), content filter, EvalScope scoring, "
+                       "publish with a run report.",
+        "versions": [_version()],
+        "integrations": [{"integration-name": "Batch LLM", "tags": ["ai", "llm"]}],
+        "operators": [{"integration-name": "Batch LLM", "python-modules": ["batch_llm_airflow.operators"]}],
+        "extra-links": [RUN_REPORT_LINK],
+    }
