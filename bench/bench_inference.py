@@ -287,13 +287,17 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--modes", default="raw,stage")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
+    p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help="append results as JSON lines to this file")
     a = p.parse_args()
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
-    for mode in alternating(a.modes.split(","), a.repeats):
+    schedule = alternating(a.modes.split(","), a.repeats)
+    # A first run on a fresh machine also fills vLLM's compile cache (~/.cache/vllm), which every later run
+    # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
+    for mode in ([schedule[0]] * a.warmup) + schedule:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -304,9 +308,14 @@ def main() -> None:
             print(f"{mode} FAILED rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
             continue
         res = {**json.loads(line[7:]), "wall_s": round(wall, 2)}
+        if a.warmup and not runs.get("_warmup"):
+            runs["_warmup"] = [res]
+            print(f"warm-up ({mode}, not counted): wall {res['wall_s']} s", flush=True)
+            continue
         runs.setdefault(mode, []).append(res)
         print(f"{mode}: " + json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
-    summary = {"engine": a.engine, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len,
+    warm = runs.pop("_warmup", None)
+    summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len,
                "dummy": a.dummy, "model": a.model, "repeats": a.repeats, "order": alternating(a.modes.split(","), a.repeats),
                **summarize(runs)}
     print("SUMMARY " + json.dumps(summary), flush=True)

@@ -13,10 +13,12 @@ vllm_env() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
-  fixed) vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
-           --modes raw,stage,hf --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
-  mix)   vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
-           --modes raw,stage --out $OUT/gpu.jsonl ;;
+  fixed) vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+           --modes raw,stage --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
+  mix)   vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
+           --modes raw,stage --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
+  hf)    vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+           --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
   checks) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy stop resume | tee $OUT/checks.txt ;;
   resume|leases) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy "$1" | tee $OUT/$1.txt ;;
   lmdeploy-stage)

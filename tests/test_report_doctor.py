@@ -18,7 +18,7 @@ from batch_llm.doctor import Finding, PrefixStats, TokenStats, diagnose, format_
 from batch_llm.report import write_run_report
 from batch_llm.storage import Location, exists, read_json, write_json, write_jsonl
 
-SECTIONS = ("doctor", "outcomes", "throughput", "time", "lengths", "filter", "scores", "shards", "config")
+SECTIONS = ("doctor", "outcomes", "throughput", "time", "timeline", "lengths", "filter", "scores", "shards", "config")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -48,7 +48,17 @@ def make_run(root, n_shards: int, rows_per_shard: int = 6, *, partition: str = "
         plan_shards.append({"index": i, "rows": rows_per_shard, "url": pu.url})
         start, gen = 30 + rng.random() * 10, 200 + rng.random() * 100
         out_tok = sum(r["completion_tokens"] for r in rows)
+        t = 1_780_000_000.0 + (i % 8) * 3.0  # 8 GPUs: shards start in waves
+        phases = [{"name": "spawn", "start": t, "end": t + 1}, {"name": "imports", "start": t + 1, "end": t + 9},
+                  {"name": "read", "start": t + 9, "end": t + 10},
+                  {"name": "engine", "start": t + 10, "end": t + 10 + start},
+                  {"name": "tokenize", "start": t + 10, "end": t + 14},
+                  {"name": "first_token", "start": t + 10 + start, "end": t + 11 + start},
+                  {"name": "generation", "start": t + 11 + start, "end": t + 10 + start + gen},
+                  {"name": "merge", "start": t + 10 + start + gen, "end": t + 12 + start + gen},
+                  {"name": "commit", "start": t + 12 + start + gen, "end": t + 13 + start + gen}]
         shards.append({
+            "phases": phases,
             "stage": "infer", "shard": i, "status": "ok", "outputs": sd.child("outputs.jsonl").url,
             "errors": sd.child("errors.jsonl").url,
             "metrics": {"rows": rows_per_shard, "ok": rows_per_shard, "errors": 0,
@@ -120,8 +130,10 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
         body = _section(page, anchor)
         assert "could not be rendered" not in body, (anchor, body[:500])
     images = _images(page)
-    # outcomes, throughput, time, token lengths, filter hits, score trend
-    assert len(images) == 6
+    # outcomes, throughput, time, timeline, token lengths, filter hits, score trend
+    assert len(images) == 7
+    timeline = _section(page, "timeline")
+    assert "Largest avoidable phase: <b>engine</b>" in timeline and "generation" in timeline
     assert all(img.startswith(PNG_MAGIC) for img in images)
     assert len(page.encode()) < size_bound, len(page.encode())
     assert "max_num_seqs" in _section(page, "config")            # the configuration, as YAML
@@ -441,3 +453,15 @@ def test_max_model_len_advice_is_bounded_by_the_model(demo_model_dir):
     summary["manifests"]["fetch"] = {"local_dir": str(demo_model_dir)}
     assert advice(200_000, summary).change.startswith("input: split")
     assert advice(20_000, summary_of(old)).change == "engine.max_model_len: 32768"  # limit unknown: as before
+
+
+def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
+    summary, _, _ = make_run(tmp_path, 3)
+    findings = [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
+    assert len(findings) == 1 and findings[0].title == "largest avoidable phase: engine"
+    assert "engine.compile_cache" in findings[0].change
+    for s in summary["manifests"]["infer"]:  # engine start negligible: imports, the largest left, is 3 %
+        for p in s["phases"]:
+            if p["name"] == "engine":
+                p["end"] = p["start"] + 0.5
+    assert not [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]

@@ -101,10 +101,10 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     row committed twice (an interrupted commit), and a missing row, which fails the merge with its id."""
     import random
 
-    from batch_llm import infer
+    from batch_llm import infer, shard_merge
     from batch_llm.storage import write_jsonl
 
-    monkeypatch.setattr(infer, "MERGE_FAN_IN", 3)
+    monkeypatch.setattr(shard_merge, "MERGE_FAN_IN", 3)
     shard_dir = Location(str(tmp_path / "shard"))
     rows = [{"id": f"r{i}", "idx": i * 7, "output": f"o{i}", "finish_reason": "stop", "prompt_tokens": 3,
              "completion_tokens": 2, "cached": False, "error": "too long" if i % 9 == 0 else None}

@@ -682,9 +682,35 @@ def _check_cache(run: _Run) -> Iterable[Finding]:
                       "cache.enabled: false", "cache")
 
 
+# What to do about each overhead phase of the timeline (timeline.AVOIDABLE) when it is the largest.
+PHASE_ADVICE = {
+    "spawn": "start fewer, larger shards (sharding.rows_per_shard), or warm workers",
+    "imports": "a worker image with the engine's packages preinstalled (and compiled .pyc files)",
+    "read": "keep the shard files and the result cache near the workers (same region/bucket)",
+    "engine": "engine.compile_cache or fewer, larger shards (sharding.rows_per_shard)",
+    "tokenize": "pre-tokenized prompt_token_ids in the input, or a faster tokenizer",
+    "first_token": "smaller engine.max_num_batched_tokens so the first results come sooner",
+    "merge": "a larger engine.commit_every_rows (fewer chunks to merge)",
+    "commit": "output storage near the workers; the cache on the same store",
+}
+
+
+def _check_timeline(run: _Run) -> Iterable[Finding]:
+    from batch_llm.timeline import largest_avoidable
+
+    top = largest_avoidable(run.shards)
+    if not top or top[2] < 0.1:  # under a tenth of the shards' time: nothing worth naming
+        return
+    name, seconds, share = top
+    yield Finding("info", f"largest avoidable phase: {name}",
+                  f"the '{name}' phase took {_n(seconds)} s over {_shards(len(run.shards))}, {_pct(share)} of their "
+                  f"wall time (timeline: spawn, imports, read, engine, tokenize, first token, generation, merge, "
+                  f"commit)", PHASE_ADVICE.get(name, name), "timeline")
+
+
 CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs, _check_kv_cache,
           _check_memory_headroom, _check_prefix, _check_engine_start, _check_gpu_sharding, _check_errors,
-          _check_truncation, _check_cache)
+          _check_truncation, _check_cache, _check_timeline)
 
 
 def diagnose(summary: dict, *, gpus: int | None = None, tokens: TokenStats | None = None,

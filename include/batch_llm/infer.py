@@ -1,38 +1,48 @@
-"""Batch inference over one shard: resumable, exactly once, per-row errors, progress, metrics.
+"""Batch inference over one shard: resumable, exactly once, per-row errors, progress, metrics, a timeline.
 
-How a shard is run::
+How a shard is run (``ShardRun``, one method per step)::
 
-    rows (streamed) ─> key = chat or token ids (+ row max_tokens); template and sampling in the namespace
-                        └> cache lookup ─> hits become results without the engine (or a tokenizer)
-                        └> identical prompts folded into one request
-    rows (streamed again) ─> render + tokenize ─> error rows (template rejects the chat, prompt too long)
-                          └> engine (streamed requests) ─> chunks committed as results finish
+    read      rows (streamed) ─> request key = chat or token ids (+ row max_tokens); the chat template and
+              the sampling are in the cache namespace; identical prompts fold into one request
+              └> cache lookup (streamed) ─> hits become committed results without the engine or a tokenizer
+    engine    if anything is left: the engine starts in a thread of its own, and meanwhile
+    tokenize  rows (streamed again) ─> chat template + tokenizer ─> a local spool of requests; rows that cannot
+              become one (the template rejects the chat, the prompt is longer than the context) are error rows
+    generate  spooled requests, then the rest of the rows ─> engine (streamed) ─> chunks committed as results
+              finish
+    merge     committed chunks ─> outputs.jsonl / errors.jsonl (``shard_merge``) ─> cache table ─> manifest
 
 Committed chunks are immutable files under ``<shard>/chunks/``; a retry reads them, skips every committed
-row id and generates only the rest. Each chunk is sorted by input position, so the final ``outputs.jsonl``
-is a streamed merge of the chunks (one row per id, in input order); ``manifest.json`` is written last.
+row id and generates only the rest. ``manifest.json`` is written last. Each phase's wall-clock interval goes
+into the manifest (``phases``, see ``timeline.py``): the report draws them, the doctor names the largest.
 """
 from __future__ import annotations
 
-import hashlib
-import heapq
 import json
 import logging
 import os
 import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
-from batch_llm.config import EngineConfig, PipelineConfig
-from batch_llm.engines.base import EngineInfo, EngineStartError, GenRequest, make_engine
+from batch_llm.config import PipelineConfig
+from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
+from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.storage import Location, atomic_writer, exists, iter_jsonl, list_files, read_manifest, \
+from batch_llm.shard_merge import committed_ids, finish_shard
+from batch_llm.storage import Location, exists, iter_jsonl, json_bytes, list_files, peak_rss_mb, read_manifest, \
     write_jsonl, write_manifest
+from batch_llm.timeline import Timeline
 
 log = logging.getLogger("batch_llm.infer")
+
+_finish_shard = finish_shard  # the name the resume tests use
 
 
 class ShardFailed(RuntimeError):
@@ -57,97 +67,7 @@ def maybe_crash(point: str) -> None:
 _fault_counts: dict[str, int] = {}
 
 
-# ------------------------------------------------------------------------------------------ engine start
-def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]):
-    """Starts the engine, retrying a start that failed for memory with smaller settings within bounds; with
-    ``engine.memory_backoff.probe``, restarts it once with the largest batch its KV cache holds, less the
-    safety margin."""
-    engine, info = _start_with_backoff(model_dir, cfg.engine, cfg, say)
-    b = cfg.engine.memory_backoff
-    if not b.probe:
-        return engine, info
-    s = info.settings
-    probe = kv_cache_probe(s, b)
-    if probe is None:
-        say("probe: the engine did not report its KV cache size; max_num_seqs kept")
-        return engine, info
-    chosen = probe["max_num_seqs"]
-    say(f"probe: the KV cache holds {probe['kv_cache_tokens']:,} tokens = {probe['sequences_that_fit']:,} "
-        f"sequences of {s['max_model_len']:,} tokens; max_num_seqs {chosen} keeps {b.safety_margin:.0%} free "
-        f"(was {s.get('max_num_seqs')})")
-    if chosen == s.get("max_num_seqs"):
-        info.settings["probe"] = probe
-        return engine, info
-    engine.close()
-    ecfg = info.config.model_copy(update={"max_num_seqs": chosen})
-    engine, again = _start_with_backoff(model_dir, ecfg, cfg, say)
-    again.start_seconds += info.start_seconds  # the probe's start is part of this shard's start cost
-    again.attempts = info.attempts + again.attempts
-    again.settings["probe"] = probe
-    return engine, again
-
-
-def kv_cache_probe(settings: dict, b) -> dict | None:
-    """The most sequences of max_model_len tokens the KV cache holds, and max_num_seqs: that less the safety
-    margin, within bounds. None when the engine did not report its KV cache."""
-    blocks, block, max_len = settings.get("num_kv_blocks"), settings.get("block_size"), settings.get("max_model_len")
-    if not (blocks and block and max_len):
-        return None
-    fits = blocks * block // max_len
-    return {"kv_cache_tokens": blocks * block, "max_model_len": max_len, "sequences_that_fit": fits,
-            "safety_margin": b.safety_margin,
-            "max_num_seqs": max(1, min(b.probe_max_num_seqs, int(fits * (1 - b.safety_margin))))}
-
-
-def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig, say: Callable[[str], None]):
-    b = ecfg.memory_backoff
-    attempts: list[dict] = []
-    for attempt in range(1, b.max_attempts + 1):
-        engine = make_engine(model_dir, ecfg, cfg.sampling, trust_remote_code=cfg.model.trust_remote_code)
-        tried = dict(gpu_memory_utilization=ecfg.gpu_memory_utilization, max_num_seqs=ecfg.max_num_seqs,
-                     max_model_len=ecfg.max_model_len)
-        try:
-            info = engine.start()
-        except EngineStartError as e:
-            engine.close()
-            attempts.append({**tried, "error": str(e)[-500:], "memory": e.memory})
-            if not (e.memory and b.enabled and attempt < b.max_attempts):
-                raise
-            smaller = _smaller_settings(ecfg, e)
-            if smaller is None:
-                raise EngineStartError(f"{e}\nno smaller setting is left within engine.memory_backoff bounds",
-                                       memory=True) from e
-            say(f"engine start failed for memory (attempt {attempt}); retrying with {smaller}")
-            ecfg = ecfg.model_copy(update=smaller)
-            continue
-        attempts.append({**tried, "ok": True})
-        info.attempts = attempts
-        info.config = ecfg
-        if attempt > 1:
-            say(f"engine started after back-off with {tried}")
-        return engine, info
-    raise AssertionError("unreachable")
-
-
-def _smaller_settings(e: EngineConfig, err: EngineStartError) -> dict | None:
-    b = e.memory_backoff
-    upd: dict = {}
-    if err.suggested_max_model_len and e.max_model_len and err.suggested_max_model_len < e.max_model_len:
-        upd["max_model_len"] = max(b.min_max_model_len, err.suggested_max_model_len // 16 * 16)
-    else:
-        util = round(e.gpu_memory_utilization - b.gpu_memory_utilization_step, 3)
-        if util >= b.min_gpu_memory_utilization:
-            upd["gpu_memory_utilization"] = util
-        seqs = (e.max_num_seqs or 256) // 2
-        if seqs >= b.min_max_num_seqs:
-            upd["max_num_seqs"] = seqs
-        if e.max_model_len and e.max_model_len // 2 >= b.min_max_model_len and not upd:
-            upd["max_model_len"] = e.max_model_len // 2
-    upd = {k: v for k, v in upd.items() if getattr(e, k) != v}
-    return upd or None
-
-
-# ------------------------------------------------------------------------------------------ the shard
+# ------------------------------------------------------------------------------------------ helpers
 @dataclass
 class _Progress:
     total: int
@@ -175,8 +95,6 @@ def chat_template_text(model_dir: str, override: str | None) -> str:
     """The chat template the tokenizer will use, read from the model's files (no tokenizer load)."""
     if override:
         return override
-    from pathlib import Path
-
     jinja = Path(model_dir) / "chat_template.jinja"
     if jinja.exists():
         return jinja.read_text(encoding="utf-8")
@@ -198,186 +116,24 @@ def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code
     return tok
 
 
-def _committed_ids(chunks_dir: Location) -> set[str]:
-    return {r["id"] for f in list_files(chunks_dir.path(), ".jsonl") for r in iter_jsonl(f)}
+class RequestKey(NamedTuple):
+    """What a request is: its content key (also the cache key) and, when identical prompts are not folded
+    into one request, the row it is for. ``request_id`` is the string the engine carries."""
+
+    content: str
+    row_id: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.content if self.row_id is None else f"{self.content}#{self.row_id}"
 
 
-def _peak_rss_mb() -> float:
-    import resource
+@dataclass
+class _Group:
+    """The rows (id, idx) that one request's result answers."""
 
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
-              cache_root: Location | None = None, say: Callable[[str], None] = print) -> dict:
-    """Runs one shard to completion (or resumes it) and returns its manifest.
-
-    ``shard`` is the planner's entry: ``{"index", "rows": N, "url": <rows.jsonl>}``.
-    """
-    t_start = time.perf_counter()
-    mpath = shard_dir.path() / "manifest.json"
-    if exists(mpath):
-        manifest = read_manifest(mpath)
-        say(f"shard {shard['index']} already committed: {manifest['metrics']['rows']} rows; nothing to do")
-        _check_error_rate(cfg, manifest)
-        return manifest
-
-    # The shard file is streamed twice (plan the requests, then feed them), so memory holds a few small
-    # fields per row rather than every prompt: a 100k-row shard costs what a 10k-row one does.
-    shard_path = Location(shard["url"], shard_dir.options).path()
-    chunks_dir = shard_dir.child("chunks")
-    done = _committed_ids(chunks_dir)
-    if done:
-        say(f"resuming shard {shard['index']}: {len(done)} rows already committed")
-
-    tok = None
-
-    def render(r: dict) -> tuple[str, list[int]]:
-        nonlocal tok
-        if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
-            return "", r["prompt_token_ids"]
-        if tok is None:
-            tok = _load_tokenizer(model_dir, cfg.model.chat_template, cfg.model.trust_remote_code)
-        text = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
-        return text, tok(text, add_special_tokens=False)["input_ids"]
-
-    dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
-    max_len = cfg.engine.max_model_len
-    # Keys come from the chat (or token ids) plus the chat template in the namespace: the same thing as the
-    # rendered prompt, known without loading a tokenizer, so a fully cached shard costs almost nothing.
-    groups: dict[str, list[tuple[str, int]]] = {}  # request key -> rows (id, idx) that share its result
-    first_row: dict[str, str] = {}       # row id -> request key, for the row whose prompt is sent
-    n_rows = 0
-    for r in iter_jsonl(shard_path):
-        n_rows += 1
-        if r["id"] in done:
-            continue
-        basis = ["ids", r["prompt_token_ids"]] if "prompt_token_ids" in r else ["chat", r["messages"]]
-        key = prompt_key(basis, r.get("max_tokens"))
-        rk = key if dedupe else f"{key}#{r['id']}"
-        if rk not in groups:
-            groups[rk] = []
-            first_row[r["id"]] = rk
-        groups[rk].append((r["id"], r["idx"]))
-    n_prompts = len({rk.split("#")[0] for rk in groups})
-
-    sampling = cfg.sampling.model_dump()
-    ns = namespace(model_key=model_key, chat_template=chat_template_text(model_dir, cfg.model.chat_template),
-                   sampling=sampling,
-                   engine_kind=cfg.engine.kind)
-    cache = ResultCache(cache_root, ns, max_age_days=cfg.cache.max_age_days) \
-        if (cache_root is not None and cfg.cache.enabled) else None
-    rks_of: dict[str, list[str]] = {}  # without dedupe a key's rows are requests "<key>#<id>" of their own
-    for rk in (groups if cache is not None and not dedupe else ()):
-        rks_of.setdefault(rk.split("#")[0], []).append(rk)
-    hits = cache.lookup(rks_of or groups) if cache else ()  # streamed: each key found, once
-
-    progress = _Progress(total=n_rows, say=say, every=cfg.engine.progress_every_seconds)
-    progress.done = len(done)
-    pending: list[dict] = []
-    chunk_seq = len(list_files(chunks_dir.path(), ".jsonl"))
-    last_commit = time.perf_counter()
-    n_cached = 0
-
-    def commit(force: bool = False) -> None:
-        nonlocal chunk_seq, last_commit, pending
-        if not pending or not (force or len(pending) >= cfg.engine.commit_every_rows or
-                               time.perf_counter() - last_commit >= cfg.engine.commit_every_seconds):
-            return
-        maybe_crash("before_commit")
-        # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
-        pending.sort(key=lambda r: r["idx"])
-        write_jsonl(chunks_dir.child(f"chunk-{chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(), pending)
-        chunk_seq += 1
-        pending = []
-        last_commit = time.perf_counter()
-        maybe_crash("after_commit")
-
-    # Cache hits first: they cost nothing.
-    for hit in hits:
-        for rk in rks_of.get(hit["key"]) or [hit["key"]]:
-            for r in groups.pop(rk):
-                pending.append(_result_row(r, hit, cached=True, key=hit["key"]))
-                n_cached += 1
-                progress.tick(1, 0)
-        commit()
-    if cache is not None:
-        say(f"cache: {n_cached} rows cached; lookup {hits.stats}")
-    commit()
-
-    def fail_group(rk: str, reason: str, prompt_tokens: int = 0) -> None:
-        group = groups.pop(rk)
-        pending.extend(_error_row(r, reason, prompt_tokens=prompt_tokens) for r in group)
-        progress.tick(len(group), 0)
-
-    def requests() -> Iterator[GenRequest]:
-        """Second pass over the shard: one request per prompt still to generate, in the planner's order.
-        Rows that cannot become a request (the template rejects the chat, the prompt is longer than the
-        context) become error rows here."""
-        for r in iter_jsonl(shard_path):
-            rk = first_row.get(r["id"])
-            if rk is None or rk not in groups:
-                continue
-            try:
-                text, ids = render(r)
-            except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
-                fail_group(rk, f"chat template failed: {e}")
-                continue
-            if max_len and len(ids) >= max_len:
-                fail_group(rk, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}", len(ids))
-                continue
-            yield GenRequest(key=rk, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
-
-    info: EngineInfo | None = None
-    gen_seconds = 0.0
-    gen_tokens = 0  # generated in this attempt (a resumed shard's earlier chunks are not counted)
-    if groups:
-        engine, info = start_engine(model_dir, cfg, say)
-        say(f"engine {info.kind} {info.version} started in {info.start_seconds:.1f}s: {info.settings}")
-        t_gen = time.perf_counter()
-        progress.t0 = progress.last = t_gen  # rates and ETA count generation, not engine start
-        try:
-            for res in engine.generate(requests()):
-                group = groups.pop(res.key)
-                entry = {"output": res.text, "finish_reason": res.finish_reason,
-                         "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
-                for r in group:
-                    if res.error:
-                        pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
-                    else:
-                        pending.append(_result_row(r, entry, cached=False, key=res.key.split("#")[0]))
-                gen_tokens += res.completion_tokens
-                progress.tick(len(group), res.completion_tokens)
-                commit()
-        finally:
-            gen_seconds = time.perf_counter() - t_gen
-            engine.close()
-    commit(force=True)
-    progress.tick(0, 0, force=True)
-
-    manifest = _finish_shard(shard, shard_dir, chunks_dir, shard_path, n_rows)
-    if cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
-        table = cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
-                                                     "completion_tokens")}
-                                  for r in iter_jsonl(Location(manifest["outputs"], shard_dir.options).path())
-                                  if not r["cached"] and r.get("key"))
-        say(f"cache: wrote {table}")
-    m = manifest["metrics"]
-    m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
-             generate_seconds=round(gen_seconds, 2), cached_rows=n_cached,
-             seconds=round(time.perf_counter() - t_start, 2),
-             output_tokens_this_attempt=gen_tokens,
-             output_tokens_per_second=round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
-             unique_prompts=n_prompts, peak_rss_mb=_peak_rss_mb())
-    manifest["cache_lookup"] = hits.stats if cache is not None else None  # objects and bytes this shard read
-    manifest["engine"] = {"kind": cfg.engine.kind, "version": info.version if info else None,
-                          "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
-    maybe_crash("before_manifest")
-    write_manifest(shard_dir.path(), manifest)
-    say(f"shard {shard['index']} done: {m['rows']} rows, {m['errors']} errors, {m['output_tokens']} output tokens, "
-        f"{m['output_tokens_per_second']} tok/s")
-    _check_error_rate(cfg, manifest)
-    return manifest
+    key: RequestKey
+    rows: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
@@ -391,66 +147,287 @@ def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
             "completion_tokens": 0, "cached": False, "error": reason}
 
 
-# Chunks merged at once; more are merged in passes through local runs, so open files stay bounded.
-MERGE_FAN_IN = 64
+class _EngineStarter(threading.Thread):
+    """Starts the engine (imports, memory back-off, probe) while the caller tokenizes: engine start is mostly
+    waiting on the engine's own processes, so the two overlap instead of adding up."""
+
+    def __init__(self, model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], timeline: Timeline):
+        super().__init__(name="engine-start", daemon=True)
+        self.model_dir, self.cfg, self.say, self.timeline = model_dir, cfg, say, timeline
+        self.engine = self.info = self.error = None
+
+    def run(self) -> None:
+        t0 = time.time()
+        try:
+            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by result()
+            self.error = e
+        self.timeline.add("engine", t0)
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.engine, self.info
 
 
-def _merged_rows(files: list, tmp_dir: str) -> Iterator[dict]:
-    """Rows of idx-sorted JSONL files in one idx-sorted stream, each id once (a row committed twice by an
-    interrupted commit is the same row). Holds one row per open file, not the shard."""
-    level = 0
-    while len(files) > MERGE_FAN_IN:
-        runs = []
-        for i in range(0, len(files), MERGE_FAN_IN):
-            run = Location(os.path.join(tmp_dir, f"run-{level}-{i:06d}.jsonl")).path()
-            write_jsonl(run, heapq.merge(*(iter_jsonl(f) for f in files[i:i + MERGE_FAN_IN]),
-                                         key=lambda r: r["idx"]))
-            runs.append(run)
-        files, level = runs, level + 1
-    last = None
-    for r in heapq.merge(*(iter_jsonl(f) for f in files), key=lambda r: r["idx"]):
-        if r["id"] != last:
-            yield r
-        last = r["id"]
+# ------------------------------------------------------------------------------------------ the shard
+class ShardRun:
+    """One shard, run to completion or resumed; ``run()`` returns its manifest.
 
+    ``shard`` is the planner's entry: ``{"index", "rows": N, "url": <rows.jsonl>}``. ``started`` carries the
+    worker's own clock (``spawned_at``, ``worker_started_at``, epoch seconds) for the timeline."""
 
-def _finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_path, n_rows: int) -> dict:
-    """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order, streamed
-    (a worker's memory does not grow with the shard)."""
-    chunk_files = list_files(chunks_dir.path(), ".jsonl")
-    m = {"rows": n_rows, "ok": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0, "chunks": len(chunk_files)}
-    digest = hashlib.sha256(b"[")  # sha256 of the JSON list of ids in input order, built as rows pass
-    with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
-            atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
-            atomic_writer(shard_dir.child("errors.jsonl").path()) as bad:
-        for r in _merged_rows(chunk_files, tmp):
-            digest.update(((", " if m["ok"] + m["errors"] else "") + json.dumps(r["id"])).encode())
-            m["input_tokens"] += r["prompt_tokens"]
-            line = (json.dumps(r, ensure_ascii=False, default=str) + "\n").encode("utf-8")
-            if r["error"]:
-                m["errors"] += 1
-                bad.write(line)
+    def __init__(self, cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
+                 cache_root: Location | None = None, say: Callable[[str], None] = print,
+                 started: dict | None = None):
+        self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
+        self.model_dir, self.model_key = model_dir, model_key
+        self.shard_path = Location(shard["url"], shard_dir.options).path()
+        self.chunks_dir = shard_dir.child("chunks")
+        self.timeline = Timeline()
+        self._record_start(started or {})
+        self.dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
+        self.cache = self._open_cache(cache_root)
+        self.groups: dict[str, _Group] = {}    # request_id -> the rows its result answers
+        self.sent_by: dict[str, str] = {}       # row id -> request_id, for the row whose prompt is sent
+        self.pending: list[dict] = []
+        self.chunk_seq = len(list_files(self.chunks_dir.path(), ".jsonl"))
+        self.last_commit = time.perf_counter()
+        self.n_rows = self.n_cached = self.gen_tokens = 0
+        self.gen_seconds = 0.0
+        self.tokenizer = None
+        self.lookup = None
+        self.info: EngineInfo | None = None
+
+    def _record_start(self, started: dict) -> None:
+        now = time.time()
+        if started.get("spawned_at") and started.get("worker_started_at"):
+            self.timeline.add("spawn", started["spawned_at"], started["worker_started_at"])
+        if started.get("worker_started_at"):
+            self.timeline.add("imports", started["worker_started_at"], now)
+
+    def _open_cache(self, root: Location | None) -> ResultCache | None:
+        if root is None or not self.cfg.cache.enabled:
+            return None
+        ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
+                       self.cfg.model.chat_template), sampling=self.cfg.sampling.model_dump(),
+                       engine_kind=self.cfg.engine.kind)
+        return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
+
+    # ---------------------------------------------------------------------------------- the steps
+    def run(self) -> dict:
+        t_start = time.perf_counter()
+        mpath = self.shard_dir.path() / "manifest.json"
+        if exists(mpath):
+            manifest = read_manifest(mpath)
+            self.say(f"shard {self.shard['index']} already committed: {manifest['metrics']['rows']} rows; "
+                     "nothing to do")
+            check_error_rate(self.cfg, manifest)
+            return manifest
+        self.timeline.begin("read")
+        done = committed_ids(self.chunks_dir)
+        if done:
+            self.say(f"resuming shard {self.shard['index']}: {len(done)} rows already committed")
+        self.progress = _Progress(total=0, say=self.say, every=self.cfg.engine.progress_every_seconds)
+        self._read_requests(done)
+        self.progress.total, self.progress.done = self.n_rows, len(done)
+        self._serve_cache()
+        self.timeline.end("read")
+        if self.groups:
+            self._generate()
+        self._commit(force=True)
+        self.progress.tick(0, 0, force=True)
+        return self._finish(t_start)
+
+    def _read_requests(self, done: set[str]) -> None:
+        """The keys pass: streams the shard once, holding a few small fields per row (not the prompts)."""
+        for r in iter_jsonl(self.shard_path):
+            self.n_rows += 1
+            if r["id"] in done:
+                continue
+            basis = ["ids", r["prompt_token_ids"]] if "prompt_token_ids" in r else ["chat", r["messages"]]
+            key = RequestKey(prompt_key(basis, r.get("max_tokens")), None if self.dedupe else r["id"])
+            group = self.groups.get(key.request_id)
+            if group is None:
+                group = self.groups[key.request_id] = _Group(key)
+                self.sent_by[r["id"]] = key.request_id
+            group.rows.append((r["id"], r["idx"]))
+        self.n_prompts = len({g.key.content for g in self.groups.values()})
+
+    def _serve_cache(self) -> None:
+        """Cache hits first: they cost nothing (no engine, no tokenizer)."""
+        if self.cache is None:
+            return
+        by_content: dict[str, list[str]] = {}
+        for rid, g in self.groups.items():
+            by_content.setdefault(g.key.content, []).append(rid)
+        self.lookup = self.cache.lookup(by_content)  # streamed: each key found, once
+        for hit in self.lookup:
+            for rid in by_content[hit["key"]]:
+                for r in self.groups.pop(rid).rows:
+                    self.pending.append(_result_row(r, hit, cached=True, key=hit["key"]))
+                    self.n_cached += 1
+                    self.progress.tick(1, 0)
+            self._commit()
+        self.say(f"cache: {self.n_cached} rows cached; lookup {self.lookup.stats}")
+        self._commit()
+
+    def _generate(self) -> None:
+        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline)
+        if self.cfg.engine.kind == "lmdeploy":
+            starter.run()  # its engine keeps an event loop of the thread that made it: no overlap (untested)
+        else:
+            starter.start()
+        rows = iter_jsonl(self.shard_path)
+        with tempfile.TemporaryDirectory(prefix="batch_llm_requests_") as tmp:
+            spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
+            engine, self.info = starter.result()
+            self.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
+                     f"{self.info.settings}")
+            t_gen, t0 = time.perf_counter(), time.time()
+            self.progress.t0 = self.progress.last = t_gen  # rates and ETA count generation, not engine start
+            first = None
+            try:
+                for res in engine.generate(self._requests(spooled, rows)):
+                    if first is None:
+                        first = time.time()
+                        self.timeline.add("first_token", t0, first)
+                    self._take(res)
+            finally:
+                self.gen_seconds = time.perf_counter() - t_gen
+                self.timeline.add("generation", first or t0)
+                engine.close()
+
+    def _tokenize_while(self, engine_starting: Callable[[], bool], rows: Iterator[dict], spool: Path) -> Path | None:
+        """Renders requests into a local spool for as long as the engine is starting; the rest are rendered
+        as the engine takes them."""
+        if not engine_starting():
+            return None
+        t0 = time.time()
+        with open(spool, "wb") as fh:
+            for r in rows:
+                req = self._request_for(r)
+                if req is not None:
+                    fh.write(json_bytes([req.key, req.prompt_token_ids, req.prompt_text, req.max_tokens]) + b"\n")
+                if not engine_starting():
+                    break
+        self.timeline.add("tokenize", t0)
+        return spool
+
+    def _requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
+        """Every request still to generate, in the planner's order: the spooled ones, then the rest."""
+        if spooled is not None:
+            for key, ids, text, max_tokens in iter_jsonl(spooled):
+                yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, max_tokens=max_tokens)
+        for r in rows:
+            req = self._request_for(r)
+            if req is not None:
+                yield req
+
+    def _request_for(self, r: dict) -> GenRequest | None:
+        """The request of the row whose prompt is sent; rows that cannot become one are error rows."""
+        rid = self.sent_by.get(r["id"])
+        if rid is None or rid not in self.groups:
+            return None
+        try:
+            text, ids = self._render(r)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
+            self._fail(rid, f"chat template failed: {e}")
+            return None
+        max_len = self.cfg.engine.max_model_len
+        if max_len and len(ids) >= max_len:
+            self._fail(rid, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}", len(ids))
+            return None
+        return GenRequest(key=rid, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
+
+    def _render(self, r: dict) -> tuple[str, list[int]]:
+        if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
+            return "", r["prompt_token_ids"]
+        if self.tokenizer is None:
+            self.tokenizer = _load_tokenizer(self.model_dir, self.cfg.model.chat_template,
+                                             self.cfg.model.trust_remote_code)
+        text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
+        group = self.groups.pop(rid)
+        self.pending.extend(_error_row(r, reason, prompt_tokens=prompt_tokens) for r in group.rows)
+        self.progress.tick(len(group.rows), 0)
+
+    def _take(self, res: GenResult) -> None:
+        group = self.groups.pop(res.key)
+        entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
+                 "completion_tokens": res.completion_tokens}
+        for r in group.rows:
+            if res.error:
+                self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
             else:
-                m["ok"] += 1
-                m["output_tokens"] += r["completion_tokens"]
-                ok.write(line)
-        if m["ok"] + m["errors"] != n_rows:
-            committed = _committed_ids(chunks_dir)
-            missing = [r["id"] for r in iter_jsonl(shard_path) if r["id"] not in committed]
-            raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
-                               f"(first: {missing[:3]}); the engine dropped requests")
-    digest.update(b"]")
-    return {
-        "stage": "infer", "shard": shard["index"], "status": "ok",
-        "outputs": shard_dir.child("outputs.jsonl").url, "errors": shard_dir.child("errors.jsonl").url,
-        "metrics": m, "checksum": digest.hexdigest()[:16],
-    }
+                self.pending.append(_result_row(r, entry, cached=False, key=group.key.content))
+        self.gen_tokens += res.completion_tokens
+        self.progress.tick(len(group.rows), res.completion_tokens)
+        self._commit()
+
+    def _commit(self, force: bool = False) -> None:
+        e = self.cfg.engine
+        if not self.pending or not (force or len(self.pending) >= e.commit_every_rows or
+                                    time.perf_counter() - self.last_commit >= e.commit_every_seconds):
+            return
+        maybe_crash("before_commit")
+        # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
+        self.pending.sort(key=lambda r: r["idx"])
+        write_jsonl(self.chunks_dir.child(f"chunk-{self.chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(),
+                    self.pending)
+        self.chunk_seq += 1
+        self.pending = []
+        self.last_commit = time.perf_counter()
+        maybe_crash("after_commit")
+
+    def _finish(self, t_start: float) -> dict:
+        self.timeline.begin("merge")
+        manifest = finish_shard(self.shard, self.shard_dir, self.chunks_dir, self.shard_path, self.n_rows)
+        self.timeline.end("merge")
+        self.timeline.begin("commit")
+        if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
+            table = self.cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
+                                                              "completion_tokens")}
+                                           for r in iter_jsonl(Location(manifest["outputs"], self.shard_dir.options).path())
+                                           if not r["cached"] and r.get("key"))
+            self.say(f"cache: wrote {table}")
+        info, m = self.info, manifest["metrics"]
+        m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
+                 generate_seconds=round(self.gen_seconds, 2), cached_rows=self.n_cached,
+                 seconds=round(time.perf_counter() - t_start, 2), output_tokens_this_attempt=self.gen_tokens,
+                 output_tokens_per_second=round(self.gen_tokens / self.gen_seconds, 1) if self.gen_seconds else 0.0,
+                 unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb())
+        manifest["cache_lookup"] = self.lookup.stats if self.lookup is not None else None
+        manifest["engine"] = {"kind": self.cfg.engine.kind, "version": info.version if info else None,
+                              "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
+        self.timeline.end("commit")
+        manifest["phases"] = self.timeline.to_list()  # the manifest write itself is the last few ms of commit
+        maybe_crash("before_manifest")
+        write_manifest(self.shard_dir.path(), manifest)
+        self.say(f"shard {self.shard['index']} done: {m['rows']} rows, {m['errors']} errors, "
+                 f"{m['output_tokens']} output tokens, {m['output_tokens_per_second']} tok/s")
+        check_error_rate(self.cfg, manifest)
+        return manifest
 
 
-def _check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:
+def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
+              cache_root: Location | None = None, say: Callable[[str], None] = print,
+              started: dict | None = None) -> dict:
+    """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``)."""
+    return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
+                    cache_root=cache_root, say=say, started=started).run()
+
+
+def check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:
     m = manifest["metrics"]
     rate = m["errors"] / m["rows"] if m["rows"] else 0.0
     if rate > cfg.engine.max_error_rate:
         raise ShardFailed(f"shard {manifest['shard']}: {m['errors']} of {m['rows']} rows failed "
                           f"({rate:.0%} > engine.max_error_rate {cfg.engine.max_error_rate:.0%}); "
                           f"reasons are in {manifest['errors']}")
+
+
+_check_error_rate = check_error_rate

@@ -71,6 +71,7 @@ def render_report(summary: dict, *, pipeline_root: Location | None = None, optio
              "axes.titleweight": "bold", "figure.dpi": DPI}
     sections = [("doctor", "What to change", _doctor), ("outcomes", "Rows by outcome", _outcomes),
                 ("throughput", "Throughput", _throughput), ("time", "Time per shard", _time),
+                ("timeline", "Timeline", _timeline),
                 ("lengths", "Token lengths", _lengths), ("filter", "Content filter", _filter),
                 ("scores", "EvalScope scores", _scores), ("shards", "Shards", _shards_table),
                 ("config", "Configuration used", _config)]
@@ -236,6 +237,52 @@ def _throughput(r: _Run) -> str:
     a2.set_title("by shard (stragglers stand out)")
     return _img(fig, "tokens per second per shard") + _pct_table(
         [("output tokens / s", tps)], note="slowest shards are listed under Shards")
+
+
+PHASE_COLORS = {"spawn": "#b9c2cf", "imports": "#8e9aab", "read": "#6cb2a8", "engine": C_START,
+                "tokenize": "#d9b44a", "first_token": "#9c7fc0", "generation": C_GEN, "merge": "#5d9b52",
+                "commit": "#2f6b3a"}
+TIMELINE_SHARDS_MAX = 40   # more shards: the first ones by start time, and a note
+
+
+def _timeline(r: _Run) -> str:
+    """Shards × time: each shard's phases as bars from its manifest's ``phases`` (wall clock, one axis for the
+    run); engine start overlaps tokenizing, so it is drawn on the lower half of the row."""
+    from batch_llm.timeline import PHASES, largest_avoidable, phase_seconds
+
+    shards = sorted((s for s in r.shards if s.get("phases")), key=lambda s: min(p["start"] for p in s["phases"]))
+    if not shards:
+        return '<p class="note">No shard recorded a timeline (manifests written before timelines existed).</p>'
+    shown = shards[:TIMELINE_SHARDS_MAX]
+    t0 = min(p["start"] for p in shown[0]["phases"])
+    fig, ax = _figure(7.2, max(1.6, 0.28 * len(shown) + 0.9))
+    seen = set()
+    for y, s in enumerate(shown):
+        for p in s["phases"]:
+            lower = p["name"] == "engine"
+            ax.barh(y + (0.17 if lower else -0.17), p["end"] - p["start"], left=p["start"] - t0,
+                    height=0.34, color=PHASE_COLORS.get(p["name"], C_OTHER),
+                    label=p["name"] if p["name"] not in seen else None, linewidth=0)
+            seen.add(p["name"])
+    ax.set_yticks(range(len(shown)), [str(s.get("shard", i)) for i, s in enumerate(shown)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first shard began")
+    ax.set_ylabel("shard")
+    ax.set_title("run timeline: each shard's phases")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: PHASES.index(labels[i]) if labels[i] in PHASES else 99)
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower right", ncols=5, fontsize=7)
+    totals: dict[str, float] = {}
+    for s in shards:
+        for name, sec in phase_seconds(s["phases"]).items():
+            totals[name] = totals.get(name, 0.0) + sec
+    rows = [[name, _num(totals[name], 1)] for name in PHASES if name in totals]
+    top = largest_avoidable(shards)
+    note = (f"Largest avoidable phase: <b>{_e(top[0])}</b>, {_num(top[1], 1)} s ({top[2]:.0%} of the shards' "
+            f"wall time); the doctor says what to change." if top else "")
+    more = f" The first {len(shown)} of {len(shards)} shards are drawn." if len(shards) > len(shown) else ""
+    return _img(fig, "run timeline") + _table(["phase", "seconds, all shards"], rows) + \
+        f'<p class="note">{note}{_e(more)}</p>'
 
 
 def _time(r: _Run) -> str:

@@ -132,14 +132,15 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
 
 
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: dict, shard: ShardSpec | dict,
-                say: Callable[[str], None] = print) -> dict:
-    """Runs one shard in this process (the GPU operator runs it in a spawned worker instead)."""
+                say: Callable[[str], None] = print, started: dict | None = None) -> dict:
+    """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
+    own start times as ``started``)."""
     from batch_llm.infer import run_shard
 
     shard = ShardSpec.model_validate(shard).model_dump()
     return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard['index']:05d}"),
                      model_dir=model["local_dir"], model_key=model["model_key"],
-                     cache_root=layout.cache_root(cfg), say=say)
+                     cache_root=layout.cache_root(cfg), say=say, started=started)
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, shards: list[dict]) -> FilterManifest:

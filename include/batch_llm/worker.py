@@ -46,6 +46,7 @@ class WorkerHandle:
     @classmethod
     def start(cls, spec: dict, *, python: str | None = None, env: dict | None = None) -> "WorkerHandle":
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        spec = {**spec, "spawned_at": time.time()}  # the shard's timeline starts here
         proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, text=True, bufsize=1)
@@ -160,6 +161,7 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
+    started = time.time()
     _die_with_parent()
     # On SIGTERM end the whole group, engine processes included, then exit.
     signal.signal(signal.SIGTERM, lambda *_: (os.killpg(os.getpgrp(), signal.SIGKILL)))
@@ -172,7 +174,8 @@ def main() -> int:
     cfg = parse_config(spec["config"], "worker spec")
     layout = RunLayout.from_dict(spec["layout"])
     try:
-        result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=lambda m: print(m, flush=True))
+        result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=lambda m: print(m, flush=True),
+                             started={"spawned_at": spec.get("spawned_at"), "worker_started_at": started})
     except ShardFailed as e:
         print(f"WORKER_ERROR {e}", flush=True)
         return EXIT_SHARD_FAILED
