@@ -315,9 +315,9 @@ def main() -> None:
         runs.setdefault(mode, []).append(res)
         print(f"{mode}: " + json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
     warm = runs.pop("_warmup", None)
-    summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset, "n": a.n, "in_len": a.in_len, "out_len": a.out_len,
-               "dummy": a.dummy, "model": a.model, "repeats": a.repeats, "order": alternating(a.modes.split(","), a.repeats),
-               **summarize(runs)}
+    summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset,
+               "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy, "model": a.model,
+               "repeats": a.repeats, "order": alternating(a.modes.split(","), a.repeats), **summarize(runs)}
     print("SUMMARY " + json.dumps(summary), flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_inference import make_dataset  # noqa: E402
-
 from batch_llm.config import parse_config  # noqa: E402
 from batch_llm.stages import RunLayout  # noqa: E402
 from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl  # noqa: E402
 from batch_llm.worker import WorkerFailed, WorkerHandle  # noqa: E402
+from bench_inference import make_dataset  # noqa: E402
 
 
 def gpu_used_mib() -> int:

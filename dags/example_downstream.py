@@ -5,7 +5,6 @@ import datetime as dt
 from pathlib import Path
 
 from airflow.sdk import DAG, task
-
 from batch_llm.config import load_config
 from batch_llm_airflow.task_group import pipeline_asset
 

@@ -4,6 +4,7 @@
 # its trigger form rendered no params (state left in the test process leaks into the services it starts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+.venv/bin/ruff check . || exit 1                                  # lint first: seconds, and the same as make check
 .venv/bin/python -m batch_llm.demo_model >/dev/null || exit 1   # cached after the first build
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -p no:cacheprovider --durations=20 "$@"

@@ -106,9 +106,8 @@ class S3Server:
 
     def _wait_ready(self, timeout: float) -> None:
         """Up when a signed HEAD of the bucket answers 200 (S3 listening and the bucket created)."""
-        from botocore.config import Config
-
         import boto3
+        from botocore.config import Config
 
         client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key,
                               aws_secret_access_key=self.secret, region_name=self.region,

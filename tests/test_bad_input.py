@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-
 from batch_llm import stages
 from batch_llm.infer import ShardFailed
 from batch_llm.storage import Location, iter_jsonl

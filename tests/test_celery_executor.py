@@ -25,9 +25,16 @@ import os
 import re
 
 import pytest
-
-from airflow_services import (AirflowServices, CeleryWorker, Postgres, ProcessGroup, Redis,
-                              ensure_system_services, print_on_failure, write_test_pipeline)
+from airflow_services import (
+    AirflowServices,
+    CeleryWorker,
+    Postgres,
+    ProcessGroup,
+    Redis,
+    ensure_system_services,
+    print_on_failure,
+    write_test_pipeline,
+)
 from batch_llm.storage import Location, iter_jsonl, read_json
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from batch_llm.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
 from batch_llm.storage import Location, read_json, write_json, write_manifest
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from batch_llm.config import ConfigError, load_config
 from helpers import DEMO_YAML
 

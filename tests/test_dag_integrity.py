@@ -59,7 +59,6 @@ def test_inference_takes_a_pool_slot_per_gpu(dagbag, tp):
     import datetime as dt
 
     from airflow.sdk import DAG
-
     from batch_llm.config import load_config
     from batch_llm_airflow.task_group import batch_llm_task_group
 

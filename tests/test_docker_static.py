@@ -571,7 +571,6 @@ def pipeline_dag(tensor_parallel_size: int = 1):
     import datetime as dt
 
     from airflow.sdk import DAG
-
     from batch_llm.config import load_config
     from batch_llm_airflow.task_group import batch_llm_task_group
 

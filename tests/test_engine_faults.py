@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-
 from batch_llm import stages
 from batch_llm.engines.base import EngineFailed, EngineStartError, GenRequest, classify_start_failure
 from batch_llm.storage import Location, iter_jsonl, list_files, read_json

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from batch_llm.evaluate import score_with_evalscope
 
 EXACT = [

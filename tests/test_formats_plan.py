@@ -7,7 +7,6 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from batch_llm import plan as plan_mod
 from batch_llm.config import ShardingConfig
 from batch_llm.formats import output_record, write_rows

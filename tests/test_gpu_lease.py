@@ -8,7 +8,6 @@ import textwrap
 import time
 
 import pytest
-
 from batch_llm.gpu_lease import GpuLease, NoGpuFree
 from batch_llm.worker import process_group_alive
 

@@ -3,7 +3,6 @@ the runner retries with the max_model_len vLLM says fits (within bounds), logs i
 from __future__ import annotations
 
 import pytest
-
 from batch_llm.engines.base import EngineStartError, classify_start_failure
 from batch_llm.infer import _smaller_settings, start_engine
 from helpers import demo_config

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 
 import pytest
-
 from batch_llm.config import load_config
 from batch_llm.storage import Location, iter_jsonl, read_json
 

@@ -72,11 +72,10 @@ def clean_env(home: Path, plugins: Path, **extra: str) -> dict:
 # --- the provider info and the entry points ----------------------------------------------------------------
 
 def test_provider_info_follows_airflows_schema_and_the_distribution():
+    import airflow
     import jsonschema
     from airflow._shared.module_loading import import_string
     from airflow.sdk import BaseOperatorLink
-
-    import airflow
     from batch_llm_airflow import get_provider_info as gpi
     from batch_llm_airflow.operators import PublishOperator, RunReportLink
     from batch_llm_airflow.plugin import BatchLlmPlugin

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from batch_llm import quantize as q
 from batch_llm.config import QuantizeConfig
 from batch_llm.demo_model import default_cache_dir, snapshot_dir

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from airflow_services import AirflowServices, print_on_failure, write_test_pipeline
 from batch_llm.storage import Location, iter_jsonl, read_json
 

@@ -7,7 +7,6 @@ import random
 import threading
 
 import pytest
-
 from batch_llm import result_cache, stages
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
 from batch_llm.storage import Location, write_jsonl

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from batch_llm import stages
 from batch_llm.storage import Location, iter_jsonl, list_files
 from batch_llm.worker import WorkerFailed, WorkerHandle
@@ -60,7 +59,7 @@ def test_crash_then_resume_equals_uninterrupted(tmp_path, baseline, fault):
     lines: list[str] = []
     WorkerHandle.start(spec).wait(on_line=lines.append)
     if committed_before:
-        assert any(f"{len(set(committed_before))} rows already committed" in l for l in lines), lines[-5:]
+        assert any(f"{len(set(committed_before))} rows already committed" in line for line in lines), lines[-5:]
     ids = _chunk_ids(layout)
     assert len(ids) == len(set(ids)) == 20, "a row was committed twice or lost"
     assert {r["id"]: r["output"] for r in _outputs(layout)} == baseline

@@ -13,7 +13,6 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-
 from batch_llm.config import load_config
 from batch_llm.storage import as_path, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
 
@@ -155,11 +154,10 @@ OUTAGE_ROWS = 48
 
 def _task_states(dag_id: str, task_id: str, logical_date: dt.datetime) -> list[str | None]:
     """States of a task's instances in the runs of one logical date (dag.test() clears older ones)."""
-    from sqlalchemy.exc import OperationalError
-
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
+    from sqlalchemy.exc import OperationalError
 
     try:
         with create_session() as session:

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from batch_llm import plan as plan_mod
 from batch_llm.config import parse_config
 from batch_llm.formats import write_rows

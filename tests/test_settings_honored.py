@@ -12,11 +12,15 @@ import json
 import textwrap
 
 import pytest
-
 from batch_llm.config import ConfigError, EngineConfig, QuantizeConfig
 from batch_llm.engines.base import EngineStartError
-from batch_llm.engines.lmdeploy_config import PYTORCH_FIELDS, TURBOMIND_FIELDS, lmdeploy_backend_config, \
-    lmdeploy_problems, lmdeploy_request_refusal
+from batch_llm.engines.lmdeploy_config import (
+    PYTORCH_FIELDS,
+    TURBOMIND_FIELDS,
+    lmdeploy_backend_config,
+    lmdeploy_problems,
+    lmdeploy_request_refusal,
+)
 from helpers import custom_code_model, demo_config
 
 

@@ -25,7 +25,6 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 import requests
-
 from airflow_services import ROOT, AirflowServices, print_on_failure, valid_sample_rows
 
 pytestmark = pytest.mark.slow

@@ -36,8 +36,17 @@ from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engi
 from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
 from batch_llm.shard_merge import committed_ids, finish_shard
-from batch_llm.storage import Location, exists, iter_jsonl, json_bytes, list_files, peak_rss_mb, read_manifest, \
-    write_jsonl, write_manifest
+from batch_llm.storage import (
+    Location,
+    exists,
+    iter_jsonl,
+    json_bytes,
+    list_files,
+    peak_rss_mb,
+    read_manifest,
+    write_jsonl,
+    write_manifest,
+)
 from batch_llm.timeline import Timeline
 
 log = logging.getLogger("batch_llm.infer")

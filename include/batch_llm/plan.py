@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
-from batch_llm.formats import PromptRow, detect_format, input_files, read_file_rows, sniff_openai_batch, \
-    to_prompt_row
+from batch_llm.formats import PromptRow, detect_format, input_files, read_file_rows, sniff_openai_batch, to_prompt_row
 from batch_llm.manifests import PlanManifest, ShardSpec
 from batch_llm.storage import Location, atomic_writer, json_bytes, peak_rss_mb
 

@@ -27,8 +27,17 @@ import statistics
 
 import yaml
 
-from batch_llm.doctor import Finding, TokenStats, diagnose, engine_kind, engine_settings, infer_manifests, \
-    mean_of, quantile, read_token_stats
+from batch_llm.doctor import (
+    Finding,
+    TokenStats,
+    diagnose,
+    engine_kind,
+    engine_settings,
+    infer_manifests,
+    mean_of,
+    quantile,
+    read_token_stats,
+)
 from batch_llm.storage import Location, exists, list_files, read_json, write_text_atomic
 
 log = logging.getLogger("batch_llm.report")
@@ -543,7 +552,7 @@ def _pct_table(series: list[tuple[str, list[float]]], note: str = "") -> str:
         c = sorted(vals)
         if not c:
             continue
-        q = lambda p: c[min(len(c) - 1, max(0, math.ceil(p * len(c)) - 1))]  # noqa: E731
+        q = lambda p, c=c: c[min(len(c) - 1, max(0, math.ceil(p * len(c)) - 1))]
         rows.append([name, _num(c[0], 1), _num(q(.05), 1), _num(q(.5), 1), _num(q(.95), 1), _num(c[-1], 1)])
     return _table(["", "min", "p5", "p50", "p95", "max"], rows, numeric=True) + \
         (f'<p class="note">{_e(note)}.</p>' if note else "")

@@ -20,7 +20,8 @@ the uuid makes names unique, so concurrent shards never write the same object. O
 Why this shape: a lookup of k keys against a table of n entries reads the footer and the top index (one range
 read from the end: 8 bytes per 64 entries), then only the 512-byte key pages that can hold a wanted key, then
 16 bytes of offsets per candidate, then the value lines of the candidates: about min(512 k, 8 n) bytes of
-key pages per table plus 16 bytes and one entry per hit, never the history's values. Ranges closer than ``gap_bytes`` are read as one (a request costs more than a few KiB
+key pages per table plus 16 bytes and one entry per hit, never the history's values. Ranges closer than
+``gap_bytes`` are read as one (a request costs more than a few KiB
 of transfer); every round is one batch of range reads over all tables (``fs.cat_ranges``, which s3fs runs
 concurrently): one round for the footers, then three per 64k wanted keys (key pages, offsets, values),
 whatever the number of tables. Every candidate is verified against its full key (key64 only narrows the

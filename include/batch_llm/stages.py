@@ -28,10 +28,22 @@ from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import FILE_SUFFIX, joined_outputs, output_record, write_rows
-from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, PublishManifest, \
-    ShardSpec
-from batch_llm.storage import Location, atomic_writer, exists, iter_jsonl, list_files, peak_rss_mb, read_json, \
-    read_manifest, remove_tree, write_bytes_atomic, write_json, write_jsonl, write_manifest
+from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, PublishManifest, ShardSpec
+from batch_llm.storage import (
+    Location,
+    atomic_writer,
+    exists,
+    iter_jsonl,
+    list_files,
+    peak_rss_mb,
+    read_json,
+    read_manifest,
+    remove_tree,
+    write_bytes_atomic,
+    write_json,
+    write_jsonl,
+    write_manifest,
+)
 
 
 class EvaluationBelowThreshold(RuntimeError):

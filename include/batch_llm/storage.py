@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from contextlib import contextmanager
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 

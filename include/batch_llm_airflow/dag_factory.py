@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from airflow.sdk import DAG, task
-
 from batch_llm.config import ConfigError, PipelineConfig, load_config
+
 from batch_llm_airflow.params import params_for
 from batch_llm_airflow.task_group import batch_llm_task_group
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
-
 from batch_llm import stages
 from batch_llm.config import PipelineConfig, parse_config
 from batch_llm.stages import RunLayout
+
 from batch_llm_airflow.params import overrides_from_params
 from batch_llm_airflow.storage_bridge import StorageTarget, location, storage_errors, storage_options
 

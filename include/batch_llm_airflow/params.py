@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import Param
-
 from batch_llm.config import PipelineConfig
 
 # param name -> (dotted config key, JSON-schema type, description)

@@ -184,9 +184,8 @@ def resolve(path: str, roots: list[Root] | None = None) -> Resolved:
 async def current_user(request: Any) -> Any:
     """Airflow's own ``get_user``: Bearer token first, else the UI's ``_token`` cookie (or the user the
     JWT refresh middleware already resolved from it). Raises 401 without a token, 403 for an invalid one."""
-    from fastapi.security import HTTPBearer
-
     from airflow.api_fastapi.core_api.security import get_user
+    from fastapi.security import HTTPBearer
 
     bearer = await HTTPBearer(auto_error=False)(request)
     return await get_user(request=request, _oauth_token=None, bearer_credentials=bearer)

@@ -9,11 +9,17 @@
 from __future__ import annotations
 
 from airflow.sdk import Asset, TaskGroup, TriggerRule
-
 from batch_llm.config import PipelineConfig
-from batch_llm_airflow.operators import (AwqExportOperator, BatchInferenceOperator, ContentFilterOperator,
-                                         EvalScopeOperator, FetchModelOperator, PlanShardsOperator,
-                                         PublishOperator)
+
+from batch_llm_airflow.operators import (
+    AwqExportOperator,
+    BatchInferenceOperator,
+    ContentFilterOperator,
+    EvalScopeOperator,
+    FetchModelOperator,
+    PlanShardsOperator,
+    PublishOperator,
+)
 
 
 def pipeline_asset(cfg: PipelineConfig) -> Asset:

@@ -14,8 +14,17 @@ import queue
 import time
 from collections.abc import Iterable, Iterator
 
-from batch_llm.engines.base import Engine, EngineFailed, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    classify_start_failure, model_context_limit, stream_requests
+from batch_llm.engines.base import (
+    Engine,
+    EngineFailed,
+    EngineInfo,
+    EngineStartError,
+    GenRequest,
+    GenResult,
+    classify_start_failure,
+    model_context_limit,
+    stream_requests,
+)
 from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
 
 

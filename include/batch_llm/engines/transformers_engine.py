@@ -9,8 +9,15 @@ import time
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
-from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    classify_start_failure, model_context_limit
+from batch_llm.engines.base import (
+    Engine,
+    EngineInfo,
+    EngineStartError,
+    GenRequest,
+    GenResult,
+    classify_start_failure,
+    model_context_limit,
+)
 
 
 class TransformersEngine(Engine):

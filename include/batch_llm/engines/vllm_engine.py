@@ -11,8 +11,18 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from batch_llm.engines.base import Engine, EngineFailed, EngineInfo, EngineStartError, GenRequest, GenResult, \
-    OutputTail, classify_start_failure, model_context_limit, stream_requests
+from batch_llm.engines.base import (
+    Engine,
+    EngineFailed,
+    EngineInfo,
+    EngineStartError,
+    GenRequest,
+    GenResult,
+    OutputTail,
+    classify_start_failure,
+    model_context_limit,
+    stream_requests,
+)
 
 
 class VllmEngine(Engine):
