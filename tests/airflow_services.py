@@ -450,7 +450,9 @@ class AirflowServices:
             self.procs.spawn(f"celery-{w.name}", [
                 *self.airflow, "celery", "worker", "--queues", w.queues, "--concurrency", str(w.concurrency),
                 "-H", f"{w.name}@%h", "--skip-serve-logs", "--without-gossip", "--without-mingle"],
-                env={"BATCH_LLM_TEST_WORKER_NAME": w.name,
+                # PYTHONPATH here names only this test harness (its hostname callable), never the project's
+                # packages, which come from the install.
+                env={"BATCH_LLM_TEST_WORKER_NAME": w.name, "PYTHONPATH": str(Path(__file__).resolve().parent),
                      "AIRFLOW__CORE__HOSTNAME_CALLABLE": "airflow_services.worker_hostname"})
         self._wait_healthy(timeout - (time.monotonic() - t0))
         self.assert_loopback_only()
