@@ -5,7 +5,8 @@ How a shard is run (``ShardRun``, one method per step)::
     read      rows (streamed) ─> request key = chat or token ids (+ row max_tokens); the chat template and
               the sampling are in the cache namespace; identical prompts fold into one request
               └> cache lookup (streamed) ─> hits become committed results without the engine or a tokenizer
-    engine    if anything is left: the engine starts in a thread of its own, and meanwhile
+    engine    if anything is left: the engine starts (in a thread of its own with OVERLAP_ENGINE_START, off:
+              see there), and meanwhile
     tokenize  rows (streamed again) ─> chat template + tokenizer ─> a local spool of requests; rows that cannot
               become one (the template rejects the chat, the prompt is longer than the context) are error rows
     generate  spooled requests, then the rest of the rows ─> engine (streamed) ─> chunks committed as results
@@ -156,6 +157,13 @@ def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
             "completion_tokens": 0, "cached": False, "error": reason}
 
 
+# Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
+# main thread's tokenizer import ("cannot import name 'AlignDevicesHook' from partially initialized module
+# 'accelerate.hooks'"), which broke every later engine start in that process. The engine then starts first,
+# as before; overlapping it needs the imports done in the main thread beforehand (not yet tested).
+OVERLAP_ENGINE_START = False
+
+
 class _EngineStarter(threading.Thread):
     """Starts the engine (imports, memory back-off, probe) while the caller tokenizes: engine start is mostly
     waiting on the engine's own processes, so the two overlap instead of adding up."""
@@ -174,7 +182,8 @@ class _EngineStarter(threading.Thread):
         self.timeline.add("engine", t0)
 
     def result(self):
-        self.join()
+        if self.ident is not None:  # started as a thread (else run() already ran in the caller's thread)
+            self.join()
         if self.error is not None:
             raise self.error
         return self.engine, self.info
@@ -284,10 +293,10 @@ class ShardRun:
 
     def _generate(self) -> None:
         starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline)
-        if self.cfg.engine.kind == "lmdeploy":
-            starter.run()  # its engine keeps an event loop of the thread that made it: no overlap (untested)
-        else:
+        if OVERLAP_ENGINE_START and self.cfg.engine.kind != "lmdeploy":  # LMDeploy binds its thread's loop
             starter.start()
+        else:
+            starter.run()
         rows = iter_jsonl(self.shard_path)
         with tempfile.TemporaryDirectory(prefix="batch_llm_requests_") as tmp:
             spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
