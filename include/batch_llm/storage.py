@@ -252,7 +252,15 @@ def remove_tree(path: UPath) -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, MB (Linux reports KiB)."""
+    """This process's peak resident memory so far, MB. Linux's VmHWM belongs to this program's own memory;
+    ru_maxrss survives exec, so a child started by a large process would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
     import resource
 
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
