@@ -160,6 +160,12 @@ VLLM_SCRIPT = """\
 import json, sys, time
 
 if __name__ == "__main__":
+    from batch_llm.engines.vllm_engine import _missing_cpu_kernel
+
+    missing = _missing_cpu_kernel(sys.argv[1])
+    if missing:
+        print("CANNOT_RUN " + missing, flush=True)
+        sys.exit(0)
     started = time.monotonic()
     from vllm import LLM, SamplingParams
 
@@ -172,26 +178,112 @@ if __name__ == "__main__":
                                   "texts": [o.outputs[0].text for o in outs]}), flush=True)
 """
 
+REFUSE_SCRIPT = """\
+import sys, time
+from batch_llm.config import EngineConfig, SamplingConfig
+from batch_llm.engines.base import EngineCannotRun
+from batch_llm.engines.vllm_engine import VllmEngine
 
-def test_vllm_serves_the_export(export, tmp_path):
+t0 = time.monotonic()
+engine = VllmEngine(sys.argv[1], EngineConfig(kind="vllm", enforce_eager=True, max_model_len=512),
+                    SamplingConfig(max_tokens=8))
+try:
+    engine.start()
+except EngineCannotRun as e:
+    print(f"REFUSED after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+    sys.exit(0)
+print("STARTED", flush=True)
+sys.exit(1)
+"""
+
+
+def _vllm_env() -> dict:
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def vllm_serves(export, tmp_path_factory):
+    """vLLM (main environment, CPU) on the export: ("served", result) or ("cannot_run", why) where this CPU's
+    vLLM build has no integer-weight kernel (AVX2-only x86: only the AVX-512 build has cpu_gemm_wna16)."""
     if not MAIN_PYTHON.exists():
         pytest.skip("main environment missing")
     _, result = export
+    tmp_path = tmp_path_factory.mktemp("vllm_serve")
     script = tmp_path / "serve.py"
     script.write_text(VLLM_SCRIPT)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
     log_file = tmp_path / "vllm.log"
     with open(log_file, "w") as log:
-        proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=env, cwd=tmp_path,
+        proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=log, text=True, timeout=540)
     output = proc.stdout + log_file.read_text()
     if proc.returncode != 0:
         errors = [x for x in output.splitlines() if "Error" in x or "error" in x][:30]
         pytest.fail(f"vLLM failed (exit {proc.returncode}); log {log_file}\nerror lines:\n" + "\n".join(errors)
                     + "\n--- tail ---\n" + output[-3000:])
+    cannot = next((x for x in proc.stdout.splitlines() if x.startswith("CANNOT_RUN ")), None)
+    if cannot:
+        return "cannot_run", cannot.removeprefix("CANNOT_RUN ")
+    return "served", (output, proc.stdout)
+
+
+def test_vllm_serves_the_export(vllm_serves):
+    kind, got = vllm_serves
+    if kind == "cannot_run":
+        pytest.skip(f"this CPU's vLLM build cannot run 4-bit weights ({got}); "
+                    "test_vllm_engine_refuses_what_this_cpu_cannot_run checks the refusal instead")
+    output, stdout = got
     assert "CompressedTensorsWNA16" in output  # quantization detected from config.json, 4-bit kernel
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
     got = json.loads(line.removeprefix("RESULT "))
     print(f"\nvllm: engine ready in {got['start_seconds']}s; outputs: {got['texts']}")
     assert len(got["texts"]) == 2 and all(t.strip() for t in got["texts"])
+
+
+def test_vllm_engine_refuses_what_this_cpu_cannot_run(vllm_serves, export, tmp_path):
+    """On a CPU whose vLLM build lacks the kernel, the project's engine refuses at start, before loading
+    anything, with a message that names the fixes (instead of an engine that dies at its first step)."""
+    kind, _ = vllm_serves
+    if kind == "served":
+        pytest.skip("this CPU's vLLM build runs 4-bit weights (test_vllm_serves_the_export served the export)")
+    _, result = export
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSE_SCRIPT)
+    proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REFUSED"))
+    print("\n" + line)
+    assert "cpu_gemm_wna16" in line and "engine.kind: transformers" in line and "quantize.enabled: false" in line
+
+
+TRANSFORMERS_SCRIPT = """\
+import sys
+from transformers import AutoTokenizer
+from batch_llm.config import EngineConfig, SamplingConfig
+from batch_llm.engines.base import GenRequest, make_engine
+
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                              add_generation_prompt=True, tokenize=True)
+ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+engine = make_engine(sys.argv[1], EngineConfig(kind="transformers"), SamplingConfig(max_tokens=16, temperature=0))
+engine.start()
+(out,) = list(engine.generate([GenRequest(key="q", prompt_token_ids=ids)]))
+engine.close()
+print("TEXT " + repr(out.text) + " " + str(out.completion_tokens) + " " + str(out.error), flush=True)
+"""
+
+
+def test_transformers_engine_generates_from_the_export(export, tmp_path):
+    """The portable engine runs the 4-bit export on any CPU (compressed-tensors decompresses it on load): the
+    fallback the vLLM refusal names is real."""
+    _, result = export
+    script = tmp_path / "hf.py"
+    script.write_text(TRANSFORMERS_SCRIPT)
+    proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TEXT "))
+    print("\n" + line)
+    assert "Paris" in line and line.endswith(" None")  # no error

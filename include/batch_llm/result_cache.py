@@ -305,11 +305,18 @@ class ResultCache:
     def _entries(self) -> list[tuple[str, int]]:
         """(name, size) of every object directly under the namespace."""
         if self.local:
+            out = []
             try:
                 with os.scandir(str(self._upath)) as it:
-                    return [(e.name, e.stat().st_size) for e in it if e.is_file()]
+                    for e in it:
+                        try:
+                            if e.is_file():
+                                out.append((e.name, e.stat().st_size))
+                        except FileNotFoundError:  # deleted while listed (a compaction): only that one is gone
+                            continue
             except FileNotFoundError:
-                return []
+                pass
+            return out
         try:
             listing = self.fs.ls(self._upath.path, detail=True)
         except FileNotFoundError:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 RESULT_PREFIX = "BATCH_LLM_RESULT "
-EXIT_SHARD_FAILED = 3      # too many error rows: retrying will not help
+EXIT_SHARD_FAILED = 3      # too many error rows, or an engine that cannot run the model here: no retry
 EXIT_ERROR = 1
 
 
@@ -168,6 +168,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
     spec = json.loads(sys.stdin.read())
     from batch_llm.config import parse_config
+    from batch_llm.engines.base import EngineCannotRun
     from batch_llm.infer import ShardFailed
     from batch_llm.stages import RunLayout, infer_shard
 
@@ -176,7 +177,7 @@ def main() -> int:
     try:
         result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=lambda m: print(m, flush=True),
                              started={"spawned_at": spec.get("spawned_at"), "worker_started_at": started})
-    except ShardFailed as e:
+    except (ShardFailed, EngineCannotRun) as e:
         print(f"WORKER_ERROR {e}", flush=True)
         return EXIT_SHARD_FAILED
     except Exception as e:  # noqa: BLE001 - reported to the parent, which decides on retries

@@ -59,6 +59,12 @@ class EngineStartError(RuntimeError):
         self.output = output
 
 
+class EngineCannotRun(EngineStartError):
+    """The engine, as installed on this machine, cannot run this model at all (a kernel its build lacks):
+    no retry and no smaller setting will help, so the shard fails without retries and the message says
+    what would."""
+
+
 class EngineFailed(RuntimeError):
     """The engine as a whole failed while generating (its engine-core process died, a CUDA error, vLLM's
     ``EngineDeadError``): no row is to blame, so none becomes an error row. The shard fails, and its retry
@@ -199,6 +205,30 @@ def model_context_limit(model_dir: str) -> int | None:
         if isinstance(v, int) and v > 0:
             return v
     return None
+
+
+def model_quantization(model_dir: str) -> dict:
+    """The ``quantization_config`` of the model's config.json ({} when unquantized or unreadable)."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return qc if isinstance(qc, dict) else {}
+
+
+def is_int_weight_only(qc: dict) -> bool:
+    """True for integer weights with 16-bit activations (AWQ, GPTQ, compressed-tensors W4A16/W8A16)."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method in ("awq", "gptq"):
+        return True
+    if method != "compressed-tensors":
+        return False
+    groups = (qc.get("config_groups") or {}).values()
+    return any((g.get("weights") or {}).get("type") == "int" and g.get("input_activations") is None
+               for g in groups if isinstance(g, dict))
 
 
 def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,

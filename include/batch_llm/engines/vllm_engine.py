@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from batch_llm.engines.base import (
     Engine,
+    EngineCannotRun,
     EngineFailed,
     EngineInfo,
     EngineStartError,
@@ -20,7 +21,9 @@ from batch_llm.engines.base import (
     GenResult,
     OutputTail,
     classify_start_failure,
+    is_int_weight_only,
     model_context_limit,
+    model_quantization,
     stream_requests,
 )
 
@@ -49,6 +52,9 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
         tail = OutputTail()
+        missing = _missing_cpu_kernel(self.model_dir)
+        if missing:
+            raise EngineCannotRun(missing)
         try:
             import vllm
             from vllm import LLM
@@ -138,6 +144,26 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def _missing_cpu_kernel(model_dir: str) -> str | None:
+    """Why vLLM cannot run this model on this CPU, or None. vLLM's CPU wheel ships one kernel library per x86
+    level, and only the AVX-512 one has the integer-weight GEMM (``cpu_gemm_wna16``): on an AVX2-only CPU
+    such a model loads, then the engine dies at its first step. Asked of the loaded kernels, not of CPU flags,
+    so a later build that adds the kernel is used."""
+    if not is_int_weight_only(model_quantization(model_dir)):
+        return None
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None
+    return (f"vLLM's CPU build on this machine has no integer-weight kernel (cpu_gemm_wna16: only its AVX-512 "
+            f"build has it), so it cannot run the 4-bit model at {model_dir}. Run this pipeline on a GPU or an "
+            f"AVX-512 CPU, or set engine.kind: transformers, or quantize.enabled: false.")
 
 
 def is_request_refusal(e: BaseException, *, engine_dead: bool = False) -> bool:
