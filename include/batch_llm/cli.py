@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import errno
 import os
 import re
 import shlex
@@ -350,6 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e.filename + ': ' if getattr(e, 'filename', None) else ''}{e.strerror or e}",
               file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {e.filename or 'a write'}: {e.strerror}; nothing half-written is left there: free space "
+              f"on that disk (or write elsewhere: --output, output.path) and run again", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; committed chunks are kept: run again with the same --run-id to resume",

@@ -5,11 +5,14 @@ inference, ...), so a value set in the YAML file reaches the engine unchanged. V
 file and the dotted key::
 
     pipelines/daily.yaml: engine.gpu_memory_utilization: Input should be less than or equal to 1
+    pipelines/daily.yaml: sampling.max_token: unknown key 'max_token' in section 'sampling'; did you mean 'max_tokens'?
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +42,9 @@ class ModelConfig(_Section):
     cache_dir: str | None = Field(None, description="ModelScope cache; default $BATCH_LLM_MODEL_CACHE")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint")
     chat_template: str | None = Field(None, description="Jinja chat template overriding the tokenizer's")
+    require_chat_template: bool = Field(True, description="The fetch stage refuses a model without a chat template "
+                                        "(chat rows need one) unless chat_template is set; false where every input "
+                                        "row is pre-tokenized (prompt_token_ids): fetch then only warns")
     conn_id: str | None = Field(None, description="Airflow connection for an object-storage ref")
 
     def resolved_cache_dir(self) -> str:
@@ -177,6 +183,9 @@ class SamplingConfig(_Section):
     ignore_eos: bool = False
 
 
+BUILTIN_WORDLISTS = Path(__file__).parent / "wordlists"
+
+
 class WordListConfig(_Section):
     """A sensitive-word list and what to do on a hit: flag the row, mask the word, or drop the row."""
 
@@ -281,8 +290,48 @@ def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"{source}: {key}: {e['msg']}")
+        msg = _unknown_key(e["loc"]) if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{source}: {key}: {msg}")
     return "\n".join(lines)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds (itself, a list's items, an optional's value)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if found := _model_in(arg):
+            return found
+    return None
+
+
+def _section_model(parents: tuple) -> type[BaseModel] | None:
+    cls: type[BaseModel] | None = PipelineConfig
+    for part in parents:
+        if isinstance(part, int):  # a list's item: the list's field already gave its model
+            continue
+        field = cls.model_fields.get(part) if cls else None
+        cls = _model_in(field.annotation) if field else None
+    return cls
+
+
+def _unknown_key(loc: tuple) -> str:
+    """A typo'd key: where it is, the closest valid key of that section, or where a key of that name lives."""
+    *parents, name = loc
+    section = ".".join(str(p) for p in parents)
+    where = f"in section {section!r}" if section else "at the top level"
+    cls = _section_model(tuple(parents))
+    if cls is None:
+        return f"unknown key {name!r} {where}"
+    valid = list(cls.model_fields)
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    if close:
+        return f"unknown key {name!r} {where}; did you mean {close[0]!r}?"
+    elsewhere = [s for s, f in PipelineConfig.model_fields.items()
+                 if (m := _model_in(f.annotation)) and name in m.model_fields and m is not cls]
+    if elsewhere:
+        return f"unknown key {name!r} {where}; it is a key of section {elsewhere[0]!r} ({elsewhere[0]}.{name})"
+    return f"unknown key {name!r} {where}; the keys there: {', '.join(valid)}"
 
 
 def parse_config(data: Any, source: str = "<config>") -> PipelineConfig:
@@ -295,7 +344,10 @@ def parse_config(data: Any, source: str = "<config>") -> PipelineConfig:
 
 
 def load_config(path: str | os.PathLike) -> PipelineConfig:
-    """Reads and validates one pipeline YAML file. Relative paths inside it resolve against its folder."""
+    """Reads and validates one pipeline YAML file. Relative paths inside it resolve against its folder.
+
+    Local word-list files are checked here, so a missing one stops the run before any inference (lists in
+    object storage are checked when the filter stage starts)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -303,7 +355,29 @@ def load_config(path: str | os.PathLike) -> PipelineConfig:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if isinstance(data, dict):
         data = _resolve_relative_paths(data, path.parent)
-    return parse_config(data, str(path))
+    cfg = parse_config(data, str(path))
+    problems = word_list_problems(cfg.filter) if cfg.filter.enabled else []
+    if problems:
+        raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
+    return cfg
+
+
+def word_list_problems(cfg: FilterConfig) -> list[str]:
+    """Word lists that cannot be read: an unknown built-in or a missing local file (object-storage paths are
+    not looked at: that needs credentials, and the filter stage checks them when it starts)."""
+    problems = []
+    for i, wl in enumerate(cfg.lists):
+        where = f"filter.lists.{i}.path: word list {wl.name!r}"
+        if wl.path.startswith("builtin:"):
+            if not (BUILTIN_WORDLISTS / f"{wl.path.removeprefix('builtin:')}.txt").is_file():
+                names = ", ".join(sorted("builtin:" + f.stem for f in BUILTIN_WORDLISTS.glob("*.txt")))
+                problems.append(f"{where}: no built-in list {wl.path!r} (built-ins: {names})")
+        elif "://" not in wl.path or wl.path.startswith("file://"):
+            local = os.path.abspath(wl.path.removeprefix("file://"))  # as storage.as_path reads it
+            if not os.path.isfile(local):
+                problems.append(f"{where}: no such file {local} (give an existing file of one word per line, "
+                                f"or builtin:en / builtin:zh)")
+    return problems
 
 
 _PATH_KEYS = (("input", "path"), ("output", "path"), ("model", "ref"), ("model", "cache_dir"),

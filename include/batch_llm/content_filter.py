@@ -6,19 +6,19 @@ boundaries) match anywhere.
 """
 from __future__ import annotations
 
+import errno
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import ahocorasick
 
-from batch_llm.config import FilterConfig, WordListConfig
+from batch_llm.config import BUILTIN_WORDLISTS, FilterConfig, WordListConfig
 from batch_llm.manifests import FilterSummary
 from batch_llm.storage import as_path
 
-BUILTIN = Path(__file__).parent / "wordlists"
+BUILTIN = BUILTIN_WORDLISTS
 
 
 def load_words(path: str, options: dict | None = None) -> list[str]:
@@ -32,6 +32,18 @@ def load_words(path: str, options: dict | None = None) -> list[str]:
         text = as_path(path, options).read_text(encoding="utf-8")
     words = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     return [w for w in words if w]
+
+
+def _list_words(wl: WordListConfig, options: dict | None) -> list[str]:
+    """The list's words; a list that is not there fails naming the list and its path. The lists load when the
+    filter stage starts, before a row is read: an object-storage list is checked here (local files already
+    when the pipeline file loads, ``config.word_list_problems``)."""
+    try:
+        return load_words(wl.path, options)
+    except FileNotFoundError as e:
+        why = str(e) if wl.path.startswith("builtin:") else "no such file"
+        raise FileNotFoundError(errno.ENOENT, f"word list {wl.name!r} (filter.lists): {why}; fix its path or "
+                                f"create the file", wl.path) from None
 
 
 @dataclass
@@ -50,7 +62,7 @@ class ContentFilter:
         self.lists: list[_List] = []
         for wl in cfg.lists:
             a = ahocorasick.Automaton()
-            for w in load_words(wl.path, storage_options):
+            for w in _list_words(wl, storage_options):
                 key = w if cfg.case_sensitive else w.lower()
                 a.add_word(key, key)
             if len(a):

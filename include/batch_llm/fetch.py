@@ -2,16 +2,22 @@
 
 The manifest records what was resolved: source, id, revision, local directory, and every file with its
 size and SHA-256, so a run says exactly which weights produced its outputs (``model_key``).
+
+Before anything is hashed, the folder is checked: config.json, the weights (every shard an index lists,
+none truncated), a tokenizer, and a chat template (or ``model.chat_template``). A folder that fails stops the
+run here, naming the folder and what is missing, before any shard starts an engine.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import struct
 from pathlib import Path
 
-from batch_llm.config import ModelConfig
+from batch_llm.config import ConfigError, ModelConfig
 from batch_llm.storage import as_path
 
 log = logging.getLogger("batch_llm.fetch")
@@ -68,6 +74,112 @@ def _sync_from_storage(cfg: ModelConfig, options: dict) -> tuple[str, bool]:
     return str(dest), hit
 
 
+class ModelFolderIncomplete(FileNotFoundError):
+    """The model folder lacks files the engine needs; the message names the folder and the files."""
+
+
+class NoChatTemplate(ConfigError):
+    """The model has no chat template and ``model.chat_template`` is not set."""
+
+
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be whole (cut short, or not safetensors at all), from its header only."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+    except (OSError, ValueError, struct.error):
+        header = None
+    if not isinstance(header, dict):
+        return f"{path.name} (not a safetensors file: a Git LFS pointer or a partial download?)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+               and len(t.get("data_offsets") or ()) == 2), default=0)
+    if size < 8 + n + end:
+        return f"{path.name} (truncated: {size} of {8 + n + end} bytes)"
+    return None
+
+
+def _weight_problems(root: Path) -> list[str]:
+    problems, indexed = [], False
+    for name in _INDEXES:
+        if not (root / name).is_file():
+            continue
+        indexed = True
+        try:
+            shards = sorted(set(json.loads((root / name).read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            problems.append(f"{name} (no readable weight_map)")
+            continue
+        problems += [f"{s} (listed in {name})" for s in shards if not (root / s).is_file()]
+    if not indexed and not any(p.is_file() for pattern in _WEIGHTS for p in root.glob(pattern)):
+        problems.append(f"the weights (no {', '.join(_WEIGHTS)} file)")
+    problems += [q for p in sorted(root.glob("*.safetensors")) if (q := _safetensors_problem(p))]
+    return problems
+
+
+def missing_model_files(directory: str, *, trust_remote_code: bool = False) -> list[str]:
+    """What the folder lacks for an engine to load it (empty when nothing): config.json, the weights (every
+    shard an index lists, none truncated), a tokenizer. Remote-code models may keep their tokenizer in files of
+    their own, so their tokenizer is not looked for."""
+    root = Path(directory)
+    problems = [] if (root / "config.json").is_file() else ["config.json"]
+    problems += _weight_problems(root)
+    if not trust_remote_code and not any(p.is_file() for pattern in _TOKENIZER for p in root.glob(pattern)):
+        problems.append(f"a tokenizer (none of {', '.join(_TOKENIZER)})")
+    return problems
+
+
+def chat_template_source(directory: str, override: str | None) -> str | None:
+    """Where the chat template comes from (``model.chat_template`` or the model's file holding it, as the
+    tokenizer will read it), or None when there is none."""
+    if override:
+        return "model.chat_template"
+    root = Path(directory)
+    if (root / "chat_template.jinja").is_file():
+        return "chat_template.jinja"
+    if any((root / "additional_chat_templates").glob("*.jinja")):
+        return "additional_chat_templates/"
+    try:
+        tokenizer_config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        tokenizer_config = {}
+    return "tokenizer_config.json" if isinstance(tokenizer_config, dict) and tokenizer_config.get("chat_template") \
+        else None
+
+
+def check_model_folder(cfg: ModelConfig, local_dir: str, kind: str) -> str | None:
+    """Refuses a folder an engine could not load, or a model without a chat template; returns the template's
+    source (for the manifest).
+
+    The chat template is checked here, at fetch, because this is the first stage that sees the model: without
+    it every chat row would fail one by one at inference, after an engine start. Fetch does not read the input,
+    so it cannot tell whether all rows are pre-tokenized (``prompt_token_ids``, which need no template): chat
+    rows are possible in every input, so a missing template is refused unless ``model.require_chat_template``
+    is false (input that is all pre-tokenized), where it only warns."""
+    missing = missing_model_files(local_dir, trust_remote_code=cfg.trust_remote_code)
+    if missing:
+        fix = {"modelscope": "delete the folder so that the next fetch downloads the model again",
+               "storage": f"add them under {cfg.ref} (the next fetch copies them)"}.get(kind, "copy them into it")
+        raise ModelFolderIncomplete(errno.ENOENT, f"model.ref {cfg.ref}: the model folder lacks "
+                                    f"{'; '.join(missing)}; {fix}", local_dir)
+    source = chat_template_source(local_dir, cfg.chat_template)
+    if source is None:
+        msg = (f"model.ref {cfg.ref}: the model has no chat template (no chat_template.jinja, none in "
+               f"tokenizer_config.json in {local_dir}), so chat rows cannot be rendered; set model.chat_template "
+               f"to a Jinja chat template")
+        if cfg.require_chat_template:
+            raise NoChatTemplate(f"{msg} (or model.require_chat_template: false when every input row is "
+                                 f"pre-tokenized: prompt_token_ids)")
+        log.warning("%s; model.require_chat_template is false: only pre-tokenized rows will succeed", msg)
+    return source
+
+
 def file_hashes(directory: str) -> list[dict]:
     """Size and SHA-256 of every file; hashes are remembered by (size, mtime) so a re-fetch costs nothing."""
     root = Path(directory)
@@ -104,11 +216,12 @@ def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None) -> dic
         local_dir, hit = _sync_from_storage(cfg, storage_options or {})
     else:
         local_dir, hit = os.path.abspath(os.path.expanduser(cfg.ref.removeprefix("file://"))), True
-        if not os.path.isfile(os.path.join(local_dir, "config.json")):
-            raise FileNotFoundError(f"model.ref {cfg.ref}: no config.json in {local_dir}")
+        if not os.path.isdir(local_dir):
+            raise FileNotFoundError(errno.ENOENT, f"model.ref {cfg.ref}: no such folder", local_dir)
+    template = check_model_folder(cfg, local_dir, kind)
     files = file_hashes(local_dir)
     content = hashlib.sha256(json.dumps([(f["name"], f["sha256"]) for f in files]).encode()).hexdigest()
     return {"stage": "fetch", "source": kind, "id": cfg.ref, "revision": cfg.revision if kind == "modelscope" else None,
-            "local_dir": local_dir, "cache_hit": hit, "files": files,
+            "local_dir": local_dir, "cache_hit": hit, "chat_template": template, "files": files,
             "total_bytes": sum(f["size"] for f in files), "content_hash": content,
             "model_key": f"{cfg.ref}@{cfg.revision}#{content[:16]}"}

@@ -86,7 +86,10 @@ MULTIPART_PART_BYTES = 8 * 2**20
 class AtomicWriter:
     """Streams bytes into an object that becomes visible only when complete: a temporary file renamed on a
     local disk; elsewhere one PUT, or from ``MULTIPART_PART_BYTES`` on one multipart upload of block-sized
-    parts, which the store makes visible only when it completes. Use ``atomic_writer(path)``."""
+    parts, which the store makes visible only when it completes. Use ``atomic_writer(path)``.
+
+    A local write that fails (a full disk: ENOSPC) raises OSError naming the final path, and leaves neither the
+    object nor the temporary file behind."""
 
     def __init__(self, path: UPath):
         self.path = path
@@ -94,14 +97,24 @@ class AtomicWriter:
         if is_local(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             self._tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-            self._f = open(self._tmp, "wb")
+            try:
+                self._f = open(self._tmp, "wb")
+            except OSError as e:
+                raise self._named(e) from e
         else:
             self._tmp = None
             self._f = path.open("wb", block_size=MULTIPART_PART_BYTES)
 
+    def _named(self, e: OSError) -> OSError:
+        """The error with the final path (the temporary name means nothing to a reader); same errno, same type."""
+        return OSError(e.errno, e.strerror or os.strerror(e.errno), str(self.path)) if e.errno else e
+
     def write(self, data: bytes) -> None:
         if self._tmp is not None:
-            self._f.write(data)
+            try:
+                self._f.write(data)
+            except OSError as e:
+                raise self._named(e) from e
             return
         self._buf += data
         while len(self._buf) >= MULTIPART_PART_BYTES:  # a full block uploads one part
@@ -110,10 +123,13 @@ class AtomicWriter:
 
     def commit(self) -> None:
         if self._tmp is not None:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self._tmp, self.path)
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+                os.replace(self._tmp, self.path)
+            except OSError as e:
+                raise self._named(e) from e
             return
         self._f.write(bytes(self._buf))
         self._buf.clear()
@@ -121,7 +137,10 @@ class AtomicWriter:
 
     def abort(self) -> None:
         if self._tmp is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass  # a full disk fails the buffered rest again; the file is closed all the same, and goes
             self._tmp.unlink(missing_ok=True)
             return
         # Not close(): fsspec's close() would complete the upload with the parts sent so far, committing a
@@ -142,10 +161,10 @@ def atomic_writer(path: UPath) -> Iterator[AtomicWriter]:
     w = AtomicWriter(path)
     try:
         yield w
+        w.commit()  # a commit that fails (the last bytes on a full disk) leaves no temporary file either
     except BaseException:
         w.abort()
         raise
-    w.commit()
 
 
 def write_bytes_atomic(path: UPath, data: bytes) -> None:
