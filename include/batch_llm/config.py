@@ -92,6 +92,11 @@ class InputConfig(_Section):
     template: str | None = None
     system_prompt: str | None = None
     reference_column: str = Field("reference", description="Reference answers for scoring, when present")
+    sampling_columns: list[Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+                                   "frequency_penalty"]] = Field(
+        default_factory=lambda: ["max_tokens"],
+        description="Columns whose value, where a row has one, overrides the sampling section for that row "
+                    "(OpenAI Batch input reads these from each request body)")
 
 
 class ShardingConfig(_Section):
@@ -175,12 +180,38 @@ class EngineConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    max_tokens: int = Field(256, gt=0)
+    """The default sampling of every request; a row may set its own (``row_params.py``)."""
+
+    max_tokens: int = Field(256, gt=0, description="The output limit of a row that sets none")
+    max_tokens_cap: int | None = Field(None, gt=0, description="When set, no row generates more than this "
+                                       "(rows asking for more are capped and counted)")
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = 0
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+    output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
+                                             "or a pydantic model (module:Class) every output must match; "
+                                             "loaded into the schema itself when the config loads")
+    guided_decoding: bool = Field(True, description="Decode under output_schema (vLLM, xgrammar); false: "
+                                  "outputs are only checked against it")
+    output_retries: int = Field(0, ge=0, le=5, description="Ask again, with another seed, for a sampled row "
+                                "(temperature > 0) whose output does not match output_schema")
+
+    @field_validator("output_schema")
+    @classmethod
+    def _load_output_schema(cls, v: dict | str | None) -> dict | None:
+        from batch_llm.output_schema import check_schema, load_schema
+
+        if v is None:
+            return None
+        return check_schema(load_schema(v) if isinstance(v, str) else v)
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> "SamplingConfig":
+        if self.max_tokens_cap is not None and self.max_tokens > self.max_tokens_cap:
+            raise ValueError(f"max_tokens ({self.max_tokens}) is above max_tokens_cap ({self.max_tokens_cap})")
+        return self
 
 
 BUILTIN_WORDLISTS = Path(__file__).parent / "wordlists"
@@ -267,6 +298,14 @@ class PipelineConfig(_Section):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
             raise ValueError("use letters, digits, '_', '.' or '-' (it becomes the DAG id)")
         return v
+
+    @model_validator(mode="after")
+    def _guided_decoding_needs_vllm(self) -> "PipelineConfig":
+        s = self.sampling
+        if s.output_schema is not None and s.guided_decoding and self.engine.kind != "vllm":
+            raise ValueError(f"sampling.output_schema: engine {self.engine.kind} cannot decode under a schema "
+                             "(vllm can); set sampling.guided_decoding: false to only check the outputs")
+        return self
 
     def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":
         """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
@@ -381,7 +420,7 @@ def word_list_problems(cfg: FilterConfig) -> list[str]:
 
 
 _PATH_KEYS = (("input", "path"), ("output", "path"), ("model", "ref"), ("model", "cache_dir"),
-              ("cache", "path"), ("quantize", "cache_dir"))
+              ("cache", "path"), ("quantize", "cache_dir"), ("sampling", "output_schema"))
 
 
 def _resolve_relative_paths(data: dict, base: Path) -> dict:

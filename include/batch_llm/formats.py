@@ -19,6 +19,8 @@ import msgspec
 from upath import UPath
 
 from batch_llm.config import InputConfig
+from batch_llm.output_schema import OutputSchema, column_value
+from batch_llm.row_params import RowParams
 from batch_llm.storage import atomic_writer, iter_jsonl, json_bytes, list_files, write_jsonl
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -42,7 +44,8 @@ class PromptRow:
     messages: list[dict]
     reference: str | None = None
     prompt_token_ids: list[int] | None = None   # a pre-tokenized prompt, sent to the engine as is
-    max_tokens: int | None = None               # this row's own output limit (capped by sampling.max_tokens)
+    params: RowParams | None = None             # the row's own sampling parameters (row_params.py)
+    text: str | None = None                     # a completion prompt (``/v1/completions``): no chat template
 
 
 def detect_format(path: UPath, fmt: str) -> str:
@@ -171,33 +174,21 @@ def _check_messages(messages: Any) -> list[dict]:
     return out
 
 
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
 def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRow:
     """Validates one parsed record; raises ValueError with the reason when it is not usable."""
-    rec = raw.record or {}
     if fmt == "openai_batch":
-        rid = rec.get("custom_id")
-        body = rec.get("body")
-        if not isinstance(body, dict):
-            raise ValueError("OpenAI batch line without a 'body' object")
-        messages = body.get("messages")
-        prompt = None
-        id_col = "custom_id"
-    else:
-        id_col = cfg.id_column
-        rid = rec.get(id_col)
-        messages = rec.get(cfg.messages_column)
-        prompt = rec.get(cfg.prompt_column)
-    if rid is None or (isinstance(rid, str) and not rid.strip()):
-        raise ValueError(f"missing id (column {id_col!r})")
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        raise ValueError(f"id must be a string or an integer, got {type(rid).__name__}")
+        return _openai_row(raw.record or {}, idx, cfg)
+    rec = raw.record or {}
+    rid = _row_id(rec, cfg.id_column)
+    params = RowParams.from_columns(_typed_cells(rec, cfg.sampling_columns), cfg.sampling_columns)
     tokens = rec.get("prompt_token_ids")
     if tokens is not None:
-        if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        return PromptRow(id=str(rid), idx=idx, messages=[], prompt_token_ids=tokens,
-                         max_tokens=rec.get("max_tokens") if isinstance(rec.get("max_tokens"), int) else None)
-    if cfg.template and fmt != "openai_batch":
+        return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(tokens), params=params)
+    messages, prompt = rec.get(cfg.messages_column), rec.get(cfg.prompt_column)
+    if cfg.template:
         text = _render_template(cfg.template, rec)
         if not text.strip():
             raise ValueError("empty prompt after rendering the template")
@@ -210,22 +201,84 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
                 raise ValueError(f"column {cfg.messages_column!r} is text but not JSON") from None
         messages = _check_messages(messages)
     elif prompt is not None:
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not prompt.strip():
-            raise ValueError("empty prompt")
-        messages = [{"role": "user", "content": prompt}]
+        messages = [{"role": "user", "content": _check_prompt(prompt)}]
     else:
         raise ValueError(f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}")
-    if cfg.system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     ref = rec.get(cfg.reference_column)
-    limit = (rec.get("body") or {}).get("max_completion_tokens") or (rec.get("body") or {}).get("max_tokens") \
-        if fmt == "openai_batch" else rec.get("max_tokens")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise ValueError(f"max_tokens must be a positive integer, got {limit!r}")
-    return PromptRow(id=str(rid), idx=idx, messages=messages, max_tokens=limit,
+    return PromptRow(id=rid, idx=idx, messages=_with_system(messages, cfg), params=params,
                      reference=ref if isinstance(ref, str) and ref.strip() else None)
+
+
+def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
+    """One OpenAI Batch request line: a chat body (``messages``) or a completions body (``prompt``)."""
+    rid = _row_id(rec, "custom_id")
+    body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
+    if not isinstance(body, dict):
+        raise ValueError("OpenAI batch line without a 'body' object")
+    if url not in OPENAI_URLS:
+        raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
+    if rec.get("method", "POST") != "POST":
+        raise ValueError(f"method {rec['method']!r}: batch requests are POST")
+    params = RowParams.from_openai_body(body)
+    if url == "/v1/chat/completions":
+        return PromptRow(id=rid, idx=idx, messages=_with_system(_check_messages(body.get("messages")), cfg),
+                         params=params)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list; several would be several completions
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(prompt), params=params)
+    if not isinstance(prompt, str):
+        raise ValueError("a /v1/completions body needs 'prompt': one string or one list of token ids")
+    return PromptRow(id=rid, idx=idx, messages=[], text=_check_prompt(prompt), params=params)
+
+
+def _row_id(rec: dict, column: str) -> str:
+    rid = rec.get(column)
+    if rid is None or (isinstance(rid, str) and not rid.strip()):
+        raise ValueError(f"missing id (column {column!r})")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise ValueError(f"id must be a string or an integer, got {type(rid).__name__}")
+    return str(rid)
+
+
+def _check_token_ids(tokens: Any) -> list[int]:
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
+        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    return tokens
+
+
+def _check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError("empty prompt")
+    return prompt
+
+
+def _with_system(messages: list[dict], cfg: InputConfig) -> list[dict]:
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        return [{"role": "system", "content": cfg.system_prompt}, *messages]
+    return messages
+
+
+def _typed_cells(rec: dict, columns: list[str]) -> dict:
+    """The parameter cells of a row; CSV cells are text, so numbers are read from it (a stop cell may hold a
+    JSON list)."""
+    out = {}
+    for c in columns:
+        v = rec.get(c)
+        if isinstance(v, str) and v.strip():
+            text = v.strip()
+            if c == "stop":
+                v = json.loads(text) if text.startswith("[") else v
+            else:
+                try:
+                    v = int(text) if text.lstrip("-").isdigit() else float(text)
+                except ValueError:
+                    raise ValueError(f"{c} must be a number, got {v!r}") from None
+        out[c] = v
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -242,37 +295,74 @@ def joined_outputs(records: Iterator[dict], outputs: Iterator[dict]) -> Iterator
             yield rec, out
 
 
-def output_record(record: dict, result: dict, fmt: str) -> dict:
-    """The published row: the input's columns plus the generated ones (OpenAI batch output lines for
-    OpenAI batch input)."""
+def output_record(record: dict, result: dict, fmt: str, *, model: str = "", schema: OutputSchema | None = None) -> dict:
+    """The published row: the input's columns plus the generated ones (OpenAI Batch output lines, as OpenAI
+    documents them, for OpenAI Batch input; ``model`` names the model that served them)."""
     if fmt == "openai_batch":
-        ok = not result.get("error")
-        body = None
-        if ok:
-            body = {
-                "id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
-                "model": result.get("model", ""),
-                "choices": [{"index": 0, "finish_reason": result.get("finish_reason"),
-                             "message": {"role": "assistant", "content": result.get("output", "")}}],
-                "usage": {"prompt_tokens": result.get("prompt_tokens", 0),
-                          "completion_tokens": result.get("completion_tokens", 0),
-                          "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0)},
-            }
+        if result.get("error"):
+            return openai_error_line(record.get("custom_id"), result["error"], code="row_error")
+        usage = {"prompt_tokens": result.get("prompt_tokens", 0),
+                 "completion_tokens": result.get("completion_tokens", 0),
+                 "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0)}
+        if record.get("url") == "/v1/completions":
+            body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
+                    "model": model, "choices": [{"index": 0, "text": result.get("output", ""), "logprobs": None,
+                                                 "finish_reason": result.get("finish_reason")}], "usage": usage}
+        else:
+            body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
+                    "model": model,
+                    "choices": [{"index": 0, "finish_reason": result.get("finish_reason"), "logprobs": None,
+                                 "message": {"role": "assistant", "content": result.get("output", "")}}],
+                    "usage": usage}
         return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
-                "response": {"status_code": 200, "request_id": str(result["id"]), "body": body} if ok else None,
-                "error": None if ok else {"code": "row_error", "message": result.get("error")}}
+                "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
     out = dict(record)
     for k in ("output", "finish_reason", "prompt_tokens", "completion_tokens", "filter_hits", "error"):
         if k in result:
             out[k] = result[k]
+    if schema is not None and isinstance(result.get("output"), str):
+        _add_structured(out, record, result["output"], fmt, schema)
     return out
+
+
+def _add_structured(out: dict, record: dict, text: str, fmt: str, schema: OutputSchema) -> None:
+    """A schema-checked output as data: the object itself in JSONL, one typed column per top-level property
+    in Parquet and CSV (named ``output_<name>`` where the input has a column of that name)."""
+    try:
+        value = json.loads(text)  # checked when generated; the content filter's masks keep it JSON
+    except json.JSONDecodeError:
+        return
+    if fmt == "jsonl":
+        out["output"] = value
+        return
+    for f in schema.arrow_fields():
+        name = structured_column(f.name, record)
+        out[name] = column_value(value.get(f.name) if isinstance(value, dict) else None, f.type)
+
+
+def structured_column(name: str, record: dict) -> str:
+    return f"output_{name}" if name in record or name in _GENERATED else name
+
+
+_GENERATED = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "filter_hits", "error")
+
+
+def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -> dict:
+    """A failed request as a line of an OpenAI Batch error file: the HTTP-style error body OpenAI returns for
+    a request it refused (status 400), with the pipeline's reason as the message."""
+    rid = custom_id if custom_id is not None else "unknown"
+    return {"id": f"batch_req_{rid}", "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": f"req_{rid}",
+                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                            "code": code}}},
+            "error": None}
 
 
 # Rows converted to Arrow at once: one Parquet row group each (and the unit of CSV writes).
 WRITE_BATCH_ROWS = 50_000
 
 
-def write_rows(path: UPath, rows: Iterable[dict], fmt: str) -> int:
+def write_rows(path: UPath, rows: Iterable[dict], fmt: str, *, types: list | None = None) -> int:
     """Writes rows in ``fmt`` as one atomic object, streamed; returns the count.
 
     JSONL streams in one pass. CSV needs every column before its header and Parquet one schema before its
@@ -285,7 +375,7 @@ def write_rows(path: UPath, rows: Iterable[dict], fmt: str) -> int:
         raise ValueError(f"unknown output format {fmt!r}")
     with tempfile.TemporaryDirectory(prefix="batch_llm_write_") as tmp:
         spool = Path(tmp) / "rows.jsonl"
-        shape = _CsvColumns() if fmt == "csv" else _ArrowSchema()
+        shape = _CsvColumns() if fmt == "csv" else _ArrowSchema(types)
         n = 0
         with open(spool, "wb") as fh:
             for batch in _batches(rows, WRITE_BATCH_ROWS):
@@ -339,8 +429,9 @@ class _ArrowSchema:
     """The schema every batch fits: the batches' inferred schemas unified (int and float widen, nulls take
     the other side's type)."""
 
-    def __init__(self) -> None:
+    def __init__(self, types: list | None = None) -> None:
         self.schema = None
+        self.types = types or []  # pyarrow fields whose type is known (an output schema's), not inferred
 
     def add(self, batch: list[dict]) -> None:
         import pyarrow as pa
@@ -353,6 +444,9 @@ class _ArrowSchema:
         import pyarrow.parquet as pq
 
         schema = self.schema or pa.schema([])
+        for f in self.types:
+            i = schema.get_field_index(f.name)
+            schema = schema.set(i, f) if i >= 0 else schema.append(f)
         with pq.ParquetWriter(_WriterSink(w), schema) as pw:
             for batch in batches:
                 pw.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=len(batch))

@@ -19,6 +19,7 @@ into the manifest (``phases``, see ``timeline.py``): the report draws them, the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +36,9 @@ from typing import NamedTuple
 from batch_llm.config import PipelineConfig
 from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
 from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
+from batch_llm.output_schema import OutputSchema
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
+from batch_llm.row_params import RowParams, resolve
 from batch_llm.shard_merge import committed_ids, finish_shard
 from batch_llm.storage import (
     Location,
@@ -121,9 +124,21 @@ def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if chat_template:
         tok.chat_template = chat_template
-    if not tok.chat_template:
-        raise ValueError(f"the model at {model_dir} has no chat template; set model.chat_template")
     return tok
+
+
+def _prompt_basis(r: dict) -> list:
+    """What the prompt is, for its key: token ids, a completion text or a chat."""
+    if "prompt_token_ids" in r:
+        return ["ids", r["prompt_token_ids"]]
+    return ["text", r["text"]] if "text" in r else ["chat", r["messages"]]
+
+
+def _row_params(r: dict) -> dict | None:
+    """The shard row's own sampling parameters (``max_tokens`` alone in shards planned before row params)."""
+    if "params" in r:
+        return r["params"]
+    return {"max_tokens": r["max_tokens"]} if r.get("max_tokens") else None
 
 
 class RequestKey(NamedTuple):
@@ -155,6 +170,14 @@ def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> d
 def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
     return {"id": r[0], "idx": r[1], "output": None, "finish_reason": None, "prompt_tokens": prompt_tokens,
             "completion_tokens": 0, "cached": False, "error": reason}
+
+
+def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
+    """An output that does not match ``sampling.output_schema``: kept (with its text) as an error row of its
+    own kind, which ``engine.max_error_rate`` does not count: the engine worked, the answer did not fit."""
+    return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens, "cached": False,
+            "error": reason, "error_kind": "invalid_output"}
 
 
 # Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
@@ -217,6 +240,11 @@ class ShardRun:
         self.tokenizer = None
         self.lookup = None
         self.info: EngineInfo | None = None
+        schema = cfg.sampling.output_schema
+        self.schema = OutputSchema(schema) if schema is not None else None
+        self.retryable: dict[str, GenRequest] = {}  # in flight, kept while an invalid output may be asked again
+        self.retry: list[GenRequest] = []           # invalid outputs to ask again, with another seed
+        self.n_retried = 0
 
     def _record_start(self, started: dict) -> None:
         now = time.time()
@@ -229,7 +257,7 @@ class ShardRun:
         if root is None or not self.cfg.cache.enabled:
             return None
         ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
-                       self.cfg.model.chat_template), sampling=self.cfg.sampling.model_dump(),
+                       self.cfg.model.chat_template), sampling=self.cfg.sampling.model_dump(exclude={"max_tokens_cap"}),
                        engine_kind=self.cfg.engine.kind)
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
@@ -264,8 +292,7 @@ class ShardRun:
             self.n_rows += 1
             if r["id"] in done:
                 continue
-            basis = ["ids", r["prompt_token_ids"]] if "prompt_token_ids" in r else ["chat", r["messages"]]
-            key = RequestKey(prompt_key(basis, r.get("max_tokens")), None if self.dedupe else r["id"])
+            key = RequestKey(prompt_key(_prompt_basis(r), _row_params(r)), None if self.dedupe else r["id"])
             group = self.groups.get(key.request_id)
             if group is None:
                 group = self.groups[key.request_id] = _Group(key)
@@ -312,6 +339,14 @@ class ShardRun:
                         first = time.time()
                         self.timeline.add("first_token", t0, first)
                     self._take(res)
+                for attempt in range(1, self.cfg.sampling.output_retries + 1):
+                    if not self.retry:
+                        break
+                    again, self.retry = self.retry, []
+                    self.n_retried += len(again)
+                    self.say(f"asking again for {len(again)} invalid outputs (attempt {attempt + 1})")
+                    for res in engine.generate(self._retry_requests(again, attempt)):
+                        self._take(res, last=attempt == self.cfg.sampling.output_retries)
             finally:
                 self.gen_seconds = time.perf_counter() - t_gen
                 self.timeline.add("generation", first or t0)
@@ -327,7 +362,8 @@ class ShardRun:
             for r in rows:
                 req = self._request_for(r)
                 if req is not None:
-                    fh.write(json_bytes([req.key, req.prompt_token_ids, req.prompt_text, req.max_tokens]) + b"\n")
+                    params = req.params.to_json() if req.params is not None else None
+                    fh.write(json_bytes([req.key, req.prompt_token_ids, req.prompt_text, params]) + b"\n")
                 if not engine_starting():
                     break
         self.timeline.add("tokenize", t0)
@@ -335,13 +371,24 @@ class ShardRun:
 
     def _requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
         """Every request still to generate, in the planner's order: the spooled ones, then the rest."""
+        for req in self._first_requests(spooled, rows):
+            if self._may_retry(req):
+                self.retryable[req.key] = req
+            yield req
+
+    def _first_requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
         if spooled is not None:
-            for key, ids, text, max_tokens in iter_jsonl(spooled):
-                yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, max_tokens=max_tokens)
+            for key, ids, text, params in iter_jsonl(spooled):
+                yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, params=RowParams.from_json(params))
         for r in rows:
             req = self._request_for(r)
             if req is not None:
                 yield req
+
+    def _may_retry(self, req: GenRequest) -> bool:
+        """An invalid output is asked again only where another seed can change it: a sampled row."""
+        return (self.schema is not None and self.cfg.sampling.output_retries > 0
+                and resolve(req.params, self.cfg.sampling).temperature > 0)
 
     def _request_for(self, r: dict) -> GenRequest | None:
         """The request of the row whose prompt is sent; rows that cannot become one are error rows."""
@@ -357,7 +404,8 @@ class ShardRun:
         if max_len and len(ids) >= max_len:
             self._fail(rid, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}", len(ids))
             return None
-        return GenRequest(key=rid, prompt_token_ids=ids, prompt_text=text, max_tokens=r.get("max_tokens"))
+        return GenRequest(key=rid, prompt_token_ids=ids, prompt_text=text,
+                          params=RowParams.from_json(_row_params(r)))
 
     def _render(self, r: dict) -> tuple[str, list[int]]:
         if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
@@ -365,6 +413,10 @@ class ShardRun:
         if self.tokenizer is None:
             self.tokenizer = _load_tokenizer(self.model_dir, self.cfg.model.chat_template,
                                              self.cfg.model.trust_remote_code)
+        if "text" in r:  # a completion prompt: tokenized as vLLM's completions API does (special tokens added)
+            return r["text"], self.tokenizer(r["text"], add_special_tokens=True)["input_ids"]
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the model at {self.model_dir} has no chat template; set model.chat_template")
         text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -373,18 +425,34 @@ class ShardRun:
         self.pending.extend(_error_row(r, reason, prompt_tokens=prompt_tokens) for r in group.rows)
         self.progress.tick(len(group.rows), 0)
 
-    def _take(self, res: GenResult) -> None:
+    def _take(self, res: GenResult, *, last: bool = False) -> None:
+        reason = None
+        if self.schema is not None and not res.error:
+            _, reason = self.schema.check(res.text)
+        req = self.retryable.pop(res.key, None)
+        self.gen_tokens += res.completion_tokens
+        if reason and req is not None and not last:
+            self.retry.append(req)  # asked again once the first pass is through; the group stays open
+            return
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                  "completion_tokens": res.completion_tokens}
         for r in group.rows:
             if res.error:
                 self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
+            elif reason:
+                self.pending.append(_invalid_row(r, res, reason))
             else:
                 self.pending.append(_result_row(r, entry, cached=False, key=group.key.content))
-        self.gen_tokens += res.completion_tokens
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
+
+    def _retry_requests(self, requests: list[GenRequest], attempt: int) -> Iterator[GenRequest]:
+        for req in requests:
+            seed = (resolve(req.params, self.cfg.sampling).seed or 0) + 1_000_003 * attempt
+            again = dataclasses.replace(req, params=dataclasses.replace(req.params or RowParams(), seed=seed))
+            self.retryable[req.key] = again
+            yield again
 
     def _commit(self, force: bool = False) -> None:
         e = self.cfg.engine
@@ -417,7 +485,7 @@ class ShardRun:
                  generate_seconds=round(self.gen_seconds, 2), cached_rows=self.n_cached,
                  seconds=round(time.perf_counter() - t_start, 2), output_tokens_this_attempt=self.gen_tokens,
                  output_tokens_per_second=round(self.gen_tokens / self.gen_seconds, 1) if self.gen_seconds else 0.0,
-                 unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb())
+                 unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb(), outputs_asked_again=self.n_retried)
         manifest["cache_lookup"] = self.lookup.stats if self.lookup is not None else None
         manifest["engine"] = {"kind": self.cfg.engine.kind, "version": info.version if info else None,
                               "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
@@ -441,9 +509,10 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
 
 def check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:
     m = manifest["metrics"]
-    rate = m["errors"] / m["rows"] if m["rows"] else 0.0
+    failed = m["errors"] - m.get("invalid_outputs", 0)  # an answer that does not fit the schema is a row outcome
+    rate = failed / m["rows"] if m["rows"] else 0.0
     if rate > cfg.engine.max_error_rate:
-        raise ShardFailed(f"shard {manifest['shard']}: {m['errors']} of {m['rows']} rows failed "
+        raise ShardFailed(f"shard {manifest['shard']}: {failed} of {m['rows']} rows failed "
                           f"({rate:.0%} > engine.max_error_rate {cfg.engine.max_error_rate:.0%}); "
                           f"reasons are in {manifest['errors']}")
 

@@ -52,6 +52,7 @@ class PlanManifest(Manifest):
     valid: int
     invalid: int
     duplicates: int = 0
+    capped: int = 0          # rows whose own max_tokens was lowered to sampling.max_tokens_cap
     errors: str              # errors.jsonl: {source, line, id, reason}, in input order
     records: str             # records.jsonl: {idx, id, reference, record}, in input order
     shards: list[ShardSpec]

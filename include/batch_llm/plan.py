@@ -30,6 +30,7 @@ import numpy as np
 from batch_llm.config import PipelineConfig, ShardingConfig
 from batch_llm.formats import PromptRow, detect_format, input_files, read_file_rows, sniff_openai_batch, to_prompt_row
 from batch_llm.manifests import PlanManifest, ShardSpec
+from batch_llm.row_params import engine_refusal
 from batch_llm.storage import Location, atomic_writer, json_bytes, peak_rss_mb
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
@@ -63,7 +64,9 @@ def shard_sizes(n: int, s: ShardingConfig, max_tokens: int = 256) -> list[int]:
 
 def prompt_chars(r: PromptRow) -> int:
     """The sort key inside a shard: a prompt's length (token ids count as 4 characters)."""
-    return len(r.prompt_token_ids) * 4 if r.prompt_token_ids else sum(len(m["content"]) for m in r.messages)
+    if r.prompt_token_ids:
+        return len(r.prompt_token_ids) * 4
+    return len(r.text) if r.text is not None else sum(len(m["content"]) for m in r.messages)
 
 
 _dumps = json_bytes
@@ -82,6 +85,7 @@ class _Scan:
         self.spool_path, self.errors_path = tmp / "spool.tsv", tmp / "errors-rows.tsv"
         self.id_hashes = array("q")   # hash(id) of spooled row i: duplicates are found from these alone
         self.rows_read = 0
+        self.capped = 0               # rows whose max_tokens was lowered to sampling.max_tokens_cap
         self.has_references = False
 
     def run(self, files: list) -> None:
@@ -96,7 +100,7 @@ class _Scan:
                                                      "reason": raw.error}) + b"\n")
                         continue
                     try:
-                        row = to_prompt_row(raw, 0, self.cfg.input, self.fmt)
+                        row = self._checked(to_prompt_row(raw, 0, self.cfg.input, self.fmt))
                     except ValueError as e:
                         errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
                                                      "reason": str(e)}) + b"\n")
@@ -108,6 +112,16 @@ class _Scan:
                     spool.write(b"\t".join((where[:-1], b"%d" % prompt_chars(row), _dumps(row.id), shard_body,
                                             record_body)) + b"\n")
 
+    def _checked(self, row: PromptRow) -> PromptRow:
+        """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them."""
+        if row.params is not None:
+            row.params, capped = row.params.capped(self.cfg.sampling.max_tokens_cap)
+            self.capped += capped
+            why = engine_refusal(row.params, self.cfg.engine.kind)
+            if why:
+                raise ValueError(why)
+        return row
+
     def _raw_id(self, raw) -> str | int | None:
         rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
@@ -117,8 +131,10 @@ def _shard_fields(r: PromptRow) -> dict:
     row: dict = {"id": r.id, "messages": r.messages}
     if r.prompt_token_ids:
         row["prompt_token_ids"] = r.prompt_token_ids
-    if r.max_tokens:
-        row["max_tokens"] = r.max_tokens
+    if r.text is not None:
+        row["text"] = r.text
+    if r.params is not None:
+        row["params"] = r.params.to_json()
     return row
 
 
@@ -260,7 +276,8 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location)
                 n_errors += 1
     manifest = PlanManifest(
         input=input_loc.url, input_files=len(files), format=fmt, rows_read=scan.rows_read, valid=n_valid,
-        invalid=n_errors, duplicates=len(dups), errors=errors_loc.url, records=plan_dir.child("records.jsonl").url,
+        invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
+        records=plan_dir.child("records.jsonl").url,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
         peak_rss_mb=peak_rss_mb())
     manifest.write(plan_dir.path())

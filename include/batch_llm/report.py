@@ -139,6 +139,10 @@ def _header(r: _Run) -> str:
              ("shards", _num(len(r.shards))), ("output tokens", _num(out_tok)),
              ("output tok/s per engine", _num(out_tok / gen, 1) if gen else "–"),
              ("engine-seconds", _num(r.total("seconds"))), (metric, f"{score:.4f}" if score is not None else "–")]
+    if (r.cfg.get("sampling") or {}).get("output_schema"):  # structured outputs: how many fit the schema
+        tiles.insert(3, ("invalid outputs (schema)", _num(r.total("invalid_outputs"))))
+    if r.plan.get("capped"):
+        tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.plan.get("capped"))))
     kind, version, st = r.engine
     model = r.fetch.get("id") or (r.cfg.get("model") or {}).get("ref", "?")
     rev = r.fetch.get("revision") or (r.cfg.get("model") or {}).get("revision", "")
@@ -150,7 +154,8 @@ def _header(r: _Run) -> str:
         ("model", f"{model} @ {rev}" + (" (AWQ W4A16)" if r.quantize.get("quantized") else "")),
         ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
         ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
-                     f"seed {samp.get('seed')}"),
+                     f"seed {samp.get('seed')}" + (", output schema" + (" (guided decoding)" if samp.get(
+                         "guided_decoding", True) else " (checked only)") if samp.get("output_schema") else "")),
         ("input", f"{r.plan.get('input', (r.cfg.get('input') or {}).get('path', ''))} ({r.plan.get('format', '')})"),
         ("dataset", s.get("dataset")), ("errors", s.get("errors")),
         ("EvalScope report", r.eval.get("report_html")),

@@ -98,10 +98,12 @@ def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def prompt_key(prompt: list | dict, max_tokens: int | None = None) -> str:
-    """What is rendered: the chat messages (the template is in the namespace) or pre-tokenized ids, plus a
-    row's own max_tokens when it sets one."""
-    blob = json.dumps(prompt if max_tokens is None else [prompt, max_tokens], sort_keys=True, ensure_ascii=False)
+def prompt_key(prompt: list | dict, params: dict | None = None) -> str:
+    """What is rendered: the chat messages (the template is in the namespace), a completion text or
+    pre-tokenized ids, plus the row's own sampling parameters when it sets any (``RowParams.to_json``)."""
+    if params and set(params) == {"max_tokens"}:
+        params = params["max_tokens"]  # the key rows with their own max_tokens had before other row params
+    blob = json.dumps(prompt if not params else [prompt, params], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -27,8 +27,16 @@ from pathlib import Path
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
-from batch_llm.formats import FILE_SUFFIX, joined_outputs, output_record, write_rows
+from batch_llm.formats import (
+    FILE_SUFFIX,
+    joined_outputs,
+    openai_error_line,
+    output_record,
+    structured_column,
+    write_rows,
+)
 from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, PublishManifest, ShardSpec
+from batch_llm.output_schema import OutputSchema
 from batch_llm.storage import (
     Location,
     atomic_writer,
@@ -238,7 +246,21 @@ def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filter
 
 
 def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
-    yield from iter_jsonl(Location(plan.errors, opts).path())
+    """Every row that has no output, with its reason: the planner's (input order), then inference's. For
+    OpenAI Batch input, as the lines of an OpenAI Batch error file."""
+    errors = _row_errors(plan, filtered, opts)
+    if plan.format != "openai_batch":
+        yield from errors
+        return
+    for e in errors:
+        where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
+        yield openai_error_line(e.get("id"), e["reason"] + where,
+                                code="invalid_request" if e["stage"] == "plan" else "generation_failed")
+
+
+def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
+    for e in iter_jsonl(Location(plan.errors, opts).path()):
+        yield {**e, "stage": "plan"}
     for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
         yield {"id": e["id"], "reason": e["error"], "stage": "infer"}
 
@@ -259,7 +281,9 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
                            iter_jsonl(Location(filtered.outputs, opts).path()))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
-    n = write_rows(data.path(), (output_record(rec["record"], out, fmt) for rec, out in pairs), fmt)
+    schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
+    n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema)
+                                 for rec, out in pairs), fmt, types=_structured_types(schema, plan, opts))
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
     summary = {"pipeline": cfg.name, "run_id": layout.run_id, "partition": layout.partition,
                "rows_published": n, "format": fmt, "dataset": data.url, "errors": version.child("errors.jsonl").url,
@@ -286,6 +310,15 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                         seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(out_dir.path())
     return m
+
+
+def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dict) -> list | None:
+    """The Parquet types of the output schema's columns (under the names ``output_record`` gives them)."""
+    if schema is None or plan.format != "parquet":
+        return None
+    first = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    record = (first or {}).get("record") or {}
+    return [f.with_name(structured_column(f.name, record)) for f in schema.arrow_fields()]
 
 
 def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:

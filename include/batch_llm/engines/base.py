@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from batch_llm.config import EngineConfig, SamplingConfig
+from batch_llm.row_params import RowParams, Sampling, resolve
 
 
 @dataclass
@@ -24,7 +25,7 @@ class GenRequest:
     key: str                      # unique within one generate() call
     prompt_token_ids: list[int]
     prompt_text: str = ""         # the rendered chat, for engines that take text
-    max_tokens: int | None = None  # a row's own limit (OpenAI batch bodies carry one); else the config's
+    params: RowParams | None = None  # the row's own sampling parameters; None: the pipeline's
 
 
 @dataclass
@@ -160,6 +161,10 @@ class Engine(ABC):
     @property
     def max_model_len(self) -> int | None:
         return self.cfg.max_model_len
+
+    def sampling_for(self, req: GenRequest) -> Sampling:
+        """The request's full sampling: the pipeline's, under what its row sets."""
+        return resolve(req.params, self.sampling)
 
 
 def stream_requests(requests: Iterable[GenRequest], *, window: int,

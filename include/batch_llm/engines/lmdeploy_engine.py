@@ -4,7 +4,7 @@ LMDeploy refuses CPU devices, so this engine runs on GPU machines only (docs/ben
 measured on an H200). Requests stream in the way they do for vLLM: the pipeline's own event loop runs one
 coroutine per request (``AsyncEngine.preprocess`` with the row's token ids, then ``generate``), at most a
 window of them in flight, and results come back in completion order. Token ids go in as they are, so both
-engines see the same prompt tokens, and each row keeps its own ``max_tokens``.
+engines see the same prompt tokens, and each row keeps its own sampling parameters.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from batch_llm.engines.base import (
     stream_requests,
 )
 from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
+from batch_llm.row_params import Sampling
 
 
 class LmdeployEngine(Engine):
@@ -57,24 +58,24 @@ class LmdeployEngine(Engine):
                               self.model_dir), trust_remote_code=self.trust_remote_code),
                           start_seconds=time.perf_counter() - t0)
 
-    def _gen_config(self, max_tokens: int | None):
+    def _gen_config(self, s: Sampling):
         from lmdeploy import GenerationConfig
 
-        s = self.sampling
-        return GenerationConfig(max_new_tokens=min(max_tokens or s.max_tokens, s.max_tokens),
-                                temperature=s.temperature or 1e-6, top_p=s.top_p, do_sample=s.temperature > 0,
-                                random_seed=s.seed, stop_words=s.stop or None, ignore_eos=s.ignore_eos)
+        return GenerationConfig(max_new_tokens=s.max_tokens, temperature=s.temperature or 1e-6, top_p=s.top_p,
+                                do_sample=s.temperature > 0, random_seed=s.seed, stop_words=list(s.stop) or None,
+                                ignore_eos=s.ignore_eos)
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         engine = self.pipe.async_engine
         loop = self.pipe.internal_thread.loop
         done: queue.Queue[GenResult | BaseException] = queue.Queue()
-        configs: dict[int | None, object] = {}
+        configs: dict[Sampling, object] = {}  # one GenerationConfig per distinct resolved sampling
 
         async def one(req: GenRequest) -> None:
             out = None
             try:
-                gen = configs.get(req.max_tokens) or configs.setdefault(req.max_tokens, self._gen_config(req.max_tokens))
+                s = self.sampling_for(req)
+                gen = configs.get(s) or configs.setdefault(s, self._gen_config(s))
                 pre = await engine.preprocess(None, self.pipe.session_mgr.get(), gen_config=gen,
                                               input_ids=list(req.prompt_token_ids), do_preprocess=False)
                 async for part in engine.generate(pre, stream_response=False):

@@ -18,6 +18,7 @@ from batch_llm.engines.base import (
     classify_start_failure,
     model_context_limit,
 )
+from batch_llm.row_params import Sampling
 
 
 class TransformersEngine(Engine):
@@ -52,40 +53,52 @@ class TransformersEngine(Engine):
                           start_seconds=time.perf_counter() - t0)
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
-        import torch
-
-        s = self.sampling
         it = iter(requests)
         gc_eos = self.model.generation_config.eos_token_id
         eos = {self.tok.eos_token_id, *(gc_eos if isinstance(gc_eos, list) else [gc_eos])} - {None}
         while batch := list(islice(it, self.cfg.batch_size)):
-            width = max(len(r.prompt_token_ids) for r in batch)
-            pad = self.tok.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
-                               device=self.device)
-            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                 for r in batch], device=self.device)
-            limits = [min(r.max_tokens or s.max_tokens, s.max_tokens) for r in batch]
-            gen = dict(max_new_tokens=max(limits), pad_token_id=pad, do_sample=s.temperature > 0)
-            if s.temperature > 0:
-                gen.update(temperature=s.temperature, top_p=s.top_p)
-            if s.ignore_eos:
-                gen.update(eos_token_id=None)
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **gen)
-            for r, row, limit in zip(batch, out[:, width:].tolist(), limits):
-                row = row[:limit]
-                n, reason = len(row), "length"
-                for i, t in enumerate(row):
-                    if t in eos and not s.ignore_eos:
-                        n, reason = i, "stop"
-                        break
-                text = self.tok.decode(row[:n], skip_special_tokens=True)
-                for stop in s.stop:
-                    if stop in text:
-                        text, reason = text[: text.index(stop)], "stop"
-                yield GenResult(r.key, text=text, finish_reason=reason, prompt_tokens=len(r.prompt_token_ids),
-                                completion_tokens=n + (1 if reason == "stop" and n < len(row) else 0))
+            # One generate() call samples every row alike: rows are batched with rows of the same sampling
+            # (length limits and stop strings are applied per row after it).
+            groups: dict[tuple, list[tuple[GenRequest, Sampling]]] = {}
+            for r in batch:
+                s = self.sampling_for(r)
+                groups.setdefault((s.temperature, s.top_p, s.seed, s.ignore_eos), []).append((r, s))
+            for group in groups.values():
+                yield from self._generate_group(group, eos)
+
+    def _generate_group(self, group: list[tuple[GenRequest, Sampling]], eos: set) -> Iterator[GenResult]:
+        import torch
+
+        first = group[0][1]
+        width = max(len(r.prompt_token_ids) for r, _ in group)
+        pad = self.tok.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r, _ in group],
+                           device=self.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                             for r, _ in group], device=self.device)
+        gen = dict(max_new_tokens=max(s.max_tokens for _, s in group), pad_token_id=pad,
+                   do_sample=first.temperature > 0)
+        if first.temperature > 0:
+            gen.update(temperature=first.temperature, top_p=first.top_p)
+            if first.seed is not None:
+                torch.manual_seed(first.seed)
+        if first.ignore_eos:
+            gen.update(eos_token_id=None)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **gen)
+        for (r, s), row in zip(group, out[:, width:].tolist()):
+            row = row[:s.max_tokens]
+            n, reason = len(row), "length"
+            for i, t in enumerate(row):
+                if t in eos and not s.ignore_eos:
+                    n, reason = i, "stop"
+                    break
+            text = self.tok.decode(row[:n], skip_special_tokens=True)
+            for stop in s.stop:
+                if stop in text:
+                    text, reason = text[: text.index(stop)], "stop"
+            yield GenResult(r.key, text=text, finish_reason=reason, prompt_tokens=len(r.prompt_token_ids),
+                            completion_tokens=n + (1 if reason == "stop" and n < len(row) else 0))
 
     def close(self) -> None:
         self.model = None

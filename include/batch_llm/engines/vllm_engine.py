@@ -79,7 +79,8 @@ class VllmEngine(Engine):
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
                         device=str(vc.device_config.device),
                         model_context_limit=model_context_limit(self.model_dir),
-                        trust_remote_code=vc.model_config.trust_remote_code)
+                        trust_remote_code=vc.model_config.trust_remote_code,
+                        structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")))
         return EngineInfo(kind="vllm", version=vllm.__version__, settings=settings,
                           start_seconds=time.perf_counter() - t0)
 
@@ -92,23 +93,34 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        s = self.sampling
         # FINAL_ONLY, as LLM.generate sets it: the batch reads only finished outputs, so the client process
         # need not build a cumulative output per running request per step (measured: it did not close the
         # stage's generation-rate gap to LLM.generate on the H200; docs/benchmarks.md).
-        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                seed=s.seed, stop=s.stop or None, ignore_eos=s.ignore_eos,
-                                detokenize=not self.cfg.extra.get("skip_tokenizer_init", False),
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        detokenize = not self.cfg.extra.get("skip_tokenizer_init", False)
+        by_sampling: dict = {}  # one SamplingParams per distinct resolved sampling, not per row
+        guided = None
+        if self.sampling.output_schema is not None and self.sampling.guided_decoding:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            guided = self.sampling.output_schema
+
+        def params_for(req: GenRequest) -> SamplingParams:
+            s = self.sampling_for(req)
+            p = by_sampling.get(s)
+            if p is None:
+                p = by_sampling[s] = SamplingParams(
+                    max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                    stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
+                    frequency_penalty=s.frequency_penalty, detokenize=detokenize,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    structured_outputs=StructuredOutputsParams(json=guided) if guided is not None else None)
+            return p
+
         engine = self.llm.llm_engine
 
         def submit(req: GenRequest) -> GenResult | None:
             try:
-                p = params
-                if req.max_tokens and req.max_tokens != s.max_tokens:
-                    p = params.clone()
-                    p.max_tokens = min(req.max_tokens, s.max_tokens)
-                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
+                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params_for(req))
                 return None
             except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
                 if not is_request_refusal(e, engine_dead=_engine_dead(engine)):

@@ -1,0 +1,139 @@
+"""Structured outputs: the JSON Schema every output must match, the check of one output, and the typed
+columns the published dataset gets from it.
+
+``sampling.output_schema`` names a JSON Schema file (JSON or YAML, relative to the pipeline's YAML) or a
+pydantic model (``package.module:Class``); the config loads it once into the schema itself, so the schema
+travels with the config to every worker and is part of the result cache's namespace. vLLM then decodes
+under it (``StructuredOutputsParams(json=...)``, the xgrammar backend) unless ``sampling.guided_decoding`` is
+off; either way every output is checked here: a valid one is published as typed columns, an invalid one is
+an ``invalid_output`` row with the reason (not a failed task).
+
+    schema = OutputSchema(cfg.sampling.output_schema)
+    value, reason = schema.check('{"aspect": "battery", "sentiment": "负面"}')
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+INVALID_OUTPUT = "invalid_output"
+
+
+def load_schema(ref: str) -> dict:
+    """The JSON Schema a reference names: a .json/.yaml file, or ``module:Class`` of a pydantic model."""
+    if ":" in ref and not ref.lower().endswith((".json", ".yaml", ".yml")) and "/" not in ref.split(":")[0]:
+        module, _, name = ref.partition(":")
+        try:
+            model = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import the output model {ref!r}: {e}") from None
+        if not hasattr(model, "model_json_schema"):
+            raise ValueError(f"{ref!r} is not a pydantic model (no model_json_schema)")
+        return model.model_json_schema()
+    path = Path(ref)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read the output schema file {ref}: {e.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        schema = yaml.safe_load(text)
+    else:
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ref} is not JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{ref} does not hold a JSON Schema object")
+    return schema
+
+
+def check_schema(schema: dict) -> dict:
+    """The schema, if it is a valid JSON Schema (Draft 2020-12); ValueError with jsonschema's reason."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise ValueError(f"not a valid JSON Schema: {e.message}") from None
+    return schema
+
+
+class OutputSchema:
+    """One compiled schema: ``check`` parses and validates an output; ``arrow_fields`` types its columns."""
+
+    def __init__(self, schema: dict):
+        from jsonschema import Draft202012Validator
+
+        self.schema = schema
+        self._validator = Draft202012Validator(schema)
+
+    def check(self, text: str) -> tuple[Any, str | None]:
+        """(the parsed value, None) when the output matches; (None, the reason) when it does not."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            return None, f"{INVALID_OUTPUT}: not JSON ({e.msg} at character {e.pos})"
+        error = next(iter(sorted(self._validator.iter_errors(value), key=lambda x: list(x.absolute_path))), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "(the whole value)"
+            return None, f"{INVALID_OUTPUT}: {where}: {error.message}"
+        return value, None
+
+    def columns(self) -> list[str]:
+        """The top-level properties that become columns (an object schema), in the schema's order."""
+        props = self.schema.get("properties") if self.schema.get("type", "object") == "object" else None
+        return list(props) if isinstance(props, dict) else []
+
+    def arrow_fields(self) -> list:
+        """pyarrow fields of the columns, typed from the schema (not from the values seen)."""
+        import pyarrow as pa
+
+        props = self.schema.get("properties") or {}
+        return [pa.field(name, _arrow_type(props[name], self.schema)) for name in self.columns()]
+
+
+def _arrow_type(prop: dict, root: dict):
+    import pyarrow as pa
+
+    if "$ref" in prop:  # pydantic puts nested models and enums under $defs
+        prop = _deref(prop["$ref"], root)
+    if "enum" in prop and "type" not in prop:
+        kinds = {type(v) for v in prop["enum"]}
+        prop = {**prop, "type": "string" if kinds == {str} else "integer" if kinds == {int} else None}
+    kind = prop.get("type")
+    if isinstance(kind, list):  # ["string", "null"]: nullable string
+        kind = next((k for k in kind if k != "null"), None)
+    if kind == "string":
+        return pa.string()
+    if kind == "integer":
+        return pa.int64()
+    if kind == "number":
+        return pa.float64()
+    if kind == "boolean":
+        return pa.bool_()
+    if kind == "array" and isinstance(prop.get("items"), dict):
+        return pa.list_(_arrow_type(prop["items"], root))
+    if kind == "object" and isinstance(prop.get("properties"), dict):
+        return pa.struct([pa.field(k, _arrow_type(v, root)) for k, v in prop["properties"].items()])
+    return pa.string()  # anything else (anyOf, free objects) is published as its JSON text
+
+
+def _deref(ref: str, root: dict) -> dict:
+    node: Any = root
+    for part in ref.removeprefix("#/").split("/"):
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    return node if isinstance(node, dict) else {}
+
+
+def column_value(value: Any, arrow_type) -> Any:
+    """A parsed value as its column holds it: JSON text where the column is text but the value is not."""
+    import pyarrow as pa
+
+    if arrow_type == pa.string() and value is not None and not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return value

