@@ -112,11 +112,19 @@ def test_guided_on_vllm_every_output_valid_and_typed(tmp_path, demo_model_dir, s
 
 
 def test_unguided_outputs_are_checked_and_invalid_ones_reported_as_rows(tmp_path, demo_model_dir, schema):
-    table, summary, errors, rows, _ = _run(tmp_path, "engine.kind=transformers", "sampling.guided_decoding=false",
-                                           "sampling.max_tokens=48")
+    """Checked only (the transformers engine cannot guide), sampled, one more try for an invalid answer: the
+    task succeeds (invalid outputs are not engine errors), each invalid row is reported with its reason."""
+    table, summary, errors, rows, log = _run(tmp_path, "engine.kind=transformers", "sampling.guided_decoding=false",
+                                             "sampling.max_tokens=48", "sampling.temperature=0.7",
+                                             "sampling.output_retries=1")
     invalid = [e for e in errors if e["reason"].startswith("invalid_output: ")]
     assert invalid, "a 135M model without guidance should miss the schema at least once"
     assert len(invalid) + table.num_rows == len(rows)  # every row is published or reported, none lost
     for r in table.to_pylist():  # what was published is valid
         assert schema.check(r["output"])[1] is None
     assert {e["stage"] for e in errors} == {"infer"}
+    (manifest,) = tmp_path.glob("out/review_extraction/runs/*/*/infer/shard-*/manifest.json")
+    m = json.loads(manifest.read_text())["metrics"]
+    assert m["invalid_outputs"] == len(invalid) and m["errors"] == len(invalid)
+    assert m["outputs_asked_again"] >= len(invalid)  # every row that ended invalid was asked twice
+    assert f"asking again for {m['outputs_asked_again']} invalid outputs (attempt 2)" in log
