@@ -227,6 +227,18 @@ def vllm_serves(export, tmp_path_factory):
     return "served", (output, proc.stdout)
 
 
+def _script_line(script: str, model_dir: str, tmp_path, prefix: str) -> str:
+    """Runs a script in the main environment on the export; returns its output line starting with prefix."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    proc = subprocess.run([str(MAIN_PYTHON), str(path), model_dir], env=_vllm_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
+    print("\n" + line)
+    return line
+
+
 def test_vllm_serves_the_export(vllm_serves):
     kind, got = vllm_serves
     if kind == "cannot_run":
@@ -246,14 +258,7 @@ def test_vllm_engine_refuses_what_this_cpu_cannot_run(vllm_serves, export, tmp_p
     kind, _ = vllm_serves
     if kind == "served":
         pytest.skip("this CPU's vLLM build runs 4-bit weights (test_vllm_serves_the_export served the export)")
-    _, result = export
-    script = tmp_path / "refuse.py"
-    script.write_text(REFUSE_SCRIPT)
-    proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("REFUSED"))
-    print("\n" + line)
+    line = _script_line(REFUSE_SCRIPT, export[1]["model_dir"], tmp_path, "REFUSED")
     assert "cpu_gemm_wna16" in line and "engine.kind: transformers" in line and "quantize.enabled: false" in line
 
 
@@ -278,12 +283,5 @@ print("TEXT " + repr(out.text) + " " + str(out.completion_tokens) + " " + str(ou
 def test_transformers_engine_generates_from_the_export(export, tmp_path):
     """The portable engine runs the 4-bit export on any CPU (compressed-tensors decompresses it on load): the
     fallback the vLLM refusal names is real."""
-    _, result = export
-    script = tmp_path / "hf.py"
-    script.write_text(TRANSFORMERS_SCRIPT)
-    proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("TEXT "))
-    print("\n" + line)
+    line = _script_line(TRANSFORMERS_SCRIPT, export[1]["model_dir"], tmp_path, "TEXT ")
     assert "Paris" in line and line.endswith(" None")  # no error

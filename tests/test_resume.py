@@ -78,7 +78,13 @@ def test_task_killed_mid_shard_resumes(tmp_path, baseline):
     from batch_llm.worker import process_group_alive
 
     assert not process_group_alive(handle.pid)
-    WorkerHandle.start(spec).wait(on_line=lambda _: None)
+    # the first attempt was cut short: some rows committed, not all, and no shard manifest
+    first = set(_chunk_ids(layout))
+    assert 0 < len(first) < 20, len(first)
+    assert not (_shard_dir(layout).path() / "manifest.json").exists()
+    lines: list[str] = []
+    WorkerHandle.start(spec).wait(on_line=lines.append)
+    assert any(f"resuming shard 0: {len(first)} rows already committed" in line for line in lines), lines[-5:]
     ids = _chunk_ids(layout)
     assert len(ids) == len(set(ids)) == 20
     assert {r["id"]: r["output"] for r in _outputs(layout)} == baseline

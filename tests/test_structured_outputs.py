@@ -82,9 +82,10 @@ def test_typed_parquet_columns_and_jsonl_objects(tmp_path, schema):
 
 
 # ------------------------------------------------------------------------------------------ engine runs
-def _run(tmp, *sets):
+def _run(tmp, *sets, rows_limit=None):
     src = tmp / "reviews.parquet"
     rows = [json.loads(x) for x in (ROOT / "include" / "sample_data" / "reviews_zh.jsonl").read_text().splitlines()]
+    rows = rows[:rows_limit]
     pq.write_table(pa.Table.from_pylist(rows), src)
     out = tmp / "out"
     args = [sys.executable, "-m", "batch_llm", "run", str(YAML), "--input", str(src), "--output", str(out),
@@ -116,7 +117,7 @@ def test_unguided_outputs_are_checked_and_invalid_ones_reported_as_rows(tmp_path
     task succeeds (invalid outputs are not engine errors), each invalid row is reported with its reason."""
     table, summary, errors, rows, log = _run(tmp_path, "engine.kind=transformers", "sampling.guided_decoding=false",
                                              "sampling.max_tokens=48", "sampling.temperature=0.7",
-                                             "sampling.output_retries=1")
+                                             "sampling.output_retries=1", rows_limit=6)
     invalid = [e for e in errors if e["reason"].startswith("invalid_output: ")]
     assert invalid, "a 135M model without guidance should miss the schema at least once"
     assert len(invalid) + table.num_rows == len(rows)  # every row is published or reported, none lost
