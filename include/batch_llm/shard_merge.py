@@ -48,8 +48,8 @@ def finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_p
     """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order, streamed
     (a worker's memory does not grow with the shard)."""
     chunk_files = list_files(chunks_dir.path(), ".jsonl")
-    m = {"rows": n_rows, "ok": 0, "errors": 0, "invalid_outputs": 0, "input_tokens": 0, "output_tokens": 0,
-         "chunks": len(chunk_files)}
+    m = {"rows": n_rows, "ok": 0, "errors": 0, "invalid_outputs": 0, "invalid_output_tokens": 0, "input_tokens": 0,
+         "output_tokens": 0, "chunks": len(chunk_files)}
     digest = hashlib.sha256(b"[")  # sha256 of the JSON list of ids in input order, built as rows pass
     with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
             atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
@@ -60,8 +60,9 @@ def finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_p
             line = json_bytes(r) + b"\n"
             if r["error"]:
                 m["errors"] += 1
-                m["invalid_outputs"] += r.get("error_kind") == "invalid_output"
-                m["output_tokens"] += r["completion_tokens"]  # generated, though not usable
+                if r.get("error_kind") == "invalid_output":  # generated, though not usable
+                    m["invalid_outputs"] += 1
+                    m["invalid_output_tokens"] += r["completion_tokens"]
                 bad.write(line)
             else:
                 m["ok"] += 1
