@@ -141,6 +141,39 @@ def _row_params(r: dict) -> dict | None:
     return {"max_tokens": r["max_tokens"]} if r.get("max_tokens") else None
 
 
+def _spool_line(req: GenRequest) -> bytes:
+    params = req.params.to_json() if req.params is not None else None
+    return json_bytes([req.key, req.prompt_token_ids, req.prompt_text, params]) + b"\n"
+
+
+def _spooled_requests(path: Path) -> Iterator[GenRequest]:
+    for key, ids, text, params in iter_jsonl(path):
+        yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, params=RowParams.from_json(params))
+
+
+class _RequestSpool:
+    """Requests kept for later on local disk (a shard's invalid outputs can be many; their prompts are not
+    held in memory)."""
+
+    def __init__(self, path: Path):
+        self.path, self.count, self._fh = path, 0, None
+
+    def add(self, req: GenRequest) -> None:
+        if self._fh is None:
+            self._fh = open(self.path, "wb")
+        self._fh.write(_spool_line(req))
+        self.count += 1
+
+    def close(self) -> "_RequestSpool":
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        return self
+
+    def read(self) -> Iterator[GenRequest]:
+        return _spooled_requests(self.path) if self.count else iter(())
+
+
 class RequestKey(NamedTuple):
     """What a request is: its content key (also the cache key) and, when identical prompts are not folded
     into one request, the row it is for. ``request_id`` is the string the engine carries."""
@@ -243,7 +276,7 @@ class ShardRun:
         schema = cfg.sampling.output_schema
         self.schema = OutputSchema(schema) if schema is not None else None
         self.retryable: dict[str, GenRequest] = {}  # in flight, kept while an invalid output may be asked again
-        self.retry: list[GenRequest] = []           # invalid outputs to ask again, with another seed
+        self.retry: _RequestSpool | None = None   # invalid outputs to ask again (on local disk, not in memory)
         self.n_retried = 0
 
     def _record_start(self, started: dict) -> None:
@@ -326,6 +359,7 @@ class ShardRun:
             starter.run()
         rows = iter_jsonl(self.shard_path)
         with tempfile.TemporaryDirectory(prefix="batch_llm_requests_") as tmp:
+            self.retry = _RequestSpool(Path(tmp) / "retry-0.jsonl")
             spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
             engine, self.info = starter.result()
             self.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
@@ -340,12 +374,12 @@ class ShardRun:
                         self.timeline.add("first_token", t0, first)
                     self._take(res)
                 for attempt in range(1, self.cfg.sampling.output_retries + 1):
-                    if not self.retry:
+                    if not self.retry.count:
                         break
-                    again, self.retry = self.retry, []
-                    self.n_retried += len(again)
-                    self.say(f"asking again for {len(again)} invalid outputs (attempt {attempt + 1})")
-                    for res in engine.generate(self._retry_requests(again, attempt)):
+                    again, self.retry = self.retry.close(), _RequestSpool(Path(tmp) / f"retry-{attempt}.jsonl")
+                    self.n_retried += again.count
+                    self.say(f"asking again for {again.count} invalid outputs (attempt {attempt + 1})")
+                    for res in engine.generate(self._retry_requests(again.read(), attempt)):
                         self._take(res, last=attempt == self.cfg.sampling.output_retries)
             finally:
                 self.gen_seconds = time.perf_counter() - t_gen
@@ -362,8 +396,7 @@ class ShardRun:
             for r in rows:
                 req = self._request_for(r)
                 if req is not None:
-                    params = req.params.to_json() if req.params is not None else None
-                    fh.write(json_bytes([req.key, req.prompt_token_ids, req.prompt_text, params]) + b"\n")
+                    fh.write(_spool_line(req))
                 if not engine_starting():
                     break
         self.timeline.add("tokenize", t0)
@@ -378,8 +411,7 @@ class ShardRun:
 
     def _first_requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
         if spooled is not None:
-            for key, ids, text, params in iter_jsonl(spooled):
-                yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, params=RowParams.from_json(params))
+            yield from _spooled_requests(spooled)
         for r in rows:
             req = self._request_for(r)
             if req is not None:
@@ -432,7 +464,7 @@ class ShardRun:
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
-            self.retry.append(req)  # asked again once the first pass is through; the group stays open
+            self.retry.add(req)  # asked again once the first pass is through; the group stays open
             return
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
@@ -447,7 +479,7 @@ class ShardRun:
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
 
-    def _retry_requests(self, requests: list[GenRequest], attempt: int) -> Iterator[GenRequest]:
+    def _retry_requests(self, requests: Iterator[GenRequest], attempt: int) -> Iterator[GenRequest]:
         for req in requests:
             seed = (resolve(req.params, self.cfg.sampling).seed or 0) + 1_000_003 * attempt
             again = dataclasses.replace(req, params=dataclasses.replace(req.params or RowParams(), seed=seed))

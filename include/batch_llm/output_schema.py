@@ -71,6 +71,7 @@ class OutputSchema:
 
         self.schema = schema
         self._validator = Draft202012Validator(schema)
+        self._fields: list | None = None
 
     def check(self, text: str) -> tuple[Any, str | None]:
         """(the parsed value, None) when the output matches; (None, the reason) when it does not."""
@@ -90,11 +91,14 @@ class OutputSchema:
         return list(props) if isinstance(props, dict) else []
 
     def arrow_fields(self) -> list:
-        """pyarrow fields of the columns, typed from the schema (not from the values seen)."""
-        import pyarrow as pa
+        """pyarrow fields of the columns, typed from the schema (not from the values seen); built once, as
+        publish asks for them per row."""
+        if self._fields is None:
+            import pyarrow as pa
 
-        props = self.schema.get("properties") or {}
-        return [pa.field(name, _arrow_type(props[name], self.schema)) for name in self.columns()]
+            props = self.schema.get("properties") or {}
+            self._fields = [pa.field(name, _arrow_type(props[name], self.schema)) for name in self.columns()]
+        return self._fields
 
 
 def _arrow_type(prop: dict, root: dict):
