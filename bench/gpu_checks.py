@@ -31,6 +31,10 @@ from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl  # n
 from batch_llm.worker import WorkerFailed, WorkerHandle  # noqa: E402
 from bench_inference import make_dataset  # noqa: E402
 
+# the worker kills itself after its 3rd commit (the listener in tests/fault_injection)
+FAULT_ENV = {"BATCH_LLM_FAULT": "after_commit:3", "PYTHONPATH": os.pathsep.join(
+    [str(Path(__file__).resolve().parents[1] / "tests" / "fault_injection"), os.environ.get("PYTHONPATH", "")])}
+
 
 def gpu_used_mib() -> int:
     """Memory in use on the GPUs this check may use ($CUDA_VISIBLE_DEVICES, else all)."""
@@ -87,7 +91,7 @@ def check_resume(a) -> dict:
     spec, shard_dir = make_spec(a, 3000, Path(tempfile.mkdtemp()))
     t0 = time.perf_counter()
     try:
-        WorkerHandle.start(spec, env={"BATCH_LLM_FAULT": "after_commit:3"}).wait(on_line=lambda _: None)
+        WorkerHandle.start(spec, env=FAULT_ENV).wait(on_line=lambda _: None)
         raise AssertionError("the fault did not fire")
     except WorkerFailed as e:
         crashed = str(e)[:80]

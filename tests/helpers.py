@@ -1,12 +1,21 @@
 """Small helpers shared by the tests."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from batch_llm.config import PipelineConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
+FAULT_INJECTION = ROOT / "tests" / "fault_injection"
+
+
+def fault_env(fault: str) -> dict[str, str]:
+    """Environment for a worker that kills itself at a shard checkpoint: ``"after_commit:3"`` is the 3rd
+    commit (tests/fault_injection/sitecustomize.py listens to the checkpoints)."""
+    path = os.pathsep.join(p for p in (str(FAULT_INJECTION), os.environ.get("PYTHONPATH")) if p)
+    return {"BATCH_LLM_FAULT": fault, "PYTHONPATH": path}
 
 
 def demo_config(tmp: Path, **overrides) -> PipelineConfig:

@@ -266,7 +266,8 @@ TRANSFORMERS_SCRIPT = """\
 import sys
 from transformers import AutoTokenizer
 from batch_llm.config import EngineConfig, SamplingConfig
-from batch_llm.engines.base import GenRequest, make_engine
+from batch_llm.engines.base import GenRequest
+from batch_llm.engines.registry import make_engine
 
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

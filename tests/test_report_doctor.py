@@ -13,8 +13,9 @@ import re
 from collections import Counter
 
 import pytest
-from batch_llm.doctor import Finding, PrefixStats, TokenStats, diagnose, format_findings, read_token_stats
+from batch_llm.doctor import Finding, diagnose, format_findings
 from batch_llm.report import write_run_report
+from batch_llm.run_stats import PrefixStats, TokenStats, read_token_stats
 from batch_llm.storage import Location, exists, read_json, write_json, write_jsonl
 
 SECTIONS = ("doctor", "outcomes", "throughput", "time", "timeline", "lengths", "filter", "scores", "shards", "config")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 import threading
 
 import pytest
@@ -72,7 +73,7 @@ class _EchoEngine:
 
 
 @pytest.mark.parametrize("dedupe", [True, False])
-def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, dedupe):
+def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, request, dedupe):
     """The first attempt dies after its first chunk commit (before any table is written); the retry generates
     the rest and writes one table with every generated row, so the next run is served from the cache."""
     from batch_llm import infer
@@ -80,16 +81,16 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
 
     cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
                       engine__commit_every_rows=4, engine__dedupe_prompts=dedupe)
-    real = infer.maybe_crash
     crashed: list[str] = []
+    armed = [True]
 
-    def crash_once(point):
-        if point == "after_commit" and not crashed:
-            crashed.append(point)
+    def crash_once(event, args):  # an audit hook stays for the process: disarmed when the test ends
+        if event == infer.CHECKPOINT_EVENT and args[0] == "after_commit" and armed[0] and not crashed:
+            crashed.append(args[0])
             raise RuntimeError("injected crash")
-        real(point)
 
-    monkeypatch.setattr(infer, "maybe_crash", crash_once)
+    sys.addaudithook(crash_once)
+    request.addfinalizer(lambda: armed.clear())
     monkeypatch.setattr(infer, "start_engine", lambda *a: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
     _EchoEngine.requests = 0
     layout = stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")

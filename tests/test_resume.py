@@ -12,7 +12,7 @@ import pytest
 from batch_llm import stages
 from batch_llm.storage import Location, iter_jsonl, list_files
 from batch_llm.worker import WorkerFailed, WorkerHandle
-from helpers import demo_config
+from helpers import demo_config, fault_env
 
 # batch_size 1: no padding, so greedy outputs do not depend on which rows share a batch after a resume.
 SPEC_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=1, engine__commit_every_rows=4,
@@ -54,7 +54,7 @@ def baseline(tmp_path_factory, demo_model_dir):
 def test_crash_then_resume_equals_uninterrupted(tmp_path, baseline, fault):
     _, layout, spec = _prepare(tmp_path, f"crash-{fault}")
     with pytest.raises(WorkerFailed, match="killed by signal 9"):
-        WorkerHandle.start(spec, env={"BATCH_LLM_FAULT": fault}).wait(on_line=lambda _: None)
+        WorkerHandle.start(spec, env=fault_env(fault)).wait(on_line=lambda _: None)
     committed_before = _chunk_ids(layout)
     lines: list[str] = []
     WorkerHandle.start(spec).wait(on_line=lines.append)
@@ -93,7 +93,7 @@ def test_task_killed_mid_shard_resumes(tmp_path, baseline):
 def test_vllm_crash_after_commit_resumes(tmp_path, demo_model_dir):
     _, layout, spec = _prepare(tmp_path, "vllm-crash", engine__kind="vllm", engine__commit_every_rows=1)
     with pytest.raises(WorkerFailed, match="killed by signal 9"):
-        WorkerHandle.start(spec, env={"BATCH_LLM_FAULT": "after_commit:3"}).wait(on_line=lambda _: None)
+        WorkerHandle.start(spec, env=fault_env("after_commit:3")).wait(on_line=lambda _: None)
     assert 0 < len(_chunk_ids(layout)) < 20
     WorkerHandle.start(spec).wait(on_line=lambda _: None)
     ids = _chunk_ids(layout)

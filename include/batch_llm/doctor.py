@@ -14,14 +14,12 @@ Every finding carries the numbers it was derived from (``evidence``) and one con
 from __future__ import annotations
 
 import math
-import os
-import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from batch_llm.storage import Location, exists, iter_jsonl
+from batch_llm.run_stats import PrefixStats, RunStats, TokenStats, mean_of, quantile, run_stats
 
 # Thresholds (each check names the one it uses).
 START_SHARE_MAX = 0.2          # engine start above this share of a shard's time: bigger shards
@@ -49,285 +47,6 @@ class Finding:
         return asdict(self)
 
 
-# ------------------------------------------------------------------------------------------ inputs
-def infer_manifests(summary: dict) -> list[dict]:
-    """The shard manifests of a summary, by shard index (empty when the summary has none)."""
-    shards = (summary.get("manifests") or {}).get("infer") or []
-    return sorted((s for s in shards if isinstance(s, dict)), key=lambda s: s.get("shard", 0))
-
-
-def engine_settings(shard: dict) -> dict:
-    eng = shard.get("engine")
-    return dict(eng.get("settings") or {}) if isinstance(eng, dict) else {}
-
-
-def engine_kind(shard: dict) -> str | None:
-    eng = shard.get("engine")
-    return eng.get("kind") if isinstance(eng, dict) else eng
-
-
-def quantile(counts: Counter | dict, q: float) -> float | None:
-    """Nearest-rank quantile of a value -> count table."""
-    total = sum(counts.values())
-    if not total:
-        return None
-    rank = max(1, math.ceil(q * total))
-    seen = 0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= rank:
-            return float(value)
-    return float(max(counts))
-
-
-def mean_of(counts: Counter | dict) -> float | None:
-    total = sum(counts.values())
-    return sum(v * c for v, c in counts.items()) / total if total else None
-
-
-@dataclass
-class TokenStats:
-    """Per-row token lengths read from the shards' ``outputs.jsonl`` (the rows that succeeded)."""
-
-    prompt: Counter = field(default_factory=Counter)        # prompt tokens -> rows
-    completion: Counter = field(default_factory=Counter)    # completion tokens -> rows
-    rows: int = 0                 # rows read
-    rows_total: int = 0           # rows the manifests report as ok
-    truncated: int = 0            # finish_reason "length": stopped by sampling.max_tokens
-    batch_size: int = 0           # static batches simulated over the rows sent to the engine
-    padded_tokens: int = 0        # prompt slots in those batches (longest prompt x rows)
-    real_tokens: int = 0          # prompt tokens in them
-    decode_slots: int = 0         # decode steps x rows in those batches (longest completion x rows)
-    decode_used: int = 0          # completion tokens in them
-
-    @property
-    def sampled(self) -> bool:
-        return self.rows < self.rows_total
-
-    @property
-    def padding_share(self) -> float | None:
-        return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else None
-
-    @property
-    def decode_waste(self) -> float | None:
-        return 1 - self.decode_used / self.decode_slots if self.decode_slots else None
-
-
-def read_token_stats(summary: dict, options: dict | None = None, *, max_rows: int = 500_000,
-                     batch_size: int | None = None, sort_by_length: bool | None = None) -> TokenStats:
-    """Reads prompt/completion lengths row by row (streaming; at most ``max_rows`` spread over the shards,
-    the first rows of each) and simulates the static batches of the transformers engine over them."""
-    cfg = summary.get("config") or {}
-    bs = batch_size or (cfg.get("engine") or {}).get("batch_size") or 16
-    sort = (cfg.get("sharding") or {}).get("sort_by_length", True) if sort_by_length is None else sort_by_length
-    shards = infer_manifests(summary)
-    st = TokenStats(batch_size=bs, rows_total=sum((s.get("metrics") or {}).get("ok", 0) for s in shards))
-    per_shard = max(1000, max_rows // max(1, len(shards)))
-    for s in shards:
-        if not s.get("outputs"):
-            continue
-        path = Location(s["outputs"], options or {}).path()
-        if not exists(path):
-            continue
-        sent: list[tuple[int, int]] = []
-        for i, r in enumerate(iter_jsonl(path)):
-            if i >= per_shard:
-                break
-            p, c = int(r.get("prompt_tokens") or 0), int(r.get("completion_tokens") or 0)
-            st.prompt[p] += 1
-            st.completion[c] += 1
-            st.rows += 1
-            st.truncated += r.get("finish_reason") == "length"
-            if not r.get("cached"):
-                sent.append((p, c))
-        if sort:  # the planner sorts a shard by prompt length; batches are cut in that order
-            sent.sort()
-        for k in range(0, len(sent), bs):
-            batch = sent[k:k + bs]
-            st.padded_tokens += max(p for p, _ in batch) * len(batch)
-            st.real_tokens += sum(p for p, _ in batch)
-            st.decode_slots += max(c for _, c in batch) * len(batch)
-            st.decode_used += sum(c for _, c in batch)
-    return st
-
-
-@dataclass
-class PrefixStats:
-    """What the prompts share at their start, from a sample of the planned shard rows."""
-
-    rows: int = 0
-    common_prefix_chars: int = 0      # characters every sampled prompt starts with
-    system_share: float = 0.0         # share of rows whose system message is the most common one
-    system_chars: int = 0             # that system message's length
-
-    @property
-    def shared_chars(self) -> int:
-        return max(self.common_prefix_chars, self.system_chars if self.system_share >= 0.5 else 0)
-
-
-def read_prefix_stats(summary: dict, options: dict | None = None, *, max_rows: int = 400,
-                      max_shards: int = 8) -> PrefixStats:
-    shards = ((summary.get("manifests") or {}).get("plan") or {}).get("shards") or []
-    texts: list[str] = []
-    systems: Counter = Counter()
-    chosen = shards[:: max(1, math.ceil(len(shards) / max_shards))][:max_shards]
-    per = max(1, max_rows // max(1, len(chosen)))
-    for s in chosen:
-        path = Location(s.get("url", ""), options or {}).path()
-        if not s.get("url") or not exists(path):
-            continue
-        for i, r in enumerate(iter_jsonl(path)):
-            if i >= per:
-                break
-            msgs = r.get("messages") or []
-            texts.append("".join(f"<{m.get('role')}>{m.get('content') or ''}" for m in msgs))
-            if msgs and msgs[0].get("role") == "system":
-                systems[msgs[0].get("content") or ""] += 1
-    st = PrefixStats(rows=len(texts))
-    if texts:
-        prefix = os.path.commonprefix(texts) if len(texts) > 1 else ""
-        st.common_prefix_chars = len(_ROLE_TAG.sub("", prefix))  # the role tags are not prompt text
-        if systems:
-            text, n = systems.most_common(1)[0]
-            st.system_share, st.system_chars = n / len(texts), len(text)
-    return st
-
-
-_ROLE_TAG = re.compile(r"<(?:system|user|assistant|tool|developer)>")
-
-
-def read_error_reasons(summary: dict, options: dict | None = None, *, max_rows: int = 20_000) -> dict:
-    """{"plan": Counter(reason), "infer": Counter(reason), "max_prompt_tokens": int} from the errors files."""
-    out = {"plan": Counter(), "infer": Counter(), "max_prompt_tokens": 0, "too_long": 0}
-    plan_errors = ((summary.get("manifests") or {}).get("plan") or {}).get("errors")
-    if plan_errors and exists(Location(plan_errors, options or {}).path()):
-        for i, r in enumerate(iter_jsonl(Location(plan_errors, options or {}).path())):
-            if i >= max_rows:
-                break
-            out["plan"][_reason_kind(r.get("reason") or "")] += 1
-    n = 0
-    for s in infer_manifests(summary):
-        if not s.get("errors") or not (s.get("metrics") or {}).get("errors"):
-            continue
-        path = Location(s["errors"], options or {}).path()
-        if not exists(path):
-            continue
-        for r in iter_jsonl(path):
-            n += 1
-            if n > max_rows:
-                return out
-            reason = r.get("error") or ""
-            out["infer"][_reason_kind(reason)] += 1
-            if reason.startswith("prompt is "):
-                out["too_long"] += 1
-                out["max_prompt_tokens"] = max(out["max_prompt_tokens"], int(r.get("prompt_tokens") or 0))
-    return out
-
-
-def _reason_kind(reason: str) -> str:
-    """A reason with its particulars (quoted values, numbers, positions) taken out, to count kinds."""
-    r = re.sub(r"'[^']*'|\"[^\"]*\"", "…", reason.splitlines()[0] if reason else "")
-    r = re.sub(r"\d+", "N", r)
-    return r.strip()[:120]
-
-
-def gpu_count(gpus: int | None = None) -> int | None:
-    """GPUs of the pool: the argument, else $BATCH_LLM_GPUS ("0,1,2,3": ids, as the GPU leases read it)."""
-    if gpus is not None:
-        return gpus
-    env = os.environ.get("BATCH_LLM_GPUS")
-    if env is None:
-        return None
-    return len([g for g in env.split(",") if g.strip()]) or None
-
-
-# ------------------------------------------------------------------------------------------ context
-@dataclass
-class _Run:
-    summary: dict
-    cfg: dict
-    shards: list[dict]
-    metrics: list[dict]
-    settings: dict
-    kind: str
-    device: str
-    on_gpu: bool
-    gpus: int | None
-    tokens: TokenStats | None
-    prefix: PrefixStats | None
-    errors: dict | None
-    model_limit: int | None = None  # the model's own context limit (max_position_embeddings), when known
-
-    @property
-    def engine_cfg(self) -> dict:
-        return self.cfg.get("engine") or {}
-
-    @property
-    def total_rows(self) -> int:
-        plan = (self.summary.get("manifests") or {}).get("plan") or {}
-        return int(plan.get("valid") or sum(m.get("rows", 0) for m in self.metrics))
-
-    @property
-    def tp(self) -> int:
-        return int(self.settings.get("tensor_parallel_size") or self.engine_cfg.get("tensor_parallel_size") or 1)
-
-    def engine_rows(self, m: dict) -> int:
-        """Requests a shard sent to the engine (rows less cache hits, duplicates folded)."""
-        rows = m.get("rows", 0) - m.get("cached_rows", 0) - m.get("errors", 0)
-        return max(0, min(rows, m.get("unique_prompts", rows)))
-
-    def mean_seq_tokens(self) -> float | None:
-        if self.tokens and self.tokens.rows:
-            return mean_of(self.tokens.prompt) + mean_of(self.tokens.completion)
-        rows = sum(m.get("rows", 0) for m in self.metrics)
-        ok = sum(m.get("ok", 0) for m in self.metrics)
-        if not rows or not ok:
-            return None
-        return sum(m.get("input_tokens", 0) for m in self.metrics) / rows + \
-            sum(m.get("output_tokens", 0) for m in self.metrics) / ok
-
-
-def model_limit_of(summary: dict, settings: dict) -> int | None:
-    """The model's context limit: what the engine recorded (``model_context_limit`` in the shard's engine
-    settings), else ``max_position_embeddings`` in the config.json of the model folder the run names, when
-    that folder is on this machine."""
-    v = settings.get("model_context_limit")
-    if isinstance(v, int) and v > 0:
-        return v
-    from batch_llm.engines.base import model_context_limit
-
-    manifests = summary.get("manifests") or {}
-    for d in ((manifests.get("quantize") or {}).get("local_dir"), (manifests.get("fetch") or {}).get("local_dir"),
-              ((summary.get("config") or {}).get("model") or {}).get("ref")):
-        if isinstance(d, str) and os.path.isdir(d):
-            limit = model_context_limit(d)
-            if limit:
-                return limit
-    return None
-
-
-def _context(summary: dict, gpus, tokens, prefix, errors, options, read_files) -> _Run:
-    cfg = summary.get("config") or {}
-    shards = infer_manifests(summary)
-    metrics = [s.get("metrics") or {} for s in shards]
-    settings: dict = {}
-    for s in shards:
-        if engine_settings(s):
-            settings = engine_settings(s)
-            break
-    kind = next((k for k in map(engine_kind, shards) if k), None) or (cfg.get("engine") or {}).get("kind") or "vllm"
-    device = str(settings.get("device") or ("cuda" if kind == "lmdeploy" else ""))
-    n_gpus = gpu_count(gpus)
-    on_gpu = device.startswith("cuda") or (not device and bool(n_gpus))
-    if read_files and shards:
-        tokens = tokens or read_token_stats(summary, options)
-        prefix = prefix or read_prefix_stats(summary, options)
-        errors = errors or read_error_reasons(summary, options)
-    return _Run(summary=summary, cfg=cfg, shards=shards, metrics=metrics, settings=settings, kind=kind,
-                device=device or "unknown device", on_gpu=on_gpu, gpus=n_gpus, tokens=tokens, prefix=prefix,
-                errors=errors, model_limit=model_limit_of(summary, settings))
-
-
 def _pct(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x:.1%}"
 
@@ -346,7 +65,7 @@ def _pow2_at_most(x: float, lo: int = 1) -> int:
     return max(lo, 1 << max(0, math.floor(math.log2(max(1.0, x)))))
 
 
-def _kv_capacity(run: _Run) -> tuple[int, int, float] | None:
+def _kv_capacity(run: RunStats) -> tuple[int, int, float] | None:
     """(KV-cache tokens, sequences of the run's mean length it holds, that mean length), when known."""
     blocks, size = run.settings.get("num_kv_blocks"), run.settings.get("block_size")
     seq = run.mean_seq_tokens()
@@ -356,7 +75,7 @@ def _kv_capacity(run: _Run) -> tuple[int, int, float] | None:
     return kv, int(kv // seq), seq
 
 
-def _concurrency_wanted(run: _Run) -> int | None:
+def _concurrency_wanted(run: RunStats) -> int | None:
     reqs = [run.engine_rows(m) for m in run.metrics]
     if not reqs:
         return None
@@ -364,7 +83,7 @@ def _concurrency_wanted(run: _Run) -> int | None:
     return min(int(mns), int(statistics.median(reqs)))
 
 
-def _shard_size_change(run: _Run, min_rows: int) -> tuple[str, int] | None:
+def _shard_size_change(run: RunStats, min_rows: int) -> tuple[str, int] | None:
     """The sharding change that gives shards of at least ``min_rows`` rows without leaving GPUs idle,
     with the resulting shard count; None when the run is already sharded that way."""
     total = run.total_rows
@@ -391,7 +110,7 @@ def _shards(k: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _check_engine(run: _Run) -> Iterable[Finding]:
+def _check_engine(run: RunStats) -> Iterable[Finding]:
     if run.kind != "transformers" or not run.metrics:
         return
     ok = sum(m.get("ok", 0) for m in run.metrics)
@@ -409,7 +128,7 @@ def _check_engine(run: _Run) -> Iterable[Finding]:
         "engine.kind: vllm", "engine")
 
 
-def _check_batch_mode(run: _Run) -> Iterable[Finding]:
+def _check_batch_mode(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if run.kind != "transformers" or not t or t.decode_waste is None or t.decode_waste < DECODE_WASTE_MAX:
         return
@@ -421,7 +140,7 @@ def _check_batch_mode(run: _Run) -> Iterable[Finding]:
         f"finished row's slot at once", "engine.kind: vllm", "batch_mode")
 
 
-def _check_padding(run: _Run) -> Iterable[Finding]:
+def _check_padding(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if run.kind != "transformers" or not t or not t.rows or t.padding_share is None:
         return
@@ -438,7 +157,7 @@ def _check_padding(run: _Run) -> Iterable[Finding]:
         change, "padding")
 
 
-def _check_max_num_seqs(run: _Run) -> Iterable[Finding]:
+def _check_max_num_seqs(run: RunStats) -> Iterable[Finding]:
     if run.kind not in ("vllm", "lmdeploy") or not run.metrics:
         return
     mns = int(run.settings.get("max_num_seqs") or run.settings.get("max_batch_size")
@@ -463,7 +182,7 @@ def _check_max_num_seqs(run: _Run) -> Iterable[Finding]:
             f"engine.max_num_seqs: {new}", "max_num_seqs")
 
 
-def _kv_limited(run: _Run) -> tuple[int, int, float, int] | None:
+def _kv_limited(run: RunStats) -> tuple[int, int, float, int] | None:
     """(kv tokens, sequences it holds, mean length, concurrency wanted) when the KV cache is the limit."""
     cap, wanted = _kv_capacity(run), _concurrency_wanted(run)
     if cap and wanted and cap[1] < 0.9 * wanted:
@@ -471,7 +190,7 @@ def _kv_limited(run: _Run) -> tuple[int, int, float, int] | None:
     return None
 
 
-def _check_kv_cache(run: _Run) -> Iterable[Finding]:
+def _check_kv_cache(run: RunStats) -> Iterable[Finding]:
     """KV cache smaller than the concurrency: memory (GPU utilization, CPU cache size) or dtype."""
     if run.kind != "vllm":
         return
@@ -503,7 +222,7 @@ def _check_kv_cache(run: _Run) -> Iterable[Finding]:
                       f"engine.max_num_seqs: {_pow2_at_most(seqs)}", "kv_cache")
 
 
-def _check_memory_headroom(run: _Run) -> Iterable[Finding]:
+def _check_memory_headroom(run: RunStats) -> Iterable[Finding]:
     if not run.on_gpu:
         return
     util = float(run.settings.get("gpu_memory_utilization") or run.engine_cfg.get("gpu_memory_utilization") or 0)
@@ -528,7 +247,7 @@ def _check_memory_headroom(run: _Run) -> Iterable[Finding]:
                           change, "memory")
 
 
-def _check_prefix(run: _Run) -> Iterable[Finding]:
+def _check_prefix(run: RunStats) -> Iterable[Finding]:
     p = run.prefix
     if run.kind != "vllm" or not p or p.rows < 2:
         return
@@ -551,7 +270,7 @@ def _check_prefix(run: _Run) -> Iterable[Finding]:
                   "engine.enable_prefix_caching: true", "prefix_cache")
 
 
-def _start_rows(run: _Run) -> tuple[int, float, float, float, float]:
+def _start_rows(run: RunStats) -> tuple[int, float, float, float, float]:
     """(rows a shard needs so that engine start stays under START_SHARE_TARGET of its time — 0 when start
     is no problem —, median start share, median start seconds, median shard seconds, generation s per row)."""
     started = [m for m in run.metrics if m.get("seconds") and m.get("engine_start_seconds")]
@@ -568,7 +287,7 @@ def _start_rows(run: _Run) -> tuple[int, float, float, float, float]:
     return need, share, start, total, per_row
 
 
-def _check_engine_start(run: _Run) -> Iterable[Finding]:
+def _check_engine_start(run: RunStats) -> Iterable[Finding]:
     need, share, start, total, per_row = _start_rows(run)
     if not need:
         return
@@ -583,7 +302,7 @@ def _check_engine_start(run: _Run) -> Iterable[Finding]:
         f"{_shards(sug[1])})", sug[0], "engine_start")
 
 
-def _check_gpu_sharding(run: _Run) -> Iterable[Finding]:
+def _check_gpu_sharding(run: RunStats) -> Iterable[Finding]:
     if not run.gpus or not run.shards:
         return
     slots = max(1, run.gpus // run.tp)
@@ -602,7 +321,7 @@ def _check_gpu_sharding(run: _Run) -> Iterable[Finding]:
                       f"sharding.num_shards: {(n // slots) * slots}", "gpu_sharding")
 
 
-def _check_errors(run: _Run) -> Iterable[Finding]:
+def _check_errors(run: RunStats) -> Iterable[Finding]:
     plan = (run.summary.get("manifests") or {}).get("plan") or {}
     read, invalid = plan.get("rows_read") or 0, plan.get("invalid") or 0
     reasons = run.errors or {}
@@ -647,7 +366,7 @@ def _check_errors(run: _Run) -> Iterable[Finding]:
                       f"{why}", change, "errors")
 
 
-def _check_truncation(run: _Run) -> Iterable[Finding]:
+def _check_truncation(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if not t or t.rows < 3 or t.truncated / t.rows < TRUNCATED_MAX:
         return
@@ -658,7 +377,7 @@ def _check_truncation(run: _Run) -> Iterable[Finding]:
                   f"sampling.max_tokens: {2 * max_tokens}", "truncation")
 
 
-def _check_cache(run: _Run) -> Iterable[Finding]:
+def _check_cache(run: RunStats) -> Iterable[Finding]:
     rows = sum(m.get("rows", 0) - m.get("errors", 0) for m in run.metrics)
     if not rows:
         return
@@ -695,7 +414,7 @@ PHASE_ADVICE = {
 }
 
 
-def _check_timeline(run: _Run) -> Iterable[Finding]:
+def _check_timeline(run: RunStats) -> Iterable[Finding]:
     from batch_llm.timeline import largest_avoidable
 
     top = largest_avoidable(run.shards)
@@ -722,7 +441,12 @@ def diagnose(summary: dict, *, gpus: int | None = None, tokens: TokenStats | Non
     already read (the report passes its own); otherwise read from the files the summary names, unless
     ``read_files`` is false. ``options``: fsspec options for those files.
     """
-    run = _context(summary, gpus, tokens, prefix, errors, options, read_files)
+    return diagnose_run(run_stats(summary, gpus=gpus, tokens=tokens, prefix=prefix, errors=errors, options=options,
+                                  read_files=read_files))
+
+
+def diagnose_run(run: RunStats) -> list[Finding]:
+    """The findings for a run's facts already gathered (the report gathers them once for both)."""
     by_change: dict[str, Finding] = {}
     for check in CHECKS:
         for f in check(run) or ():

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from batch_llm.config import EngineConfig, PipelineConfig
-from batch_llm.engines.base import EngineStartError, make_engine
+from batch_llm.engines.base import EngineStartError
+from batch_llm.engines.registry import make_engine
 
 
 def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]):

@@ -22,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import signal
+import sys
 import tempfile
 import threading
 import time
@@ -62,22 +61,13 @@ class ShardFailed(RuntimeError):
     """The shard finished but too many rows failed; its outputs and errors were still written."""
 
 
-def maybe_crash(point: str) -> None:
-    """Fault injection for the resume tests: BATCH_LLM_FAULT="after_commit:2" kills this process with
-    SIGKILL the 2nd time the named point is reached. Unset in production: costs one dict lookup."""
-    spec = os.environ.get("BATCH_LLM_FAULT")
-    if not spec:
-        return
-    name, _, nth = spec.partition(":")
-    if name != point:
-        return
-    count = _fault_counts.get(point, 0) + 1
-    _fault_counts[point] = count
-    if count == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+# The shard's checkpoints, announced as audit events: free when nobody listens; the resume tests listen
+# (tests/fault_injection) and kill the worker there. No fault injection lives in this package.
+CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"
 
 
-_fault_counts: dict[str, int] = {}
+def checkpoint(point: str) -> None:
+    sys.audit(CHECKPOINT_EVENT, point)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -491,7 +481,7 @@ class ShardRun:
         if not self.pending or not (force or len(self.pending) >= e.commit_every_rows or
                                     time.perf_counter() - self.last_commit >= e.commit_every_seconds):
             return
-        maybe_crash("before_commit")
+        checkpoint("before_commit")
         # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
         self.pending.sort(key=lambda r: r["idx"])
         write_jsonl(self.chunks_dir.child(f"chunk-{self.chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(),
@@ -499,7 +489,7 @@ class ShardRun:
         self.chunk_seq += 1
         self.pending = []
         self.last_commit = time.perf_counter()
-        maybe_crash("after_commit")
+        checkpoint("after_commit")
 
     def _finish(self, t_start: float) -> dict:
         self.timeline.begin("merge")
@@ -523,7 +513,7 @@ class ShardRun:
                               "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
         self.timeline.end("commit")
         manifest["phases"] = self.timeline.to_list()  # the manifest write itself is the last few ms of commit
-        maybe_crash("before_manifest")
+        checkpoint("before_manifest")
         write_manifest(self.shard_dir.path(), manifest)
         self.say(f"shard {self.shard['index']} done: {m['rows']} rows, {m['errors']} errors, "
                  f"{m['output_tokens']} output tokens, {m['output_tokens_per_second']} tok/s")

@@ -24,20 +24,12 @@ import io
 import logging
 import math
 import statistics
+from dataclasses import dataclass
 
 import yaml
 
-from batch_llm.doctor import (
-    Finding,
-    TokenStats,
-    diagnose,
-    engine_kind,
-    engine_settings,
-    infer_manifests,
-    mean_of,
-    quantile,
-    read_token_stats,
-)
+from batch_llm.doctor import Finding, diagnose_run
+from batch_llm.run_stats import RunStats, mean_of, quantile, run_stats
 from batch_llm.storage import Location, exists, list_files, read_json, write_text_atomic
 
 log = logging.getLogger("batch_llm.report")
@@ -71,9 +63,8 @@ def render_report(summary: dict, *, pipeline_root: Location | None = None, optio
     import matplotlib
 
     opts = options or (pipeline_root.options if pipeline_root else {})
-    tokens = read_token_stats(summary, opts)
-    findings = diagnose(summary, gpus=gpus, tokens=tokens, options=opts)
-    r = _Run(summary, tokens, findings, pipeline_root, opts)
+    run = run_stats(summary, gpus=gpus, options=opts)
+    r = _Page(run, diagnose_run(run), pipeline_root)
     style = {"font.size": 8.5, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
              "grid.alpha": 0.25, "axes.axisbelow": True, "legend.frameon": True, "legend.framealpha": 0.85,
              "legend.edgecolor": "none", "axes.titlesize": 9.5,
@@ -99,66 +90,47 @@ def render_report(summary: dict, *, pipeline_root: Location | None = None, optio
 
 
 # ------------------------------------------------------------------------------------------ run facts
-class _Run:
-    def __init__(self, summary: dict, tokens: TokenStats, findings: list[Finding], pipeline_root, options):
-        self.s = summary
-        self.tokens = tokens
-        self.findings = findings
-        self.pipeline_root = pipeline_root
-        self.options = options
-        self.cfg = summary.get("config") or {}
-        man = summary.get("manifests") or {}
-        self.plan = man.get("plan") or {}
-        self.filter = man.get("filter") or {}
-        self.eval = man.get("evaluate") or {}
-        self.fetch = man.get("fetch") or {}
-        self.quantize = man.get("quantize") or {}
-        self.shards = infer_manifests(summary)
-        self.metrics = [s.get("metrics") or {} for s in self.shards]
+@dataclass
+class _Page:
+    """What a report page draws: the run's facts, the doctor's findings, and where earlier runs are."""
 
-    def total(self, key: str) -> float:
-        return sum(m.get(key) or 0 for m in self.metrics)
-
-    @property
-    def engine(self) -> tuple[str, str, dict]:
-        for s in self.shards:
-            if engine_settings(s):
-                return engine_kind(s) or "?", (s.get("engine") or {}).get("version") or "", engine_settings(s)
-        return (self.cfg.get("engine") or {}).get("kind", "?"), "", {}
+    run: RunStats
+    findings: list[Finding]
+    pipeline_root: Location | None
 
 
-def _header(r: _Run) -> str:
-    s = r.s
-    read = r.plan.get("rows_read")
-    out_tok, gen = r.total("output_tokens"), r.total("generate_seconds")
-    metric = (r.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
-    score = (r.eval.get("metrics") or {}).get(metric)
-    errors = (r.plan.get("invalid") or 0) + (r.filter.get("inference_error_rows") or r.total("errors"))
+def _header(r: _Page) -> str:
+    s = r.run.summary
+    read = r.run.plan.get("rows_read")
+    out_tok, gen = r.run.total("output_tokens"), r.run.total("generate_seconds")
+    metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
+    score = (r.run.evaluate.get("metrics") or {}).get(metric)
+    errors = (r.run.plan.get("invalid") or 0) + (r.run.filter.get("inference_error_rows") or r.run.total("errors"))
     tiles = [("rows read", _num(read)), ("published", _num(s.get("rows_published"))),
-             ("errors", _num(errors)), ("dropped by filter", _num((r.filter.get("summary") or {}).get("rows_dropped"))),
-             ("shards", _num(len(r.shards))), ("output tokens", _num(out_tok)),
+             ("errors", _num(errors)), ("dropped by filter", _num((r.run.filter.get("summary") or {}).get("rows_dropped"))),
+             ("shards", _num(len(r.run.shards))), ("output tokens", _num(out_tok)),
              ("output tok/s per engine", _num(out_tok / gen, 1) if gen else "–"),
-             ("engine-seconds", _num(r.total("seconds"))), (metric, f"{score:.4f}" if score is not None else "–")]
-    if (r.cfg.get("sampling") or {}).get("output_schema"):  # structured outputs: how many fit the schema
-        tiles.insert(3, ("invalid outputs (schema)", _num(r.total("invalid_outputs"))))
-    if r.plan.get("capped"):
-        tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.plan.get("capped"))))
-    kind, version, st = r.engine
-    model = r.fetch.get("id") or (r.cfg.get("model") or {}).get("ref", "?")
-    rev = r.fetch.get("revision") or (r.cfg.get("model") or {}).get("revision", "")
-    samp = r.cfg.get("sampling") or {}
+             ("engine-seconds", _num(r.run.total("seconds"))), (metric, f"{score:.4f}" if score is not None else "–")]
+    if (r.run.cfg.get("sampling") or {}).get("output_schema"):  # structured outputs: how many fit the schema
+        tiles.insert(3, ("invalid outputs (schema)", _num(r.run.total("invalid_outputs"))))
+    if r.run.plan.get("capped"):
+        tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.run.plan.get("capped"))))
+    kind, version, st = r.run.engine
+    model = r.run.fetch.get("id") or (r.run.cfg.get("model") or {}).get("ref", "?")
+    rev = r.run.fetch.get("revision") or (r.run.cfg.get("model") or {}).get("revision", "")
+    samp = r.run.cfg.get("sampling") or {}
     eng_bits = ", ".join(f"{k} {st[k]}" for k in ("device", "max_num_seqs", "max_model_len", "gpu_memory_utilization",
                                                    "kv_cache_dtype", "enable_prefix_caching", "batch_size")
                          if k in st)
     facts = [
-        ("model", f"{model} @ {rev}" + (" (AWQ W4A16)" if r.quantize.get("quantized") else "")),
+        ("model", f"{model} @ {rev}" + (" (AWQ W4A16)" if r.run.quantize.get("quantized") else "")),
         ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
         ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
                      f"seed {samp.get('seed')}" + (", output schema" + (" (guided decoding)" if samp.get(
                          "guided_decoding", True) else " (checked only)") if samp.get("output_schema") else "")),
-        ("input", f"{r.plan.get('input', (r.cfg.get('input') or {}).get('path', ''))} ({r.plan.get('format', '')})"),
+        ("input", f"{r.run.plan.get('input', (r.run.cfg.get('input') or {}).get('path', ''))} ({r.run.plan.get('format', '')})"),
         ("dataset", s.get("dataset")), ("errors", s.get("errors")),
-        ("EvalScope report", r.eval.get("report_html")),
+        ("EvalScope report", r.run.evaluate.get("report_html")),
     ]
     paths = ("dataset", "errors", "EvalScope report", "input")
     dl = "".join(f"<dt>{_e(k)}</dt><dd>{_code(v) if k in paths else _e(v)}</dd>" for k, v in facts if v)
@@ -173,7 +145,7 @@ def _header(r: _Run) -> str:
 
 
 # ------------------------------------------------------------------------------------------ sections
-def _doctor(r: _Run) -> str:
+def _doctor(r: _Page) -> str:
     if not r.findings:
         return '<p class="note">The doctor found nothing to change: no check\'s numbers are out of bounds.</p>'
     items = "".join(
@@ -184,14 +156,14 @@ def _doctor(r: _Run) -> str:
         '<p class="note">The same list: <code>batch-llm doctor &lt;this folder&gt;</code>.</p>'
 
 
-def _outcomes(r: _Run) -> str:
-    fs = r.filter.get("summary") or {}
-    invalid = int(r.plan.get("invalid") or 0)
-    infer_err = int(r.filter.get("inference_error_rows") if r.filter.get("inference_error_rows") is not None
-                    else r.total("errors"))
+def _outcomes(r: _Page) -> str:
+    fs = r.run.filter.get("summary") or {}
+    invalid = int(r.run.plan.get("invalid") or 0)
+    infer_err = int(r.run.filter.get("inference_error_rows") if r.run.filter.get("inference_error_rows") is not None
+                    else r.run.total("errors"))
     dropped = int(fs.get("rows_dropped") or 0)
-    ok = int(r.s.get("rows_published") or 0)
-    read = int(r.plan.get("rows_read") or (ok + dropped + invalid + infer_err))
+    ok = int(r.run.summary.get("rows_published") or 0)
+    read = int(r.run.plan.get("rows_read") or (ok + dropped + invalid + infer_err))
     rows = [("published", ok, C_OK), ("dropped by content filter", dropped, C_DROP),
             ("invalid input (plan)", invalid, C_INVALID), ("inference errors", infer_err, C_ERR)]
     fig, ax = _figure(7.2, 1.9)
@@ -210,16 +182,16 @@ def _outcomes(r: _Run) -> str:
         extra.append(f"{fs['rows_masked']:,} published rows had words masked")
     if fs.get("rows_flagged"):
         extra.append(f"{fs['rows_flagged']:,} were flagged")
-    cached = int(r.total("cached_rows"))
+    cached = int(r.run.total("cached_rows"))
     if cached:
         extra.append(f"{cached:,} rows came from the result cache")
     note = f'<p class="note">{_e("; ".join(extra))}.</p>' if extra else ""
     return _img(fig, "rows by outcome") + note
 
 
-def _throughput(r: _Run) -> str:
+def _throughput(r: _Page) -> str:
     pts = [(s.get("shard", i), m.get("output_tokens_per_second") or 0.0)
-           for i, (s, m) in enumerate(zip(r.shards, r.metrics)) if m.get("generate_seconds")]
+           for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)) if m.get("generate_seconds")]
     if not pts:
         return '<p class="note">No shard ran the engine (no shards, or every row came from the cache).</p>'
     idx, tps = [p[0] for p in pts], [p[1] for p in pts]
@@ -259,12 +231,12 @@ PHASE_COLORS = {"spawn": "#b9c2cf", "imports": "#8e9aab", "read": "#6cb2a8", "en
 TIMELINE_SHARDS_MAX = 40   # more shards: the first ones by start time, and a note
 
 
-def _timeline(r: _Run) -> str:
+def _timeline(r: _Page) -> str:
     """Shards × time: each shard's phases as bars from its manifest's ``phases`` (wall clock, one axis for the
     run); engine start overlaps tokenizing, so it is drawn on the lower half of the row."""
     from batch_llm.timeline import PHASES, largest_avoidable, phase_seconds
 
-    shards = sorted((s for s in r.shards if s.get("phases")), key=lambda s: min(p["start"] for p in s["phases"]))
+    shards = sorted((s for s in r.run.shards if s.get("phases")), key=lambda s: min(p["start"] for p in s["phases"]))
     if not shards:
         return '<p class="note">No shard recorded a timeline (manifests written before timelines existed).</p>'
     shown = shards[:TIMELINE_SHARDS_MAX]
@@ -299,9 +271,9 @@ def _timeline(r: _Run) -> str:
         f'<p class="note">{note}{_e(more)}</p>'
 
 
-def _time(r: _Run) -> str:
+def _time(r: _Page) -> str:
     rows = []
-    for i, (s, m) in enumerate(zip(r.shards, r.metrics)):
+    for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)):
         start, gen = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0
         total = m.get("seconds") or 0.0
         rows.append((s.get("shard", i), start, gen, max(0.0, total - start - gen), total))
@@ -341,11 +313,11 @@ def _time(r: _Run) -> str:
                              ("shard total (s)", [t[4] for t in rows])], note=note)
 
 
-def _lengths(r: _Run) -> str:
-    t = r.tokens
+def _lengths(r: _Page) -> str:
+    t = r.run.tokens
     if not t.rows:
         return '<p class="note">No output rows to measure.</p>'
-    max_tokens = (r.cfg.get("sampling") or {}).get("max_tokens")
+    max_tokens = (r.run.cfg.get("sampling") or {}).get("max_tokens")
     fig, (a1, a2) = _figure(7.6, 2.5, ncols=2)
     for ax, counts, color, title in ((a1, t.prompt, C_START, "input (prompt) tokens"),
                                      (a2, t.completion, C_GEN, "output (completion) tokens")):
@@ -368,9 +340,9 @@ def _lengths(r: _Run) -> str:
         f'<p class="note">From {_e(src)}{_e(trunc)}.</p>'
 
 
-def _filter(r: _Run) -> str:
-    fs = r.filter.get("summary") or {}
-    if fs.get("enabled") is False or not (r.cfg.get("filter") or {}).get("enabled", True):
+def _filter(r: _Page) -> str:
+    fs = r.run.filter.get("summary") or {}
+    if fs.get("enabled") is False or not (r.run.cfg.get("filter") or {}).get("enabled", True):
         return f'<p class="note">The content filter was off ({_num(fs.get("rows_scanned"))} rows passed unscanned).</p>'
     lists = fs.get("lists") or [{"name": k, "action": "?"} for k in (fs.get("hits_per_list") or {})]
     hits = fs.get("hits_per_list") or {}
@@ -407,16 +379,16 @@ def _filter(r: _Run) -> str:
         f'<p class="note">{_e(counts)}.</p>'
 
 
-def _scores(r: _Run) -> str:
-    metrics = r.eval.get("metrics") or {}
-    metric = (r.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
-    min_score = (r.cfg.get("evaluate") or {}).get("min_score")
-    history = score_history(r.s, r.pipeline_root, r.options) if r.pipeline_root else \
-        [{"partition": r.s.get("partition", "this run"), "run_id": r.s.get("run_id"), "metrics": metrics,
-          "num_samples": r.eval.get("num_samples"), "current": True}]
+def _scores(r: _Page) -> str:
+    metrics = r.run.evaluate.get("metrics") or {}
+    metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
+    min_score = (r.run.cfg.get("evaluate") or {}).get("min_score")
+    history = score_history(r.run.summary, r.pipeline_root, r.run.options) if r.pipeline_root else \
+        [{"partition": r.run.summary.get("partition", "this run"), "run_id": r.run.summary.get("run_id"), "metrics": metrics,
+          "num_samples": r.run.evaluate.get("num_samples"), "current": True}]
     scored = [h for h in history if h["metrics"]]
     if not scored:
-        why = r.eval.get("skipped") or "no scores recorded"
+        why = r.run.evaluate.get("skipped") or "no scores recorded"
         return f'<p class="note">EvalScope scoring was skipped: {_e(why)}.</p>'
     names = [metric] + [m for m in ("Rouge-1-F", "Rouge-2-F", "Rouge-L-F", "bleu-4", "bleu-1")
                         if m != metric and any(m in h["metrics"] for h in scored)]
@@ -451,11 +423,11 @@ def _scores(r: _Run) -> str:
                    f"{h['metrics'][metric]:.4f}" if h["metrics"].get(metric) is not None else "–"]
                   for h in scored[::-1][:TREND_TABLE_MAX]]
     trend = _table(["partition", "samples", metric], trend_rows) if len(scored) > 1 else ""
-    rep = r.eval.get("report_html")
+    rep = r.run.evaluate.get("report_html")
     link = f'<p class="note">EvalScope\'s own report: {_code(rep)}</p>' if rep else ""
-    n, pop = r.eval.get("num_samples"), r.eval.get("rows_with_references")
+    n, pop = r.run.evaluate.get("num_samples"), r.run.evaluate.get("rows_with_references")
     sample = (f'<p class="note">These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference '
-              f'answer (seeded by evaluate.sample_seed = {_e(r.eval.get("sample_seed"))}; the same seed scores '
+              f'answer (seeded by evaluate.sample_seed = {_e(r.run.evaluate.get("sample_seed"))}; the same seed scores '
               f'the same rows).</p>') if n and pop and n < pop else ""
     return _img(fig, "EvalScope score trend") + sample + f'<div class="cols">{cur_table}{trend}</div>' + link
 
@@ -487,28 +459,28 @@ def score_history(summary: dict, pipeline_root: Location, options: dict | None =
     return out
 
 
-def _shards_table(r: _Run) -> str:
-    if not r.shards:
+def _shards_table(r: _Page) -> str:
+    if not r.run.shards:
         return '<p class="note">No shard manifests in this summary.</p>'
-    pairs = list(zip(r.shards, r.metrics))
+    pairs = list(zip(r.run.shards, r.run.metrics))
     if len(pairs) > SHARD_TABLE_MAX:
         pairs = sorted(pairs, key=lambda p: -(p[1].get("seconds") or 0))[:SHARD_TABLE_TOP]
-        head = f"The {SHARD_TABLE_TOP} slowest of {len(r.shards):,} shards."
+        head = f"The {SHARD_TABLE_TOP} slowest of {len(r.run.shards):,} shards."
     else:
         head = ""
     rows = [[s.get("shard"), _num(m.get("rows")), _num(m.get("ok")), _num(m.get("errors")), _num(m.get("cached_rows")),
              _num(m.get("input_tokens")), _num(m.get("output_tokens")), _num(m.get("engine_start_seconds"), 1),
              _num(m.get("generate_seconds"), 1), _num(m.get("seconds"), 1), _num(m.get("output_tokens_per_second"), 1)]
             for s, m in pairs]
-    errs = sum(1 for m in r.metrics if m.get("errors"))
+    errs = sum(1 for m in r.run.metrics if m.get("errors"))
     note = f"{errs:,} shard(s) have error rows; their reasons are in each shard's errors.jsonl." if errs else ""
     return (f'<p class="note">{_e(head)}</p>' if head else "") + _table(
         ["shard", "rows", "ok", "errors", "cached", "input tok", "output tok", "start s", "gen s", "total s",
          "tok/s"], rows, numeric=True) + (f'<p class="note">{_e(note)}</p>' if note else "")
 
 
-def _config(r: _Run) -> str:
-    text = yaml.safe_dump(r.cfg, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
+def _config(r: _Page) -> str:
+    text = yaml.safe_dump(r.run.cfg, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
     return f"<details><summary>the pipeline configuration this run used (YAML, Params applied)</summary>" \
            f"<pre>{_e(text)}</pre></details>"
 

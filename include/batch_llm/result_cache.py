@@ -361,40 +361,18 @@ class ResultCache:
         None when there was nothing to write."""
         now = self.clock()
         with tempfile.TemporaryDirectory(prefix="batch_llm_sst_") as tmp:
-            runs: list[str] = []
-            buf: list[tuple] = []
-            size = 0
+            sorter = _ExternalSort(tmp)
             max_t = None
-
-            def spill() -> None:
-                nonlocal buf, size
-                buf.sort()
-                path = os.path.join(tmp, f"run-{len(runs):05d}")
-                with open(path, "wb") as f:
-                    for i in range(0, len(buf), 4096):
-                        pickle.dump(buf[i:i + 4096], f, protocol=pickle.HIGHEST_PROTOCOL)
-                runs.append(path)
-                buf, size = [], 0
-
             for e in entries:
                 t = e.get("t")
                 if t is None:
                     t = int(now)
                 line = _line(e, t)
-                buf.append((key64(e["key"]), e["key"], -t, line))
-                size += len(line)
+                sorter.add((key64(e["key"]), e["key"], -t, line), len(line))
                 max_t = t if max_t is None or t > max_t else max_t
-                if len(buf) >= SORT_RUN_ENTRIES or size >= SORT_RUN_BYTES:
-                    spill()
             if max_t is None:
                 return None
-            if runs:
-                if buf:
-                    spill()
-                items: Iterator[tuple] = heapq.merge(*(_iter_run(p) for p in runs))
-            else:
-                buf.sort()
-                items = iter(buf)
+            items = sorter.sorted_items()
             stats = _merge_stats()
             out = self._write_sorted(items, kind, max_t, None, stats)
         return out and {"name": out, "entries": stats["entries_written"], "bytes": stats["bytes_written"]}
@@ -576,6 +554,40 @@ def _copy(src, w: AtomicWriter) -> int:
         w.write(block)
         n += len(block)
     return n
+
+
+class _ExternalSort:
+    """Sorts more items than fit in memory: sorted runs of at most SORT_RUN_ENTRIES / SORT_RUN_BYTES spill to
+    local files in ``tmp``, then one heap merge reads them back in order."""
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.runs: list[str] = []
+        self.buf: list[tuple] = []
+        self.size = 0
+
+    def add(self, item: tuple, size: int) -> None:
+        self.buf.append(item)
+        self.size += size
+        if len(self.buf) >= SORT_RUN_ENTRIES or self.size >= SORT_RUN_BYTES:
+            self._spill()
+
+    def _spill(self) -> None:
+        self.buf.sort()
+        path = os.path.join(self.tmp, f"run-{len(self.runs):05d}")
+        with open(path, "wb") as f:
+            for i in range(0, len(self.buf), 4096):
+                pickle.dump(self.buf[i:i + 4096], f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.runs.append(path)
+        self.buf, self.size = [], 0
+
+    def sorted_items(self) -> Iterator[tuple]:
+        if not self.runs:
+            self.buf.sort()
+            return iter(self.buf)
+        if self.buf:
+            self._spill()
+        return heapq.merge(*(_iter_run(p) for p in self.runs))
 
 
 def _iter_run(path: str) -> Iterator[tuple]:

@@ -60,6 +60,7 @@ class WorkerHandle:
 
     def wait(self, on_line: Callable[[str], None] = print) -> dict:
         """Streams the worker's lines to ``on_line`` until it exits; returns its result or raises."""
+        out = _WorkerOutput(on_line)
         lines: queue.Queue = queue.Queue()
 
         def pump() -> None:
@@ -69,16 +70,6 @@ class WorkerHandle:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        result = None
-
-        def handle(line: str) -> None:
-            nonlocal result
-            if line.startswith(RESULT_PREFIX):
-                result = json.loads(line[len(RESULT_PREFIX):])
-            else:
-                self.tail = (self.tail + [line])[-40:]
-                on_line(line)
-
         # Not "read until EOF": an engine process orphaned by a worker killed with SIGKILL still holds the
         # pipe open. Watch the worker itself, then end its group (which closes the pipe) and drain.
         while True:
@@ -90,7 +81,7 @@ class WorkerHandle:
                 continue
             if line is None:
                 break
-            handle(line)
+            out.take(line)
         rc = self.proc.wait()
         # Engine processes (vLLM's engine core) outlive a worker that died by SIGKILL and keep the GPU's
         # memory; they share the worker's process group, so end the group whatever the exit was.
@@ -99,14 +90,11 @@ class WorkerHandle:
         while not lines.empty():
             line = lines.get_nowait()
             if line is not None:
-                handle(line)
-        if rc == 0 and result is not None:
-            return result
-        reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)
-        msg = reason[len("WORKER_ERROR "):] if reason else "\n".join(self.tail[-15:])
-        if rc < 0:
-            msg = f"worker killed by signal {-rc}; {msg}"
-        raise WorkerFailed(msg, rc, retryable=rc != EXIT_SHARD_FAILED)
+                out.take(line)
+        self.tail = out.tail
+        if rc == 0 and out.result is not None:
+            return out.result
+        raise out.failure(rc)
 
     def stop(self, grace_seconds: float = 10.0) -> None:
         """Ends the worker's whole process group (engine processes included) and waits for it."""
@@ -115,6 +103,29 @@ class WorkerHandle:
             self.proc.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             pass
+
+
+class _WorkerOutput:
+    """What the parent keeps of a worker's stdout: the result line, and the last lines for an error message."""
+
+    def __init__(self, on_line: Callable[[str], None]):
+        self.on_line = on_line
+        self.result: dict | None = None
+        self.tail: list[str] = []
+
+    def take(self, line: str) -> None:
+        if line.startswith(RESULT_PREFIX):
+            self.result = json.loads(line[len(RESULT_PREFIX):])
+        else:
+            self.tail = (self.tail + [line])[-40:]
+            self.on_line(line)
+
+    def failure(self, rc: int) -> WorkerFailed:
+        reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)
+        msg = reason[len("WORKER_ERROR "):] if reason else "\n".join(self.tail[-15:])
+        if rc < 0:
+            msg = f"worker killed by signal {-rc}; {msg}"
+        return WorkerFailed(msg, rc, retryable=rc != EXIT_SHARD_FAILED)
 
 
 def stop_process_group(pgid: int, grace_seconds: float = 10.0) -> None:

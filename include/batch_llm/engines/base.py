@@ -195,16 +195,22 @@ def stream_requests(requests: Iterable[GenRequest], *, window: int,
             yield res
 
 
-def model_context_limit(model_dir: str) -> int | None:
-    """The longest context the model was built for (``max_position_embeddings`` in its config.json, or its
-    text config's), when the folder says; None otherwise."""
+def model_config_json(model_dir: str) -> dict:
+    """The model folder's config.json as a dict ({} when it is missing, unreadable or not an object)."""
     import json
 
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def model_context_limit(model_dir: str) -> int | None:
+    """The longest context the model was built for (``max_position_embeddings`` in its config.json, or its
+    text config's), when the folder says; None otherwise."""
+    config = model_config_json(model_dir)
     for c in (config, config.get("text_config") or {}):
         v = c.get("max_position_embeddings") if isinstance(c, dict) else None
         if isinstance(v, int) and v > 0:
@@ -214,13 +220,7 @@ def model_context_limit(model_dir: str) -> int | None:
 
 def model_quantization(model_dir: str) -> dict:
     """The ``quantization_config`` of the model's config.json ({} when unquantized or unreadable)."""
-    import json
-
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return {}
+    qc = model_config_json(model_dir).get("quantization_config")
     return qc if isinstance(qc, dict) else {}
 
 
@@ -234,20 +234,3 @@ def is_int_weight_only(qc: dict) -> bool:
     groups = (qc.get("config_groups") or {}).values()
     return any((g.get("weights") or {}).get("type") == "int" and g.get("input_activations") is None
                for g in groups if isinstance(g, dict))
-
-
-def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
-                trust_remote_code: bool = False) -> Engine:
-    if engine.kind == "vllm":
-        from batch_llm.engines.vllm_engine import VllmEngine
-
-        return VllmEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
-    if engine.kind == "transformers":
-        from batch_llm.engines.transformers_engine import TransformersEngine
-
-        return TransformersEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
-    if engine.kind == "lmdeploy":
-        from batch_llm.engines.lmdeploy_engine import LmdeployEngine
-
-        return LmdeployEngine(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
-    raise ValueError(f"unknown engine kind {engine.kind!r}")

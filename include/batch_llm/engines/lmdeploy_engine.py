@@ -26,9 +26,11 @@ from batch_llm.engines.base import (
     stream_requests,
 )
 from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
+from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
 
 
+@register_engine
 class LmdeployEngine(Engine):
     kind = "lmdeploy"
 

@@ -18,9 +18,11 @@ from batch_llm.engines.base import (
     classify_start_failure,
     model_context_limit,
 )
+from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
 
 
+@register_engine
 class TransformersEngine(Engine):
     kind = "transformers"
 

@@ -26,8 +26,10 @@ from batch_llm.engines.base import (
     model_quantization,
     stream_requests,
 )
+from batch_llm.engines.registry import register_engine
 
 
+@register_engine
 class VllmEngine(Engine):
     kind = "vllm"
 
