@@ -465,3 +465,20 @@ def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
             if p["name"] == "engine":
                 p["end"] = p["start"] + 0.5
     assert not [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
+
+
+def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
+    """The page is a jinja2 template with autoescape: a pipeline name, a model ref or a config value that holds
+    HTML shows as text; the notes the report builds with markup (code, bold) keep it."""
+    from batch_llm.report import render_report
+    from batch_llm_airflow.report_app import render_index
+
+    summary = {"pipeline": "<script>alert(1)</script>", "partition": "2026-01-01", "run_id": "r&1",
+               "config": {"model": {"ref": "org/<img src=x onerror=alert(2)>"}}, "manifests": {}}
+    page = render_report(summary)
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(2)&gt;" in page
+    assert "<code>r&amp;1</code>" in page
+    assert "font:14px/1.45 system-ui,-apple-system,'Segoe UI'" in page  # the stylesheet is included unescaped
+    index = render_index([{"dag_id": "d<1", "partition": "p", "version": "v", "url": "s3://b/x.html", "conn_id": None}])
+    assert "<td>d&lt;1</td>" in index and 'href="/batch-llm/report?path=s3%3A%2F%2Fb%2Fx.html"' in index

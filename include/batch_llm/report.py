@@ -19,18 +19,20 @@ tables are capped, so the page stays small either way.
 from __future__ import annotations
 
 import base64
-import html
 import io
 import logging
 import math
 import statistics
 from dataclasses import dataclass
+from typing import ClassVar
 
 import yaml
+from markupsafe import Markup
 
 from batch_llm.doctor import Finding, diagnose_run
 from batch_llm.run_stats import RunStats, mean_of, quantile, run_stats
 from batch_llm.storage import Location, exists, list_files, read_json, write_text_atomic
+from batch_llm.templates import render
 
 log = logging.getLogger("batch_llm.report")
 
@@ -75,18 +77,66 @@ def render_report(summary: dict, *, pipeline_root: Location | None = None, optio
                 ("lengths", "Token lengths", _lengths), ("filter", "Content filter", _filter),
                 ("scores", "EvalScope scores", _scores), ("shards", "Shards", _shards_table),
                 ("config", "Configuration used", _config)]
-    parts = []
+    rendered = []
     with matplotlib.rc_context(style):
         for anchor, title, fn in sections:
             try:
-                body = fn(r)
+                blocks = fn(r)
             except Exception as e:  # noqa: BLE001 - one broken section must not cost the whole report
                 log.exception("report section %s failed", anchor)
-                body = f'<p class="note">This section could not be rendered: {_e(type(e).__name__)}: {_e(e)}</p>'
-            parts.append(f'<section id="{anchor}"><h2>{_e(title)}</h2>\n{body}</section>')
-    nav = " · ".join(f'<a href="#{a}">{_e(t)}</a>' for a, t, _ in sections)
-    return _PAGE.format(title=_e(f"{summary.get('pipeline', 'batch-llm')} {summary.get('partition', '')}"),
-                        css=_CSS, header=_header(r), nav=nav, sections="\n".join(parts))
+                blocks = [Note(f"This section could not be rendered: {type(e).__name__}: {e}")]
+            rendered.append(Section(anchor, title, blocks))
+    return render("report.html.j2", h=_header(r), sections=rendered)
+
+
+# ------------------------------------------------------------------------------------------ page blocks
+# What a section hands the template (templates/report.html.j2 draws each kind): values are text, escaped
+# there; a note that needs markup (bold, code) is built with Markup, which escapes what it formats in.
+@dataclass(frozen=True)
+class Figure:
+    alt: str
+    src: str          # a data: URI of the PNG
+    kind: ClassVar[str] = "figure"
+
+
+@dataclass(frozen=True)
+class Table:
+    head: list
+    rows: list
+    numeric: bool = False
+    kind: ClassVar[str] = "table"
+
+
+@dataclass(frozen=True)
+class Note:
+    text: str
+    kind: ClassVar[str] = "note"
+
+
+@dataclass(frozen=True)
+class Columns:
+    blocks: list
+    kind: ClassVar[str] = "columns"
+
+
+@dataclass(frozen=True)
+class Details:
+    summary: str
+    text: str
+    kind: ClassVar[str] = "details"
+
+
+@dataclass(frozen=True)
+class Findings:
+    findings: list
+    kind: ClassVar[str] = "findings"
+
+
+@dataclass(frozen=True)
+class Section:
+    anchor: str
+    title: str
+    blocks: list
 
 
 # ------------------------------------------------------------------------------------------ run facts
@@ -99,7 +149,7 @@ class _Page:
     pipeline_root: Location | None
 
 
-def _header(r: _Page) -> str:
+def _header(r: _Page) -> dict:
     s = r.run.summary
     read = r.run.plan.get("rows_read")
     out_tok, gen = r.run.total("output_tokens"), r.run.total("generate_seconds")
@@ -133,30 +183,21 @@ def _header(r: _Page) -> str:
         ("EvalScope report", r.run.evaluate.get("report_html")),
     ]
     paths = ("dataset", "errors", "EvalScope report", "input")
-    dl = "".join(f"<dt>{_e(k)}</dt><dd>{_code(v) if k in paths else _e(v)}</dd>" for k, v in facts if v)
-    tile_html = "".join(f'<div class="tile"><b>{_e(v)}</b><span>{_e(k)}</span></div>' for k, v in tiles)
-    n_warn = sum(f.severity == "warning" for f in r.findings)
-    verdict = (f'<span class="badge warning">{n_warn} warning{"s" if n_warn != 1 else ""}</span>' if n_warn else
-               '<span class="badge ok">no warnings</span>')
-    return (f"<h1>{_e(s.get('pipeline', 'batch-llm'))} <small>{_e(s.get('partition', ''))}</small></h1>"
-            f"<p class=\"sub\">run {_code(s.get('run_id'))} · published {_e(s.get('published_at', ''))} · "
-            f"{verdict} · {len(r.findings)} finding{'s' if len(r.findings) != 1 else ''}</p>"
-            f'<div class="tiles">{tile_html}</div><dl class="facts">{dl}</dl>')
+    return {"pipeline": s.get("pipeline", "batch-llm"), "partition": s.get("partition", ""),
+            "run_id": s.get("run_id"), "published_at": s.get("published_at", ""),
+            "warnings": sum(f.severity == "warning" for f in r.findings), "findings": len(r.findings),
+            "tiles": tiles, "facts": [(k, v, k in paths) for k, v in facts if v]}
 
 
 # ------------------------------------------------------------------------------------------ sections
-def _doctor(r: _Page) -> str:
+def _doctor(r: _Page) -> list:
     if not r.findings:
-        return '<p class="note">The doctor found nothing to change: no check\'s numbers are out of bounds.</p>'
-    items = "".join(
-        f'<li class="finding {f.severity}"><div><span class="badge {f.severity}">{_e(f.severity)}</span> '
-        f'<b>{_e(f.title)}</b></div><div class="ev">{_e(f.evidence)}</div>'
-        f'<div class="chg">change: <code>{_e(f.change)}</code></div></li>' for f in r.findings)
-    return f'<ul class="findings">{items}</ul>' \
-        '<p class="note">The same list: <code>batch-llm doctor &lt;this folder&gt;</code>.</p>'
+        return [Note("The doctor found nothing to change: no check's numbers are out of bounds.")]
+    return [Findings(r.findings),
+            Note(Markup("The same list: <code>batch-llm doctor &lt;this folder&gt;</code>."))]
 
 
-def _outcomes(r: _Page) -> str:
+def _outcomes(r: _Page) -> list:
     fs = r.run.filter.get("summary") or {}
     invalid = int(r.run.plan.get("invalid") or 0)
     infer_err = int(r.run.filter.get("inference_error_rows") if r.run.filter.get("inference_error_rows") is not None
@@ -185,15 +226,14 @@ def _outcomes(r: _Page) -> str:
     cached = int(r.run.total("cached_rows"))
     if cached:
         extra.append(f"{cached:,} rows came from the result cache")
-    note = f'<p class="note">{_e("; ".join(extra))}.</p>' if extra else ""
-    return _img(fig, "rows by outcome") + note
+    return [_img(fig, "rows by outcome")] + ([Note("; ".join(extra) + ".")] if extra else [])
 
 
-def _throughput(r: _Page) -> str:
+def _throughput(r: _Page) -> list:
     pts = [(s.get("shard", i), m.get("output_tokens_per_second") or 0.0)
            for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)) if m.get("generate_seconds")]
     if not pts:
-        return '<p class="note">No shard ran the engine (no shards, or every row came from the cache).</p>'
+        return [Note("No shard ran the engine (no shards, or every row came from the cache).")]
     idx, tps = [p[0] for p in pts], [p[1] for p in pts]
     med = statistics.median(tps)
     if len(pts) <= SHARD_BARS_MAX:
@@ -208,7 +248,7 @@ def _throughput(r: _Page) -> str:
         ax.set_ylabel("output tokens / s")
         ax.set_title("output tokens per second of generation, per shard")
         ax.legend(loc="lower right")
-        return _img(fig, "tokens per second per shard")
+        return [_img(fig, "tokens per second per shard")]
     fig, (a1, a2) = _figure(7.6, 2.6, ncols=2)
     a1.hist(tps, bins=min(40, max(5, len(tps) // 10)), color=C_GEN)
     a1.axvline(med, color="#333", lw=0.8, ls="--", label=f"median {med:,.1f}")
@@ -221,8 +261,8 @@ def _throughput(r: _Page) -> str:
     a2.set_xlabel("shard")
     a2.set_ylabel("output tokens / s")
     a2.set_title("by shard (stragglers stand out)")
-    return _img(fig, "tokens per second per shard") + _pct_table(
-        [("output tokens / s", tps)], note="slowest shards are listed under Shards")
+    return [_img(fig, "tokens per second per shard"), *_pct_table(
+        [("output tokens / s", tps)], note="slowest shards are listed under Shards")]
 
 
 PHASE_COLORS = {"spawn": "#b9c2cf", "imports": "#8e9aab", "read": "#6cb2a8", "engine": C_START,
@@ -231,14 +271,14 @@ PHASE_COLORS = {"spawn": "#b9c2cf", "imports": "#8e9aab", "read": "#6cb2a8", "en
 TIMELINE_SHARDS_MAX = 40   # more shards: the first ones by start time, and a note
 
 
-def _timeline(r: _Page) -> str:
+def _timeline(r: _Page) -> list:
     """Shards × time: each shard's phases as bars from its manifest's ``phases`` (wall clock, one axis for the
     run); engine start overlaps tokenizing, so it is drawn on the lower half of the row."""
     from batch_llm.timeline import PHASES, largest_avoidable, phase_seconds
 
     shards = sorted((s for s in r.run.shards if s.get("phases")), key=lambda s: min(p["start"] for p in s["phases"]))
     if not shards:
-        return '<p class="note">No shard recorded a timeline (manifests written before timelines existed).</p>'
+        return [Note("No shard recorded a timeline (manifests written before timelines existed).")]
     shown = shards[:TIMELINE_SHARDS_MAX]
     t0 = min(p["start"] for p in shown[0]["phases"])
     fig, ax = _figure(7.2, max(1.6, 0.28 * len(shown) + 0.9))
@@ -264,21 +304,20 @@ def _timeline(r: _Page) -> str:
             totals[name] = totals.get(name, 0.0) + sec
     rows = [[name, _num(totals[name], 1)] for name in PHASES if name in totals]
     top = largest_avoidable(shards)
-    note = (f"Largest avoidable phase: <b>{_e(top[0])}</b>, {_num(top[1], 1)} s ({top[2]:.0%} of the shards' "
-            f"wall time); the doctor says what to change." if top else "")
+    note = (Markup("Largest avoidable phase: <b>{}</b>, {} s ({:.0%} of the shards' wall time); the doctor says "
+                   "what to change.").format(top[0], _num(top[1], 1), top[2]) if top else Markup(""))
     more = f" The first {len(shown)} of {len(shards)} shards are drawn." if len(shards) > len(shown) else ""
-    return _img(fig, "run timeline") + _table(["phase", "seconds, all shards"], rows) + \
-        f'<p class="note">{note}{_e(more)}</p>'
+    return [_img(fig, "run timeline"), _table(["phase", "seconds, all shards"], rows), Note(note + more)]
 
 
-def _time(r: _Page) -> str:
+def _time(r: _Page) -> list:
     rows = []
     for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)):
         start, gen = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0
         total = m.get("seconds") or 0.0
         rows.append((s.get("shard", i), start, gen, max(0.0, total - start - gen), total))
     if not rows:
-        return '<p class="note">No shard manifests in this summary.</p>'
+        return [Note("No shard manifests in this summary.")]
     many = len(rows) > SHARD_BARS_MAX
     if many:
         rows.sort(key=lambda t: t[4])
@@ -307,16 +346,16 @@ def _time(r: _Page) -> str:
     img = _img(fig, "engine start and generation time per shard")
     if not many:
         total = sum(t[4] for t in rows)
-        return img + f'<p class="note">{_e(note)}; over all shards: {_num(sum(start), 1)} s engine start, ' \
-            f'{_num(sum(gen), 1)} s generation, {_num(sum(other), 1)} s other, {_num(total, 1)} s in all.</p>'
-    return img + _pct_table([("engine start (s)", start), ("generation (s)", gen), ("other (s)", other),
-                             ("shard total (s)", [t[4] for t in rows])], note=note)
+        return [img, Note(f"{note}; over all shards: {_num(sum(start), 1)} s engine start, "
+                          f"{_num(sum(gen), 1)} s generation, {_num(sum(other), 1)} s other, {_num(total, 1)} s in all.")]
+    return [img, *_pct_table([("engine start (s)", start), ("generation (s)", gen), ("other (s)", other),
+                              ("shard total (s)", [t[4] for t in rows])], note=note)]
 
 
-def _lengths(r: _Page) -> str:
+def _lengths(r: _Page) -> list:
     t = r.run.tokens
     if not t.rows:
-        return '<p class="note">No output rows to measure.</p>'
+        return [Note("No output rows to measure.")]
     max_tokens = (r.run.cfg.get("sampling") or {}).get("max_tokens")
     fig, (a1, a2) = _figure(7.6, 2.5, ncols=2)
     for ax, counts, color, title in ((a1, t.prompt, C_START, "input (prompt) tokens"),
@@ -336,21 +375,20 @@ def _lengths(r: _Page) -> str:
     table = _table(["", "mean", "p50", "p95", "p99", "max"],
                    [[name, _num(mean_of(c), 1), _num(quantile(c, .5)), _num(quantile(c, .95)), _num(quantile(c, .99)),
                      _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion))])
-    return _img(fig, "input and output token length histograms") + table + \
-        f'<p class="note">From {_e(src)}{_e(trunc)}.</p>'
+    return [_img(fig, "input and output token length histograms"), table, Note(f"From {src}{trunc}.")]
 
 
-def _filter(r: _Page) -> str:
+def _filter(r: _Page) -> list:
     fs = r.run.filter.get("summary") or {}
     if fs.get("enabled") is False or not (r.run.cfg.get("filter") or {}).get("enabled", True):
-        return f'<p class="note">The content filter was off ({_num(fs.get("rows_scanned"))} rows passed unscanned).</p>'
+        return [Note(f"The content filter was off ({_num(fs.get('rows_scanned'))} rows passed unscanned).")]
     lists = fs.get("lists") or [{"name": k, "action": "?"} for k in (fs.get("hits_per_list") or {})]
     hits = fs.get("hits_per_list") or {}
     counts = f"{_num(fs.get('rows_scanned'))} rows scanned, {_num(fs.get('rows_affected'))} affected " \
              f"({_num(fs.get('rows_masked'))} masked, {_num(fs.get('rows_flagged'))} flagged, " \
              f"{_num(fs.get('rows_dropped'))} dropped)"
     if not sum(hits.values()):
-        return f'<p class="note">No hits in {len(lists)} list(s): {_e(counts)}.</p>'
+        return [Note(f"No hits in {len(lists)} list(s): {counts}.")]
     names = [lst["name"] for lst in lists]
     vals = [hits.get(n, 0) for n in names]
     fig, ax = _figure(7.2, max(1.4, 0.32 * len(names) + 0.7))
@@ -375,11 +413,11 @@ def _filter(r: _Page) -> str:
         shown = ", ".join(f"{w} ({n})" for w, n in words[:WORDS_PER_LIST])
         more = f" and {len(words) - WORDS_PER_LIST} more" if len(words) > WORDS_PER_LIST else ""
         rows.append([lst["name"], lst.get("action", ""), _num(hits.get(lst["name"], 0)), shown + more or "–"])
-    return _img(fig, "content filter hits by list") + _table(["list", "action", "hits", "top words"], rows) + \
-        f'<p class="note">{_e(counts)}.</p>'
+    return [_img(fig, "content filter hits by list"), _table(["list", "action", "hits", "top words"], rows),
+            Note(f"{counts}.")]
 
 
-def _scores(r: _Page) -> str:
+def _scores(r: _Page) -> list:
     metrics = r.run.evaluate.get("metrics") or {}
     metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
     min_score = (r.run.cfg.get("evaluate") or {}).get("min_score")
@@ -389,7 +427,7 @@ def _scores(r: _Page) -> str:
     scored = [h for h in history if h["metrics"]]
     if not scored:
         why = r.run.evaluate.get("skipped") or "no scores recorded"
-        return f'<p class="note">EvalScope scoring was skipped: {_e(why)}.</p>'
+        return [Note(f"EvalScope scoring was skipped: {why}.")]
     names = [metric] + [m for m in ("Rouge-1-F", "Rouge-2-F", "Rouge-L-F", "bleu-4", "bleu-1")
                         if m != metric and any(m in h["metrics"] for h in scored)]
     names = [n for n in names if any(n in h["metrics"] for h in scored)][:4] or \
@@ -418,18 +456,19 @@ def _scores(r: _Page) -> str:
     prev = next((h for h in reversed(scored) if not h.get("current")), None)
     rows = [[name, f"{v:.4f}", _delta(v, (prev or {}).get("metrics", {}).get(name))] for name, v in metrics.items()
             if isinstance(v, (int, float))]
-    cur_table = _table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows) if rows else ""
+    tables = [_table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows)] if rows else []
     trend_rows = [[h["partition"] + (" (this run)" if h.get("current") else ""), _num(h.get("num_samples")),
                    f"{h['metrics'][metric]:.4f}" if h["metrics"].get(metric) is not None else "–"]
                   for h in scored[::-1][:TREND_TABLE_MAX]]
-    trend = _table(["partition", "samples", metric], trend_rows) if len(scored) > 1 else ""
+    if len(scored) > 1:
+        tables.append(_table(["partition", "samples", metric], trend_rows))
     rep = r.run.evaluate.get("report_html")
-    link = f'<p class="note">EvalScope\'s own report: {_code(rep)}</p>' if rep else ""
+    link = [Note(Markup("EvalScope's own report: <code>{}</code>").format(rep))] if rep else []
     n, pop = r.run.evaluate.get("num_samples"), r.run.evaluate.get("rows_with_references")
-    sample = (f'<p class="note">These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference '
-              f'answer (seeded by evaluate.sample_seed = {_e(r.run.evaluate.get("sample_seed"))}; the same seed scores '
-              f'the same rows).</p>') if n and pop and n < pop else ""
-    return _img(fig, "EvalScope score trend") + sample + f'<div class="cols">{cur_table}{trend}</div>' + link
+    sample = [Note(f"These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference answer (seeded "
+                   f"by evaluate.sample_seed = {r.run.evaluate.get('sample_seed')}; the same seed scores the same "
+                   "rows).")] if n and pop and n < pop else []
+    return [_img(fig, "EvalScope score trend"), *sample, Columns(tables), *link]
 
 
 def score_history(summary: dict, pipeline_root: Location, options: dict | None = None,
@@ -459,9 +498,9 @@ def score_history(summary: dict, pipeline_root: Location, options: dict | None =
     return out
 
 
-def _shards_table(r: _Page) -> str:
+def _shards_table(r: _Page) -> list:
     if not r.run.shards:
-        return '<p class="note">No shard manifests in this summary.</p>'
+        return [Note("No shard manifests in this summary.")]
     pairs = list(zip(r.run.shards, r.run.metrics))
     if len(pairs) > SHARD_TABLE_MAX:
         pairs = sorted(pairs, key=lambda p: -(p[1].get("seconds") or 0))[:SHARD_TABLE_TOP]
@@ -474,15 +513,14 @@ def _shards_table(r: _Page) -> str:
             for s, m in pairs]
     errs = sum(1 for m in r.run.metrics if m.get("errors"))
     note = f"{errs:,} shard(s) have error rows; their reasons are in each shard's errors.jsonl." if errs else ""
-    return (f'<p class="note">{_e(head)}</p>' if head else "") + _table(
-        ["shard", "rows", "ok", "errors", "cached", "input tok", "output tok", "start s", "gen s", "total s",
-         "tok/s"], rows, numeric=True) + (f'<p class="note">{_e(note)}</p>' if note else "")
+    table = _table(["shard", "rows", "ok", "errors", "cached", "input tok", "output tok", "start s", "gen s",
+                    "total s", "tok/s"], rows, numeric=True)
+    return ([Note(head)] if head else []) + [table] + ([Note(note)] if note else [])
 
 
-def _config(r: _Page) -> str:
+def _config(r: _Page) -> list:
     text = yaml.safe_dump(r.run.cfg, sort_keys=False, allow_unicode=True, default_flow_style=False, width=100)
-    return f"<details><summary>the pipeline configuration this run used (YAML, Params applied)</summary>" \
-           f"<pre>{_e(text)}</pre></details>"
+    return [Details("the pipeline configuration this run used (YAML, Params applied)", text)]
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -493,14 +531,14 @@ def _figure(w: float, h: float, ncols: int = 1):
     return fig, fig.subplots(1, ncols)
 
 
-def _img(fig, alt: str) -> str:
+def _img(fig, alt: str) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
     data = base64.b64encode(buf.getvalue()).decode("ascii")
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+    return Figure(alt, f"data:image/png;base64,{data}")
 
 
 def _hist_counts(ax, counts, color: str) -> None:
@@ -523,7 +561,7 @@ def _thin_xticks(ax, n: int, most: int = 16) -> None:
             label.set_visible(i % step == 0)
 
 
-def _pct_table(series: list[tuple[str, list[float]]], note: str = "") -> str:
+def _pct_table(series: list[tuple[str, list[float]]], note: str = "") -> list:
     rows = []
     for name, vals in series:
         c = sorted(vals)
@@ -531,14 +569,11 @@ def _pct_table(series: list[tuple[str, list[float]]], note: str = "") -> str:
             continue
         q = lambda p, c=c: c[min(len(c) - 1, max(0, math.ceil(p * len(c)) - 1))]
         rows.append([name, _num(c[0], 1), _num(q(.05), 1), _num(q(.5), 1), _num(q(.95), 1), _num(c[-1], 1)])
-    return _table(["", "min", "p5", "p50", "p95", "max"], rows, numeric=True) + \
-        (f'<p class="note">{_e(note)}.</p>' if note else "")
+    return [_table(["", "min", "p5", "p50", "p95", "max"], rows, numeric=True)] + ([Note(f"{note}.")] if note else [])
 
 
-def _table(head: list[str], rows: list[list], numeric: bool = False) -> str:
-    th = "".join(f"<th>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{"num" if numeric else ""}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+def _table(head: list[str], rows: list[list], numeric: bool = False) -> Table:
+    return Table(head, rows, numeric)
 
 
 def _delta(v, prev) -> str:
@@ -555,54 +590,5 @@ def _num(x, digits: int = 0) -> str:
         return f"{x:,.{digits}f}" if digits and not float(x).is_integer() else f"{x:,.0f}"
     return str(x)
 
-
-def _e(x) -> str:
-    return html.escape("" if x is None else str(x))
-
-
-def _code(x) -> str:
-    return f"<code>{_e(x)}</code>"
-
-
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;color:#1d2330;margin:0;background:#f5f6f8}
-main{max-width:980px;margin:0 auto;padding:20px 24px 40px;background:#fff}
-h1{font-size:22px;margin:4px 0}h1 small{color:#667;font-weight:400}
-h2{font-size:16px;margin:26px 0 8px;padding-bottom:4px;border-bottom:1px solid #e3e6ea}
-.sub{color:#556;margin:2px 0 12px}nav{font-size:12.5px;color:#667;margin:8px 0 4px}
-nav a{color:#3f6fb5;text-decoration:none}
-.tiles{display:grid;grid-template-columns:repeat(auto-fill,minmax(120px,1fr));gap:8px;margin:10px 0}
-.tile{background:#f3f5f9;border-radius:6px;padding:8px 10px}.tile b{display:block;font-size:18px}
-.tile span{color:#667;font-size:12px}
-dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 14px;font-size:13px;margin:10px 0}
-dl.facts dt{color:#667}dl.facts dd{margin:0;overflow-wrap:anywhere}
-code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;background:#f1f2f5;padding:1px 4px;border-radius:3px}
-img{max-width:100%;display:block;margin:6px 0}
-table{border-collapse:collapse;font-size:12.5px;margin:8px 16px 8px 0}
-th,td{padding:3px 9px;border-bottom:1px solid #e8eaee;text-align:left}th{color:#556;font-weight:600}
-table.num td{text-align:right;font-variant-numeric:tabular-nums}table.num td:first-child{text-align:left}
-.cols{display:flex;flex-wrap:wrap;align-items:flex-start}
-.note{color:#5b6270;font-size:12.5px}
-ul.findings{list-style:none;padding:0;margin:0}
-.finding{border-left:4px solid #6c8ebf;background:#f6f8fc;margin:8px 0;padding:8px 12px;border-radius:0 6px 6px 0}
-.finding.warning{border-color:#d98b2b;background:#fdf7ee}
-.finding .ev{color:#3b4252;font-size:13px;margin:3px 0}.finding .chg{font-size:13px}
-.badge{display:inline-block;font-size:11px;padding:1px 7px;border-radius:9px;background:#dde6f5;color:#274b84}
-.badge.warning{background:#fbe3c4;color:#8a4b06}.badge.ok{background:#d8efdf;color:#1f6b3a}
-pre{background:#f6f7f9;padding:10px;border-radius:6px;font-size:12px;overflow:auto;max-height:520px}
-details summary{cursor:pointer;color:#3f6fb5}
-"""
-
-_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
-<title>{title} · batch-llm run report</title><style>{css}</style></head>
-<body><main>
-{header}
-<nav>{nav}</nav>
-{sections}
-<p class="note" style="margin-top:30px">Written by batch-llm at publish time from the run's summary.json and its
-shards' outputs.</p>
-</main></body></html>
-"""
 
 __all__ = ["REPORT_NAME", "render_report", "score_history", "write_run_report"]

@@ -272,22 +272,13 @@ def report_href(url: str, conn_id: str | None = None) -> str:
     return f"{URL_PREFIX}/report?{urlencode(q, quote_via=quote)}"
 
 
-_INDEX = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Batch LLM reports</title>
-<style>body{{font:14px/1.45 system-ui,sans-serif;margin:1.5rem;color:#1d2430}}table{{border-collapse:collapse}}
-td,th{{padding:.3rem .8rem;border-bottom:1px solid #e3e6eb;text-align:left}}th{{color:#5b6472;font-weight:600}}
-a{{color:#2a5db0}}.note{{color:#5b6472}}</style></head><body><h1>Batch LLM reports</h1>{body}</body></html>"""
-
-
 def render_index(reports: list[dict]) -> str:
     """The list page. Its links open in place: inside the UI it is an iframe sandboxed without popups."""
-    if not reports:
-        return _INDEX.format(body='<p class="note">No published run reports yet (or none you may read).</p>')
-    rows = "".join(
-        f"<tr><td>{html.escape(r['dag_id'])}</td><td>{html.escape(r['partition'])}</td>"
-        f"<td><a href=\"{html.escape(report_href(r['url'], r['conn_id']))}\">"
-        f"{html.escape(r['version'])}</a></td></tr>" for r in reports)
-    return _INDEX.format(body=f"<table><tr><th>pipeline</th><th>partition</th><th>version</th></tr>{rows}"
-                              "</table>")
+    from batch_llm.templates import render
+
+    rows = [{"dag_id": r["dag_id"], "partition": r["partition"], "version": r["version"],
+             "href": report_href(r["url"], r["conn_id"])} for r in reports]
+    return render("report_index.html.j2", reports=rows)
 
 
 # ------------------------------------------------------------------------------------------ the app
