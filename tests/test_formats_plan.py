@@ -64,6 +64,10 @@ def test_openai_batch_in_and_out(tmp_path):
     assert out["custom_id"] == "req-0" and out["error"] is None
     assert out["response"]["body"]["choices"][0]["message"]["content"] == "0"
     assert out["response"]["body"]["usage"]["total_tokens"] == 6
+    assert out["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = output_record(rec["record"], {"id": "req-0", "output": "0", "finish_reason": "stop", "prompt_tokens": 40,
+                                           "cached_prompt_tokens": 32, "completion_tokens": 1}, "openai_batch")
+    assert cached["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 @pytest.mark.parametrize("fmt,suffix", [("jsonl", ".jsonl"), ("csv", ".csv"), ("parquet", ".parquet")])
@@ -91,3 +95,11 @@ def test_shard_sizes():
     cpu = ShardingConfig(expected_engine_start_seconds=30, expected_output_tokens_per_second=350)
     assert plan_mod.default_rows_per_shard(cpu, 64) == 1477
     assert plan_mod.shard_sizes(0, ShardingConfig(rows_per_shard=10)) == []
+
+
+def test_run_token_usage_sums_the_shards():
+    from batch_llm.manifests import TokenUsage
+
+    shards = [{"metrics": {"input_tokens": 100, "cached_prompt_tokens": 64, "output_tokens": 20}},
+              {"metrics": {"input_tokens": 50, "output_tokens": 5}}]   # a manifest from before cached tokens
+    assert TokenUsage.of_shards(shards) == TokenUsage(prompt_tokens=150, cached_prompt_tokens=64, completion_tokens=25)

@@ -129,7 +129,7 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     assert [r["id"] for r in ok] == [r["id"] for r in rows if not r["error"]]
     assert [r["id"] for r in bad] == [r["id"] for r in rows if r["error"]]
     assert m["metrics"] | {"chunks": 0} == {"rows": 100, "ok": 88, "errors": 12, "invalid_outputs": 0,
-                                            "invalid_output_tokens": 0, "input_tokens": 300,
+                                            "invalid_output_tokens": 0, "input_tokens": 300, "cached_prompt_tokens": 0,
                                             "output_tokens": 176, "chunks": 0}
 
     for f in list_files(shard_dir.child("chunks").path(), ".jsonl"):

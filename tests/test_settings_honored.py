@@ -65,22 +65,50 @@ def test_transformers_shard_runs_a_custom_code_model_only_when_trusted(tmp_path,
     assert m["engine"]["settings"]["trust_remote_code"] is True
 
 
-def test_vllm_gets_trust_remote_code(tmp_path, custom_model):
+@pytest.fixture(scope="module")
+def trusted_vllm(tmp_path_factory, custom_model):
+    """One vLLM engine on the custom-code model, trusted, prefix caching on (shared by the tests below)."""
+    from batch_llm.engines.vllm_engine import VllmEngine
+
+    cfg = demo_config(tmp_path_factory.mktemp("vllm"), engine__max_model_len=512, engine__enforce_eager=True,
+                      engine__enable_prefix_caching=True)
+    engine = VllmEngine(str(custom_model), cfg.engine, cfg.sampling, trust_remote_code=True)
+    info = engine.start()
+    yield engine, info
+    engine.close()
+
+
+def test_vllm_gets_trust_remote_code(tmp_path, custom_model, trusted_vllm):
     from batch_llm.engines.vllm_engine import VllmEngine
 
     cfg = demo_config(tmp_path, engine__max_model_len=512, engine__enforce_eager=True)
     with pytest.raises(EngineStartError, match="custom code") as ei:
         VllmEngine(str(custom_model), cfg.engine, cfg.sampling).start()
     assert not ei.value.memory
-    engine = VllmEngine(str(custom_model), cfg.engine, cfg.sampling, trust_remote_code=True)
-    info = engine.start()
-    try:
-        mc = engine.llm.llm_engine.vllm_config.model_config
-        assert mc.trust_remote_code is True and info.settings["trust_remote_code"] is True
-        assert type(mc.hf_config).__name__ == "SmolCustomConfig"  # the folder's own config class ran
-        assert info.settings["model_context_limit"] == 8192
-    finally:
-        engine.close()
+    engine, info = trusted_vllm
+    mc = engine.llm.llm_engine.vllm_config.model_config
+    assert mc.trust_remote_code is True and info.settings["trust_remote_code"] is True
+    assert type(mc.hf_config).__name__ == "SmolCustomConfig"  # the folder's own config class ran
+    assert info.settings["model_context_limit"] == 8192
+
+
+def test_vllm_reports_prompt_tokens_served_from_its_prefix_cache(trusted_vllm, demo_model_dir):
+    """Token usage per row: a second prompt sharing a long prefix with one already served reuses its KV blocks,
+    and the result says how many prompt tokens that was (OpenAI's ``prompt_tokens_details.cached_tokens``)."""
+    from batch_llm.engines.base import GenRequest
+    from transformers import AutoTokenizer
+
+    engine, _ = trusted_vllm
+    tok = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    prefix = tok("Shared instructions: " + " ".join(f"Rule {i}: answer in one short sentence." for i in range(40)))
+    prefix = prefix["input_ids"]
+    first = prefix + tok(" Question: name a colour.")["input_ids"]
+    second = prefix + tok(" Question: name a fruit.")["input_ids"]
+    (a,) = list(engine.generate([GenRequest("a", first)]))
+    (b,) = list(engine.generate([GenRequest("b", second)]))   # after the first finished: its blocks are cached
+    assert len(prefix) > 200 and a.prompt_tokens == len(first) and b.prompt_tokens == len(second)
+    assert a.cached_prompt_tokens < len(prefix)
+    assert len(prefix) // 2 < b.cached_prompt_tokens <= len(prefix), (b.cached_prompt_tokens, len(prefix))
 
 
 # ------------------------------------------------------------------------------------------ LMDeploy

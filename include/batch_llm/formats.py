@@ -303,7 +303,8 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
             return openai_error_line(record.get("custom_id"), result["error"], code="row_error")
         usage = {"prompt_tokens": result.get("prompt_tokens", 0),
                  "completion_tokens": result.get("completion_tokens", 0),
-                 "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0)}
+                 "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
+                 "prompt_tokens_details": {"cached_tokens": result.get("cached_prompt_tokens", 0)}}
         if record.get("url") == "/v1/completions":
             body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
                     "model": model, "choices": [{"index": 0, "text": result.get("output", ""), "logprobs": None,
@@ -317,7 +318,7 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
         return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
                 "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
     out = dict(record)
-    for k in ("output", "finish_reason", "prompt_tokens", "completion_tokens", "filter_hits", "error"):
+    for k in _GENERATED:
         if k in result:
             out[k] = result[k]
     if schema is not None and isinstance(result.get("output"), str):
@@ -344,7 +345,8 @@ def structured_column(name: str, record: dict) -> str:
     return f"output_{name}" if name in record or name in _GENERATED else name
 
 
-_GENERATED = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "filter_hits", "error")
+_GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
+              "error")
 
 
 def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -> dict:

@@ -187,6 +187,7 @@ class _Group:
 def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
+            "cached_prompt_tokens": 0 if cached else entry.get("cached_prompt_tokens", 0),
             "cached": cached, "error": None, "key": key}
 
 
@@ -199,7 +200,8 @@ def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
     """An output that does not match ``sampling.output_schema``: kept (with its text) as an error row of its
     own kind, which ``engine.max_error_rate`` does not count: the engine worked, the answer did not fit."""
     return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
-            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens, "cached": False,
+            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+            "cached_prompt_tokens": res.cached_prompt_tokens, "cached": False,
             "error": reason, "error_kind": "invalid_output"}
 
 
@@ -458,7 +460,7 @@ class ShardRun:
             return
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
-                 "completion_tokens": res.completion_tokens}
+                 "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens}
         for r in group.rows:
             if res.error:
                 self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))

@@ -106,6 +106,24 @@ class EvaluateManifest(Manifest):
                     and self.num_samples < self.rows_with_references)
 
 
+class TokenUsage(BaseModel):
+    """Tokens of a run's rows (as OpenAI's ``usage``): prompt tokens, the part of them served from the engine's
+    prefix cache (vLLM; 0 where the engine does not say), completion tokens of the usable rows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def of_shards(cls, shard_manifests: list[dict]) -> "TokenUsage":
+        metrics = [s.get("metrics") or {} for s in shard_manifests if isinstance(s, dict)]
+        return cls(prompt_tokens=sum(m.get("input_tokens", 0) for m in metrics),
+                   cached_prompt_tokens=sum(m.get("cached_prompt_tokens", 0) for m in metrics),
+                   completion_tokens=sum(m.get("output_tokens", 0) for m in metrics))
+
+
 class PublishManifest(Manifest):
     stage: Literal["publish"] = "publish"
     partition: str
@@ -116,6 +134,7 @@ class PublishManifest(Manifest):
     errors: str
     error_rows: int
     report: str | None = None
+    usage: TokenUsage = Field(default_factory=TokenUsage)
     cache: dict[str, Any] | None = Field(None, description="result-cache maintenance done after publishing")
     seconds: float = 0.0
     peak_rss_mb: float = 0.0

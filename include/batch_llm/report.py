@@ -165,6 +165,9 @@ def _header(r: _Page) -> dict:
         tiles.insert(3, ("invalid outputs (schema)", _num(r.run.total("invalid_outputs"))))
     if r.run.plan.get("capped"):
         tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.run.plan.get("capped"))))
+    cached, prompt = r.run.total("cached_prompt_tokens"), r.run.total("input_tokens")
+    if cached:  # the engine's prefix cache: prompt tokens it did not compute again
+        tiles.insert(-3, ("prompt tokens from prefix cache", f"{_num(cached)} ({cached / prompt:.0%})"))
     kind, version, st = r.run.engine
     model = r.run.fetch.get("id") or (r.run.cfg.get("model") or {}).get("ref", "?")
     rev = r.run.fetch.get("revision") or (r.run.cfg.get("model") or {}).get("revision", "")

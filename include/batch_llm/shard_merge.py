@@ -49,7 +49,7 @@ def finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_p
     (a worker's memory does not grow with the shard)."""
     chunk_files = list_files(chunks_dir.path(), ".jsonl")
     m = {"rows": n_rows, "ok": 0, "errors": 0, "invalid_outputs": 0, "invalid_output_tokens": 0, "input_tokens": 0,
-         "output_tokens": 0, "chunks": len(chunk_files)}
+         "cached_prompt_tokens": 0, "output_tokens": 0, "chunks": len(chunk_files)}
     digest = hashlib.sha256(b"[")  # sha256 of the JSON list of ids in input order, built as rows pass
     with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
             atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
@@ -57,6 +57,7 @@ def finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_p
         for r in _merged_rows(chunk_files, tmp):
             digest.update(((", " if m["ok"] + m["errors"] else "") + json.dumps(r["id"])).encode())
             m["input_tokens"] += r["prompt_tokens"]
+            m["cached_prompt_tokens"] += r.get("cached_prompt_tokens", 0)  # rows committed before it was recorded: 0
             line = json_bytes(r) + b"\n"
             if r["error"]:
                 m["errors"] += 1

@@ -35,7 +35,15 @@ from batch_llm.formats import (
     structured_column,
     write_rows,
 )
-from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, PublishManifest, ShardSpec
+from batch_llm.manifests import (
+    EvaluateManifest,
+    FilterManifest,
+    FilterSummary,
+    PlanManifest,
+    PublishManifest,
+    ShardSpec,
+    TokenUsage,
+)
 from batch_llm.output_schema import OutputSchema
 from batch_llm.storage import (
     Location,
@@ -291,6 +299,8 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                "manifests": {"plan": plan.model_dump(mode="json"), "filter": filtered.model_dump(mode="json"),
                              "evaluate": scores.model_dump(mode="json"), **(extra_manifests or {})},
                "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
+    usage = TokenUsage.of_shards((extra_manifests or {}).get("infer") or [])
+    summary["usage"] = usage.model_dump()
     summary["report"] = version.child("report.html").url
     write_json(version.child("summary.json").path(), summary)
     from batch_llm.report import write_run_report  # matplotlib loads only here, not when DAGs are parsed
@@ -306,7 +316,7 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
             remove_tree(old)
     m = PublishManifest(partition=layout.published.url, version=version.url, dataset=data.url, rows=n,
                         summary=version.child("summary.json").url, errors=version.child("errors.jsonl").url,
-                        error_rows=n_errors, report=report_url, cache=maintain_cache(cfg, layout),
+                        error_rows=n_errors, report=report_url, usage=usage, cache=maintain_cache(cfg, layout),
                         seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(out_dir.path())
     return m

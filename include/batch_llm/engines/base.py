@@ -36,6 +36,7 @@ class GenResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache (vLLM)
 
 
 @dataclass

@@ -137,7 +137,8 @@ class VllmEngine(Engine):
                 raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
             return [GenResult(out.request_id, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
                               prompt_tokens=len(out.prompt_token_ids or []),
-                              completion_tokens=len(out.outputs[0].token_ids))
+                              completion_tokens=len(out.outputs[0].token_ids),
+                              cached_prompt_tokens=out.num_cached_tokens or 0)
                     for out in outputs if out.finished]
 
         max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
