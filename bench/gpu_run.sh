@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases
+#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
 # Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
 # Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
+# bench_h200_features.py (one process per engine, each under its own timeout):
+#   guided  carry .gpu-stage/tok (a small real tokenizer: the demo model's tokenizer files), made here with
+#           mkdir -p .gpu-stage/tok && cp "$(.venv/bin/python -m batch_llm.demo_model)"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu-stage/tok/
+#           GUIDED_ARGS=--compact-json: no free whitespace in the grammar; TAG names the log
+#   spec    carry .gpu-stage/numba (numba + llvmlite cp312 wheels, 64 MB: vLLM's CPU n-gram proposer needs them):
+#           .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#             --platform manylinux_2_28_x86_64 numba llvmlite -d .gpu-stage/numba
+#   fp8     bf16 vs quantization=fp8 vs kv_cache_dtype=fp8, vLLM's compile cache off (VLLM_DISABLE_COMPILE_CACHE=1;
+#           torch inductor's and Triton's own caches are not cleared, so later starts may still reuse kernels)
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 M=/root/work/qwen7b_cfg
 vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
+}
+h200_summary() {  # the lines of a log that matter, short
+  grep -E "^RESULT|GPU KV cache size|Maximum concurrency|torch.compile took|init engine|Error|Traceback" "$1" \
+    | grep -v "^RESULT.*\"phase\": \"engine\".*kv_cache_tokens" | cut -c1-500 | tail -30
+  grep -E "^RESULT.*\"phase\": \"engine\"" "$1" | grep -oE "\"(construct_s|kv_cache_tokens|import_s)\": [0-9.]+" | tr '\n' ' '; echo
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
@@ -21,6 +35,21 @@ case "${1:-fixed}" in
            --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
   checks) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy stop resume | tee $OUT/checks.txt ;;
   resume|leases) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy "$1" | tee $OUT/$1.txt ;;
+  guided) vllm_env
+    timeout -k 10 ${T:-540} python3 bench/bench_h200_features.py guided --model $M --tokenizer .gpu-stage/tok ${GUIDED_ARGS:-} \
+      --out $OUT/h200_guided.jsonl >$OUT/guided${TAG:-}.log 2>&1; echo "guided rc=$?"; h200_summary $OUT/guided${TAG:-}.log ;;
+  spec) vllm_env
+    python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/numba/*.whl 2>&1 | grep -v WARNING
+    python3 -c "import numba; print('numba', numba.__version__)" >$OUT/numba_import.txt 2>&1; tail -2 $OUT/numba_import.txt
+    for m in ${METHODS:-plain ngram ngram_gpu}; do
+      timeout -k 10 ${T:-180} python3 bench/bench_h200_features.py spec --model $M --method $m \
+        --out $OUT/h200_spec.jsonl >$OUT/spec_$m.log 2>&1; echo "spec $m rc=$?"; h200_summary $OUT/spec_$m.log
+    done ;;
+  fp8) vllm_env; export VLLM_DISABLE_COMPILE_CACHE=1
+    for v in ${VARIANTS:-bf16 fp8 fp8kv}; do
+      timeout -k 10 ${T:-185} python3 bench/bench_h200_features.py fp8 --model $M --variant $v \
+        --out $OUT/h200_fp8.jsonl >$OUT/fp8_$v.log 2>&1; echo "fp8 $v rc=$?"; h200_summary $OUT/fp8_$v.log
+    done ;;
   lmdeploy-stage)
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there

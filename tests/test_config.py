@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 from batch_llm.config import ConfigError, load_config
-from helpers import DEMO_YAML
+from helpers import DEMO_YAML, demo_config
 
 
 def test_demo_config_loads():
@@ -70,3 +70,38 @@ def test_params_override_through_the_same_model(tmp_path):
     assert new.sharding.rows_per_shard == 5 and new.sharding.num_shards is None
     with pytest.raises(ConfigError, match="sampling.top_p"):
         cfg.with_overrides({"sampling.top_p": 2})
+
+
+# ------------------------------------------------------------------------------------ engine.speculative
+def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_config(tmp_path):
+    from batch_llm.engines.vllm_engine import VllmEngine
+
+    plain = demo_config(tmp_path)
+    assert plain.engine.speculative is None
+    assert "speculative_config" not in VllmEngine("/m", plain.engine, plain.sampling)._constructor_args()
+    cfg = demo_config(tmp_path, engine__speculative={"num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    args = VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+                                          "prompt_lookup_min": 2}
+    assert cfg.with_overrides({}).engine.speculative == cfg.engine.speculative  # survives a params round trip
+
+
+@pytest.mark.parametrize("speculative,expected", [
+    ({"method": "eagle"}, "engine.speculative.method"),
+    ({"num_speculative_tokens": 0}, "engine.speculative.num_speculative_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min (5) is above prompt_lookup_max (3)"),
+    ({"lookahead": 2}, "engine.speculative.lookahead"),
+])
+def test_speculative_bounds(tmp_path, speculative, expected):
+    with pytest.raises(ConfigError) as ei:
+        demo_config(tmp_path, engine__speculative=speculative)
+    assert expected in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("kind", ["transformers", "lmdeploy"])
+def test_speculative_refused_for_engines_without_it(tmp_path, kind):
+    with pytest.raises(ConfigError, match=rf"engine.speculative: n-gram speculative decoding is a vLLM option "
+                                          rf".*engine.kind is '{kind}'"):
+        demo_config(tmp_path, engine__kind=kind, engine__speculative={})
+    with pytest.raises(ConfigError, match="engine.extra.speculative_config: set engine.speculative or"):
+        demo_config(tmp_path, engine__speculative={}, engine__extra={"speculative_config": {"method": "ngram"}})

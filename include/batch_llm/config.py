@@ -133,6 +133,29 @@ class MemoryBackoffConfig(_Section):
     probe_max_num_seqs: int = Field(1024, ge=1, description="the probe never goes above this")
 
 
+class SpeculativeConfig(_Section):
+    """vLLM's n-gram speculative decoding (prompt lookup): the next tokens are drafted by matching the last
+    ``prompt_lookup_min``..``prompt_lookup_max`` tokens against the prompt and the output so far, and the model
+    checks ``num_speculative_tokens`` drafts in one step. It pays where outputs repeat their input (extraction,
+    rewriting) at small batches; measured on the H200 in docs/benchmarks.md. vLLM's proposer needs ``numba``."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Drafted tokens checked per step")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched")
+    prompt_lookup_min: int = Field(2, ge=1, le=16, description="Shortest n-gram matched")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+    def vllm_kwargs(self) -> dict:
+        """What ``LLM(speculative_config=...)`` receives (vLLM 0.26's SpeculativeConfig fields)."""
+        return self.model_dump()
+
+
 class EngineConfig(_Section):
     """The engine and its parameters; ``kind`` picks vLLM, LMDeploy or plain transformers."""
 
@@ -146,6 +169,7 @@ class EngineConfig(_Section):
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     kv_cache_dtype: str = "auto"
+    speculative: SpeculativeConfig | None = Field(None, description="vLLM n-gram speculative decoding; null: off")
     cpu_kv_cache_gib: int = Field(2, ge=1, description="vLLM CPU backend KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
@@ -170,12 +194,19 @@ class EngineConfig(_Section):
         """A key the engine would not honor is refused here, naming it, never dropped at start."""
         if "trust_remote_code" in self.extra:
             raise ValueError("engine.extra.trust_remote_code: set model.trust_remote_code instead")
+        problems = []
+        if self.speculative is not None and self.kind != "vllm":
+            problems.append(f"engine.speculative: n-gram speculative decoding is a vLLM option (its "
+                            f"speculative_config); engine.kind is {self.kind!r}: remove engine.speculative")
+        if self.speculative is not None and "speculative_config" in self.extra:
+            problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
+                            "speculative_config, not both")
         if self.kind == "lmdeploy":
             from batch_llm.engines.lmdeploy_config import lmdeploy_problems
 
-            problems = lmdeploy_problems(self)
-            if problems:
-                raise ValueError("; ".join(problems))
+            problems += lmdeploy_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

@@ -22,6 +22,7 @@ enforce_eager              eager_mode                             refused when t
 enable_prefix_caching      enable_prefix_caching                  enable_prefix_caching
 cpu_kv_cache_gib           refused unless the default (vLLM's CPU backend only)
 batch_size                 refused unless the default (the transformers engine only)
+speculative                refused when set (vLLM's n-gram speculative decoding only)
 =========================  =====================================  =========================================
 
 The other keys (``commit_every_*``, ``progress_every_seconds``, ``max_error_rate``, ``dedupe_prompts``,

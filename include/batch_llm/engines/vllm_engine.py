@@ -40,6 +40,7 @@ class VllmEngine(Engine):
                     tensor_parallel_size=c.tensor_parallel_size, dtype=c.dtype, quantization=c.quantization,
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
+                    speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, **c.extra)
         return {k: v for k, v in args.items() if v is not None}
 
@@ -82,7 +83,8 @@ class VllmEngine(Engine):
                         device=str(vc.device_config.device),
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
-                        structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")))
+                        structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
+                        speculative_method=getattr(vc.speculative_config, "method", None))
         return EngineInfo(kind="vllm", version=vllm.__version__, settings=settings,
                           start_seconds=time.perf_counter() - t0)
 
