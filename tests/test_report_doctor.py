@@ -325,6 +325,21 @@ def test_max_num_seqs_never_filled_by_small_shards():
     assert "max_num_seqs" not in checks(run_doctor(summary_of(healthy()), gpus=8))
 
 
+def test_speculative_decoding_advised_only_where_it_was_measured_to_gain():
+    """n-gram speculation gained at batch 1 and 32 on the H200, not at 256: advised for a GPU run that keeps few
+    sequences in flight, never for a full batch, a CPU run, or a run that already speculates."""
+    few = [shard(i, rows=16, start=60, gen=100) for i in range(2)]
+    f = run_doctor(summary_of(few), gpus=2)
+    (spec,) = [x for x in f if x.check == "speculative"]
+    assert spec.change == "engine.speculative: {method: ngram, num_speculative_tokens: 4}"
+    assert "16 sequences" in spec.evidence and "1.79x" in spec.evidence
+    assert "speculative" not in checks(run_doctor(summary_of(healthy()), gpus=8))
+    cpu = [shard(i, rows=16, start=60, gen=100, settings={"device": "cpu"}) for i in range(2)]
+    assert "speculative" not in checks(run_doctor(summary_of(cpu), gpus=0))
+    on = [shard(i, rows=16, start=60, gen=100, settings={"speculative_method": "ngram"}) for i in range(2)]
+    assert "speculative" not in checks(run_doctor(summary_of(on), gpus=2))
+
+
 def test_kv_cache_limits_concurrency_on_gpu():
     small = {"num_kv_blocks": 3000, "gpu_memory_utilization": 0.7}    # 48k tokens = 120 seqs of 400 < 256
     s = [shard(i, rows=4096, start=60, gen=1200, settings=small) for i in range(8)]
