@@ -11,6 +11,10 @@
   the checkout: ``airflow providers list`` / ``links`` show it, ``airflow plugins`` shows the plugin once, the
   operators and the provider's extra link import from that venv's site-packages, and this repository's DAG
   files parse there.
+- In the same venv, beside it, Airflow's own ``apache-airflow-providers-common-ai==1.0.0`` (the hosted batch
+  API provider whose conventions ``GPULLMBatchOperator`` follows): both providers are listed, both batch
+  operators and both decorators (``@task.llm_batch``, ``@task.gpu_llm_batch``) import, and the example DAG
+  ``dags/example_llm_batch_switch.py`` parses with either backend into the same task with the same arguments.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PLUGIN_FILE = ROOT / "plugins" / "batch_llm_plugin.py"
 AIRFLOW_VERSION = "3.3.2"
+COMMON_AI = "apache-airflow-providers-common-ai==1.0.0"  # resolves with 3.3.2 and requirements.lock's pins
+COMMON_AI_PLUGINS = {"hitl_review", "ai_model_panel"}
 
 # Run by a Python with Airflow (this checkout's .venv, or the wheel's venv): the plugins Airflow loads, the
 # plugin import errors, and where the packages were imported from.
@@ -48,6 +54,29 @@ out["publish_links"] = [type(link).__name__ for link in PublishOperator.operator
 out["files"] = [batch_llm.__file__, batch_llm_airflow.__file__]
 out["sys_path"] = sys.path
 print("PROBE " + json.dumps(out))
+"""
+
+
+# Run by the wheel's venv, where common-ai is installed beside it: both batch operators and decorators, and the
+# example DAG's batch task as each backend builds it (``argv[1]``: the DAGs folder).
+BOTH_BATCH_PROVIDERS = r"""
+import json, os, sys
+from airflow.sdk import task
+from airflow.providers.common.ai.operators.llm_batch import LLMBatchOperator
+from batch_llm_airflow.llm_batch import GPULLMBatchOperator, GPUBatchPlanOperator, gpu_llm_batch_task
+from airflow.dag_processing.dagbag import DagBag
+out = {"decorators": [task.llm_batch.__module__, task.gpu_llm_batch.__module__]}
+for backend in ("gpu", "common_ai"):
+    os.environ["LLM_BATCH_BACKEND"] = backend
+    bag = DagBag(dag_folder=os.path.join(sys.argv[1], "example_llm_batch_switch.py"))
+    dag = bag.dags["example_llm_batch_switch"]
+    op = dag.get_task("classify_reviews")
+    args = op if backend == "common_ai" else dag.get_task("classify_reviews.plan_shards")
+    out[backend] = {"errors": {k: str(v)[-300:] for k, v in bag.import_errors.items()}, "type": type(op).__name__,
+                    "downstream": sorted(op.downstream_task_ids),
+                    "args": [args.requests, args.result_path, args.system_prompt, args.output_type.__name__,
+                             args.max_tokens]}
+print("BOTH " + json.dumps(out))
 """
 
 
@@ -96,6 +125,9 @@ def test_provider_info_follows_airflows_schema_and_the_distribution():
     assert [type(x) for x in PublishOperator.operator_extra_links] == [RunReportLink]
     assert not BatchLlmPlugin.operator_extra_links
     assert "plugins" not in info and "connection-types" not in info  # see get_provider_info.py's docstring
+    # @task.gpu_llm_batch: named apart from common-ai's @task.llm_batch, so both providers fit in one Airflow
+    assert [d["name"] for d in info["task-decorators"]] == ["gpu_llm_batch"]
+    assert all(callable(import_string(d["class-name"])) for d in info["task-decorators"])
 
     eps = project["entry-points"]
     assert eps["apache_airflow_provider"] == {"provider_info": "batch_llm_airflow.get_provider_info:get_provider_info"}
@@ -189,9 +221,9 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
     base = getattr(sys, "_base_executable", sys.executable)
     _run([uv, "venv", "-q", "--python", base, str(venv)], 120, env=uv_env)
     py = str(venv / "bin" / "python")
-    # stock Airflow plus the wheel with its core dependencies: no extra, no lock
-    _run([uv, "pip", "install", "-q", "--python", py, f"apache-airflow=={AIRFLOW_VERSION}", str(wheel)], 420,
-         env=uv_env)
+    # stock Airflow plus the wheel with its core dependencies (no extra, no lock), and common-ai beside them
+    _run([uv, "pip", "install", "-q", "--python", py, f"apache-airflow=={AIRFLOW_VERSION}", str(wheel), COMMON_AI],
+         420, env=uv_env)
 
     plugins = tmp_path / "plugins"   # a deployment's plugins folder that also got this repository's file
     plugins.mkdir()
@@ -202,6 +234,7 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
     providers = json.loads(_run([*airflow, "providers", "list", "-o", "json"], 180, env=env, cwd=tmp_path).stdout)
     ours = [p for p in providers if p["package_name"] == "batch-llm"]
     assert len(ours) == 1 and ours[0]["version"] == PYPROJECT["project"]["version"], providers
+    assert [p["version"] for p in providers if p["package_name"] == COMMON_AI.split("==")[0]] == ["1.0.0"], providers
     links = _run([*airflow, "providers", "links", "-o", "json"], 180, env=env, cwd=tmp_path).stdout
     assert "batch_llm_airflow.operators.RunReportLink" in links, links
     listed = json.loads(_run([*airflow, "plugins", "-o", "json"], 180, env=env, cwd=tmp_path).stdout)
@@ -210,7 +243,12 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
     site = str(venv / "lib")
     for lazy in ("True", "False"):
         out = probe(py, {**env, "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": lazy}, tmp_path)
-        assert out["plugins"] == ["batch_llm"] and out["errors"] == {}, out
+        # common-ai's two plugins load beside ours. Its provider info lists them as well as its entry points, so
+        # with lazy discovery off Airflow registers them twice and reports "already registered" for each: the only
+        # import errors allowed here, and none of them ours.
+        assert out["plugins"].count("batch_llm") == 1 and set(out["plugins"]) == {"batch_llm", *COMMON_AI_PLUGINS}, out
+        theirs = {f"Plugin {name!r} already registered, skipping" for name in COMMON_AI_PLUGINS}
+        assert set(map(str, out["errors"].values())) <= (theirs if lazy == "False" else set()), out
         assert out["links"] == ["batch_llm_airflow.operators.RunReportLink"] and out["publish_links"] == \
             ["RunReportLink"], out
         assert all(f.startswith(site) for f in out["files"]), out["files"]  # the venv's copy, not the checkout
@@ -222,3 +260,13 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
              "print('DAGS', sorted(b.dags), 'ERRORS', b.import_errors)")
     proc = _run([py, "-c", parse, str(ROOT / "dags")], 180, env=env, cwd=tmp_path)
     assert "'batch_llm_demo'" in proc.stdout and "ERRORS {}" in proc.stdout, proc.stdout[-3000:]
+    assert "'example_llm_batch_switch'" in proc.stdout, proc.stdout[-3000:]
+
+    # common-ai beside it: one task, switched by the operator alone (same arguments, same downstream reader)
+    proc = _run([py, "-c", BOTH_BATCH_PROVIDERS, str(ROOT / "dags")], 180, env=env, cwd=tmp_path)
+    both = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("BOTH ")][-1][len("BOTH "):])
+    assert both["decorators"] == ["airflow.providers.common.ai.decorators.llm_batch", "batch_llm_airflow.llm_batch"]
+    assert both["gpu"]["errors"] == {} and both["common_ai"]["errors"] == {}, both
+    assert (both["gpu"]["type"], both["common_ai"]["type"]) == ("GPUBatchLandOperator", "LLMBatchOperator"), both
+    assert both["gpu"]["args"] == both["common_ai"]["args"] and both["gpu"]["args"][3] == "Sentiment", both
+    assert both["gpu"]["downstream"] == both["common_ai"]["downstream"] == ["summarize_manifest"], both

@@ -14,6 +14,8 @@ name as pip knows it, or Airflow refuses the provider.
   Airflow 3.3's plugins manager skips it ("Plugin 'batch_llm' already registered, skipping") and reports that
   as a plugin import error. tests/test_provider_wheel.py checks both settings. (apache/airflow's
   openlineage provider lists its plugin both ways; this one does not.)
+- ``task-decorators``: ``@task.gpu_llm_batch`` (``batch_llm_airflow.llm_batch``), named apart from common-ai's
+  ``@task.llm_batch`` so that both providers can be installed in one Airflow (a name is one decorator).
 - ``extra-links``: ``RunReportLink``, whose one registration is ``PublishOperator.operator_extra_links``
   (the plugin no longer lists it); Airflow 3 only shows this list (``airflow providers links``).
 
@@ -26,6 +28,7 @@ from typing import Any
 PACKAGE = "batch-llm"
 PLUGIN_ENTRY_POINT = "batch_llm_airflow.plugin:BatchLlmPlugin"  # [project.entry-points."airflow.plugins"]
 RUN_REPORT_LINK = "batch_llm_airflow.operators.RunReportLink"
+GPU_LLM_BATCH_DECORATOR = "batch_llm_airflow.llm_batch.gpu_llm_batch_task"  # @task.gpu_llm_batch
 
 
 def _version() -> str:
@@ -46,6 +49,8 @@ def get_provider_info() -> dict[str, Any]:
                        "publish with a run report.",
         "versions": [_version()],
         "integrations": [{"integration-name": "Batch LLM", "tags": ["ai", "llm"]}],
-        "operators": [{"integration-name": "Batch LLM", "python-modules": ["batch_llm_airflow.operators"]}],
+        "operators": [{"integration-name": "Batch LLM",
+                       "python-modules": ["batch_llm_airflow.operators", "batch_llm_airflow.llm_batch"]}],
+        "task-decorators": [{"name": "gpu_llm_batch", "class-name": GPU_LLM_BATCH_DECORATOR}],
         "extra-links": [RUN_REPORT_LINK],
     }
