@@ -202,6 +202,34 @@ class ProcessGroup:
                 todo.extend(children.get(pid, []))
         return found
 
+    def crash(self, name: str) -> list[int]:
+        """What a host's power loss does to one service: SIGKILL to it and every process under it (whatever
+        session it moved to), at once, no grace. The service leaves the list (nothing to stop at the end).
+        Returns the pids killed."""
+        svc = next(s for s in self.services if s.name == name)
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo, found = [svc.proc.pid], []
+        while todo:
+            pid = todo.pop()
+            if pid in table and pid not in found:
+                found.append(pid)
+                todo.extend(children.get(pid, []))
+        _killpg(svc.proc.pid, signal.SIGKILL)
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        svc.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(p in _proc_table() and _proc_table()[p][2] != "Z" for p in found) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.services.remove(svc)
+        return found
+
     def stop(self, grace: float = 20.0) -> list[int]:
         """Ends the services tier by tier (highest first): each group gets its stop signal (SIGTERM; SIGINT,
         fast shutdown, for PostgreSQL), up to ``grace`` seconds, then SIGKILL. Every process that was under
@@ -442,18 +470,12 @@ class AirflowServices:
                  for name, slots in self.pools.items()]
         self.procs.spawn("api-server", [*self.airflow, "api-server", "-H", "127.0.0.1", "-p", str(self.port),
                                         "-w", "1"])
-        self.procs.spawn("scheduler", [*self.airflow, "scheduler", "--skip-serve-logs"])
+        self.spawn_scheduler()
         self.procs.spawn("dag-processor", [*self.airflow, "dag-processor"])
         if self.triggerer:
             self.procs.spawn("triggerer", [*self.airflow, "triggerer", "--skip-serve-logs"])
         for w in self.celery_workers:
-            self.procs.spawn(f"celery-{w.name}", [
-                *self.airflow, "celery", "worker", "--queues", w.queues, "--concurrency", str(w.concurrency),
-                "-H", f"{w.name}@%h", "--skip-serve-logs", "--without-gossip", "--without-mingle"],
-                # PYTHONPATH here names only this test harness (its hostname callable), never the project's
-                # packages, which come from the install.
-                env={"BATCH_LLM_TEST_WORKER_NAME": w.name, "PYTHONPATH": str(Path(__file__).resolve().parent),
-                     "AIRFLOW__CORE__HOSTNAME_CALLABLE": "airflow_services.worker_hostname"})
+            self.spawn_celery_worker(w)
         self._wait_healthy(timeout - (time.monotonic() - t0))
         self.assert_loopback_only()
         for p in pools:
@@ -462,6 +484,19 @@ class AirflowServices:
                 raise RuntimeError(f"`airflow pools set` exited with {rc}:\n{_tail(p.log, 30)}")
         self.timings["start"] = time.monotonic() - t0
         return self
+
+    def spawn_scheduler(self, name: str = "scheduler") -> Service:
+        return self.procs.spawn(name, [*self.airflow, "scheduler", "--skip-serve-logs"])
+
+    def spawn_celery_worker(self, w: CeleryWorker, name: str | None = None) -> Service:
+        """``airflow celery worker`` for ``w`` (service name ``celery-<w.name>`` unless ``name`` is given)."""
+        return self.procs.spawn(name or f"celery-{w.name}", [
+            *self.airflow, "celery", "worker", "--queues", w.queues, "--concurrency", str(w.concurrency),
+            "-H", f"{w.name}@%h", "--skip-serve-logs", "--without-gossip", "--without-mingle"],
+            # PYTHONPATH here names only this test harness (its hostname callable), never the project's
+            # packages, which come from the install.
+            env={"BATCH_LLM_TEST_WORKER_NAME": w.name, "PYTHONPATH": str(Path(__file__).resolve().parent),
+                 "AIRFLOW__CORE__HOSTNAME_CALLABLE": "airflow_services.worker_hostname"})
 
     def _wait_healthy(self, timeout: float) -> None:
         import requests

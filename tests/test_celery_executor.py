@@ -5,6 +5,12 @@ this machine, and the inference tasks routed to the GPU worker by queue.
   here, where a GPU host runs as many as the ``gpu`` pool and its GPU leases allow).
 - ``cpu-worker``: ``--queues default --concurrency 2`` (every other stage).
 
+Two faults a fleet has, each on a DAG of its own (own rows, so no result-cache hit hides the work): the
+scheduler killed mid-run and restarted (the shard runs on; nothing runs twice), and the GPU worker's host
+dying mid-shard (SIGKILL to the worker and every process under it), a new worker started: the scheduler
+finds the task's heartbeat gone, retries it, and the retry resumes after the chunks the dead attempt
+committed; the published partition holds every row once.
+
 ``batch_inference`` is mapped with ``.partial(queue=airflow.gpu_queue, pool=airflow.gpu_pool)``; every other
 task keeps ``[operators] default_queue`` (``default``). Both workers run on one machine, so each tells the task
 instances its own name through ``[core] hostname_callable`` (``airflow_services.worker_hostname``), as two
@@ -21,10 +27,14 @@ running in the default pod template.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 from airflow_services import (
     AirflowServices,
     CeleryWorker,
@@ -44,6 +54,28 @@ NUM_SHARDS = 2
 TODAY = dt.datetime.now(dt.timezone.utc).date()
 WORKERS = [CeleryWorker("gpu-worker", queues="gpu", concurrency=1),
            CeleryWorker("cpu-worker", queues="default", concurrency=2)]
+SCHEDULER_KILLED_DAG, WORKER_KILLED_DAG = "celery_scheduler_killed", "celery_worker_killed"
+FAULT_ROWS = 24
+# A task whose heartbeat stops is failed (and retried) after this long; Airflow's default is 300 s.
+HEARTBEAT_TIMEOUT_S = 60
+
+
+def write_fault_pipeline(tmp: Path, pipelines: Path, name: str) -> tuple[Path, list[str]]:
+    """One shard of FAULT_ROWS rows of its own (prompts no other DAG has), committed two rows at a time, so a
+    fault lands mid-shard. Returns (output dir, ids)."""
+    sub, out, _ = write_test_pipeline(tmp / name, name=name, days=[TODAY, TODAY + dt.timedelta(days=1)],
+                                      rows_per_day=1, num_shards=1, schedule=None,
+                                      start_date=TODAY - dt.timedelta(days=3), evaluate=False)
+    cfg = yaml.safe_load((sub / f"{name}.yaml").read_text())
+    cfg["engine"].update({"batch_size": 2, "commit_every_rows": 2})
+    (pipelines / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    rows = [{"id": f"{name}-{i:03d}", "messages": [{"role": "user", "content": f"In one sentence: why might a "
+                                                    f"{name.split('_')[1]} count to {i}?"}]}
+            for i in range(FAULT_ROWS)]
+    for day in (TODAY, TODAY + dt.timedelta(days=1)):
+        (tmp / name / "in" / f"dt={day.isoformat()}" / "prompts.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    return out, [r["id"] for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +86,7 @@ def celery_services(tmp_path_factory, demo_model_dir, request):
     pipelines, out, ids = write_test_pipeline(tmp, name=DAG_ID, days=[TODAY, TODAY + dt.timedelta(days=1)],
                                               rows_per_day=8, num_shards=NUM_SHARDS, schedule=None,
                                               start_date=TODAY - dt.timedelta(days=3), evaluate=False)
+    fault_dags = {name: write_fault_pipeline(tmp, pipelines, name) for name in (SCHEDULER_KILLED_DAG, WORKER_KILLED_DAG)}
     procs = ProcessGroup(tmp / "service-logs", {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")})
     pg = None
     svc = None
@@ -65,10 +98,14 @@ def celery_services(tmp_path_factory, demo_model_dir, request):
             tmp, pipelines_dir=pipelines, executor="CeleryExecutor", sql_alchemy_conn=pg.url(),
             celery_workers=WORKERS, procs=procs,
             extra_env={"AIRFLOW__CELERY__BROKER_URL": redis.url,
-                       "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + pg.url("postgresql+psycopg2")})
+                       "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + pg.url("postgresql+psycopg2"),
+                       "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+                       "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+                       "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "15"})
         svc.start()
-        svc.wait_dag_parsed(DAG_ID)
-        yield svc, out, ids
+        for dag_id in (DAG_ID, *fault_dags):
+            svc.wait_dag_parsed(dag_id)
+        yield svc, out, ids, fault_dags
     finally:
         if svc is not None:
             print_on_failure(request, svc, failed_before)
@@ -85,7 +122,7 @@ def executed_task_ids(worker_log: str) -> list[str]:
 
 
 def test_inference_runs_on_gpu_worker_rest_on_default(celery_services):
-    svc, out, ids = celery_services
+    svc, out, ids, _ = celery_services
     svc.unpause(DAG_ID)
     run = svc.trigger(DAG_ID, logical_date=None)
     svc.wait_run(DAG_ID, run["dag_run_id"], timeout=900)
@@ -117,3 +154,71 @@ def test_inference_runs_on_gpu_worker_rest_on_default(celery_services):
     got = [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
     assert sorted(got) == sorted(ids[day.isoformat()]) and len(got) == len(set(got)), got
     svc.assert_loopback_only()   # scheduler, api-server, both workers, Redis, PostgreSQL
+
+
+def committed_ids(out: Path, dag_id: str) -> list[str]:
+    """Ids in the shard chunks committed so far (a chunk file appears whole or not at all)."""
+    return [r["id"] for f in sorted((out / dag_id).rglob("chunks/*.jsonl")) for r in iter_jsonl(f)]
+
+
+def wait_mid_shard(svc, out: Path, dag_id: str, run_id: str, timeout: float = 600) -> int:
+    """Waits until the shard has committed some rows, not all; returns how many."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = len(committed_ids(out, dag_id))
+        if 0 < n < FAULT_ROWS:
+            return n
+        assert n < FAULT_ROWS, "the shard finished before the fault: make it longer"
+        run = svc.api("GET", f"dags/{dag_id}/dagRuns/{run_id}")
+        assert run["state"] not in ("success", "failed"), svc.describe_run(dag_id, run_id)
+        time.sleep(0.2)
+    raise AssertionError(f"no chunk committed in {timeout:.0f}s\n" + svc.describe_run(dag_id, run_id))
+
+
+def published_ids(out: Path, dag_id: str, run: dict) -> list[str]:
+    day = dt.datetime.fromisoformat(run["run_after"].replace("Z", "+00:00")).astimezone(dt.timezone.utc).date()
+    current = read_json(Location(str(out)).child(dag_id, f"dt={day.isoformat()}", "_CURRENT.json").path())
+    assert current["run_id"] == run["dag_run_id"], current
+    return [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
+
+
+def test_scheduler_killed_mid_run_restarts_and_nothing_runs_twice(celery_services):
+    svc, _, _, fault_dags = celery_services
+    out, ids = fault_dags[SCHEDULER_KILLED_DAG]
+    svc.unpause(SCHEDULER_KILLED_DAG)
+    run = svc.trigger(SCHEDULER_KILLED_DAG, logical_date=None)
+    wait_mid_shard(svc, out, SCHEDULER_KILLED_DAG, run["dag_run_id"])
+    assert svc.procs.crash("scheduler")
+    time.sleep(3)
+    svc.spawn_scheduler("scheduler-restarted")
+    svc.wait_run(SCHEDULER_KILLED_DAG, run["dag_run_id"], timeout=900)
+    tis = svc.task_instances(SCHEDULER_KILLED_DAG, run["dag_run_id"])
+    assert {t["state"] for t in tis} == {"success"}, [(t["task_id"], t["state"]) for t in tis]
+    infer = [t for t in tis if t["task_id"].endswith("batch_inference")]
+    assert [t["try_number"] for t in infer] == [1], infer   # the shard ran on while no scheduler was up
+    got = published_ids(out, SCHEDULER_KILLED_DAG, run)
+    assert sorted(got) == sorted(ids) and len(got) == len(set(got))
+
+
+def test_gpu_worker_host_dies_mid_shard_the_retry_resumes(celery_services):
+    svc, _, _, fault_dags = celery_services
+    out, ids = fault_dags[WORKER_KILLED_DAG]
+    svc.unpause(WORKER_KILLED_DAG)
+    run = svc.trigger(WORKER_KILLED_DAG, logical_date=None)
+    wait_mid_shard(svc, out, WORKER_KILLED_DAG, run["dag_run_id"])
+    killed = svc.procs.crash("celery-gpu-worker")   # the worker, its task processes and the shard's engine
+    committed = committed_ids(out, WORKER_KILLED_DAG)
+    assert 0 < len(committed) < FAULT_ROWS and len(killed) >= 3, (len(committed), killed)
+    t_dead = time.monotonic()
+    svc.spawn_celery_worker(WORKERS[0], name="celery-gpu-worker-replacement")
+    svc.wait_run(WORKER_KILLED_DAG, run["dag_run_id"], timeout=900)
+    assert time.monotonic() - t_dead >= HEARTBEAT_TIMEOUT_S - 10   # found by its missing heartbeat
+    tis = svc.task_instances(WORKER_KILLED_DAG, run["dag_run_id"])
+    infer = [t for t in tis if t["task_id"].endswith("batch_inference")]
+    assert [(t["state"], t["try_number"]) for t in infer] == [("success", 2)], infer
+    assert infer[0]["hostname"].startswith("gpu-worker@"), infer
+    log = svc.task_log_files(WORKER_KILLED_DAG, run["dag_run_id"], infer[0]["task_id"], infer[0]["map_index"])
+    retry_log = [p for p in log if p.name == "attempt=2.log"][0].read_text(errors="replace")
+    assert f"resuming shard 0: {len(set(committed))} rows already committed" in retry_log, retry_log[-3000:]
+    got = published_ids(out, WORKER_KILLED_DAG, run)
+    assert sorted(got) == sorted(ids) and len(got) == len(set(got)), "a row lost or published twice"
