@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import heapq
+import logging
 import re
 import tempfile
 import time
@@ -45,6 +46,7 @@ from batch_llm.manifests import (
     TokenUsage,
 )
 from batch_llm.output_schema import OutputSchema
+from batch_llm.recommend import fetch_fit_warning
 from batch_llm.storage import (
     Location,
     atomic_writer,
@@ -136,6 +138,8 @@ def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | Non
     t0 = time.perf_counter()
     m = fetch_model(cfg.model, storage_options=storage_options)
     m["seconds"] = round(time.perf_counter() - t0, 2)
+    if warning := fetch_fit_warning(cfg, m["local_dir"]):  # a GPU worker whose GPUs cannot hold the model
+        logging.getLogger("batch_llm.fetch").warning("%s", warning)
     write_manifest(layout.stage("fetch").path(), m)
     return m
 
