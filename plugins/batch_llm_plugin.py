@@ -9,7 +9,7 @@ already has ("Plugin 'batch_llm' already registered, skipping"), reporting that 
 (``airflow plugins``, the UI's banner). It picks up every AirflowPlugin subclass in this module's namespace,
 imported ones included, so the class is imported only when no installed entry point names it (e.g. a
 deployment that copies ``batch_llm_airflow`` into its plugins folder instead of installing the wheel).
-tests/test_provider_wheel.py checks both branches and the installed wheel (one plugin, no import error).
+tests/system/test_provider_wheel.py checks both branches and the installed wheel (one plugin, no import error).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 #   scripts/services.sh ensure   # apt-get install redis-server / postgresql when missing (root, idempotent)
 #   scripts/services.sh check    # exit 0 when both are installed, 1 otherwise; installs nothing
 #   scripts/services.sh browser  # apt-get install chromium (/usr/bin/chromium) when missing, for the UI test
-#                                # (tests/test_ui_browser.py drives it with Playwright; no browser download)
+#                                # (tests/system/test_ui_browser.py drives it with Playwright; no browser download)
 #
 # Installing does not leave a system-wide server running: Debian's postinst starts one only where an init
 # system runs (not in containers / CI jobs); the test never uses a system instance either way.

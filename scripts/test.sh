@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -p no:cacheprovider --durations=20 "$@"
 fi
-.venv/bin/python -m pytest -p no:cacheprovider tests/test_ui_browser.py; ui=$?
-.venv/bin/python -m pytest -p no:cacheprovider --durations=20 --ignore=tests/test_ui_browser.py; rest=$?
+.venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py; ui=$?
+.venv/bin/python -m pytest -p no:cacheprovider --durations=20 --ignore=tests/system/test_ui_browser.py; rest=$?
 [ $ui -eq 0 ] && [ $rest -eq 0 ]

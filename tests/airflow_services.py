@@ -675,7 +675,7 @@ def write_test_pipeline(tmp: Path, *, name: str, days: list, rows_per_day: int, 
     cfg["output"]["path"] = str(out)
     cfg["sharding"] = {"num_shards": num_shards}
     # transformers: the engine starts in seconds, where vLLM's CPU engine takes a minute or more per task.
-    # The vLLM path is covered end to end by tests/test_pipeline_e2e.py (dag.test on the demo pipeline).
+    # The vLLM path is covered end to end by tests/system/test_pipeline_e2e.py (dag.test on the demo pipeline).
     cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": 8, "commit_every_rows": 8,
                      "max_error_rate": 0.2}
     cfg["sampling"]["max_tokens"] = 32
@@ -689,7 +689,7 @@ def write_test_pipeline(tmp: Path, *, name: str, days: list, rows_per_day: int, 
     pipelines.mkdir(parents=True, exist_ok=True)
     header = ("# Written by a services test (tests/airflow_services.py): dags/pipelines/demo.yaml adjusted.\n"
               "# engine.kind transformers starts fast; the vLLM path is covered by the dag.test e2e test\n"
-              "# (tests/test_pipeline_e2e.py).\n")
+              "# (tests/system/test_pipeline_e2e.py).\n")
     (pipelines / f"{name}.yaml").write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     return pipelines, out, ids
 

@@ -12,7 +12,7 @@ name as pip knows it, or Airflow refuses the provider.
   (default True), so the UI plugin is registered through the ``airflow.plugins`` entry point, which every
   plugins manager reads. Listing it here too would, in that setting, register ``batch_llm`` a second time:
   Airflow 3.3's plugins manager skips it ("Plugin 'batch_llm' already registered, skipping") and reports that
-  as a plugin import error. tests/test_provider_wheel.py checks both settings. (apache/airflow's
+  as a plugin import error. tests/system/test_provider_wheel.py checks both settings. (apache/airflow's
   openlineage provider lists its plugin both ways; this one does not.)
 - ``task-decorators``: ``@task.gpu_llm_batch`` (``batch_llm_airflow.llm_batch``), named apart from common-ai's
   ``@task.llm_batch`` so that both providers can be installed in one Airflow (a name is one decorator).

@@ -11,7 +11,7 @@ import pytest
 from batch_llm.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
 from batch_llm.storage import Location, read_json, write_json, write_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
 DEMO_OUTPUT = ROOT / "var" / "output" / "batch_llm_demo"
 

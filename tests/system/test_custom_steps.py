@@ -8,7 +8,7 @@ from pathlib import Path
 
 from batch_llm.storage import Location, iter_jsonl, read_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_custom_steps_runs(tmp_path, airflow_db, demo_model_dir):

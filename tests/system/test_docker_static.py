@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"

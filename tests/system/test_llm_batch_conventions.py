@@ -3,7 +3,7 @@
 The names and values compared against are apache-airflow-providers-common-ai 1.0.0's (``batch/results.py``:
 the row keys, the statuses, ``assemble_manifest``'s keys and buckets, ``schema_version`` 1; ``batch/state.py``:
 the identity key). That the two providers install side by side, and the example DAG parses with either
-backend, is checked in tests/test_provider_wheel.py (one venv for both).
+backend, is checked in tests/system/test_provider_wheel.py (one venv for both).
 
 - The example DAG (``dags/example_llm_batch_switch.py``) through ``dag.test()`` on the transformers engine:
   both batches land rows and manifests in common-ai's shape, common-ai's own result reader runs on them, a
@@ -26,7 +26,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, field_validator
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # common-ai 1.0.0, batch/results.py: a result row's keys, and assemble_manifest()'s keys and buckets.
 COMMON_AI_ROW_KEYS = {"custom_id", "index", "status", "output", "raw_output", "error", "model", "usage",

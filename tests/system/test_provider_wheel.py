@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PLUGIN_FILE = ROOT / "plugins" / "batch_llm_plugin.py"
 AIRFLOW_VERSION = "3.3.2"

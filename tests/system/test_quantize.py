@@ -20,7 +20,7 @@ from batch_llm import quantize as q
 from batch_llm.config import QuantizeConfig
 from batch_llm.demo_model import default_cache_dir, snapshot_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
 MODEL_DIR = snapshot_dir(default_cache_dir())
 MODEL_KEY = "HuggingFaceTB/SmolLM2-135M-Instruct@master#demo"

@@ -42,7 +42,7 @@ UI_TIMEOUT_MS = 120_000   # a 2-core machine, busy running the task next door: p
 
 def write_ui_pipeline(tmp: Path) -> tuple[Path, Path]:
     """dags/pipelines/demo.yaml as ``ui_demo``: absolute input and word-list paths, output under tmp, one shard
-    on the transformers engine (starts in seconds; the vLLM path is tests/test_pipeline_e2e.py's)."""
+    on the transformers engine (starts in seconds; the vLLM path is tests/system/test_pipeline_e2e.py's)."""
     import json
 
     import yaml
@@ -68,7 +68,7 @@ def write_ui_pipeline(tmp: Path) -> tuple[Path, Path]:
                       "tags": ["test"]}
     pipelines = tmp / "pipelines"
     pipelines.mkdir(parents=True, exist_ok=True)
-    (pipelines / f"{DAG_ID}.yaml").write_text("# tests/test_ui_browser.py: dags/pipelines/demo.yaml adjusted\n"
+    (pipelines / f"{DAG_ID}.yaml").write_text("# tests/system/test_ui_browser.py: dags/pipelines/demo.yaml adjusted\n"
                                               + yaml.safe_dump(cfg, sort_keys=False))
     return pipelines, out
 

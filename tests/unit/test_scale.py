@@ -17,7 +17,7 @@ from batch_llm.config import parse_config
 from batch_llm.formats import write_rows
 from batch_llm.storage import Location, iter_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCALE = ROOT / "bench" / "scale.py"
 RSS_BOUND_MB = 260   # a bare process with the stage's imports is ~90-100 MB; 300k rows held in lists ~700 MB
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH = next(line.split("==", 1)[1].split()[0] for line in (ROOT / "requirements.lock").read_text().splitlines()
              if line.startswith("torch=="))
