@@ -8,7 +8,9 @@ starts one vLLM engine (random-weight Qwen2.5-7B shape, ``load_format="dummy"``,
 given gpu_memory_utilization, vLLM's defaults otherwise), a 16-prompt warm-up, then each workload named once per
 mention, with fresh random token-id prompts every run (no prefix-cache hits), greedy, ``ignore_eos``; clock: the
 ``llm.generate`` call. Each measured line carries the prediction (recomputed there with the same code, and the
-committed one checked against it) and the error. Workloads:
+committed one checked against it) and the error (predicted / measured - 1). The 2026-12-01 lines say
+"output_tokens" for the tokens generated in all (the per-row figure of the prediction was overwritten: fixed
+since, as "generated_tokens"). Workloads:
 
     A  512 prompts x 1024 -> 128 tokens (prefill-heavy; the fresh workload)
     C  1000 x 256 -> 256 (the calibration point, re-run in the same lease: the lease's own speed)
@@ -102,7 +104,7 @@ def cmd_run(a) -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rate = tokens / seconds
         emit(a.out, {"phase": "measured", "run": i, **pred, "prediction_as_committed": same,
-                     "seconds": round(seconds, 3), "output_tokens": tokens, "output_tok_s": round(rate, 1),
+                     "seconds": round(seconds, 3), "generated_tokens": tokens, "output_tok_s": round(rate, 1),
                      "kv_cache_tokens": kv, "error": round(pred["predicted_output_tok_s"] / rate - 1, 4),
                      "kv_error": round(pred["predicted_kv_cache_tokens"] / kv - 1, 4)})
 
