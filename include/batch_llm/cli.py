@@ -7,6 +7,7 @@
     batch-llm run-shard dags/pipelines/demo.yaml --shard 1 --run-id cli__2026-11-30
     batch-llm report var/output/batch_llm_demo/dt=2026-11-30
     batch-llm doctor var/output/batch_llm_demo --gpus 8
+    batch-llm recommend dags/pipelines/demo.yaml --rows 1000000 --gpus 8xH200 --prompt-tokens 512
 
 ``run`` goes through fetch, quantize, plan, every shard, content filter, EvalScope and publish, and prints
 where the dataset and the run report are. ``run-shard`` runs one shard of a run (planning it first when
@@ -32,6 +33,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
+from batch_llm.manifests import PlanManifest, QuantizeManifest
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 
@@ -91,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--gpus", type=int, default=None, help="GPUs in the pool (default: $BATCH_LLM_GPUS)")
         if name == "report":
             sp.add_argument("--regenerate", action="store_true", help="write report.html again")
+    rc = sub.add_parser("recommend", help="whether the model fits GPUs, at which tensor_parallel_size, how fast, "
+                        "how many GPU-hours (batch_llm/recommend.py)")
+    config_args(rc)
+    rc.add_argument("--rows", type=int, required=True, metavar="N", help="rows of the job")
+    rc.add_argument("--gpus", default="1xH200", metavar="COUNTxNAME", help="e.g. 8xH200, 4xH100, 2xA100-40, "
+                    "L40S, A10, cpu (default: 1xH200)")
+    rc.add_argument("--prompt-tokens", type=float, default=None, help="mean prompt tokens (default: 512)")
+    rc.add_argument("--output-tokens", type=float, default=None, help="mean output tokens "
+                    "(default: sampling.max_tokens)")
+    rc.add_argument("--model-config", metavar="PATH", help="the model's config.json (default: the pipeline's model "
+                    "folder where it is on this machine)")
+    rc.add_argument("--json", action="store_true", help="print JSON")
     return p
 
 
@@ -187,24 +201,24 @@ def _layout(cfg: PipelineConfig, args: argparse.Namespace, default_run_id: str):
     return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
 
 
-def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[dict, dict]:
+def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[QuantizeManifest, PlanManifest]:
     from batch_llm import stages
 
     say(f"run {layout.run_id}: artifacts under {layout.run_dir.url}")
     t0 = time.perf_counter()
     model = stages.fetch(cfg, layout)
-    say(f"model {model['id']} ({'cache hit' if model.get('cache_hit') else 'fetched'}, "
-        f"{model.get('total_bytes', 0) / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
+    say(f"model {model.id} ({'cache hit' if model.cache_hit else 'fetched'}, "
+        f"{model.total_bytes / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
     model = stages.quantize(cfg, layout, model)
-    if model.get("quantized"):
-        say(f"quantized: {model['local_dir']}")
+    if model.quantized:
+        say(f"quantized: {model.local_dir}")
     plan = stages.plan_shards(cfg, layout)
     say(f"plan: {plan.rows_read} rows read, {plan.valid} valid, {plan.invalid} invalid, "
         f"{len(plan.shards)} shard(s) in {plan.seconds:.1f}s")
     return model, plan
 
 
-def _shard(cfg: PipelineConfig, layout, model: dict, shard, rep: Reporter) -> dict:
+def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Reporter) -> dict:
     from batch_llm import stages
 
     rep.begin(f"shard {shard.index}", shard.rows)
@@ -336,8 +350,37 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recommend(args: argparse.Namespace) -> int:
+    import json
+
+    from batch_llm import recommend as rec
+
+    cfg = _config(args)
+    try:
+        path = rec.Path(args.model_config) if args.model_config else rec.find_model_config(cfg)
+        shape = rec.load_model_shape(path)
+        shape = shape if args.model_config else rec.replace(shape, name=cfg.model.ref)
+        config = json.loads((path / "config.json" if path.is_dir() else path).read_text(encoding="utf-8"))
+        job = rec.job_from_config(cfg, args.rows, args.prompt_tokens, args.output_tokens, model_config=config)
+        result = rec.recommend(shape, rec.parse_gpus(args.gpus), job)
+    except rec.DoesNotFit as e:
+        print(json.dumps({"fits": False, "error": str(e), "alternatives": e.alternatives}) if args.json
+              else f"error: does not fit: {e}", file=sys.stdout if args.json else sys.stderr)
+        return 2
+    except rec.RecommendError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.prompt_tokens is None:
+        result.notes.insert(0, f"prompt tokens assumed {job.prompt_tokens:,.0f} (give --prompt-tokens)")
+    if args.output_tokens is None:
+        result.notes.insert(0, f"output tokens = sampling.max_tokens {job.output_tokens:,.0f}, an upper bound "
+                            f"(give --output-tokens)")
+    print(json.dumps({"fits": True, **result.to_dict()}, indent=1) if args.json else rec.format_recommendation(result))
+    return 0
+
+
 COMMANDS = {"validate": cmd_validate, "run": cmd_run, "run-shard": cmd_run_shard, "report": cmd_report,
-            "doctor": cmd_doctor}
+            "doctor": cmd_doctor, "recommend": cmd_recommend}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -523,24 +523,27 @@ def _duration(s: float) -> str:
 
 
 def format_recommendation(r: Recommendation) -> str:
-    m = r.memory
+    m, cpu = r.memory, r.gpus.startswith("CPU")
     rows = [
         ("model", f"{r.model or '?'}: {r.params / 1e9:.2f}B parameters, {r.scheme} weights, "
                   f"{'fp8' if r.kv_dtype.startswith('fp8') else '16-bit'} KV cache"),
         ("GPUs", f"{r.gpus}: {r.engines} engine(s) x tensor_parallel_size {r.tensor_parallel_size}"),
-        ("memory per GPU", f"{m.weights_gib:.1f} GiB weights + {m.activation_gib + m.other_gib:.1f} GiB activations "
-                           f"and buffers of {m.budget_gib:.1f} GiB → {m.kv_gib:.1f} GiB KV cache"),
+        ("memory", f"{m.weights_gib:.1f} GiB weights in RAM; KV cache {m.kv_gib:.1f} GiB (engine.cpu_kv_cache_gib)")
+         if cpu else
+         ("memory per GPU", f"{m.weights_gib:.1f} GiB weights + {m.activation_gib + m.other_gib:.1f} GiB activations "
+                            f"and buffers of {m.budget_gib:.1f} GiB → {m.kv_gib:.1f} GiB KV cache"),
         ("KV cache", f"{m.kv_tokens:,} tokens = {m.seqs:,} sequences of {r.prompt_tokens + r.output_tokens:,.0f} "
                      f"tokens; {r.concurrency:,} in flight"),
         ("output tok/s", f"{r.output_tok_s_per_engine:,.0f} per engine, {r.output_tok_s_total:,.0f} in all"),
         ("shards", f"{r.shards:,} of {r.rows_per_shard:,} rows (engine start {r.engine_start_s:.0f} s each)"),
         ("job", f"{r.rows:,} rows x ({r.prompt_tokens:,.0f} → {r.output_tokens:,.0f} tokens): "
-                f"{_duration(r.wall_s)} wall, {r.gpu_hours:,.1f} GPU-hours"),
+                f"{_duration(r.wall_s)} wall" + ("" if cpu else f", {r.gpu_hours:,.1f} GPU-hours")),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in r.notes]
-    lines.append("model: docs/benchmarks.md (calibrated on one H200, 7B shape; error ±17 % lease to lease at best)")
+    lines.append("model: two constants fitted on two runs of this 2-core VM, unchecked (docs/benchmarks.md)" if cpu else
+                 "model: calibrated on one H200, 7B shape; checked on a fresh run at -16 %..+26 % (docs/benchmarks.md)")
     return "\n".join(lines)
 
 
@@ -639,3 +642,30 @@ def fetch_fit_warning(cfg, model_dir: str, gpu_memory_gib: list[float] | None = 
         return None
     job = job_from_config(cfg, model_config=config)
     return gpu_fit_warning(shape, min(gpus), len(gpus), cfg.engine.tensor_parallel_size, job)
+
+
+def find_model_config(cfg) -> Path:
+    """The config.json of a pipeline's model where it is on this machine: ``model.ref`` as a local folder, else
+    the folder the fetch stage leaves in the model cache (ModelScope snapshot, or the copy of a storage
+    prefix). Raises RecommendError naming the places looked at."""
+    import hashlib
+
+    from batch_llm.demo_model import snapshot_dir
+    from batch_llm.fetch import classify_ref
+
+    ref, cache = cfg.model.ref, Path(cfg.model.resolved_cache_dir())
+    try:
+        kind = classify_ref(ref)
+    except ValueError as e:
+        raise RecommendError(str(e)) from None
+    if kind == "local":
+        places = [Path(ref.removeprefix("file://")).expanduser()]
+    elif kind == "modelscope":
+        places = [snapshot_dir(cache, ref, cfg.model.revision), cache / ref, cache / "models" / ref]
+    else:
+        places = [cache / "storage" / hashlib.sha256(ref.encode()).hexdigest()[:16]]
+    for p in places:
+        if (p / "config.json").is_file():
+            return p / "config.json"
+    raise RecommendError(f"model.ref {ref}: no config.json on this machine (looked in "
+                         f"{', '.join(str(p) for p in places)}); run the fetch stage once, or give --model-config PATH")
