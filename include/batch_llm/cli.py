@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
+from batch_llm.manifests import PlanManifest, QuantizeManifest
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 
@@ -200,24 +201,24 @@ def _layout(cfg: PipelineConfig, args: argparse.Namespace, default_run_id: str):
     return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
 
 
-def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[dict, dict]:
+def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[QuantizeManifest, PlanManifest]:
     from batch_llm import stages
 
     say(f"run {layout.run_id}: artifacts under {layout.run_dir.url}")
     t0 = time.perf_counter()
     model = stages.fetch(cfg, layout)
-    say(f"model {model['id']} ({'cache hit' if model.get('cache_hit') else 'fetched'}, "
-        f"{model.get('total_bytes', 0) / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
+    say(f"model {model.id} ({'cache hit' if model.cache_hit else 'fetched'}, "
+        f"{model.total_bytes / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
     model = stages.quantize(cfg, layout, model)
-    if model.get("quantized"):
-        say(f"quantized: {model['local_dir']}")
+    if model.quantized:
+        say(f"quantized: {model.local_dir}")
     plan = stages.plan_shards(cfg, layout)
     say(f"plan: {plan.rows_read} rows read, {plan.valid} valid, {plan.invalid} invalid, "
         f"{len(plan.shards)} shard(s) in {plan.seconds:.1f}s")
     return model, plan
 
 
-def _shard(cfg: PipelineConfig, layout, model: dict, shard, rep: Reporter) -> dict:
+def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Reporter) -> dict:
     from batch_llm import stages
 
     rep.begin(f"shard {shard.index}", shard.rows)

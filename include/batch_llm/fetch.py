@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 from batch_llm.config import ConfigError, ModelConfig
+from batch_llm.manifests import FetchManifest
 from batch_llm.storage import as_path
 
 log = logging.getLogger("batch_llm.fetch")
@@ -208,7 +209,7 @@ def file_hashes(directory: str) -> list[dict]:
     return files
 
 
-def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None) -> dict:
+def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None) -> FetchManifest:
     kind = classify_ref(cfg.ref)
     if kind == "modelscope":
         local_dir, hit = _modelscope_snapshot(cfg)
@@ -221,7 +222,7 @@ def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None) -> dic
     template = check_model_folder(cfg, local_dir, kind)
     files = file_hashes(local_dir)
     content = hashlib.sha256(json.dumps([(f["name"], f["sha256"]) for f in files]).encode()).hexdigest()
-    return {"stage": "fetch", "source": kind, "id": cfg.ref, "revision": cfg.revision if kind == "modelscope" else None,
-            "local_dir": local_dir, "cache_hit": hit, "chat_template": template, "files": files,
-            "total_bytes": sum(f["size"] for f in files), "content_hash": content,
-            "model_key": f"{cfg.ref}@{cfg.revision}#{content[:16]}"}
+    return FetchManifest(source=kind, id=cfg.ref, revision=cfg.revision if kind == "modelscope" else None,
+                         local_dir=local_dir, cache_hit=hit, chat_template=template, files=files,
+                         total_bytes=sum(f["size"] for f in files), content_hash=content,
+                         model_key=f"{cfg.ref}@{cfg.revision}#{content[:16]}")

@@ -35,6 +35,72 @@ class Manifest(BaseModel):
         return cls.read(directory) if exists(directory / MANIFEST) else None
 
 
+class ModelFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str       # path inside the model folder
+    size: int
+    sha256: str
+
+
+class ModelRef(BaseModel):
+    """The model a shard loads: what fetch and quantize hand the shards (through XCom, between tasks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    local_dir: str                 # the folder on the worker
+    model_key: str                 # ref@revision#content hash (+ the export's name): keys the result cache
+    id: str = ""                   # model.ref as configured
+    revision: str | None = None
+    quantized: bool = False
+
+    @classmethod
+    def of(cls, model: "ModelRef | FetchManifest | QuantizeManifest | dict") -> "ModelRef":
+        """The reference from a manifest, or from its JSON form (an XCom value)."""
+        if isinstance(model, ModelRef):
+            return model
+        if isinstance(model, (FetchManifest, QuantizeManifest)):
+            return model.ref()
+        return cls.model_validate({k: v for k, v in model.items() if k in cls.model_fields})
+
+
+class FetchManifest(Manifest):
+    """The fetched model folder: where it is, what it holds (every file's size and hash) and its cache key."""
+
+    stage: Literal["fetch"] = "fetch"
+    source: Literal["modelscope", "storage", "local"]
+    id: str
+    revision: str | None = None
+    local_dir: str
+    cache_hit: bool
+    chat_template: str | None = Field(None, description="where the chat template comes from; None: no template")
+    files: list[ModelFile]
+    total_bytes: int
+    content_hash: str
+    model_key: str
+    seconds: float = 0.0
+
+    def ref(self) -> ModelRef:
+        return ModelRef(local_dir=self.local_dir, model_key=self.model_key, id=self.id, revision=self.revision)
+
+
+class QuantizeManifest(Manifest):
+    """The model the shards serve: the fetched one as is, or its 4-bit export (``quantization``: the export's
+    record, cached by model, revision and scheme)."""
+
+    stage: Literal["quantize"] = "quantize"
+    id: str = ""
+    revision: str | None = None
+    local_dir: str
+    model_key: str
+    quantized: bool
+    quantization: dict[str, Any] | None = None
+
+    def ref(self) -> ModelRef:
+        return ModelRef(local_dir=self.local_dir, model_key=self.model_key, id=self.id, revision=self.revision,
+                        quantized=self.quantized)
+
+
 class ShardSpec(Manifest):
     """One planned shard: what one mapped inference task runs."""
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
@@ -38,10 +40,13 @@ from batch_llm.formats import (
 )
 from batch_llm.manifests import (
     EvaluateManifest,
+    FetchManifest,
     FilterManifest,
     FilterSummary,
+    ModelRef,
     PlanManifest,
     PublishManifest,
+    QuantizeManifest,
     ShardSpec,
     TokenUsage,
 )
@@ -60,7 +65,6 @@ from batch_llm.storage import (
     write_bytes_atomic,
     write_json,
     write_jsonl,
-    write_manifest,
 )
 
 
@@ -116,16 +120,13 @@ class RunLayout:
                    partition=d["partition"], run_id=d["run_id"], input=Location.from_any(d["input"]))
 
 
-STAGE_MANIFESTS = {"plan": PlanManifest, "filter": FilterManifest, "evaluate": EvaluateManifest,
-                   "publish": PublishManifest}
+STAGE_MANIFESTS = {"fetch": FetchManifest, "quantize": QuantizeManifest, "plan": PlanManifest,
+                   "filter": FilterManifest, "evaluate": EvaluateManifest, "publish": PublishManifest}
 
 
 def read_manifest_at(layout: RunLayout, stage: str):
-    """The manifest a stage of this run committed (stages downstream go by it, not by XCom): typed for the
-    stages that have a model, a dict for fetch and quantize."""
-    path = layout.stage(stage).path()
-    kind = STAGE_MANIFESTS.get(stage)
-    return kind.read(path) if kind else read_manifest(path)
+    """The manifest a stage of this run committed (stages downstream go by it, not by XCom)."""
+    return STAGE_MANIFESTS[stage].read(layout.stage(stage).path())
 
 
 def shard_manifests(layout: RunLayout) -> list[dict]:
@@ -134,27 +135,29 @@ def shard_manifests(layout: RunLayout) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ stages
-def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> dict:
+def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> FetchManifest:
     t0 = time.perf_counter()
     m = fetch_model(cfg.model, storage_options=storage_options)
-    m["seconds"] = round(time.perf_counter() - t0, 2)
-    if warning := fetch_fit_warning(cfg, m["local_dir"]):  # a GPU worker whose GPUs cannot hold the model
+    m.seconds = round(time.perf_counter() - t0, 2)
+    if warning := fetch_fit_warning(cfg, m.local_dir):  # a GPU worker whose GPUs cannot hold the model
         logging.getLogger("batch_llm.fetch").warning("%s", warning)
-    write_manifest(layout.stage("fetch").path(), m)
+    m.write(layout.stage("fetch").path())
     return m
 
 
-def quantize(cfg: PipelineConfig, layout: RunLayout, model: dict) -> dict:
+def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | dict) -> QuantizeManifest:
     """AWQ W4A16 export when enabled (cached by model, revision and scheme); otherwise the model as is."""
+    ref = ModelRef.of(model)
     if not cfg.quantize.enabled:
-        m = {**model, "stage": "quantize", "quantized": False}
+        m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=ref.local_dir, model_key=ref.model_key,
+                             quantized=False)
     else:
         from batch_llm.quantize import quantize_model
 
-        q = quantize_model(model["local_dir"], cfg.quantize, model_key=model["model_key"])
-        m = {**model, "stage": "quantize", "quantized": True, "quantization": q,
-             "local_dir": q["model_dir"], "model_key": f"{model['model_key']}+{Path(q['model_dir']).name}"}
-    write_manifest(layout.stage("quantize").path(), m)
+        q = quantize_model(ref.local_dir, cfg.quantize, model_key=ref.model_key)
+        m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=q["model_dir"], quantized=True,
+                             quantization=q, model_key=f"{ref.model_key}+{Path(q['model_dir']).name}")
+    m.write(layout.stage("quantize").path())
     return m
 
 
@@ -163,15 +166,17 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
         cfg, input_loc=layout.input, plan_dir=layout.stage("plan"))
 
 
-def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: dict, shard: ShardSpec | dict,
+def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
+                shard: ShardSpec | dict,
                 say: Callable[[str], None] = print, started: dict | None = None) -> dict:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
     own start times as ``started``)."""
     from batch_llm.infer import run_shard
 
     shard = ShardSpec.model_validate(shard).model_dump()
+    ref = ModelRef.of(model)
     return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard['index']:05d}"),
-                     model_dir=model["local_dir"], model_key=model["model_key"],
+                     model_dir=ref.local_dir, model_key=ref.model_key,
                      cache_root=layout.cache_root(cfg), say=say, started=started)
 
 
@@ -301,7 +306,9 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                "rows_published": n, "format": fmt, "dataset": data.url, "errors": version.child("errors.jsonl").url,
                "config": cfg.model_dump(mode="json"),
                "manifests": {"plan": plan.model_dump(mode="json"), "filter": filtered.model_dump(mode="json"),
-                             "evaluate": scores.model_dump(mode="json"), **(extra_manifests or {})},
+                             "evaluate": scores.model_dump(mode="json"),
+                             **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v
+                                for k, v in (extra_manifests or {}).items()}},
                "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
     usage = TokenUsage.of_shards((extra_manifests or {}).get("infer") or [])
     summary["usage"] = usage.model_dump()

@@ -181,8 +181,8 @@ class GPUBatchModelOperator(_BatchStage):
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         m = stages.quantize(cfg, layout, stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id)))
-        self.log.info("model %s at %s", m["id"], m["local_dir"])
-        return {k: m[k] for k in ("local_dir", "model_key", "id", "revision", "quantized")}
+        self.log.info("model %s at %s", m.id, m.local_dir)
+        return m.ref().model_dump(mode="json")
 
 
 class GPUBatchInferenceOperator(_BatchStage, BatchInferenceOperator):

@@ -79,9 +79,9 @@ class FetchModelOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id))
-        self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m["id"], m["local_dir"], m["cache_hit"],
-                      m["total_bytes"] / 1e6)
-        return {k: m[k] for k in ("local_dir", "model_key", "id", "revision", "content_hash", "cache_hit")}
+        self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m.id, m.local_dir, m.cache_hit,
+                      m.total_bytes / 1e6)
+        return m.ref().model_dump(mode="json")  # XCom: the reference; the full manifest is in the run folder
 
 
 class AwqExportOperator(PipelineStageOperator):
@@ -94,8 +94,8 @@ class AwqExportOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         m = stages.quantize(cfg, layout, self.model)
-        self.log.info("quantize: %s", m.get("quantization") or "disabled; serving the model as fetched")
-        return {k: m[k] for k in ("local_dir", "model_key", "id", "revision", "quantized")}
+        self.log.info("quantize: %s", m.quantization or "disabled; serving the model as fetched")
+        return m.ref().model_dump(mode="json")
 
 
 class PlanShardsOperator(PipelineStageOperator):

@@ -257,8 +257,8 @@ def test_chat_template_set_in_the_config_is_used(tmp_path, demo_model_dir, home)
     (model / "chat_template.jinja").unlink()
     cfg = demo_config(tmp_path, model__ref=str(model), model__chat_template=TEMPLATE)
     m = stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
-    assert m["chat_template"] == "model.chat_template" and m["local_dir"] == str(model)
-    assert chat_template_text(m["local_dir"], cfg.model.chat_template) == TEMPLATE  # what the shards render with
+    assert m.chat_template == "model.chat_template" and m.local_dir == str(model)
+    assert chat_template_text(m.local_dir, cfg.model.chat_template) == TEMPLATE  # what the shards render with
 
 
 def test_model_template_source_recorded(tmp_path, demo_model_dir, home):
@@ -268,7 +268,7 @@ def test_model_template_source_recorded(tmp_path, demo_model_dir, home):
     tc = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
     cfg = demo_config(tmp_path, model__ref=str(model))
-    assert stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-30"))["chat_template"] \
+    assert stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-30")).chat_template \
         == "tokenizer_config.json"
 
 
@@ -279,7 +279,7 @@ def test_pre_tokenized_input_can_go_without_a_template(tmp_path, demo_model_dir,
     cfg = demo_config(tmp_path, model__ref=str(model), model__require_chat_template=False)
     with caplog.at_level("WARNING", logger="batch_llm.fetch"):
         m = stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
-    assert m["chat_template"] is None
+    assert m.chat_template is None
     assert "only pre-tokenized rows will succeed" in caplog.text
 
 
@@ -376,5 +376,5 @@ def test_full_disk_stage_manifest_then_run_again(tmp_path, demo_model_dir, home,
     assert full_disk.files() == []
     full_disk.free()
     m = stages.fetch(cfg, layout)
-    assert storage.read_json(storage.as_path(str(manifest)))["content_hash"] == m["content_hash"]
+    assert storage.read_json(storage.as_path(str(manifest)))["content_hash"] == m.content_hash
     assert full_disk.files() == [str(manifest.relative_to(full_disk.dir))]

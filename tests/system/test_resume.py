@@ -24,7 +24,7 @@ def _prepare(tmp, run_id, **over):
     layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds="2026-11-04")
     model = stages.fetch(cfg, layout)
     plan = stages.plan_shards(cfg, layout)
-    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model,
+    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model.ref().model_dump(),
             "shard": plan.shards[0].model_dump()}
     return cfg, layout, spec
 
