@@ -33,6 +33,8 @@ DUPLICATES_MIN = 0.05          # duplicate prompts generated again
 GPU_UTIL_MAX = 0.95            # gpu_memory_utilization above this leaves no headroom
 MAX_NUM_SEQS_CAP = 1024        # largest max_num_seqs the doctor suggests
 SPECULATIVE_BATCH_MAX = 32     # n-gram speculation gained up to here on an H200, not at 256 (docs/benchmarks.md)
+EXPECTED_RATE_MIN = 0.6        # generation below this share of batch_llm.recommend's prediction: more than its
+                               # error (-16..+26 % on a fresh H200 run, +-17 % lease to lease) explains
 SEVERITY_ORDER = {"warning": 0, "info": 1}
 
 
@@ -444,9 +446,55 @@ def _check_timeline(run: RunStats) -> Iterable[Finding]:
                   f"commit)", PHASE_ADVICE.get(name, name), "timeline")
 
 
+def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
+    """(measured, predicted generation output tok/s, the GPU) of a GPU vLLM run whose model folder is here."""
+    from batch_llm import recommend as rec
+    from batch_llm.engines.base import model_config_json
+
+    device = rec.device_named(run.settings.get("gpu_name"))
+    model_dir = run.quantize.get("local_dir") or run.fetch.get("local_dir") or ""
+    config = model_config_json(model_dir) if device and model_dir else {}
+    gen, rows, ok = run.total("generate_seconds"), run.total("rows"), run.total("ok")
+    if not config or not gen or not rows or not ok:
+        return None
+    try:
+        shape = rec.ModelShape.from_config(config)
+    except rec.RecommendError:
+        return None
+    s, e = run.settings, run.engine_cfg
+    job = rec.Job(rows=int(rows), prompt_tokens=run.total("input_tokens") / rows,
+                  output_tokens=run.total("output_tokens") / ok, kv_dtype=str(s.get("kv_cache_dtype") or "auto"),
+                  scheme=rec.scheme_of(e.get("quantization"), bool((run.cfg.get("quantize") or {}).get("enabled")),
+                                       str(e.get("dtype") or "auto"), config),
+                  gpu_memory_utilization=float(s.get("gpu_memory_utilization") or 0.9),
+                  max_model_len=s.get("max_model_len"), max_num_seqs=s.get("max_num_seqs"),
+                  cached_prompt_share=min(1.0, run.total("cached_prompt_tokens") / max(run.total("input_tokens"), 1)))
+    shard_rows = max(1, int(statistics.median(run.engine_rows(m) for m in run.metrics)))
+    measured = (run.total("output_tokens_this_attempt") or run.total("output_tokens")) / gen
+    return measured, rec.predicted_stage_rate(shape, device, run.tp, job, shard_rows), device.name
+
+
+def _check_expected_rate(run: RunStats) -> Iterable[Finding]:
+    """A GPU vLLM run generating far below what ``batch-llm recommend`` predicts for its model, GPU and shards."""
+    if run.kind != "vllm" or not run.on_gpu or not run.metrics:
+        return
+    got = _expected_rate(run)
+    if not got or got[0] >= EXPECTED_RATE_MIN * got[1]:
+        return
+    measured, predicted, gpu = got
+    eager = run.settings.get("enforce_eager") or run.engine_cfg.get("enforce_eager")
+    yield Finding("warning", "generation far below the expected rate for this model and GPU",
+                  f"the shards generated {_n(measured)} output tok/s; batch_llm.recommend expects {_n(predicted)} for "
+                  f"this model on {run.tp}x{gpu} with these shards and lengths ({_pct(measured / predicted)} of it)"
+                  + ("; CUDA graphs are off (enforce_eager)" if eager else ""),
+                  "engine.enforce_eager: false" if eager else
+                  "check that nothing else shares the GPU and that the worker's CPU keeps up (the timeline's phases)",
+                  "expected_rate")
+
+
 CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs, _check_speculative, _check_kv_cache,
           _check_memory_headroom, _check_prefix, _check_engine_start, _check_gpu_sharding, _check_errors,
-          _check_truncation, _check_cache, _check_timeline)
+          _check_truncation, _check_cache, _check_timeline, _check_expected_rate)
 
 
 def diagnose(summary: dict, *, gpus: int | None = None, tokens: TokenStats | None = None,

@@ -669,3 +669,20 @@ def find_model_config(cfg) -> Path:
             return p / "config.json"
     raise RecommendError(f"model.ref {ref}: no config.json on this machine (looked in "
                          f"{', '.join(str(p) for p in places)}); run the fetch stage once, or give --model-config PATH")
+
+
+def device_named(gpu_name: str | None) -> Device | None:
+    """The catalog entry for a GPU name as CUDA reports it (``NVIDIA H200``, ``NVIDIA A100-SXM4-40GB``), or None."""
+    n = (gpu_name or "").upper()
+    if "A100" in n:
+        return DEVICES["A100-40" if "40GB" in n else "A100-80"]
+    for key in ("H200", "H100", "L40S", "A10"):
+        if re.search(rf"\b{key}\b", n):
+            return DEVICES[key]
+    return None
+
+
+def predicted_stage_rate(shape: ModelShape, device: Device, tp: int, job: Job, rows: int) -> float:
+    """Output tokens/s the pipeline's inference stage should generate over a shard of ``rows`` rows (the
+    generation phase: ``LLM.generate``'s predicted rate x ``STAGE_RATE``)."""
+    return output_tokens_per_second(shape, device, tp, job, rows) * STAGE_RATE

@@ -80,7 +80,7 @@ class VllmEngine(Engine):
                         kv_cache_dtype=str(vc.cache_config.cache_dtype),
                         enforce_eager=vc.model_config.enforce_eager,
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
-                        device=str(vc.device_config.device),
+                        device=str(vc.device_config.device), gpu_name=_gpu_name(str(vc.device_config.device)),
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
                         structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
@@ -161,6 +161,18 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def _gpu_name(device: str) -> str | None:
+    """The GPU's name as CUDA reports it (the doctor compares the run with batch_llm.recommend for it)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a name is a nicety
+        return None
 
 
 def _missing_cpu_kernel(model_dir: str) -> str | None:
