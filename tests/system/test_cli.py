@@ -112,7 +112,7 @@ def published(tmp_path):
         version = pipe.child(summary["partition"], "v-copy")
         source = "demo"
     else:
-        from test_report_doctor import make_run
+        from synthetic_runs import make_run
 
         summary, version, pipe = make_run(tmp_path, 3)
         source = "synthetic"
