@@ -76,9 +76,17 @@ class PipelineStageOperator(BaseOperator):
 
 
 class FetchModelOperator(PipelineStageOperator):
+    """Fetches the model (ModelScope with its cache, a local folder or an object-storage prefix) and checks it
+    can be served. A folder missing files or a chat template fails without retries: a retry finds the same."""
+
     def execute(self, context: Context) -> dict:
+        from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
+
         cfg, layout = self.resolve(context)
-        m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id))
+        try:
+            m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id))
+        except (ModelFolderIncomplete, NoChatTemplate) as e:
+            raise AirflowFailException(str(e)) from None
         self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m.id, m.local_dir, m.cache_hit,
                       m.total_bytes / 1e6)
         return m.ref().model_dump(mode="json")  # XCom: the reference; the full manifest is in the run folder
