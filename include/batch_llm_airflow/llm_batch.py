@@ -43,7 +43,7 @@ from batch_llm.config import PipelineConfig, load_config
 from batch_llm.llm_batch import STATE_DIR, BatchInputError, OutputType
 from pydantic import BaseModel
 
-from batch_llm_airflow.operators import BatchInferenceOperator, PipelineStageOperator
+from batch_llm_airflow.operators import BatchInferenceOperator, PipelineStageOperator, names_storage_errors
 from batch_llm_airflow.storage_bridge import StorageTarget, location, storage_options
 
 # common-ai arguments that mean something only for a hosted API: refused by name, with what to do instead.
@@ -104,6 +104,7 @@ class GPUBatchPlanOperator(PipelineStageOperator):
         self.output_type, self.max_tokens, self.request_params = output_type, max_tokens, request_params
         self.base_config, self.batch_overrides = base_config, dict(config_overrides or {})
 
+    @names_storage_errors
     def execute(self, context: Context) -> list[dict]:
         root = location(self.result_path, None)
         self._storage_targets = [StorageTarget(_conn_of(self.result_path), root)]
@@ -178,6 +179,7 @@ class GPUBatchModelOperator(_BatchStage):
 
     template_fields: Sequence[str] = ("batch",)
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         m = stages.quantize(cfg, layout, stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id)))
@@ -204,6 +206,7 @@ class GPUBatchLandOperator(_BatchStage):
         super().__init__(**kwargs)
         self.output_type, self.fail_on_partial_error = output_type, fail_on_partial_error
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         ref = self._ref

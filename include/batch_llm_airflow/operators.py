@@ -29,7 +29,9 @@ def run_date(context: Context) -> str:
     return when.date().isoformat()
 
 
-def _naming_storage_errors(execute):
+def names_storage_errors(execute):
+    """For a stage operator's ``execute``: refused credentials or a missing bucket or path fail naming the Airflow
+    connection and the path (the targets ``resolve`` recorded), not as a bare ``PermissionError: Forbidden``."""
     @functools.wraps(execute)
     def wrapper(self, *args, **kwargs):
         with storage_errors(lambda: getattr(self, "_storage_targets", [])):
@@ -41,17 +43,11 @@ def _naming_storage_errors(execute):
 class PipelineStageOperator(BaseOperator):
     """Base of the stage operators: resolves the config (YAML + Params) and the run's storage layout.
 
-    Every stage's ``execute`` runs inside ``storage_errors``: refused credentials or a missing bucket or path
-    fail naming the Airflow connection and the path, not as a bare ``PermissionError: Forbidden``."""
+    Each stage's ``execute`` is decorated with ``names_storage_errors``."""
 
     template_fields: Sequence[str] = ("config_overrides",)
     ui_color = "#e8f0fe"
     reads_input = False  # the input location is among the suspects of a storage error (plan_shards)
-
-    def __init_subclass__(cls, **kwargs: Any):
-        super().__init_subclass__(**kwargs)
-        if "execute" in cls.__dict__:
-            cls.execute = _naming_storage_errors(cls.__dict__["execute"])
 
     def __init__(self, *, pipeline_config: dict, config_overrides: dict | None = None, **kwargs: Any):
         super().__init__(**kwargs)
@@ -79,6 +75,7 @@ class FetchModelOperator(PipelineStageOperator):
     """Fetches the model (ModelScope with its cache, a local folder or an object-storage prefix) and checks it
     can be served. A folder missing files or a chat template fails without retries: a retry finds the same."""
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
 
@@ -99,6 +96,7 @@ class AwqExportOperator(PipelineStageOperator):
         super().__init__(**kwargs)
         self.model = model
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         m = stages.quantize(cfg, layout, self.model)
@@ -109,6 +107,7 @@ class AwqExportOperator(PipelineStageOperator):
 class PlanShardsOperator(PipelineStageOperator):
     reads_input = True
 
+    @names_storage_errors
     def execute(self, context: Context) -> list[dict]:
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it."""
         cfg, layout = self.resolve(context)
@@ -139,6 +138,7 @@ class BatchInferenceOperator(PipelineStageOperator):
         self._handle = None
         self._lease = None
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         from batch_llm.gpu_lease import GpuLease, visible_gpus
         from batch_llm.worker import WorkerFailed, WorkerHandle
@@ -201,6 +201,7 @@ class ContentFilterOperator(PipelineStageOperator):
         super().__init__(**kwargs)
         self.shards = shards
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         plan = stages.read_manifest_at(layout, "plan")
@@ -212,6 +213,7 @@ class ContentFilterOperator(PipelineStageOperator):
 
 
 class EvalScopeOperator(PipelineStageOperator):
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         try:
@@ -245,6 +247,7 @@ class PublishOperator(PipelineStageOperator):
     operator_extra_links = (RunReportLink(),)
     ui_color = "#d5f5e3"
 
+    @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         get = lambda s: stages.read_manifest_at(layout, s)  # noqa: E731
