@@ -268,8 +268,7 @@ class RunStats:
 
     @property
     def total_rows(self) -> int:
-        plan = (self.summary.get("manifests") or {}).get("plan") or {}
-        return int(plan.get("valid") or sum(m.get("rows", 0) for m in self.metrics))
+        return int(self.plan.get("valid") or self.total("rows"))
 
     @property
     def tp(self) -> int:
@@ -283,12 +282,10 @@ class RunStats:
     def mean_seq_tokens(self) -> float | None:
         if self.tokens and self.tokens.rows:
             return mean_of(self.tokens.prompt) + mean_of(self.tokens.completion)
-        rows = sum(m.get("rows", 0) for m in self.metrics)
-        ok = sum(m.get("ok", 0) for m in self.metrics)
+        rows, ok = self.total("rows"), self.total("ok")
         if not rows or not ok:
             return None
-        return sum(m.get("input_tokens", 0) for m in self.metrics) / rows + \
-            sum(m.get("output_tokens", 0) for m in self.metrics) / ok
+        return self.total("input_tokens") / rows + self.total("output_tokens") / ok
 
 
 def model_limit_of(summary: dict, settings: dict) -> int | None:
