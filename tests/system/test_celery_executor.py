@@ -182,12 +182,18 @@ def published_ids(out: Path, dag_id: str, run: dict) -> list[str]:
     return [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
 
 
+def run_until_mid_shard(svc, fault_dags: dict, dag_id: str) -> tuple[Path, list[str], dict]:
+    """Triggers a fault DAG and returns (output dir, ids, run) once its shard has committed some rows."""
+    out, ids = fault_dags[dag_id]
+    svc.unpause(dag_id)
+    run = svc.trigger(dag_id, logical_date=None)
+    wait_mid_shard(svc, out, dag_id, run["dag_run_id"])
+    return out, ids, run
+
+
 def test_scheduler_killed_mid_run_restarts_and_nothing_runs_twice(celery_services):
     svc, _, _, fault_dags = celery_services
-    out, ids = fault_dags[SCHEDULER_KILLED_DAG]
-    svc.unpause(SCHEDULER_KILLED_DAG)
-    run = svc.trigger(SCHEDULER_KILLED_DAG, logical_date=None)
-    wait_mid_shard(svc, out, SCHEDULER_KILLED_DAG, run["dag_run_id"])
+    out, ids, run = run_until_mid_shard(svc, fault_dags, SCHEDULER_KILLED_DAG)
     assert svc.procs.crash("scheduler")
     time.sleep(3)
     svc.spawn_scheduler("scheduler-restarted")
@@ -202,10 +208,7 @@ def test_scheduler_killed_mid_run_restarts_and_nothing_runs_twice(celery_service
 
 def test_gpu_worker_host_dies_mid_shard_the_retry_resumes(celery_services):
     svc, _, _, fault_dags = celery_services
-    out, ids = fault_dags[WORKER_KILLED_DAG]
-    svc.unpause(WORKER_KILLED_DAG)
-    run = svc.trigger(WORKER_KILLED_DAG, logical_date=None)
-    wait_mid_shard(svc, out, WORKER_KILLED_DAG, run["dag_run_id"])
+    out, ids, run = run_until_mid_shard(svc, fault_dags, WORKER_KILLED_DAG)
     killed = svc.procs.crash("celery-gpu-worker")   # the worker, its task processes and the shard's engine
     committed = committed_ids(out, WORKER_KILLED_DAG)
     assert 0 < len(committed) < FAULT_ROWS and len(killed) >= 3, (len(committed), killed)
