@@ -93,7 +93,7 @@ class InputConfig(_Section):
     system_prompt: str | None = None
     reference_column: str = Field("reference", description="Reference answers for scoring, when present")
     sampling_columns: list[Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-                                   "frequency_penalty"]] = Field(
+                                   "frequency_penalty", "n", "logprobs"]] = Field(
         default_factory=lambda: ["max_tokens"],
         description="Columns whose value, where a row has one, overrides the sampling section for that row "
                     "(OpenAI Batch input reads these from each request body)")
@@ -221,6 +221,11 @@ class SamplingConfig(_Section):
     seed: int | None = 0
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=128, description="Samples per row (vLLM): the row's ``outputs`` list holds them all, "
+                   "``output`` the first; completion tokens count every sample")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Log-probabilities per generated token (vLLM): the "
+                                 "chosen token's and the top-k candidates' (0: the chosen token's only) in the "
+                                 "row's ``logprobs`` column; null: none")
     output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
                                              "or a pydantic model (module:Class) every output must match; "
                                              "loaded into the schema itself when the config loads")
@@ -336,6 +341,16 @@ class PipelineConfig(_Section):
         if s.output_schema is not None and s.guided_decoding and self.engine.kind != "vllm":
             raise ValueError(f"sampling.output_schema: engine {self.engine.kind} cannot decode under a schema "
                              "(vllm can); set sampling.guided_decoding: false to only check the outputs")
+        return self
+
+    @model_validator(mode="after")
+    def _samples_need_vllm(self) -> "PipelineConfig":
+        s = self.sampling
+        asked = [k for k, on in (("n", s.n > 1), ("logprobs", s.logprobs is not None)) if on]
+        if asked and self.engine.kind != "vllm":
+            raise ValueError(f"sampling.{' and sampling.'.join(asked)}: engine {self.engine.kind} returns one "
+                             "sample without log-probabilities (vllm can); remove "
+                             f"{' and '.join('sampling.' + k for k in asked)} or set engine.kind: vllm")
         return self
 
     def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":

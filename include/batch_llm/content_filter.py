@@ -86,28 +86,41 @@ class ContentFilter:
         return hits
 
     def apply(self, row: dict, text_key: str = "output") -> tuple[dict | None, list[dict]]:
-        """(the row after its actions, or None when dropped; the hits as dicts)."""
-        text = row.get(text_key)
-        if not text:
-            return row, []
-        hits = self.scan(text)
+        """(the row after its actions, or None when dropped; the hits as dicts). A row with several samples
+        (``outputs``, n > 1) is scanned in every sample: a drop hit in any drops the row, masks apply to each,
+        and each hit names its ``sample``; ``output`` stays the first sample, masked as it is."""
+        samples = row.get("outputs") if text_key == "output" else None
+        texts = samples if isinstance(samples, list) and samples else [row.get(text_key)]
+        hits = [(i, h) for i, text in enumerate(texts) if text for h in self.scan(text)]
         if not hits:
             return row, []
-        if any(h[0].cfg.action == "drop" for h in hits):
-            return None, [_hit(h) for h in hits]
+        found = [_hit(h, i if texts is samples else None) for i, h in hits]
+        if any(h[0].cfg.action == "drop" for _, h in hits):
+            return None, found
+        out = dict(row)
+        masked = [self._masked(text, [h for j, h in hits if j == i]) for i, text in enumerate(texts)]
+        if texts is samples:
+            out["outputs"] = masked
+        out[text_key] = masked[0]
+        out["filter_hits"] = found
+        return out, found
+
+    def _masked(self, text: str | None, hits: list) -> str | None:
+        if not text or not hits:
+            return text
         chars = list(text)
         for lst, start, end, _ in hits:
             if lst.cfg.action == "mask":
                 chars[start:end] = self.cfg.mask_char * (end - start)
-        out = dict(row)
-        out[text_key] = "".join(chars)
-        out["filter_hits"] = [_hit(h) for h in hits]
-        return out, out["filter_hits"]
+        return "".join(chars)
 
 
-def _hit(h) -> dict:
+def _hit(h, sample: int | None = None) -> dict:
     lst, start, end, word = h
-    return {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
+    hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
+    if sample is not None:
+        hit["sample"] = sample
+    return hit
 
 
 # Dropped ids listed in the manifest; every dropped row is in ``dropped.jsonl``.

@@ -219,7 +219,7 @@ def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
         raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
     if rec.get("method", "POST") != "POST":
         raise ValueError(f"method {rec['method']!r}: batch requests are POST")
-    params = RowParams.from_openai_body(body)
+    params = RowParams.from_openai_body(body, completions=url == "/v1/completions")
     if url == "/v1/chat/completions":
         return PromptRow(id=rid, idx=idx, messages=_with_system(_check_messages(body.get("messages")), cfg),
                          params=params)
@@ -305,15 +305,19 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
                  "completion_tokens": result.get("completion_tokens", 0),
                  "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
                  "prompt_tokens_details": {"cached_tokens": result.get("cached_prompt_tokens", 0)}}
-        if record.get("url") == "/v1/completions":
+        completions = record.get("url") == "/v1/completions"
+        if completions:
             body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
-                    "model": model, "choices": [{"index": 0, "text": result.get("output", ""), "logprobs": None,
-                                                 "finish_reason": result.get("finish_reason")}], "usage": usage}
+                    "model": model, "choices": [{"index": i, "text": text, "logprobs": _completion_logprobs(lp),
+                                                 "finish_reason": reason}
+                                                for i, (text, reason, lp) in enumerate(_choices(result))],
+                    "usage": usage}
         else:
             body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
                     "model": model,
-                    "choices": [{"index": 0, "finish_reason": result.get("finish_reason"), "logprobs": None,
-                                 "message": {"role": "assistant", "content": result.get("output", "")}}],
+                    "choices": [{"index": i, "finish_reason": reason, "logprobs": _chat_logprobs(lp),
+                                 "message": {"role": "assistant", "content": text}}
+                                for i, (text, reason, lp) in enumerate(_choices(result))],
                     "usage": usage}
         return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
                 "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
@@ -321,9 +325,46 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
     for k in _GENERATED:
         if k in result:
             out[k] = result[k]
+        elif k in _SAMPLE_COLUMNS and k in record:  # an input column of that name (the n/logprobs cell): one type
+            out[k] = None
     if schema is not None and isinstance(result.get("output"), str):
         _add_structured(out, record, result["output"], fmt, schema)
     return out
+
+
+def _choices(result: dict) -> list[tuple[str, str | None, list | None]]:
+    """(text, finish reason, token logprobs) of every sample of a result row: ``outputs`` where it has several
+    (n > 1), else ``output`` alone."""
+    if result.get("outputs"):
+        lps = result.get("outputs_logprobs") or [None] * len(result["outputs"])
+        return list(zip(result["outputs"], result.get("finish_reasons") or [result.get("finish_reason")] *
+                        len(result["outputs"]), lps))
+    return [(result.get("output", ""), result.get("finish_reason"), result.get("logprobs"))]
+
+
+def _chat_logprobs(tokens: list | None) -> dict | None:
+    """A chat choice's ``logprobs`` as OpenAI writes it: ``content``, one entry per token with its UTF-8 bytes
+    and its ``top_logprobs``."""
+    if tokens is None:
+        return None
+
+    def entry(t: dict) -> dict:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+
+    return {"content": [{**entry(t), "top_logprobs": [entry(c) for c in t["top"]]} for t in tokens],
+            "refusal": None}
+
+
+def _completion_logprobs(tokens: list | None) -> dict | None:
+    """A completions choice's ``logprobs`` in OpenAI's legacy shape: parallel lists, offsets into the text."""
+    if tokens is None:
+        return None
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["token"])
+    return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{c["token"]: c["logprob"] for c in t["top"]} for t in tokens], "text_offset": offsets}
 
 
 def _add_structured(out: dict, record: dict, text: str, fmt: str, schema: OutputSchema) -> None:
@@ -346,7 +387,20 @@ def structured_column(name: str, record: dict) -> str:
 
 
 _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
-              "error")
+              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs")
+
+_SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
+
+
+def _sample_types() -> dict:
+    """The Parquet types of the sample columns (``infer.SAMPLE_FIELDS``), fixed rather than inferred: a batch
+    whose rows have empty top lists or no finish reason would otherwise be typed by what it happens to hold."""
+    import pyarrow as pa
+
+    top = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
+    token = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top", pa.list_(top))])
+    return {"outputs": pa.list_(pa.string()), "finish_reasons": pa.list_(pa.string()),
+            "logprobs": pa.list_(token), "outputs_logprobs": pa.list_(pa.list_(token))}
 
 
 def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -> dict:
@@ -446,6 +500,10 @@ class _ArrowSchema:
         import pyarrow.parquet as pq
 
         schema = self.schema or pa.schema([])
+        for name, typ in _sample_types().items():  # only where present: other runs' files keep their columns
+            i = schema.get_field_index(name)
+            if i >= 0:
+                schema = schema.set(i, pa.field(name, typ))
         for f in self.types:
             i = schema.get_field_index(f.name)
             schema = schema.set(i, f) if i >= 0 else schema.append(f)

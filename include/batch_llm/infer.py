@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from batch_llm.config import PipelineConfig
+from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
 from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
 from batch_llm.output_schema import OutputSchema
@@ -184,11 +184,33 @@ class _Group:
     rows: list[tuple[str, int]] = field(default_factory=list)
 
 
+# A result's fields beyond the first sample, present only where the request asked for them: every sample's
+# text and finish reason (n > 1), the log-probabilities of the first sample's tokens and of every sample's.
+# Chunks, outputs.jsonl and cache entries carry them as they are, so a resumed shard or a cache hit loses none.
+SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
+
+
+def _sample_fields(res: GenResult) -> dict:
+    """The result's ``SAMPLE_FIELDS`` (JSON-ready): ``outputs`` / ``finish_reasons`` where it has several
+    samples, ``logprobs`` (the first sample's, as ``output`` is the first's) and ``outputs_logprobs`` where
+    log-probabilities were asked for."""
+    samples = res.samples or ()
+    out: dict = {}
+    if len(samples) > 1:
+        out["outputs"] = [s.text for s in samples]
+        out["finish_reasons"] = [s.finish_reason for s in samples]
+    if samples and samples[0].logprobs is not None:
+        out["logprobs"] = [dataclasses.asdict(t) for t in samples[0].logprobs]
+        if len(samples) > 1:
+            out["outputs_logprobs"] = [[dataclasses.asdict(t) for t in s.logprobs or ()] for s in samples]
+    return out
+
+
 def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
             "cached_prompt_tokens": 0 if cached else entry.get("cached_prompt_tokens", 0),
-            "cached": cached, "error": None, "key": key}
+            "cached": cached, "error": None, "key": key, **{k: entry[k] for k in SAMPLE_FIELDS if k in entry}}
 
 
 def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
@@ -202,7 +224,7 @@ def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
             "cached_prompt_tokens": res.cached_prompt_tokens, "cached": False,
-            "error": reason, "error_kind": "invalid_output"}
+            "error": reason, "error_kind": "invalid_output", **_sample_fields(res)}
 
 
 # Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
@@ -282,7 +304,7 @@ class ShardRun:
         if root is None or not self.cfg.cache.enabled:
             return None
         ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
-                       self.cfg.model.chat_template), sampling=self.cfg.sampling.model_dump(exclude={"max_tokens_cap"}),
+                       self.cfg.model.chat_template), sampling=sampling_identity(self.cfg.sampling),
                        engine_kind=self.cfg.engine.kind)
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
@@ -452,7 +474,7 @@ class ShardRun:
     def _take(self, res: GenResult, *, last: bool = False) -> None:
         reason = None
         if self.schema is not None and not res.error:
-            _, reason = self.schema.check(res.text)
+            reason = self._schema_problem(res)
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
@@ -460,7 +482,8 @@ class ShardRun:
             return
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
-                 "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens}
+                 "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens,
+                 **_sample_fields(res)}
         for r in group.rows:
             if res.error:
                 self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
@@ -470,6 +493,16 @@ class ShardRun:
                 self.pending.append(_result_row(r, entry, cached=False, key=group.key.content))
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
+
+    def _schema_problem(self, res: GenResult) -> str | None:
+        """Why the output does not match the schema, or None; with n > 1 every sample must match (the first
+        one that does not is named)."""
+        texts = [s.text for s in res.samples] if res.samples and len(res.samples) > 1 else [res.text]
+        for i, text in enumerate(texts):
+            _, reason = self.schema.check(text)
+            if reason:
+                return reason if len(texts) == 1 else f"{reason} (sample {i})"
+        return None
 
     def _retry_requests(self, requests: Iterator[GenRequest], attempt: int) -> Iterator[GenRequest]:
         for req in requests:
@@ -500,7 +533,7 @@ class ShardRun:
         self.timeline.begin("commit")
         if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
             table = self.cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
-                                                              "completion_tokens")}
+                                                              "completion_tokens", *SAMPLE_FIELDS) if k in r}
                                            for r in iter_jsonl(Location(manifest["outputs"], self.shard_dir.options).path())
                                            if not r["cached"] and r.get("key"))
             self.say(f"cache: wrote {table}")
@@ -529,6 +562,13 @@ def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_di
     """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``)."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
                     cache_root=cache_root, say=say, started=started).run()
+
+
+def sampling_identity(s: SamplingConfig) -> dict:
+    """The pipeline's sampling as the cache namespace hashes it: every field that decides an output; ``n`` and
+    ``logprobs`` only where set, so that namespaces from before they existed stay the same."""
+    exclude = {"max_tokens_cap"} | ({"n"} if s.n == 1 else set()) | ({"logprobs"} if s.logprobs is None else set())
+    return s.model_dump(exclude=exclude)
 
 
 def check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:

@@ -3,7 +3,8 @@
 The pipeline's ``sampling`` section is the default; a row overrides only what it sets. ``sampling.max_tokens``
 is the default output limit, and a cap only where ``sampling.max_tokens_cap`` is configured (capped rows are
 counted by the planner). A parameter the pipeline or its engine cannot honor is a row error with the reason,
-never silently dropped: ``n > 1``, tools, logprobs, a JSON response format; penalties on engines without them.
+never silently dropped: tools, ``best_of``, ``echo``, a JSON response format; ``n > 1``, log-probabilities and
+penalties on engines without them.
 
     params = RowParams.from_openai_body(body)          # ValueError names what is refused
     sampling = params.resolve(cfg.sampling)            # every field set: what the engine is asked for
@@ -16,20 +17,22 @@ from batch_llm.config import SamplingConfig
 
 # Body fields that change what is generated and that this pipeline does not do: refused per row (with the
 # value that would be ignored), not dropped. Fields absent or at these neutral values are accepted.
-_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "stream": (None, False), "logprobs": (None, False),
-            "top_logprobs": (None, 0), "echo": (None, False), "tools": (None, []), "functions": (None, []),
+_NEUTRAL = {"best_of": (None, 1), "stream": (None, False), "echo": (None, False), "tools": (None, []), "functions": (None, []),
             "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
             "suffix": (None, ""), "response_format": (None, {"type": "text"})}
 
 # Per-row parameters each engine applies; any other set parameter is a row error on that engine.
 ENGINE_PARAMS = {
-    "vllm": {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty"},
+    "vllm": {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
+             "logprobs"},
     "transformers": {"max_tokens", "temperature", "top_p", "stop", "seed"},
     "lmdeploy": {"max_tokens", "temperature", "top_p", "stop", "seed"},
 }
 
 # Table columns that may carry per-row parameters (``input.sampling_columns`` picks which are read).
-COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
+COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
+           "logprobs")
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Sampling:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    n: int = 1                    # samples of the request
+    logprobs: int | None = None   # top-k log-probabilities per generated token (0: the chosen token's only)
 
 
 @dataclass(frozen=True)
@@ -58,20 +63,23 @@ class RowParams:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    n: int | None = None
+    logprobs: int | None = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_openai_body(cls, body: dict) -> RowParams | None:
-        """The parameters of a ``/v1/chat/completions`` or ``/v1/completions`` body; ValueError for a field
-        that would change the output and that the pipeline does not do."""
+    def from_openai_body(cls, body: dict, *, completions: bool = False) -> RowParams | None:
+        """The parameters of a ``/v1/chat/completions`` body (or a ``/v1/completions`` one: ``completions``);
+        ValueError for a field that would change the output and that the pipeline does not do."""
         for name, neutral in _NEUTRAL.items():
             if body.get(name) not in neutral:
                 raise ValueError(f"{name}={body[name]!r} is not supported by this batch pipeline "
-                                 "(one completion per request, text output, no tools or logprobs)")
+                                 "(text output, no tools, no echo or best_of)")
         limit = body.get("max_completion_tokens")
         values = {"max_tokens": limit if limit is not None else body.get("max_tokens"),
+                  "logprobs": _openai_logprobs(body, completions),
                   **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
-                                               "frequency_penalty")}}
+                                               "frequency_penalty", "n")}}
         return cls.from_values(values)
 
     @classmethod
@@ -121,7 +129,25 @@ def resolve(p: RowParams | None, s: SamplingConfig) -> Sampling:
     return Sampling(max_tokens=pick("max_tokens", s.max_tokens), temperature=pick("temperature", s.temperature),
                     top_p=pick("top_p", s.top_p), stop=pick("stop", tuple(s.stop)), seed=pick("seed", s.seed),
                     ignore_eos=s.ignore_eos, presence_penalty=pick("presence_penalty", 0.0),
-                    frequency_penalty=pick("frequency_penalty", 0.0))
+                    frequency_penalty=pick("frequency_penalty", 0.0), n=pick("n", s.n),
+                    logprobs=pick("logprobs", s.logprobs))
+
+
+def _openai_logprobs(body: dict, completions: bool):
+    """The top-k a body asks for, or None. Chat bodies say ``logprobs: true`` (+ ``top_logprobs: k``, 0 when
+    absent); completions bodies give k as ``logprobs`` itself, as OpenAI's two endpoints do."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if completions:
+        if top is not None:
+            raise ValueError("top_logprobs is a chat field; a /v1/completions body gives k as logprobs")
+        return None if lp is None or lp is False else lp  # False: as absent; True/other types: _check says
+    if lp not in (None, False, True):
+        raise ValueError(f"logprobs must be true or false in a chat body (top_logprobs gives k), got {lp!r}")
+    if lp is not True:
+        if top not in (None, 0):
+            raise ValueError(f"top_logprobs={top!r} needs logprobs: true")
+        return None
+    return 0 if top is None else top
 
 
 def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
@@ -136,12 +162,8 @@ def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
 
 def _check(name: str, v):
     """One value, validated as OpenAI's API does (ranges included); ValueError names the field."""
-    if name in ("max_tokens", "seed"):
-        if isinstance(v, float) and v.is_integer():  # a Parquet/CSV integer column with gaps is float
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or (name == "max_tokens" and v <= 0):
-            raise ValueError(f"{name} must be a {'positive ' if name == 'max_tokens' else ''}integer, got {v!r}")
-        return v
+    if name in ("max_tokens", "seed", "n", "logprobs"):
+        return _check_int(name, v)
     if name == "stop":
         stops = [v] if isinstance(v, str) else v
         if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
@@ -154,4 +176,21 @@ def _check(name: str, v):
               "frequency_penalty": (-2.0, 2.0)}[name]
     if not bounds[0] <= v <= bounds[1] or (name == "top_p" and v == 0):
         raise ValueError(f"{name} must be in {'(' if name == 'top_p' else '['}{bounds[0]}, {bounds[1]}], got {v}")
+    return v
+
+
+_INT_RANGE = {"max_tokens": (1, None), "seed": (None, None), "n": (1, 128), "logprobs": (0, MAX_LOGPROBS)}
+
+
+def _check_int(name: str, v):
+    if isinstance(v, float) and v.is_integer():  # a Parquet/CSV integer column with gaps is float
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        kind = "a positive integer" if name in ("max_tokens", "n") else "an integer"
+        raise ValueError(f"{name} must be {kind}, got {v!r}")
+    lo, hi = _INT_RANGE[name]
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if name == "max_tokens":
+            raise ValueError(f"max_tokens must be a positive integer, got {v!r}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
     return v

@@ -77,8 +77,9 @@ def test_completions_bodies_text_or_token_ids(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("n", 2, "n=2 is not supported"), ("tools", [{"type": "function"}], "tools="),
-    ("logprobs", True, "logprobs=True"), ("response_format", {"type": "json_object"}, "response_format="),
+    ("best_of", 2, "best_of=2 is not supported"), ("tools", [{"type": "function"}], "tools="),
+    ("top_logprobs", 3, "top_logprobs=3 needs logprobs: true"),
+    ("response_format", {"type": "json_object"}, "response_format="),
     ("stream", True, "stream=True"), ("temperature", 3, "temperature must be in [0.0, 2.0]"),
     ("top_p", 0, "top_p must be in (0.0, 1.0]"), ("max_tokens", 0, "max_tokens must be a positive integer"),
     ("seed", "x", "seed must be a"), ("stop", [1], "stop must be a string or a list of strings"),
@@ -153,7 +154,7 @@ PARITY_LINES = [
                      "seed": 7}),
     _line("short", {"messages": _chat("What is 2+2?"), "max_tokens": 6, "temperature": 0}),
 ]
-REFUSED = [_line("two", {"messages": _chat("hi"), "n": 2, "max_tokens": 4})]
+REFUSED = [_line("two", {"messages": _chat("hi"), "tools": [{"type": "function"}], "max_tokens": 4})]
 
 
 @pytest.fixture(scope="module")
@@ -231,4 +232,4 @@ def test_refused_requests_are_error_lines_of_the_batch_error_format(parity):
     assert line["response"]["status_code"] == 400 and line["error"] is None
     err = line["response"]["body"]["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
-    assert "n=2 is not supported" in err["message"] and "line 7" in err["message"]
+    assert "tools=[{'type': 'function'}] is not supported" in err["message"] and "line 7" in err["message"]

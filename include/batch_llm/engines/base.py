@@ -28,15 +28,44 @@ class GenRequest:
     params: RowParams | None = None  # the row's own sampling parameters; None: the pipeline's
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    """One candidate at a generated position: its text and log-probability."""
+
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its text, its log-probability and the top-k candidates at its place, most likely
+    first (the model's own distribution, before temperature and top-p: vLLM's raw logprobs)."""
+
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One of a request's n completions."""
+
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per generated token, when they were asked for
+
+
 @dataclass
 class GenResult:
     key: str
-    text: str = ""
+    text: str = ""                 # the first sample's
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0     # every sample's
     error: str | None = None
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache (vLLM)
+    samples: tuple[Sample, ...] | None = None  # every sample, where the request asked n > 1 or logprobs (vLLM)
 
 
 @dataclass

@@ -20,6 +20,9 @@ from batch_llm.engines.base import (
     GenRequest,
     GenResult,
     OutputTail,
+    Sample,
+    TokenLogprob,
+    TopLogprob,
     classify_start_failure,
     is_int_weight_only,
     model_context_limit,
@@ -115,16 +118,21 @@ class VllmEngine(Engine):
                 p = by_sampling[s] = SamplingParams(
                     max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                     stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
-                    frequency_penalty=s.frequency_penalty, detokenize=detokenize,
+                    frequency_penalty=s.frequency_penalty, detokenize=detokenize, n=s.n, logprobs=s.logprobs,
                     output_kind=RequestOutputKind.FINAL_ONLY,
                     structured_outputs=StructuredOutputsParams(json=guided) if guided is not None else None)
             return p
 
         engine = self.llm.llm_engine
 
+        top_k: dict[str, int] = {}  # request id -> the logprobs it asked for (the result does not say)
+
         def submit(req: GenRequest) -> GenResult | None:
             try:
-                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params_for(req))
+                params = params_for(req)
+                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params)
+                if params.logprobs is not None:
+                    top_k[req.key] = params.logprobs
                 return None
             except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
                 if not is_request_refusal(e, engine_dead=_engine_dead(engine)):
@@ -137,11 +145,7 @@ class VllmEngine(Engine):
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
                 raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
-            return [GenResult(out.request_id, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
-                              prompt_tokens=len(out.prompt_token_ids or []),
-                              completion_tokens=len(out.outputs[0].token_ids),
-                              cached_prompt_tokens=out.num_cached_tokens or 0)
-                    for out in outputs if out.finished]
+            return [gen_result(out, top_k.pop(out.request_id, None)) for out in outputs if out.finished]
 
         max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
         self._watch = _wake_reader_on_engine_death(engine.engine_core)
@@ -161,6 +165,43 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def gen_result(out, top_k: int | None = None) -> GenResult:
+    """A finished vLLM ``RequestOutput`` as the engine interface's result: the first sample as ``text``, every
+    sample (with the top ``top_k`` log-probabilities per token, when asked) in ``samples`` where the request
+    asked for n > 1 or logprobs."""
+    first = out.outputs[0]
+    samples = None
+    if len(out.outputs) > 1 or top_k is not None:
+        samples = tuple(Sample(text=c.text, finish_reason=c.finish_reason, completion_tokens=len(c.token_ids),
+                               logprobs=token_logprobs(c.token_ids, c.logprobs, top_k)
+                               if top_k is not None and c.logprobs is not None else None)
+                        for c in out.outputs)
+    return GenResult(out.request_id, text=first.text, finish_reason=first.finish_reason,
+                     prompt_tokens=len(out.prompt_token_ids or []),
+                     completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+                     cached_prompt_tokens=out.num_cached_tokens or 0, samples=samples)
+
+
+def token_logprobs(token_ids, positions, top_k: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position logprobs (``{token id: Logprob}``: the top-k by rank, plus the chosen token where it
+    ranks below them) as one ``TokenLogprob`` per generated token, its candidates most likely first."""
+    out = []
+    for tid, pos in zip(token_ids, positions):
+        pos = pos or {}
+        ranked = sorted(pos.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else float("inf"))
+        top = tuple(TopLogprob(_token_text(t, lp), lp.logprob) for t, lp in ranked[:top_k])
+        chosen = pos.get(tid)
+        out.append(TokenLogprob(_token_text(tid, chosen), chosen.logprob if chosen is not None else float("nan"),
+                                top))
+    return tuple(out)
+
+
+def _token_text(tid: int, lp) -> str:
+    # Without a tokenizer in the engine (skip_tokenizer_init) there is no text: the id, as vLLM's server writes it
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else f"token_id:{tid}"
 
 
 def _gpu_name(device: str) -> str | None:
