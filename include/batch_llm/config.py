@@ -29,6 +29,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    """A LoRA adapter on the model, fetched like it: ``ref`` is a ModelScope id, a local folder or an
+    object-storage prefix holding ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``.bin``).
+
+    ``merge: true`` merges it into a new model folder (cached by model and adapter content), which every later
+    stage and engine uses as the model (quantize included); ``merge: false`` serves it unmerged (vLLM only:
+    ``enable_lora`` and a ``LoRARequest`` on every request)."""
+
+    ref: str
+    revision: str = "master"
+    merge: bool = Field(True, description="true: merge into the model at fetch; false: the engine serves the "
+                        "adapter (vllm only)")
+    conn_id: str | None = Field(None, description="Airflow connection for an object-storage ref")
+
+
 class ModelConfig(_Section):
     """Which model to run, and where it comes from.
 
@@ -46,6 +61,7 @@ class ModelConfig(_Section):
                                         "(chat rows need one) unless chat_template is set; false where every input "
                                         "row is pre-tokenized (prompt_token_ids): fetch then only warns")
     conn_id: str | None = Field(None, description="Airflow connection for an object-storage ref")
+    lora: LoraConfig | None = Field(None, description="A LoRA adapter on the model; null: none")
 
     def resolved_cache_dir(self) -> str:
         if self.cache_dir:
@@ -351,6 +367,14 @@ class PipelineConfig(_Section):
             raise ValueError(f"sampling.{' and sampling.'.join(asked)}: engine {self.engine.kind} returns one "
                              "sample without log-probabilities (vllm can); remove "
                              f"{' and '.join('sampling.' + k for k in asked)} or set engine.kind: vllm")
+        return self
+
+    @model_validator(mode="after")
+    def _served_adapter_needs_vllm(self) -> "PipelineConfig":
+        lora = self.model.lora
+        if lora is not None and not lora.merge and self.engine.kind != "vllm":
+            raise ValueError(f"model.lora.merge: false serves the adapter unmerged, which engine {self.engine.kind} "
+                             "cannot (vllm can); set model.lora.merge: true to merge it into the model at fetch")
         return self
 
     def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":

@@ -12,11 +12,11 @@ from batch_llm.engines.base import EngineStartError
 from batch_llm.engines.registry import make_engine
 
 
-def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]):
+def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], *, lora_dir: str | None = None):
     """Starts the engine, retrying a start that failed for memory with smaller settings within bounds; with
     ``engine.memory_backoff.probe``, restarts it once with the largest batch its KV cache holds, less the
     safety margin."""
-    engine, info = _start_with_backoff(model_dir, cfg.engine, cfg, say)
+    engine, info = _start_with_backoff(model_dir, cfg.engine, cfg, say, lora_dir)
     b = cfg.engine.memory_backoff
     if not b.probe:
         return engine, info
@@ -34,7 +34,7 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
         return engine, info
     engine.close()
     ecfg = info.config.model_copy(update={"max_num_seqs": chosen})
-    engine, again = _start_with_backoff(model_dir, ecfg, cfg, say)
+    engine, again = _start_with_backoff(model_dir, ecfg, cfg, say, lora_dir)
     again.start_seconds += info.start_seconds  # the probe's start is part of this shard's start cost
     again.attempts = info.attempts + again.attempts
     again.settings["probe"] = probe
@@ -53,11 +53,13 @@ def kv_cache_probe(settings: dict, b) -> dict | None:
             "max_num_seqs": max(1, min(b.probe_max_num_seqs, int(fits * (1 - b.safety_margin))))}
 
 
-def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig, say: Callable[[str], None]):
+def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig, say: Callable[[str], None],
+                        lora_dir: str | None = None):
     b = ecfg.memory_backoff
     attempts: list[dict] = []
     for attempt in range(1, b.max_attempts + 1):
-        engine = make_engine(model_dir, ecfg, cfg.sampling, trust_remote_code=cfg.model.trust_remote_code)
+        engine = make_engine(model_dir, ecfg, cfg.sampling, trust_remote_code=cfg.model.trust_remote_code,
+                             lora_dir=lora_dir)
         tried = dict(gpu_memory_utilization=ecfg.gpu_memory_utilization, max_num_seqs=ecfg.max_num_seqs,
                      max_model_len=ecfg.max_model_len)
         try:

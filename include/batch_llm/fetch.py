@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 
 from batch_llm.config import ConfigError, ModelConfig
-from batch_llm.manifests import FetchManifest
+from batch_llm.manifests import AdapterRecord, FetchManifest
 from batch_llm.storage import as_path
 
 log = logging.getLogger("batch_llm.fetch")
@@ -26,34 +26,33 @@ log = logging.getLogger("batch_llm.fetch")
 _STORAGE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hf://", "memory://")
 
 
-def classify_ref(ref: str) -> str:
+def classify_ref(ref: str, key: str = "model.ref") -> str:
     if ref.startswith(_STORAGE_SCHEMES):
         return "storage"
     if ref.startswith(("/", "./", "../", "~", "file://")) or os.path.isdir(os.path.expanduser(ref)):
         return "local"
     if ref.count("/") == 1 and all(ref.split("/")):
         return "modelscope"
-    raise ValueError(f"model.ref {ref!r} is neither a ModelScope id (owner/name), a local directory, "
+    raise ValueError(f"{key} {ref!r} is neither a ModelScope id (owner/name), a local directory, "
                      f"nor an object-storage prefix ({', '.join(_STORAGE_SCHEMES)})")
 
 
-def _modelscope_snapshot(cfg: ModelConfig) -> tuple[str, bool]:
+def _modelscope_snapshot(ref: str, revision: str, cache_dir: str) -> tuple[str, bool]:
     """(directory, cache hit). Cache first with local_files_only: a hit never touches the network."""
-    cache_dir = cfg.resolved_cache_dir()
     os.environ.setdefault("MODELSCOPE_CACHE", cache_dir)
     from modelscope import snapshot_download
 
     try:
-        return snapshot_download(cfg.ref, revision=cfg.revision, cache_dir=cache_dir, local_files_only=True), True
+        return snapshot_download(ref, revision=revision, cache_dir=cache_dir, local_files_only=True), True
     except Exception as e:  # noqa: BLE001 - ModelScope raises several types for a miss
-        log.info("model %s@%s not in cache %s (%s); downloading", cfg.ref, cfg.revision, cache_dir, type(e).__name__)
-    return snapshot_download(cfg.ref, revision=cfg.revision, cache_dir=cache_dir), False
+        log.info("model %s@%s not in cache %s (%s); downloading", ref, revision, cache_dir, type(e).__name__)
+    return snapshot_download(ref, revision=revision, cache_dir=cache_dir), False
 
 
-def _sync_from_storage(cfg: ModelConfig, options: dict) -> tuple[str, bool]:
+def _sync_from_storage(ref: str, cache_dir: str, options: dict) -> tuple[str, bool]:
     """Copies an object-storage prefix into the local cache (files whose size differs, only)."""
-    src = as_path(cfg.ref, options)
-    dest = Path(cfg.resolved_cache_dir()) / "storage" / hashlib.sha256(cfg.ref.encode()).hexdigest()[:16]
+    src = as_path(ref, options)
+    dest = Path(cache_dir) / "storage" / hashlib.sha256(ref.encode()).hexdigest()[:16]
     hit = True
     for obj in src.rglob("*"):
         if obj.is_dir():
@@ -71,7 +70,7 @@ def _sync_from_storage(cfg: ModelConfig, options: dict) -> tuple[str, bool]:
                 fout.write(block)
         os.replace(tmp, target)
     if not dest.exists():
-        raise FileNotFoundError(f"model prefix {cfg.ref} is empty or missing")
+        raise FileNotFoundError(f"prefix {ref} is empty or missing")
     return str(dest), hit
 
 
@@ -209,20 +208,62 @@ def file_hashes(directory: str) -> list[dict]:
     return files
 
 
-def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None) -> FetchManifest:
-    kind = classify_ref(cfg.ref)
+def resolve_ref(ref: str, revision: str, cache_dir: str, storage_options: dict | None, *,
+                key: str = "model.ref") -> tuple[str, str, bool]:
+    """(kind, local folder, cache hit) of a model or adapter ref: ModelScope (cache first), an object-storage
+    prefix (copied into the cache) or a local folder."""
+    kind = classify_ref(ref, key)
     if kind == "modelscope":
-        local_dir, hit = _modelscope_snapshot(cfg)
-    elif kind == "storage":
-        local_dir, hit = _sync_from_storage(cfg, storage_options or {})
-    else:
-        local_dir, hit = os.path.abspath(os.path.expanduser(cfg.ref.removeprefix("file://"))), True
-        if not os.path.isdir(local_dir):
-            raise FileNotFoundError(errno.ENOENT, f"model.ref {cfg.ref}: no such folder", local_dir)
+        return kind, *_modelscope_snapshot(ref, revision, cache_dir)
+    if kind == "storage":
+        return kind, *_sync_from_storage(ref, cache_dir, storage_options or {})
+    local_dir = os.path.abspath(os.path.expanduser(ref.removeprefix("file://")))
+    if not os.path.isdir(local_dir):
+        raise FileNotFoundError(errno.ENOENT, f"{key} {ref}: no such folder", local_dir)
+    return kind, local_dir, True
+
+
+def content_hash(files: list[dict]) -> str:
+    return hashlib.sha256(json.dumps([(f["name"], f["sha256"]) for f in files]).encode()).hexdigest()
+
+
+def fetch_model(cfg: ModelConfig, *, storage_options: dict | None = None,
+                adapter_storage_options: dict | None = None) -> FetchManifest:
+    kind, local_dir, hit = resolve_ref(cfg.ref, cfg.revision, cfg.resolved_cache_dir(), storage_options)
     template = check_model_folder(cfg, local_dir, kind)
     files = file_hashes(local_dir)
-    content = hashlib.sha256(json.dumps([(f["name"], f["sha256"]) for f in files]).encode()).hexdigest()
-    return FetchManifest(source=kind, id=cfg.ref, revision=cfg.revision if kind == "modelscope" else None,
-                         local_dir=local_dir, cache_hit=hit, chat_template=template, files=files,
-                         total_bytes=sum(f["size"] for f in files), content_hash=content,
-                         model_key=f"{cfg.ref}@{cfg.revision}#{content[:16]}")
+    content = content_hash(files)
+    m = FetchManifest(source=kind, id=cfg.ref, revision=cfg.revision if kind == "modelscope" else None,
+                      local_dir=local_dir, cache_hit=hit, chat_template=template, files=files,
+                      total_bytes=sum(f["size"] for f in files), content_hash=content,
+                      model_key=f"{cfg.ref}@{cfg.revision}#{content[:16]}")
+    return with_adapter(cfg, m, adapter_storage_options) if cfg.lora is not None else m
+
+
+def with_adapter(cfg: ModelConfig, base: FetchManifest, storage_options: dict | None) -> FetchManifest:
+    """The manifest with ``model.lora`` applied: the adapter fetched and checked against the model, then merged
+    into a new model folder (``merge``, cached by both contents) or recorded for the engine to serve. The model
+    key names the adapter either way: the result cache must not answer an adapter's rows with the base's."""
+    from batch_llm.lora import check_adapter, merge_adapter, merged_dir
+
+    lora = cfg.lora
+    assert lora is not None
+    kind, adapter_dir, _ = resolve_ref(lora.ref, lora.revision, cfg.resolved_cache_dir(), storage_options,
+                                       key="model.lora.ref")
+    info = check_adapter(lora.ref, adapter_dir, base.local_dir)
+    adapter_hash = content_hash(file_hashes(adapter_dir))
+    record = AdapterRecord(ref=lora.ref, revision=lora.revision if kind == "modelscope" else None, source=kind,
+                           local_dir=adapter_dir, content_hash=adapter_hash, rank=info.rank,
+                           mode="merge" if lora.merge else "serve")
+    if not lora.merge:
+        return base.model_copy(update={"adapter": record, "model_key": f"{base.model_key}+lora#{adapter_hash[:16]}"})
+    dest = merged_dir(cfg.resolved_cache_dir(), base.content_hash, adapter_hash)
+    hit = merge_adapter(base.local_dir, adapter_dir, dest, trust_remote_code=cfg.trust_remote_code,
+                        record={"model": base.model_key, "adapter": record.model_dump(mode="json")})
+    template = check_model_folder(cfg, str(dest), "local")
+    files = file_hashes(str(dest))
+    record = record.model_copy(update={"base_dir": base.local_dir, "merge_cache_hit": hit})
+    return base.model_copy(update=dict(
+        local_dir=str(dest), cache_hit=base.cache_hit and hit, chat_template=template, files=files,
+        total_bytes=sum(f["size"] for f in files), content_hash=content_hash(files), adapter=record,
+        model_key=f"{base.model_key}+lora-merged#{adapter_hash[:16]}"))

@@ -238,15 +238,17 @@ class _EngineStarter(threading.Thread):
     """Starts the engine (imports, memory back-off, probe) while the caller tokenizes: engine start is mostly
     waiting on the engine's own processes, so the two overlap instead of adding up."""
 
-    def __init__(self, model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], timeline: Timeline):
+    def __init__(self, model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], timeline: Timeline,
+                 lora_dir: str | None = None):
         super().__init__(name="engine-start", daemon=True)
         self.model_dir, self.cfg, self.say, self.timeline = model_dir, cfg, say, timeline
+        self.lora_dir = lora_dir
         self.engine = self.info = self.error = None
 
     def run(self) -> None:
         t0 = time.time()
         try:
-            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say)
+            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say, lora_dir=self.lora_dir)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by result()
             self.error = e
         self.timeline.add("engine", t0)
@@ -268,9 +270,9 @@ class ShardRun:
 
     def __init__(self, cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
-                 started: dict | None = None):
+                 started: dict | None = None, lora_dir: str | None = None):
         self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
-        self.model_dir, self.model_key = model_dir, model_key
+        self.model_dir, self.model_key, self.lora_dir = model_dir, model_key, lora_dir
         self.shard_path = Location(shard["url"], shard_dir.options).path()
         self.chunks_dir = shard_dir.child("chunks")
         self.timeline = Timeline()
@@ -366,7 +368,7 @@ class ShardRun:
         self._commit()
 
     def _generate(self) -> None:
-        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline)
+        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir)
         if OVERLAP_ENGINE_START and self.cfg.engine.kind != "lmdeploy":  # LMDeploy binds its thread's loop
             starter.start()
         else:
@@ -558,10 +560,11 @@ class ShardRun:
 
 def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
               cache_root: Location | None = None, say: Callable[[str], None] = print,
-              started: dict | None = None) -> dict:
-    """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``)."""
+              started: dict | None = None, lora_dir: str | None = None) -> dict:
+    """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``); ``lora_dir``:
+    a LoRA adapter the engine serves on every request."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
-                    cache_root=cache_root, say=say, started=started).run()
+                    cache_root=cache_root, say=say, started=started, lora_dir=lora_dir).run()
 
 
 def sampling_identity(s: SamplingConfig) -> dict:

@@ -43,6 +43,23 @@ class ModelFile(BaseModel):
     sha256: str
 
 
+class AdapterRecord(BaseModel):
+    """The LoRA adapter of ``model.lora``, as fetched: where it came from, its content hash and how it is used
+    (``merge``: merged into the manifest's model folder; ``serve``: the engine loads it beside the model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ref: str
+    revision: str | None = None
+    source: Literal["modelscope", "storage", "local"]
+    local_dir: str                 # the adapter's folder on the worker
+    content_hash: str
+    mode: Literal["merge", "serve"]
+    rank: int
+    base_dir: str | None = None    # merge: the base model's folder the merge started from
+    merge_cache_hit: bool | None = None
+
+
 class ModelRef(BaseModel):
     """The model a shard loads: what fetch and quantize hand the shards (through XCom, between tasks)."""
 
@@ -53,6 +70,7 @@ class ModelRef(BaseModel):
     id: str = ""                   # model.ref as configured
     revision: str | None = None
     quantized: bool = False
+    lora_dir: str | None = None    # a LoRA adapter the engine serves beside the model (model.lora.merge: false)
 
     @classmethod
     def of(cls, model: "ModelRef | FetchManifest | QuantizeManifest | dict") -> "ModelRef":
@@ -79,9 +97,12 @@ class FetchManifest(Manifest):
     content_hash: str
     model_key: str
     seconds: float = 0.0
+    adapter: AdapterRecord | None = Field(None, description="model.lora; merge: local_dir is the merged model")
 
     def ref(self) -> ModelRef:
-        return ModelRef(local_dir=self.local_dir, model_key=self.model_key, id=self.id, revision=self.revision)
+        served = self.adapter.local_dir if self.adapter is not None and self.adapter.mode == "serve" else None
+        return ModelRef(local_dir=self.local_dir, model_key=self.model_key, id=self.id, revision=self.revision,
+                        lora_dir=served)
 
 
 class QuantizeManifest(Manifest):
@@ -95,10 +116,11 @@ class QuantizeManifest(Manifest):
     model_key: str
     quantized: bool
     quantization: dict[str, Any] | None = None
+    lora_dir: str | None = None    # the served adapter, passed on from fetch
 
     def ref(self) -> ModelRef:
         return ModelRef(local_dir=self.local_dir, model_key=self.model_key, id=self.id, revision=self.revision,
-                        quantized=self.quantized)
+                        quantized=self.quantized, lora_dir=self.lora_dir)
 
 
 class ShardSpec(Manifest):

@@ -135,9 +135,11 @@ def shard_manifests(layout: RunLayout) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ stages
-def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> FetchManifest:
+def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None,
+          adapter_storage_options: dict | None = None) -> FetchManifest:
+    """The model (and its LoRA adapter: merged into a new folder, or recorded for the engine to serve)."""
     t0 = time.perf_counter()
-    m = fetch_model(cfg.model, storage_options=storage_options)
+    m = fetch_model(cfg.model, storage_options=storage_options, adapter_storage_options=adapter_storage_options)
     m.seconds = round(time.perf_counter() - t0, 2)
     if warning := fetch_fit_warning(cfg, m.local_dir):  # a GPU worker whose GPUs cannot hold the model
         logging.getLogger("batch_llm.fetch").warning("%s", warning)
@@ -150,13 +152,14 @@ def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchMani
     ref = ModelRef.of(model)
     if not cfg.quantize.enabled:
         m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=ref.local_dir, model_key=ref.model_key,
-                             quantized=False)
+                             quantized=False, lora_dir=ref.lora_dir)
     else:
         from batch_llm.quantize import quantize_model
 
         q = quantize_model(ref.local_dir, cfg.quantize, model_key=ref.model_key)
         m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=q["model_dir"], quantized=True,
-                             quantization=q, model_key=f"{ref.model_key}+{Path(q['model_dir']).name}")
+                             quantization=q, model_key=f"{ref.model_key}+{Path(q['model_dir']).name}",
+                             lora_dir=ref.lora_dir)
     m.write(layout.stage("quantize").path())
     return m
 
@@ -176,7 +179,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
     shard = ShardSpec.model_validate(shard).model_dump()
     ref = ModelRef.of(model)
     return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard['index']:05d}"),
-                     model_dir=ref.local_dir, model_key=ref.model_key,
+                     model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started)
 
 

@@ -182,7 +182,10 @@ class GPUBatchModelOperator(_BatchStage):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        m = stages.quantize(cfg, layout, stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id)))
+        lora = cfg.model.lora
+        fetched = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id),
+                               adapter_storage_options=storage_options(lora.conn_id) if lora else None)
+        m = stages.quantize(cfg, layout, fetched)
         self.log.info("model %s at %s", m.id, m.local_dir)
         return m.ref().model_dump(mode="json")
 

@@ -78,11 +78,14 @@ class FetchModelOperator(PipelineStageOperator):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
+        from batch_llm.lora import AdapterInvalid
 
         cfg, layout = self.resolve(context)
+        lora = cfg.model.lora
         try:
-            m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id))
-        except (ModelFolderIncomplete, NoChatTemplate) as e:
+            m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id),
+                             adapter_storage_options=storage_options(lora.conn_id) if lora else None)
+        except (ModelFolderIncomplete, NoChatTemplate, AdapterInvalid) as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m.id, m.local_dir, m.cache_hit,
                       m.total_bytes / 1e6)

@@ -169,10 +169,12 @@ class OutputTail:
 
 class Engine(ABC):
     kind: str = ""
+    serves_lora: bool = False  # takes a LoRA adapter beside the model (lora_dir), applied to every request
 
     def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, lora_dir: str | None = None):
         self.model_dir = model_dir
+        self.lora_dir = lora_dir
         self.cfg = engine
         self.sampling = sampling
         self.trust_remote_code = trust_remote_code  # model.trust_remote_code: run code shipped with the model

@@ -46,6 +46,12 @@ def engine_class(kind: str) -> type[Engine]:
 
 
 def make_engine(model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
-                trust_remote_code: bool = False) -> Engine:
-    """An engine of ``engine.kind`` for the model in ``model_dir`` (not started: call ``start()``)."""
-    return engine_class(engine.kind)(model_dir, engine, sampling, trust_remote_code=trust_remote_code)
+                trust_remote_code: bool = False, lora_dir: str | None = None) -> Engine:
+    """An engine of ``engine.kind`` for the model in ``model_dir`` (not started: call ``start()``); ``lora_dir``:
+    a LoRA adapter it serves on every request (an engine that cannot serve one refuses it)."""
+    cls = engine_class(engine.kind)
+    if lora_dir is not None and not cls.serves_lora:
+        raise ValueError(f"engine {engine.kind} cannot serve a LoRA adapter unmerged ({lora_dir}); "
+                         "set model.lora.merge: true")
+    kwargs = {"lora_dir": lora_dir} if lora_dir is not None else {}
+    return cls(model_dir, engine, sampling, trust_remote_code=trust_remote_code, **kwargs)

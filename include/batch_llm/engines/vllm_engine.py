@@ -35,6 +35,7 @@ from batch_llm.engines.registry import register_engine
 @register_engine
 class VllmEngine(Engine):
     kind = "vllm"
+    serves_lora = True
 
     def _constructor_args(self) -> dict:
         c = self.cfg
@@ -44,8 +45,24 @@ class VllmEngine(Engine):
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
-                    trust_remote_code=self.trust_remote_code, **c.extra)
+                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **c.extra)
         return {k: v for k, v in args.items() if v is not None}
+
+    def _lora_args(self) -> dict:
+        """A served adapter: LoRA on, one adapter slot, the rank the adapter needs (engine.extra may override)."""
+        if self.lora_dir is None:
+            return {}
+        from batch_llm.lora import adapter_rank, vllm_max_lora_rank
+
+        args = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(adapter_rank(self.lora_dir)))
+        return {k: v for k, v in args.items() if k not in self.cfg.extra}
+
+    def _lora_request(self):
+        if self.lora_dir is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest("model.lora", 1, self.lora_dir)
 
     def start(self) -> EngineInfo:
         # The CPU backend sizes its KV cache from this variable, not from gpu_memory_utilization; an explicit
@@ -124,13 +141,15 @@ class VllmEngine(Engine):
             return p
 
         engine = self.llm.llm_engine
+        lora = self._lora_request()
 
         top_k: dict[str, int] = {}  # request id -> the logprobs it asked for (the result does not say)
 
         def submit(req: GenRequest) -> GenResult | None:
             try:
                 params = params_for(req)
-                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params)
+                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params,
+                                   lora_request=lora)
                 if params.logprobs is not None:
                     top_k[req.key] = params.logprobs
                 return None
