@@ -256,14 +256,15 @@ def with_adapter(cfg: ModelConfig, base: FetchManifest, storage_options: dict | 
                            local_dir=adapter_dir, content_hash=adapter_hash, rank=info.rank,
                            mode="merge" if lora.merge else "serve")
     if not lora.merge:
-        return base.model_copy(update={"adapter": record, "model_key": f"{base.model_key}+lora#{adapter_hash[:16]}"})
+        return FetchManifest.model_validate({**base.model_dump(), "adapter": record.model_dump(),
+                                             "model_key": f"{base.model_key}+lora#{adapter_hash[:16]}"})
     dest = merged_dir(cfg.resolved_cache_dir(), base.content_hash, adapter_hash)
     hit = merge_adapter(base.local_dir, adapter_dir, dest, trust_remote_code=cfg.trust_remote_code,
                         record={"model": base.model_key, "adapter": record.model_dump(mode="json")})
     template = check_model_folder(cfg, str(dest), "local")
     files = file_hashes(str(dest))
     record = record.model_copy(update={"base_dir": base.local_dir, "merge_cache_hit": hit})
-    return base.model_copy(update=dict(
-        local_dir=str(dest), cache_hit=base.cache_hit and hit, chat_template=template, files=files,
-        total_bytes=sum(f["size"] for f in files), content_hash=content_hash(files), adapter=record,
-        model_key=f"{base.model_key}+lora-merged#{adapter_hash[:16]}"))
+    return FetchManifest.model_validate({
+        **base.model_dump(), "local_dir": str(dest), "cache_hit": base.cache_hit and hit, "chat_template": template,
+        "files": files, "total_bytes": sum(f["size"] for f in files), "content_hash": content_hash(files),
+        "adapter": record.model_dump(), "model_key": f"{base.model_key}+lora-merged#{adapter_hash[:16]}"})

@@ -192,8 +192,11 @@ def merge_adapter(model_dir: str, adapter_dir: str, dest: Path, *, trust_remote_
     merged.save_pretrained(tmp, safe_serialization=True)
     # The tokenizer, chat template, generation config and any code files come from the base as they are
     for f in Path(model_dir).iterdir():
-        if f.is_file() and not (tmp / f.name).exists() and not f.name.endswith(_WEIGHT_FILES) \
-                and not f.name.endswith(".index.json"):
+        if (tmp / f.name).exists() or f.name.startswith(".") or f.name.endswith((*_WEIGHT_FILES, ".index.json")):
+            continue
+        if f.is_dir():  # additional_chat_templates/, remote code packages
+            shutil.copytree(f, tmp / f.name)
+        else:
             shutil.copy2(f, tmp / f.name)
     (tmp / MERGED_RECORD).write_text(json.dumps(record or {}, indent=1))
     dest.parent.mkdir(parents=True, exist_ok=True)
