@@ -492,7 +492,10 @@ class _ArrowSchema:
     def add(self, batch: list[dict]) -> None:
         import pyarrow as pa
 
-        s = pa.Table.from_pylist(batch).schema
+        # By column, not from_pylist(batch): that takes the columns of the first row only, and a column only
+        # some rows have (filter_hits, outputs, logprobs) would be lost when the first row lacks it.
+        cols = dict.fromkeys(k for r in batch for k in r)
+        s = pa.Table.from_pydict({k: [r.get(k) for r in batch] for k in cols}).schema
         self.schema = s if self.schema is None else pa.unify_schemas([self.schema, s], promote_options="permissive")
 
     def write(self, w, batches: Iterator[list[dict]]) -> None:

@@ -219,9 +219,10 @@ def test_filter_scans_every_sample(tmp_path):
 # ------------------------------------------------------------------------------------------ published shapes
 def test_parquet_list_and_struct_columns(tmp_path):
     rec = {"id": "r1", "prompt": "hi", "n": 2, "logprobs": 2}
-    rows = [output_record(rec, json.loads(json.dumps(_row())), "parquet"),
-            output_record({"id": "r2", "prompt": "hi", "n": None, "logprobs": None},
-                          {"id": "r2", "output": "x", "finish_reason": "stop", "completion_tokens": 1}, "parquet")]
+    # the row without the columns first: every column any row of a batch has is written
+    rows = [output_record({"id": "r2", "prompt": "hi", "n": None, "logprobs": None},
+                          {"id": "r2", "output": "x", "finish_reason": "stop", "completion_tokens": 1}, "parquet"),
+            output_record(rec, json.loads(json.dumps(_row())), "parquet")]
     path = as_path(str(tmp_path / "out.parquet"))
     write_rows(path, rows, "parquet")
     t = pq.read_table(path)
@@ -231,8 +232,9 @@ def test_parquet_list_and_struct_columns(tmp_path):
     assert t.schema.field("logprobs").type == pa.list_(token)  # the input's n/logprobs cells are replaced
     assert t.schema.field("outputs_logprobs").type == pa.list_(pa.list_(token))
     got = t.to_pylist()
-    assert got[0]["outputs"] == ["Hi!", "Hey there"] and got[1]["outputs"] is None and got[1]["logprobs"] is None
-    assert got[0]["logprobs"][0]["top"][1] == {"token": "Hey", "logprob": -2.0}
+    assert got[1]["outputs"] == ["Hi!", "Hey there"] and got[0]["outputs"] is None and got[0]["logprobs"] is None
+    assert got[1]["logprobs"][0]["top"][1] == {"token": "Hey", "logprob": -2.0}
+    assert len(got[1]["outputs_logprobs"][1]) == 3 and got[0]["outputs_logprobs"] is None
     assert output_record(rec, _row(), "jsonl")["outputs"] == ["Hi!", "Hey there"]
 
 
