@@ -79,7 +79,7 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
 
     sys.addaudithook(crash_once)
     request.addfinalizer(lambda: armed.clear())
-    monkeypatch.setattr(infer, "start_engine", lambda *a: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
+    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
     _EchoEngine.requests = 0
     layout = stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")
     model = stages.fetch(cfg, layout)
