@@ -72,12 +72,21 @@ class ModelConfig(_Section):
 
 
 class QuantizeConfig(_Section):
-    """Optional 4-bit export with llm-compressor (AWQ, W4A16, compressed-tensors), cached by model,
-    revision and scheme."""
+    """Optional export with llm-compressor into a compressed-tensors checkpoint, cached by model, revision,
+    scheme and settings.
+
+    ``W4A16``: int4 weights in groups, 16-bit activations (AWQ or round-to-nearest; ``method``, ``group_size``
+    and the calibration settings apply). ``FP8_DYNAMIC``: FP8 (e4m3) weights with one scale per output
+    channel and activations quantized per token at run time; it needs no calibration data, so ``method``,
+    ``group_size`` and the calibration settings do not apply and setting them is an error. FP8 pays on GPUs
+    with FP8 tensor cores (Hopper, Ada: 1.22x on the H200, docs/benchmarks.md); vLLM's CPU build runs it
+    through a slow fallback.
+    """
 
     enabled: bool = False
-    scheme: Literal["W4A16"] = "W4A16"
-    method: Literal["awq", "rtn"] = Field("awq", description="awq: activation-aware; rtn: round-to-nearest")
+    scheme: Literal["W4A16", "FP8_DYNAMIC"] = "W4A16"
+    method: Literal["awq", "rtn"] = Field("awq", description="W4A16 only. awq: activation-aware; "
+                                          "rtn: round-to-nearest")
     group_size: int | None = Field(None, gt=0, description="Weights per quantization group; null: the largest "
                                    "of 128, 64, 32 dividing the model's hidden size (from its config.json)")
     calibration_samples: int = Field(64, gt=0)
@@ -86,6 +95,17 @@ class QuantizeConfig(_Section):
     cache_dir: str | None = Field(None, description="default: <model cache>/quantized")
     python: str | None = Field(None, description="Interpreter of the quantize environment "
                                "(default $BATCH_LLM_QUANTIZE_PYTHON or .venv-quantize/bin/python)")
+
+    @model_validator(mode="after")
+    def _w4a16_settings_only_with_w4a16(self) -> "QuantizeConfig":
+        if self.scheme != "W4A16":
+            # a setting that would silently do nothing is refused, like an unknown key
+            given = sorted(self.model_fields_set & {"method", "group_size", "calibration_samples",
+                                                    "calibration_seq_len", "awq_grid"})
+            if given:
+                raise ValueError(f"quantize.{', quantize.'.join(given)}: W4A16 settings; scheme {self.scheme} "
+                                 "is data-free per-channel FP8 and takes none of them (remove them)")
+        return self
 
 
 Format = Literal["auto", "jsonl", "parquet", "csv", "openai_batch"]

@@ -50,6 +50,11 @@ class Finding:
         return asdict(self)
 
 
+def _quantize_scheme(quantize_cfg: dict) -> str | None:
+    """The scheme a run's quantize stage exported (None when it did not quantize)."""
+    return str(quantize_cfg.get("scheme") or "W4A16") if quantize_cfg.get("enabled") else None
+
+
 def _pct(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 or x == 0 else f"{x:.1%}"
 
@@ -464,7 +469,7 @@ def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
     s, e = run.settings, run.engine_cfg
     job = rec.Job(rows=int(rows), prompt_tokens=run.total("input_tokens") / rows,
                   output_tokens=run.total("output_tokens") / ok, kv_dtype=str(s.get("kv_cache_dtype") or "auto"),
-                  scheme=rec.scheme_of(e.get("quantization"), bool((run.cfg.get("quantize") or {}).get("enabled")),
+                  scheme=rec.scheme_of(e.get("quantization"), _quantize_scheme(run.cfg.get("quantize") or {}),
                                        str(e.get("dtype") or "auto"), config),
                   gpu_memory_utilization=float(s.get("gpu_memory_utilization") or 0.9),
                   max_model_len=s.get("max_model_len"), max_num_seqs=s.get("max_num_seqs"),

@@ -1,4 +1,5 @@
-"""Quantize stage: a 4-bit (W4A16) export with llm-compressor, cached by model, scheme and settings.
+"""Quantize stage: a W4A16 (AWQ) or FP8_DYNAMIC export with llm-compressor, cached by model, scheme and
+settings.
 
 Two halves, two Python environments (llm-compressor pins a compressed-tensors that vLLM does not accept):
 
@@ -6,9 +7,10 @@ Two halves, two Python environments (llm-compressor pins a compressed-tensors th
   (model key, scheme, method, group size, calibration settings), or starts the quantize environment's
   Python on ``python -m batch_llm.quantize MODEL_DIR OUT_DIR CFG_JSON`` under a file lock, so two tasks
   never export the same thing twice. It never imports llm-compressor (nor torch).
-* ``export_w4a16`` runs inside the quantize environment: AWQ (activation-aware scale search, then
-  group-wise int4 weights with zero points) or plain round-to-nearest, saved as a compressed-tensors
-  ("pack-quantized") checkpoint
+* ``export_checkpoint`` runs inside the quantize environment. W4A16: AWQ (activation-aware scale search,
+  then group-wise int4 weights with zero points) or plain round-to-nearest ("pack-quantized"). FP8_DYNAMIC:
+  FP8 e4m3 weights with a scale per output channel, activations quantized per token by the engine at run
+  time; no calibration data ("float-quantized"). Both are saved as compressed-tensors checkpoints
   (``quantization_config.quant_method == "compressed-tensors"`` in config.json), which vLLM detects by
   itself. The tokenizer files and the chat template travel with it. The folder appears atomically: it is
   written under a temporary sibling name and renamed when complete.
@@ -83,6 +85,8 @@ def quantize_python(cfg: QuantizeConfig) -> str:
 
 def cache_settings(cfg: QuantizeConfig, model_key: str) -> dict:
     """Everything that changes the exported weights; the cache key is its hash."""
+    if cfg.scheme == "FP8_DYNAMIC":  # data-free: the model and the scheme are all there is
+        return {"model_key": model_key, "scheme": cfg.scheme, "export_version": EXPORT_VERSION}
     settings: dict[str, Any] = {"model_key": model_key, "scheme": cfg.scheme, "method": cfg.method,
                                 "group_size": cfg.group_size, "export_version": EXPORT_VERSION}
     if cfg.method == "awq":  # round-to-nearest reads no calibration data
@@ -92,12 +96,13 @@ def cache_settings(cfg: QuantizeConfig, model_key: str) -> dict:
 
 
 def cache_entry_dir(cfg: QuantizeConfig, model_key: str) -> Path:
-    """``<cache>/<readable model key>-<scheme>-<method>-g<group>-<hash of all settings>``."""
+    """``<cache>/<readable model key>-<scheme>[-<method>-g<group>]-<hash of all settings>``."""
     settings = cache_settings(cfg, model_key)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     readable = re.sub(r"[^A-Za-z0-9_.-]+", "--", model_key).strip("-.")[:80] or "model"
     root = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_quantized_cache_dir()
-    return root / f"{readable}-{cfg.scheme}-{cfg.method}-g{cfg.group_size}-{digest}"
+    detail = f"-{cfg.method}-g{cfg.group_size}" if cfg.scheme == "W4A16" else ""
+    return root / f"{readable}-{cfg.scheme}{detail}-{digest}"
 
 
 def read_export_info(out_dir: Path) -> dict | None:
@@ -143,7 +148,9 @@ def choose_group_size(model_dir: str | Path) -> int:
 
 def resolve_group_size(model_dir: str | Path, cfg: QuantizeConfig) -> tuple[QuantizeConfig, str]:
     """(the config with its group size set, "configured" or "auto"): an unset group size is chosen from the
-    model (``choose_group_size``)."""
+    model (``choose_group_size``); a scheme without groups (FP8_DYNAMIC) gives (cfg, "not applicable")."""
+    if cfg.scheme != "W4A16":
+        return cfg, "not applicable"
     if cfg.group_size is not None:
         return cfg, "configured"
     g = choose_group_size(model_dir)
@@ -153,6 +160,8 @@ def resolve_group_size(model_dir: str | Path, cfg: QuantizeConfig) -> tuple[Quan
 
 def check_settings(model_dir: str | Path, cfg: QuantizeConfig) -> None:
     """Fails early, before any process starts, on settings the export would reject."""
+    if cfg.scheme != "W4A16":
+        return  # FP8_DYNAMIC has no settings the model could reject
     if cfg.method == "awq" and cfg.awq_grid < 3:
         # llm-compressor's grid with duo scaling is [identity] + awq_grid - 1 points spaced 1/(awq_grid-2)
         raise ValueError(f"quantize.awq_grid={cfg.awq_grid}: AWQ needs a grid of at least 3 points")
@@ -185,13 +194,13 @@ def _gcd(a: int, b: int) -> int:
 
 
 def quantize_model(model_dir: str, cfg: QuantizeConfig, *, model_key: str) -> dict:
-    """Returns the 4-bit export of ``model_dir``, exporting it first unless it is cached.
+    """Returns the export of ``model_dir`` under ``cfg.scheme``, exporting it first unless it is cached.
 
     ``model_key`` identifies the source weights (model id, revision and a content hash, chosen by the
     caller); together with the scheme, method, group size and calibration settings it keys the cache.
     Result: the export's info (``method``, ``scheme``, ``group_size``, ``size_bytes``, ``export_seconds``,
     ...) plus ``model_dir``, ``cache_hit``, ``seconds`` (this call's wall time) and ``group_size_chosen``
-    ("auto" when ``cfg.group_size`` was unset and chosen from the model, else "configured").
+    ("auto" when ``cfg.group_size`` was unset and chosen from the model, "configured", or "not applicable").
     """
     started = time.monotonic()
     cfg, chosen = resolve_group_size(model_dir, cfg)
@@ -233,14 +242,15 @@ def _run_exporter(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> None:
     if not Path(python).exists() and shutil.which(python) is None:
         raise QuantizeError(f"quantize: no interpreter at {python}; build the quantize environment "
                             "(scripts/setup.sh) or set quantize.python / $BATCH_LLM_QUANTIZE_PYTHON")
-    cmd = [python, "-m", "batch_llm.quantize", str(model_dir), str(out_dir), cfg.model_dump_json()]
+    # only what was set: settings of another scheme at their defaults would be refused there
+    cmd = [python, "-m", "batch_llm.quantize", str(model_dir), str(out_dir), cfg.model_dump_json(exclude_unset=True)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("TQDM_MININTERVAL", "10")  # progress bars: a log line per bar every 10 s, not per step
     # No PYTHONPATH: batch-llm is installed in the quantize environment too (scripts/setup.sh, the image,
     # `pip install "batch-llm[quantize]"`), so the exporter runs the version installed there.
-    log.info("quantize: exporting %s (%s %s, group %d) into %s with %s", model_dir, cfg.scheme, cfg.method,
-             cfg.group_size, out_dir, python)
+    detail = f" {cfg.method}, group {cfg.group_size}" if cfg.scheme == "W4A16" else ""
+    log.info("quantize: exporting %s (%s%s) into %s with %s", model_dir, cfg.scheme, detail, out_dir, python)
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=env, text=True, errors="replace", bufsize=1, start_new_session=True)
@@ -382,13 +392,14 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def export_w4a16(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
-    """Exports ``model_dir`` as a W4A16 compressed-tensors checkpoint into ``out_dir`` (atomically).
+def export_checkpoint(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
+    """Exports ``model_dir`` under ``cfg.scheme`` as a compressed-tensors checkpoint into ``out_dir``
+    (atomically).
 
-    Runs in the quantize environment (imports llm-compressor). ``cfg.method``: ``awq`` (grid search of
-    per-channel scales on calibration activations, ``cfg.awq_grid`` points, then group-wise int4) or
-    ``rtn`` (group-wise int4 by round-to-nearest, no data). Returns the info also written as
-    ``quantize_info.json``.
+    Runs in the quantize environment (imports llm-compressor). W4A16 with ``cfg.method`` ``awq`` (grid
+    search of per-channel scales on calibration activations, ``cfg.awq_grid`` points, then group-wise int4)
+    or ``rtn`` (group-wise int4 by round-to-nearest, no data); FP8_DYNAMIC (no data). Returns the info also
+    written as ``quantize_info.json``.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     started = time.monotonic()
@@ -397,49 +408,25 @@ def export_w4a16(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
         return existing
 
     import torch
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _bypass_pin_memory_without_accelerator()
-    if cfg.scheme != "W4A16":
-        raise ValueError(f"unsupported scheme {cfg.scheme!r}")
     cfg, _ = resolve_group_size(model_dir, cfg)  # quantize_model passes it resolved; a direct call may not
     check_settings(model_dir, cfg)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     model.eval()
-
-    # W4A16: int4 weights, one scale and one zero point per group of `group_size` input channels; 16-bit
-    # activations (llm-compressor's W4A16_ASYM preset, with our group size). Zero points are what AWQ
-    # was made for and measurably better here (SmolLM2-135M perplexity on held-out text, bf16 32.0:
-    # AWQ asymmetric 40-42, symmetric 47-53; RTN asymmetric 45, symmetric 46). vLLM's kernels take
-    # both (CPUWNA16: uint4 with zero points, uint4b8 without).
-    scheme = QuantizationScheme(
-        targets=["Linear"],
-        weights=QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
-                                 group_size=cfg.group_size, dynamic=False),
-    )
-    quant = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    kwargs: dict[str, Any] = {}
-    if cfg.method == "awq":
-        from datasets import Dataset
-        from llmcompressor.modifiers.transform.awq import AWQModifier
-
-        ids = calibration_token_ids(tokenizer, cfg.calibration_samples, cfg.calibration_seq_len)
-        dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-        recipe = [AWQModifier(n_grid=cfg.awq_grid, duo_scaling=True), quant]
-        kwargs = dict(dataset=dataset, num_calibration_samples=len(ids),
-                      max_seq_length=cfg.calibration_seq_len, shuffle_calibration_samples=False,
-                      batch_size=1)
-    elif cfg.method == "rtn":
-        recipe = [quant]
+    if cfg.scheme == "W4A16":
+        recipe, kwargs = _w4a16_recipe(cfg, tokenizer)
+    elif cfg.scheme == "FP8_DYNAMIC":
+        recipe, kwargs = _fp8_dynamic_recipe(), {}
     else:
-        raise ValueError(f"unknown quantize method {cfg.method!r}")
+        raise ValueError(f"unsupported scheme {cfg.scheme!r}")
 
-    print(f"quantize: {cfg.method} {cfg.scheme} group {cfg.group_size} on {model_dir} "
+    detail = f"{cfg.method} group {cfg.group_size} " if cfg.scheme == "W4A16" else ""
+    print(f"quantize: {cfg.scheme} {detail}on {model_dir} "
           f"(torch {torch.__version__}, {torch.get_num_threads()} threads)", flush=True)
     with torch.no_grad():
         model = oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
@@ -453,18 +440,9 @@ def export_w4a16(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
         for name in _SIDE_FILES:
             if (model_dir / name).is_file() and not (tmp / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
-        _check_export(tmp)
-        info = {
-            "method": cfg.method, "scheme": cfg.scheme, "group_size": cfg.group_size,
-            "format": "compressed-tensors", "zero_point": True,
-            "awq_grid": cfg.awq_grid if cfg.method == "awq" else None,
-            "calibration_samples": cfg.calibration_samples if cfg.method == "awq" else 0,
-            "calibration_seq_len": cfg.calibration_seq_len if cfg.method == "awq" else 0,
-            "source_model_dir": str(model_dir),
-            "quantize_seconds": round(quantized_at - started, 1),
-            "export_version": EXPORT_VERSION,
-            "versions": _versions(),
-        }
+        _check_export(tmp, cfg.scheme)
+        info = _export_info(cfg, model_dir)
+        info["quantize_seconds"] = round(quantized_at - started, 1)
         info["seconds"] = round(time.monotonic() - started, 1)
         info["size_bytes"] = _dir_size(tmp)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
@@ -481,14 +459,71 @@ def export_w4a16(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> dict:
     return info
 
 
-def _check_export(path: Path) -> None:
-    """The export must carry a compressed-tensors quantization config with 4-bit weights."""
+def _w4a16_recipe(cfg: QuantizeConfig, tokenizer: Any) -> tuple[list, dict]:
+    """(recipe, oneshot keyword arguments) of the W4A16 export: AWQ with calibration data, or RTN."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    # W4A16: int4 weights, one scale and one zero point per group of `group_size` input channels; 16-bit
+    # activations (llm-compressor's W4A16_ASYM preset, with our group size). Zero points are what AWQ
+    # was made for and measurably better here (SmolLM2-135M perplexity on held-out text, bf16 32.0:
+    # AWQ asymmetric 40-42, symmetric 47-53; RTN asymmetric 45, symmetric 46). vLLM's kernels take
+    # both (CPUWNA16: uint4 with zero points, uint4b8 without).
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                                 group_size=cfg.group_size, dynamic=False),
+    )
+    quant = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    if cfg.method == "rtn":
+        return [quant], {}
+    if cfg.method != "awq":
+        raise ValueError(f"unknown quantize method {cfg.method!r}")
+    from datasets import Dataset
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    ids = calibration_token_ids(tokenizer, cfg.calibration_samples, cfg.calibration_seq_len)
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+    kwargs = dict(dataset=dataset, num_calibration_samples=len(ids), max_seq_length=cfg.calibration_seq_len,
+                  shuffle_calibration_samples=False, batch_size=1)
+    return [AWQModifier(n_grid=cfg.awq_grid, duo_scaling=True), quant], kwargs
+
+
+def _fp8_dynamic_recipe() -> list:
+    """llm-compressor's FP8_DYNAMIC preset: e4m3 weights, a scale per output channel (min-max, no data);
+    activations per token at run time. lm_head stays 16-bit (its errors reach every logit)."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])]
+
+
+def _export_info(cfg: QuantizeConfig, model_dir: Path) -> dict:
+    """The export's record (quantize_info.json), before its timings and size."""
+    w4 = cfg.scheme == "W4A16"
+    awq = w4 and cfg.method == "awq"
+    return {
+        "method": cfg.method if w4 else "fp8_dynamic", "scheme": cfg.scheme,
+        "group_size": cfg.group_size if w4 else None, "format": "compressed-tensors", "zero_point": w4,
+        "awq_grid": cfg.awq_grid if awq else None,
+        "calibration_samples": cfg.calibration_samples if awq else 0,
+        "calibration_seq_len": cfg.calibration_seq_len if awq else 0,
+        "source_model_dir": str(model_dir), "export_version": EXPORT_VERSION, "versions": _versions(),
+    }
+
+
+#: What each scheme's config.json must say: (weight type, bits).
+_EXPECTED_WEIGHTS = {"W4A16": ("int", 4), "FP8_DYNAMIC": ("float", 8)}
+
+
+def _check_export(path: Path, scheme: str = "W4A16") -> None:
+    """The export must carry a compressed-tensors quantization config with the scheme's weights."""
     qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     if qc.get("quant_method") != "compressed-tensors":
         raise QuantizeError(f"export has no compressed-tensors quantization_config: {qc}")
-    bits = {g.get("weights", {}).get("num_bits") for g in (qc.get("config_groups") or {}).values()}
-    if bits != {4}:
-        raise QuantizeError(f"export's weights are not 4-bit: {bits}")
+    weights = {(g.get("weights", {}).get("type"), g.get("weights", {}).get("num_bits"))
+               for g in (qc.get("config_groups") or {}).values()}
+    if weights != {_EXPECTED_WEIGHTS[scheme]}:
+        raise QuantizeError(f"export's weights are {sorted(weights)}, not {scheme}'s {_EXPECTED_WEIGHTS[scheme]}")
     if not any(path.glob("*.safetensors")):
         raise QuantizeError("export wrote no safetensors")
 
@@ -511,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m batch_llm.quantize MODEL_DIR OUT_DIR CFG_JSON", file=sys.stderr)
         return 2
     cfg = QuantizeConfig.model_validate_json(argv[2])
-    info = export_w4a16(Path(argv[0]), Path(argv[1]), cfg)
+    info = export_checkpoint(Path(argv[0]), Path(argv[1]), cfg)
     print("quantize: done " + json.dumps(info), flush=True)
     return 0
 

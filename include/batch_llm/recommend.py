@@ -554,16 +554,20 @@ def format_recommendation(r: Recommendation) -> str:
 
 
 # ------------------------------------------------------------------------------------------ pipeline glue
-def scheme_of(engine_quantization: str | None, quantize_enabled: bool, dtype: str = "auto",
+def scheme_of(engine_quantization: str | None, quantize_scheme: str | None, dtype: str = "auto",
               model_config: dict | None = None) -> str:
-    """The weight scheme a pipeline runs: W4A16 when it quantizes (or the checkpoint is AWQ/GPTQ/compressed
-    int4), FP8 for ``engine.quantization: fp8`` (or an FP8 checkpoint), else the dtype (bf16 unless fp16)."""
+    """The weight scheme a pipeline runs: the quantize stage's (``quantize_scheme``, None when it does not
+    quantize), else the checkpoint's (AWQ/GPTQ/compressed-tensors int: W4A16; FP8), FP8 for
+    ``engine.quantization: fp8``, else the dtype (bf16 unless fp16)."""
+    if quantize_scheme:
+        return "fp8" if quantize_scheme.upper().startswith("FP8") else "w4a16"
     qc = (model_config or {}).get("quantization_config") or {}
     method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
-    if quantize_enabled or method in ("awq", "gptq", "awq_marlin", "gptq_marlin") or (
-            method == "compressed-tensors" and "int" in json.dumps(qc).lower()):
+    weight_types = {str((g.get("weights") or {}).get("type")) for g in (qc.get("config_groups") or {}).values()
+                    if isinstance(g, dict)} if method == "compressed-tensors" else set()
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin") or "int" in weight_types:
         return "w4a16"
-    if str(engine_quantization or "").lower().startswith("fp8") or method == "fp8":
+    if str(engine_quantization or "").lower().startswith("fp8") or method == "fp8" or "float" in weight_types:
         return "fp8"
     return "fp16" if str(dtype).lower() in ("float16", "fp16", "half") else "bf16"
 
@@ -597,7 +601,8 @@ def job_from_config(cfg, rows: int = 1, prompt_tokens: float | None = None, outp
     limit = e.max_model_len or 2048
     prompt = prompt_tokens if prompt_tokens is not None else max(1, min(DEFAULT_PROMPT_TOKENS, limit - out))
     return Job(rows=rows, prompt_tokens=prompt, output_tokens=out,
-               scheme=scheme_of(e.quantization, cfg.quantize.enabled, e.dtype, model_config),
+               scheme=scheme_of(e.quantization, cfg.quantize.scheme if cfg.quantize.enabled else None, e.dtype,
+                                model_config),
                kv_dtype=e.kv_cache_dtype, gpu_memory_utilization=e.gpu_memory_utilization,
                max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs, cpu_kv_cache_gib=e.cpu_kv_cache_gib)
 

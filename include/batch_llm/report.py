@@ -50,7 +50,16 @@ C_OK, C_DROP, C_INVALID, C_ERR = "#3c9a5f", "#e0a526", "#c8553d", "#8c2d2d"
 ACTION_COLORS = {"flag": "#6c8ebf", "mask": "#e0a526", "drop": "#c8553d"}
 
 
+def _export_label(quantize: dict) -> str:
+    """How the report names the quantize stage's export: "AWQ W4A16", "RTN W4A16", "FP8_DYNAMIC"."""
+    q = quantize.get("quantization") or {}
+    scheme = q.get("scheme") or "W4A16"
+    method = q.get("method")
+    return f"{method.upper()} {scheme}" if scheme == "W4A16" and method else scheme
+
+
 # ------------------------------------------------------------------------------------------ entry points
+
 def write_run_report(summary: dict, version_dir: Location, pipeline_root: Location, *,
                      gpus: int | None = None) -> str:
     """Renders the run report into ``<version_dir>/report.html`` and returns its URL."""
@@ -176,7 +185,8 @@ def _header(r: _Page) -> dict:
                                                    "kv_cache_dtype", "enable_prefix_caching", "batch_size")
                          if k in st)
     facts = [
-        ("model", f"{model} @ {rev}" + (" (AWQ W4A16)" if r.run.quantize.get("quantized") else "")),
+        ("model", f"{model} @ {rev}" + (f" ({_export_label(r.run.quantize)})" if r.run.quantize.get("quantized")
+                                         else "")),
         ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
         ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
                      f"seed {samp.get('seed')}" + (", output schema" + (" (guided decoding)" if samp.get(

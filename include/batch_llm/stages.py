@@ -148,7 +148,8 @@ def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | Non
 
 
 def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | dict) -> QuantizeManifest:
-    """AWQ W4A16 export when enabled (cached by model, revision and scheme); otherwise the model as is."""
+    """The W4A16 or FP8_DYNAMIC export when enabled (cached by model, revision, scheme and settings);
+    otherwise the model as is."""
     ref = ModelRef.of(model)
     if not cfg.quantize.enabled:
         m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=ref.local_dir, model_key=ref.model_key,

@@ -105,3 +105,42 @@ def test_speculative_refused_for_engines_without_it(tmp_path, kind):
         demo_config(tmp_path, engine__kind=kind, engine__speculative={})
     with pytest.raises(ConfigError, match="engine.extra.speculative_config: set engine.speculative or"):
         demo_config(tmp_path, engine__speculative={}, engine__extra={"speculative_config": {"method": "ngram"}})
+
+
+def test_fp8_dynamic_takes_no_w4a16_settings():
+    from batch_llm.config import QuantizeConfig
+
+    fp8 = QuantizeConfig(enabled=True, scheme="FP8_DYNAMIC")
+    assert fp8.scheme == "FP8_DYNAMIC"
+    for key, value in (("method", "rtn"), ("group_size", 64), ("awq_grid", 5), ("calibration_samples", 8)):
+        with pytest.raises(ValueError, match=rf"quantize\.{key}: W4A16 settings; scheme FP8_DYNAMIC"):
+            QuantizeConfig(enabled=True, scheme="FP8_DYNAMIC", **{key: value})
+    with pytest.raises(ValueError, match="scheme"):
+        QuantizeConfig(enabled=True, scheme="INT8")
+
+
+def test_fp8_dynamic_cache_key_is_model_and_scheme_only(tmp_path):
+    from batch_llm import quantize as q
+    from batch_llm.config import QuantizeConfig
+
+    fp8 = QuantizeConfig(enabled=True, scheme="FP8_DYNAMIC", cache_dir=str(tmp_path))
+    w4 = QuantizeConfig(enabled=True, scheme="W4A16", group_size=64, cache_dir=str(tmp_path))
+    key = q.cache_entry_dir(fp8, "m@1")
+    assert key.name.startswith("m--1-FP8_DYNAMIC-") and key != q.cache_entry_dir(w4, "m@1")
+    assert key != q.cache_entry_dir(fp8, "m@2")
+    assert q.cache_settings(fp8, "m@1") == {"model_key": "m@1", "scheme": "FP8_DYNAMIC",
+                                            "export_version": q.EXPORT_VERSION}
+    assert q.resolve_group_size(tmp_path, fp8) == (fp8, "not applicable")  # no config.json needed
+
+
+def test_recommend_reads_the_quantize_scheme_and_fp8_checkpoints():
+    from batch_llm.recommend import scheme_of
+
+    assert scheme_of(None, "FP8_DYNAMIC") == "fp8" and scheme_of(None, "W4A16") == "w4a16"
+    assert scheme_of(None, None) == "bf16" and scheme_of(None, None, "float16") == "fp16"
+
+    def ct(weight_type):
+        return {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+            "group_0": {"weights": {"type": weight_type, "num_bits": 8 if weight_type == "float" else 4}}}}}
+    assert scheme_of(None, None, model_config=ct("float")) == "fp8"
+    assert scheme_of(None, None, model_config=ct("int")) == "w4a16"
