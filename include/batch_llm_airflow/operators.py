@@ -247,6 +247,10 @@ class RunReportLink(BaseOperatorLink):
 
 
 class PublishOperator(PipelineStageOperator):
+    """Publishes the run's rows as a new version of the dataset, its summary and report; an Asset event
+    for each outlet, and OpenLineage datasets (input table, model, published dataset) when the OpenLineage
+    provider is installed."""
+
     operator_extra_links = (RunReportLink(),)
     ui_color = "#d5f5e3"
 
@@ -254,11 +258,19 @@ class PublishOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         get = lambda s: stages.read_manifest_at(layout, s)  # noqa: E731
+        fetched = get("fetch")
         m = stages.publish(cfg, layout, get("plan"), get("filter"), get("evaluate"),
-                           extra_manifests={"fetch": get("fetch"), "quantize": get("quantize"),
+                           extra_manifests={"fetch": fetched, "quantize": get("quantize"),
                                             "infer": stages.shard_manifests(layout)})
         self.log.info("published %d rows to %s", m.rows, m.dataset)
+        self._lineage_of_run = (cfg, layout, m, fetched)  # read by get_openlineage_facets_on_complete
         for outlet in self.outlets:
             context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m.dataset,
                                                       "rows": m.rows, "run_id": layout.run_id}
         return m.model_dump(include={"partition", "dataset", "rows", "summary", "errors", "report"})
+
+    def get_openlineage_facets_on_complete(self, task_instance):
+        """Called by the OpenLineage listener after ``execute``, in the same process."""
+        from batch_llm_airflow.lineage import publish_lineage
+
+        return publish_lineage(*self._lineage_of_run)
