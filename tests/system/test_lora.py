@@ -48,7 +48,7 @@ def base_and_adapter(tmp_path_factory, demo_model_dir) -> tuple[Path, Path]:
     return base, adapter
 
 
-def _run(tmp: Path, base: Path, run: str, **over) -> tuple[dict[str, str], object]:
+def _run(tmp: Path, base: Path, run: str, **over) -> tuple[dict[str, str], object, dict]:
     inp = tmp / "prompts.jsonl"
     inp.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     cfg = demo_config(tmp / run, model__ref=str(base), model__cache_dir=str(tmp / "model-cache"),
@@ -61,16 +61,17 @@ def _run(tmp: Path, base: Path, run: str, **over) -> tuple[dict[str, str], objec
     shard = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     rows = {r["id"]: r["output"] for r in iter_jsonl(Path(shard["outputs"]))}
     assert len(rows) == len(PROMPTS) and all(isinstance(v, str) for v in rows.values()), rows
-    return rows, fetched
+    return rows, fetched, shard["engine"]["settings"]
 
 
 def test_served_and_merged_agree_and_differ_from_base(tmp_path, base_and_adapter):
     base, adapter = base_and_adapter
     lora = {"ref": str(adapter)}
-    served, served_fetch = _run(tmp_path, base, "served", model__lora={**lora, "merge": False})
-    merged, merged_fetch = _run(tmp_path, base, "merged", model__lora={**lora, "merge": True},
-                                engine__kind="transformers")
-    plain, plain_fetch = _run(tmp_path, base, "base", engine__kind="transformers")
+    served, served_fetch, served_engine = _run(tmp_path, base, "served", model__lora={**lora, "merge": False})
+    merged, merged_fetch, _ = _run(tmp_path, base, "merged", model__lora={**lora, "merge": True},
+                                   engine__kind="transformers")
+    plain, plain_fetch, _ = _run(tmp_path, base, "base", engine__kind="transformers")
+    assert served_engine["lora"] == {"path": str(adapter), "max_lora_rank": 8}  # vLLM served it, as the shard says
 
     assert served == merged, {k: (served[k], merged[k]) for k in served if served[k] != merged[k]}
     differ = [k for k in plain if plain[k] != merged[k]]
