@@ -211,6 +211,9 @@ class EngineConfig(_Section):
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
                                   "(LMDeploy: `backend` and fields of that backend's engine config)")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")
+    compile_cache: str | None = Field(None, description="vLLM's compilation cache: a worker-local folder, or an "
+                                      "object-storage prefix (the output's connection) whose archive is synced "
+                                      "in before the engine starts and out after; null: vLLM's ~/.cache/vllm")
     # Bookkeeping of the shard runner
     commit_every_rows: int = Field(64, gt=0, description="Rows per committed output chunk")
     commit_every_seconds: float = Field(30.0, gt=0)
@@ -237,6 +240,9 @@ class EngineConfig(_Section):
         if self.speculative is not None and "speculative_config" in self.extra:
             problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
                             "speculative_config, not both")
+        if self.compile_cache is not None and self.kind != "vllm":
+            problems.append(f"engine.compile_cache: vLLM's compilation cache; engine.kind is {self.kind!r}: remove "
+                            "engine.compile_cache")
         if self.kind == "lmdeploy":
             from batch_llm.engines.lmdeploy_config import lmdeploy_problems
 

@@ -7,15 +7,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from batch_llm import compile_cache
 from batch_llm.config import EngineConfig, PipelineConfig
 from batch_llm.engines.base import EngineStartError
 from batch_llm.engines.registry import make_engine
 
 
-def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], *, lora_dir: str | None = None):
+def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], *, lora_dir: str | None = None,
+                 storage_options: dict | None = None):
     """Starts the engine, retrying a start that failed for memory with smaller settings within bounds; with
     ``engine.memory_backoff.probe``, restarts it once with the largest batch its KV cache holds, less the
-    safety margin."""
+    safety margin. ``engine.compile_cache`` is synced in before (``storage_options``: its store's fsspec
+    options) and out after a successful start; what it held is in the settings' ``compile_cache``."""
+    cc = _prepare_compile_cache(model_dir, cfg, say, lora_dir, storage_options)
+    engine, info = _probed_start(model_dir, cfg, say, lora_dir)
+    if cc is not None:
+        compile_cache.publish(cc, say)
+        info.settings["compile_cache"] = cc.record()
+    return engine, info
+
+
+def _prepare_compile_cache(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], lora_dir: str | None,
+                           storage_options: dict | None) -> compile_cache.CompileCache | None:
+    if cfg.engine.compile_cache is None or cfg.engine.kind != "vllm":
+        return None
+    rank = None
+    if lora_dir is not None:
+        from batch_llm.lora import adapter_rank
+
+        rank = adapter_rank(lora_dir)
+    return compile_cache.prepare(cfg.engine.compile_cache, model_dir, cfg.engine, say, options=storage_options,
+                                 lora_rank=rank)
+
+
+def _probed_start(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], lora_dir: str | None):
     engine, info = _start_with_backoff(model_dir, cfg.engine, cfg, say, lora_dir)
     b = cfg.engine.memory_backoff
     if not b.probe:

@@ -239,16 +239,18 @@ class _EngineStarter(threading.Thread):
     waiting on the engine's own processes, so the two overlap instead of adding up."""
 
     def __init__(self, model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], timeline: Timeline,
-                 lora_dir: str | None = None):
+                 lora_dir: str | None = None, storage_options: dict | None = None):
         super().__init__(name="engine-start", daemon=True)
         self.model_dir, self.cfg, self.say, self.timeline = model_dir, cfg, say, timeline
         self.lora_dir = lora_dir
+        self.storage_options = storage_options  # engine.compile_cache's store: the output's
         self.engine = self.info = self.error = None
 
     def run(self) -> None:
         t0 = time.time()
         try:
-            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say, lora_dir=self.lora_dir)
+            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say, lora_dir=self.lora_dir,
+                                                  storage_options=self.storage_options)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by result()
             self.error = e
         self.timeline.add("engine", t0)
@@ -368,7 +370,8 @@ class ShardRun:
         self._commit()
 
     def _generate(self) -> None:
-        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir)
+        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir,
+                                 storage_options=self.shard_dir.options)
         if OVERLAP_ENGINE_START and self.cfg.engine.kind != "lmdeploy":  # LMDeploy binds its thread's loop
             starter.start()
         else:
