@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8
+#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
 # Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
 # Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
@@ -50,6 +50,9 @@ case "${1:-fixed}" in
       timeout -k 10 ${T:-185} python3 bench/bench_h200_features.py fp8 --model $M --variant $v \
         --out $OUT/h200_fp8.jsonl >$OUT/fp8_$v.log 2>&1; echo "fp8 $v rc=$?"; h200_summary $OUT/fp8_$v.log
     done ;;
+  compile_cache) vllm_env  # engine.compile_cache cold vs warm, a fresh process per engine start (file:// store)
+    timeout 565 python3 bench/bench_compile_cache.py --model $M --dummy --pairs ${PAIRS:-3} --timeout ${T:-140} \
+      --out $OUT/compile_cache.jsonl 2>&1 | tee $OUT/compile_cache.log ;;
   lmdeploy-stage)
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there
