@@ -192,10 +192,22 @@ class SpeculativeConfig(_Section):
         return self.model_dump()
 
 
+class EmbedConfig(_Section):
+    """Settings of ``engine.task: embed`` (vLLM's pooling runner; PoolingParams of vLLM 0.32)."""
+
+    normalize: bool = Field(True, description="L2-normalize every vector (vLLM's use_activation for embed)")
+
+
 class EngineConfig(_Section):
     """The engine and its parameters; ``kind`` picks vLLM, LMDeploy or plain transformers."""
 
     kind: Literal["vllm", "transformers", "lmdeploy"] = "vllm"
+    # Under engine, not top level: it is the runner the engine starts with (vLLM's runner/convert), so it
+    # reaches the engine with its section through every start (memory back-off copies included).
+    task: Literal["generate", "embed"] = Field("generate", description="generate: text outputs; embed: one "
+                                               "vector per row (vLLM's pooling runner, last-token pooling for a "
+                                               "causal LM) in an ``embedding`` column; vllm only")
+    embed: EmbedConfig = Field(default_factory=EmbedConfig, description="task: embed settings")
     max_model_len: int | None = Field(2048, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -226,6 +238,16 @@ class EngineConfig(_Section):
     def _probe_needs_vllm(self) -> "EngineConfig":
         if self.memory_backoff.probe and self.kind != "vllm":
             raise ValueError(f"memory_backoff.probe sizes vLLM's batch from its KV cache; engine.kind is {self.kind!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _embed_needs_vllm(self) -> "EngineConfig":
+        if self.task == "embed" and self.kind != "vllm":
+            raise ValueError(f"task: embed runs on vLLM's pooling runner; engine.kind is {self.kind!r}: set "
+                             "engine.kind: vllm")
+        if self.task != "embed" and self.embed != EmbedConfig():  # not fields_set: with_overrides dumps all
+            raise ValueError("engine.embed: settings of engine.task: embed; engine.task is "
+                             f"{self.task!r} (remove engine.embed or set engine.task: embed)")
         return self
 
     @model_validator(mode="after")
@@ -393,6 +415,25 @@ class PipelineConfig(_Section):
             raise ValueError(f"sampling.{' and sampling.'.join(asked)}: engine {self.engine.kind} returns one "
                              "sample without log-probabilities (vllm can); remove "
                              f"{' and '.join('sampling.' + k for k in asked)} or set engine.kind: vllm")
+        return self
+
+    @model_validator(mode="after")
+    def _embed_takes_no_generation_settings(self) -> "PipelineConfig":
+        if self.engine.task != "embed":
+            return self
+        s = self.sampling
+        # settings that would silently do nothing are refused, like an unknown key
+        given = [k for k, on in (("output_schema", s.output_schema is not None), ("n", s.n > 1),
+                                 ("logprobs", s.logprobs is not None), ("output_retries", s.output_retries > 0))
+                 if on]
+        cols = [c for c in self.input.sampling_columns if c != "max_tokens"]
+        problems = [f"sampling.{k}" for k in given] + [f"input.sampling_columns: {c}" for c in cols]
+        if problems:
+            raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: embed generates no "
+                             "text (remove them)")
+        if self.model.lora is not None and not self.model.lora.merge:
+            raise ValueError("model.lora.merge: false: a served adapter is not tested with engine.task: embed; "
+                             "set model.lora.merge: true (the adapter is merged into the model at fetch)")
         return self
 
     @model_validator(mode="after")

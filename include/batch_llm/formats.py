@@ -387,7 +387,7 @@ def structured_column(name: str, record: dict) -> str:
 
 
 _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
-              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs")
+              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding")
 
 _SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
 

@@ -188,6 +188,8 @@ class _Group:
 # text and finish reason (n > 1), the log-probabilities of the first sample's tokens and of every sample's.
 # Chunks, outputs.jsonl and cache entries carry them as they are, so a resumed shard or a cache hit loses none.
 SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
+# engine.task embed: the row's vector, carried like the sample fields (chunks, outputs.jsonl, cache entries).
+RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding")
 
 
 def _sample_fields(res: GenResult) -> dict:
@@ -210,7 +212,7 @@ def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> d
     return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
             "cached_prompt_tokens": 0 if cached else entry.get("cached_prompt_tokens", 0),
-            "cached": cached, "error": None, "key": key, **{k: entry[k] for k in SAMPLE_FIELDS if k in entry}}
+            "cached": cached, "error": None, "key": key, **{k: entry[k] for k in RESULT_FIELDS if k in entry}}
 
 
 def _error_row(r: tuple[str, int], reason: str, prompt_tokens: int = 0) -> dict:
@@ -307,9 +309,11 @@ class ShardRun:
     def _open_cache(self, root: Location | None) -> ResultCache | None:
         if root is None or not self.cfg.cache.enabled:
             return None
+        e = self.cfg.engine
+        embed = e.task == "embed"  # the sampling decides no vector; the task and its settings do
         ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
-                       self.cfg.model.chat_template), sampling=sampling_identity(self.cfg.sampling),
-                       engine_kind=self.cfg.engine.kind)
+                       self.cfg.model.chat_template), sampling={} if embed else sampling_identity(self.cfg.sampling),
+                       engine_kind=e.kind, task={"task": "embed", **e.embed.model_dump()} if embed else None)
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
     # ---------------------------------------------------------------------------------- the steps
@@ -489,6 +493,8 @@ class ShardRun:
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                  "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens,
                  **_sample_fields(res)}
+        if res.embedding is not None:  # a vector, no text: output stays null
+            entry.update(output=None, embedding=res.embedding)
         for r in group.rows:
             if res.error:
                 self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))
@@ -538,7 +544,7 @@ class ShardRun:
         self.timeline.begin("commit")
         if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
             table = self.cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
-                                                              "completion_tokens", *SAMPLE_FIELDS) if k in r}
+                                                              "completion_tokens", *RESULT_FIELDS) if k in r}
                                            for r in iter_jsonl(Location(manifest["outputs"], self.shard_dir.options).path())
                                            if not r["cached"] and r.get("key"))
             self.say(f"cache: wrote {table}")

@@ -174,6 +174,7 @@ class FilterManifest(Manifest):
     inference_errors: str
     inference_error_rows: int
     summary: FilterSummary
+    skipped: str | None = None  # why the word lists were not applied (engine.task embed: no text)
 
 
 class EvaluateManifest(Manifest):

@@ -260,6 +260,9 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location)
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files[0], cfg.input.format)
+    if fmt == "openai_batch" and cfg.engine.task == "embed":  # its output lines are chat/completion bodies
+        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: embed "
+                         "writes vectors (give a JSONL, Parquet or CSV table of prompts)")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
         scan = _Scan(cfg, fmt, tmp)

@@ -91,10 +91,15 @@ _ENCODE = msgspec.json.Encoder(enc_hook=str).encode  # compact, non-ASCII kept, 
 _DECODE = msgspec.json.Decoder().decode
 
 
-def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind: str) -> str:
-    """Hash of what is shared by every row of a run; changing any of it misses the cache."""
-    blob = json.dumps({"model": model_key, "template": chat_template, "sampling": sampling,
-                       "engine": engine_kind}, sort_keys=True)
+def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind: str,
+              task: dict | None = None) -> str:
+    """Hash of what is shared by every row of a run; changing any of it misses the cache. ``task``: a task
+    other than generate and its settings (engine.task embed): a vector is never served for a text request nor
+    the reverse; absent for generate, so namespaces from before tasks existed stay the same."""
+    ident = {"model": model_key, "template": chat_template, "sampling": sampling, "engine": engine_kind}
+    if task is not None:
+        ident["task"] = task
+    blob = json.dumps(ident, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

@@ -196,7 +196,8 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, s
         # Each shard's files are in input order: a streamed merge puts the run in input order.
         return heapq.merge(*(iter_jsonl(Location(s[key], opts).path()) for s in shards), key=lambda r: r["idx"])
 
-    if cfg.filter.enabled:
+    skipped = "task embed" if cfg.engine.task == "embed" else None  # vectors have no words to filter
+    if cfg.filter.enabled and skipped is None:
         from batch_llm.content_filter import filter_rows  # pyahocorasick is not needed on GPU workers
 
         dropped_loc = out_dir.child("dropped.jsonl")
@@ -210,7 +211,7 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, s
     n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
     m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept,
                        inference_errors=out_dir.child("errors.jsonl").url, inference_error_rows=n_errors,
-                       summary=summary)
+                       summary=summary, skipped=skipped)
     m.write(out_dir.path())
     return m
 
@@ -234,7 +235,9 @@ def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtere
 def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
               out_dir: Location) -> EvaluateManifest:
     opts = layout.output_root.options
-    if not cfg.evaluate.enabled:
+    if cfg.engine.task == "embed":  # no text to score against references
+        m = EvaluateManifest(skipped="task embed")
+    elif not cfg.evaluate.enabled:
         m = EvaluateManifest(skipped="evaluate.enabled is false")
     elif not plan.has_references:
         m = EvaluateManifest(skipped=f"no reference answers (column {cfg.input.reference_column!r})")
@@ -304,7 +307,8 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
     schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
     n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema)
-                                 for rec, out in pairs), fmt, types=_structured_types(schema, plan, opts))
+                                 for rec, out in pairs), fmt,
+                   types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts))
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
     summary = {"pipeline": cfg.name, "run_id": layout.run_id, "partition": layout.partition,
                "rows_published": n, "format": fmt, "dataset": data.url, "errors": version.child("errors.jsonl").url,
@@ -344,6 +348,20 @@ def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dic
     first = next(iter_jsonl(Location(plan.records, opts).path()), None)
     record = (first or {}).get("record") or {}
     return [f.with_name(structured_column(f.name, record)) for f in schema.arrow_fields()]
+
+
+def _embedding_types(filtered: FilterManifest, fmt: str, opts: dict) -> list | None:
+    """engine.task embed in Parquet: the vector as a fixed-size list of float32, its width the first
+    output's (every vector of one model and run has the same width)."""
+    if fmt != "parquet":
+        return None
+    first = next(iter_jsonl(Location(filtered.outputs, opts).path()), None)
+    vec = (first or {}).get("embedding")
+    if not isinstance(vec, list):
+        return None
+    import pyarrow as pa
+
+    return [pa.field("embedding", pa.list_(pa.float32(), len(vec)))]
 
 
 def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:

@@ -45,8 +45,13 @@ class VllmEngine(Engine):
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
-                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **c.extra)
+                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(), **c.extra)
         return {k: v for k, v in args.items() if v is not None}
+
+    def _task_args(self) -> dict:
+        """engine.task embed: vLLM's pooling runner; a causal LM converted to an embedding model pools its
+        last token's hidden state."""
+        return dict(runner="pooling", convert="embed") if self.cfg.task == "embed" else {}
 
     def _lora_args(self) -> dict:
         """A served adapter: LoRA on, one adapter slot, the rank the adapter needs (engine.extra may override)."""
@@ -115,6 +120,9 @@ class VllmEngine(Engine):
         return self.llm.llm_engine.vllm_config.model_config.max_model_len
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        if self.cfg.task == "embed":
+            yield from self._embed(requests)
+            return
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -167,6 +175,43 @@ class VllmEngine(Engine):
             except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
                 raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
             return [gen_result(out, top_k.pop(out.request_id, None)) for out in outputs if out.finished]
+
+        max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+        self._watch = _wake_reader_on_engine_death(engine.engine_core)
+        try:
+            yield from stream_requests(requests, window=max(4 * max_seqs, 512), submit=submit, collect=collect)
+        finally:
+            if self._watch is not None:
+                self._watch.set()
+
+    def _embed(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        """engine.task embed: the requests streamed through the pooling runner as generate streams them; one
+        vector per request (the row's sampling does not apply)."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        params = PoolingParams(task="embed", use_activation=self.cfg.embed.normalize)
+
+        def submit(req: GenRequest) -> GenResult | None:
+            try:
+                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params.clone())
+                return None
+            except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
+                if not is_request_refusal(e, engine_dead=_engine_dead(engine)):
+                    raise EngineFailed(f"vLLM failed while taking requests: {_exception_text(e)}") from e
+                return GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
+                                 error=f"engine rejected the request: {e}")
+
+        def collect() -> list[GenResult]:
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
+                raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
+            return [GenResult(out.request_id, prompt_tokens=len(out.prompt_token_ids or []),
+                              cached_prompt_tokens=out.num_cached_tokens or 0,
+                              embedding=out.outputs.data.float().tolist())
+                    for out in outputs if out.finished]
 
         max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
         self._watch = _wake_reader_on_engine_death(engine.engine_core)
