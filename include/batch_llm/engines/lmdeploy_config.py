@@ -23,6 +23,7 @@ enable_prefix_caching      enable_prefix_caching                  enable_prefix_
 cpu_kv_cache_gib           refused unless the default (vLLM's CPU backend only)
 batch_size                 refused unless the default (the transformers engine only)
 speculative                refused when set (vLLM's n-gram speculative decoding only)
+compile_cache              refused when set (vLLM's compilation cache only: config.py refuses it)
 =========================  =====================================  =========================================
 
 The other keys (``commit_every_*``, ``progress_every_seconds``, ``max_error_rate``, ``dedupe_prompts``,
