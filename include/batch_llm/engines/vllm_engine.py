@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from batch_llm.engines.base import (
     Engine,
@@ -150,39 +151,17 @@ class VllmEngine(Engine):
                     structured_outputs=StructuredOutputsParams(json=guided) if guided is not None else None)
             return p
 
-        engine = self.llm.llm_engine
         lora = self._lora_request()
-
         top_k: dict[str, int] = {}  # request id -> the logprobs it asked for (the result does not say)
 
-        def submit(req: GenRequest) -> GenResult | None:
-            try:
-                params = params_for(req)
-                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params,
-                                   lora_request=lora)
-                if params.logprobs is not None:
-                    top_k[req.key] = params.logprobs
-                return None
-            except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
-                if not is_request_refusal(e, engine_dead=_engine_dead(engine)):
-                    raise EngineFailed(f"vLLM failed while taking requests: {_exception_text(e)}") from e
-                return GenResult(req.key, prompt_tokens=len(req.prompt_token_ids),
-                                 error=f"engine rejected the request: {e}")
+        def add(engine, req: GenRequest) -> None:
+            params = params_for(req)
+            engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params,
+                               lora_request=lora)
+            if params.logprobs is not None:
+                top_k[req.key] = params.logprobs
 
-        def collect() -> list[GenResult]:
-            try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
-                raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
-            return [gen_result(out, top_k.pop(out.request_id, None)) for out in outputs if out.finished]
-
-        max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
-        self._watch = _wake_reader_on_engine_death(engine.engine_core)
-        try:
-            yield from stream_requests(requests, window=max(4 * max_seqs, 512), submit=submit, collect=collect)
-        finally:
-            if self._watch is not None:
-                self._watch.set()
+        yield from self._stream(requests, add, lambda out: gen_result(out, top_k.pop(out.request_id, None)))
 
     def _embed(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         """engine.task embed: the requests streamed through the pooling runner as generate streams them; one
@@ -190,12 +169,28 @@ class VllmEngine(Engine):
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        engine = self.llm.llm_engine
         params = PoolingParams(task="embed", use_activation=self.cfg.embed.normalize)
+
+        def add(engine, req: GenRequest) -> None:
+            engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params.clone())
+
+        def result(out) -> GenResult:
+            return GenResult(out.request_id, prompt_tokens=len(out.prompt_token_ids or []),
+                             cached_prompt_tokens=out.num_cached_tokens or 0,
+                             embedding=out.outputs.data.float().tolist())
+
+        yield from self._stream(requests, add, result)
+
+    def _stream(self, requests: Iterable[GenRequest], add: Callable[[Any, GenRequest], None],
+                result: Callable[[Any], GenResult]) -> Iterator[GenResult]:
+        """Streams requests through vLLM's engine, a window ahead of what it finished: ``add(engine, req)``
+        submits one, ``result(output)`` turns a finished output into its GenResult. A request vLLM refuses
+        becomes that row's error; any other failure is the engine's (EngineFailed, the shard stops)."""
+        engine = self.llm.llm_engine
 
         def submit(req: GenRequest) -> GenResult | None:
             try:
-                engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params.clone())
+                add(engine, req)
                 return None
             except Exception as e:  # noqa: BLE001 - classified: the request's fault, or the engine's
                 if not is_request_refusal(e, engine_dead=_engine_dead(engine)):
@@ -208,10 +203,7 @@ class VllmEngine(Engine):
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - a step fails for the whole engine, never for one row
                 raise EngineFailed(f"vLLM's engine failed mid-shard: {_exception_text(e)}") from e
-            return [GenResult(out.request_id, prompt_tokens=len(out.prompt_token_ids or []),
-                              cached_prompt_tokens=out.num_cached_tokens or 0,
-                              embedding=out.outputs.data.float().tolist())
-                    for out in outputs if out.finished]
+            return [result(out) for out in outputs if out.finished]
 
         max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
         self._watch = _wake_reader_on_engine_death(engine.engine_core)
