@@ -149,11 +149,14 @@ class BatchInferenceOperator(PipelineStageOperator):
         cfg, layout = self.resolve(context)
         env = {}
         gpus = visible_gpus()
+        lease_wait = 0.0
         if gpus:
+            t0 = time.monotonic()
             self._lease = GpuLease.acquire(cfg.engine.tensor_parallel_size, gpus=gpus,
                                            holder=f"{context['ti'].dag_id}.{context['ti'].task_id}")
+            lease_wait = time.monotonic() - t0
             env["CUDA_VISIBLE_DEVICES"] = self._lease.cuda_visible_devices
-            self.log.info("leased GPU(s) %s", self._lease.cuda_visible_devices)
+            self.log.info("leased GPU(s) %s after %.1fs", self._lease.cuda_visible_devices, lease_wait)
         spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": self.model,
                 "shard": self.shard}
         try:
@@ -172,7 +175,7 @@ class BatchInferenceOperator(PipelineStageOperator):
             if self._lease:
                 self._lease.release()
                 self._lease = None
-        emit_shard_metrics(cfg.name, manifest)
+        emit_shard_metrics(cfg.name, manifest, gpu_lease_wait_seconds=lease_wait)
         return {"shard": manifest["shard"], "outputs": manifest["outputs"], "errors": manifest["errors"],
                 "metrics": manifest["metrics"], "engine": manifest.get("engine", {}).get("kind")}
 
@@ -185,15 +188,22 @@ class BatchInferenceOperator(PipelineStageOperator):
             self._lease.release()
 
 
-def emit_shard_metrics(pipeline: str, manifest: dict) -> None:
-    """StatsD / OpenTelemetry metrics through Airflow's own Stats (configured by [metrics])."""
+#: What emit_shard_metrics sends as ``batch_llm.shard.<name>`` (docker/observability maps them to Prometheus).
+SHARD_COUNTERS = ("rows", "errors", "input_tokens", "output_tokens", "cached_rows")
+SHARD_GAUGES = ("output_tokens_per_second", "engine_start_seconds", "generate_seconds", "seconds",
+                "gpu_lease_wait_seconds")
+
+
+def emit_shard_metrics(pipeline: str, manifest: dict, *, gpu_lease_wait_seconds: float = 0.0) -> None:
+    """StatsD / OpenTelemetry metrics through Airflow's own Stats (configured by [metrics]), tagged with the
+    pipeline and the shard: the shard's counts and timings, and how long it waited for its GPUs."""
     from airflow.sdk.observability.stats import Stats
 
-    m = manifest["metrics"]
+    m = {**manifest["metrics"], "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
     tags = {"pipeline": pipeline, "shard": str(manifest["shard"])}
-    for name in ("rows", "errors", "input_tokens", "output_tokens", "cached_rows"):
+    for name in SHARD_COUNTERS:
         Stats.incr(f"batch_llm.shard.{name}", m.get(name, 0), tags=tags)
-    for name in ("output_tokens_per_second", "engine_start_seconds", "generate_seconds", "seconds"):
+    for name in SHARD_GAUGES:
         Stats.gauge(f"batch_llm.shard.{name}", m.get(name, 0.0), tags=tags)
 
 
