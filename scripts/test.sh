@@ -9,6 +9,16 @@ cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -p no:cacheprovider --durations=20 "$@"
 fi
-.venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py; ui=$?
-.venv/bin/python -m pytest -p no:cacheprovider --durations=20 --ignore=tests/system/test_ui_browser.py; rest=$?
+# TEST_ALL=1 (make test-all) adds the two service-heavy modules that `make test` (and so .ci/run) leaves out to
+# stay inside CI's 90 minutes on a 2-core machine: the browser UI test (~3 min) and the CeleryExecutor fault tests
+# (Redis, PostgreSQL, a scheduler and workers killed; ~12 min). Both passed in the last clean-clone run.
+CELERY=tests/system/test_celery_executor.py
+ui=0
+if [ "${TEST_ALL:-0}" = 1 ]; then
+  .venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py; ui=$?
+  skip=(--ignore=tests/system/test_ui_browser.py)
+else
+  skip=(--ignore=tests/system/test_ui_browser.py --ignore="$CELERY")
+fi
+.venv/bin/python -m pytest -p no:cacheprovider --durations=20 "${skip[@]}"; rest=$?
 [ $ui -eq 0 ] && [ $rest -eq 0 ]
