@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
-from batch_llm.manifests import PlanManifest, QuantizeManifest
+from batch_llm.manifests import PlanManifest, QuantizeManifest, ShardManifest
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 
@@ -218,7 +218,7 @@ def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[Q
     return model, plan
 
 
-def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Reporter) -> dict:
+def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Reporter) -> ShardManifest:
     from batch_llm import stages
 
     rep.begin(f"shard {shard.index}", shard.rows)
@@ -271,10 +271,10 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
                   f"(0..{len(by_index) - 1}); no shard {args.shard}", file=sys.stderr)
             return 1
         m = _shard(cfg, layout, model, by_index[args.shard], rep)
-    mm = m["metrics"]
-    print(f"shard {m['shard']}: {mm['ok']} ok, {mm['errors']} errors, {mm['output_tokens']} output tokens, "
-          f"{mm.get('output_tokens_per_second', 0)} tok/s")
-    print(f"  outputs: {m['outputs']}")
+    mm = m.metrics
+    print(f"shard {m.shard}: {mm.ok} ok, {mm.errors} errors, {mm.output_tokens} output tokens, "
+          f"{mm.output_tokens_per_second} tok/s")
+    print(f"  outputs: {m.outputs}")
     print(f"  finish the run with: {_finish_command(args, layout.run_id, ds)}")
     return 0
 

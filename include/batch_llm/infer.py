@@ -35,20 +35,18 @@ from typing import NamedTuple
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
 from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
+from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
 from batch_llm.output_schema import OutputSchema
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
 from batch_llm.row_params import RowParams, resolve
 from batch_llm.shard_merge import committed_ids, finish_shard
 from batch_llm.storage import (
     Location,
-    exists,
     iter_jsonl,
     json_bytes,
     list_files,
     peak_rss_mb,
-    read_manifest,
     write_jsonl,
-    write_manifest,
 )
 from batch_llm.timeline import Timeline
 
@@ -269,15 +267,15 @@ class _EngineStarter(threading.Thread):
 class ShardRun:
     """One shard, run to completion or resumed; ``run()`` returns its manifest.
 
-    ``shard`` is the planner's entry: ``{"index", "rows": N, "url": <rows.jsonl>}``. ``started`` carries the
+    ``shard`` is the planner's entry (``ShardSpec``: index, rows, the shard file's url). ``started`` carries the
     worker's own clock (``spawned_at``, ``worker_started_at``, epoch seconds) for the timeline."""
 
-    def __init__(self, cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
+    def __init__(self, cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
                  started: dict | None = None, lora_dir: str | None = None):
         self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
         self.model_dir, self.model_key, self.lora_dir = model_dir, model_key, lora_dir
-        self.shard_path = Location(shard["url"], shard_dir.options).path()
+        self.shard_path = Location(shard.url, shard_dir.options).path()
         self.chunks_dir = shard_dir.child("chunks")
         self.timeline = Timeline()
         self._record_start(started or {})
@@ -317,19 +315,16 @@ class ShardRun:
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
     # ---------------------------------------------------------------------------------- the steps
-    def run(self) -> dict:
+    def run(self) -> ShardManifest:
         t_start = time.perf_counter()
-        mpath = self.shard_dir.path() / "manifest.json"
-        if exists(mpath):
-            manifest = read_manifest(mpath)
-            self.say(f"shard {self.shard['index']} already committed: {manifest['metrics']['rows']} rows; "
-                     "nothing to do")
+        if manifest := ShardManifest.read_if_done(self.shard_dir.path()):
+            self.say(f"shard {self.shard.index} already committed: {manifest.metrics.rows} rows; nothing to do")
             check_error_rate(self.cfg, manifest)
             return manifest
         self.timeline.begin("read")
         done = committed_ids(self.chunks_dir)
         if done:
-            self.say(f"resuming shard {self.shard['index']}: {len(done)} rows already committed")
+            self.say(f"resuming shard {self.shard.index}: {len(done)} rows already committed")
         self.progress = _Progress(total=0, say=self.say, every=self.cfg.engine.progress_every_seconds)
         self._read_requests(done)
         self.progress.total, self.progress.done = self.n_rows, len(done)
@@ -537,39 +532,42 @@ class ShardRun:
         self.last_commit = time.perf_counter()
         checkpoint("after_commit")
 
-    def _finish(self, t_start: float) -> dict:
+    def _finish(self, t_start: float) -> ShardManifest:
         self.timeline.begin("merge")
-        manifest = finish_shard(self.shard, self.shard_dir, self.chunks_dir, self.shard_path, self.n_rows)
+        manifest = finish_shard(self.shard.index, self.shard_dir, self.chunks_dir, self.shard_path, self.n_rows)
         self.timeline.end("merge")
         self.timeline.begin("commit")
         if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
             table = self.cache.write_table({k: r[k] for k in ("key", "output", "finish_reason", "prompt_tokens",
                                                               "completion_tokens", *RESULT_FIELDS) if k in r}
-                                           for r in iter_jsonl(Location(manifest["outputs"], self.shard_dir.options).path())
+                                           for r in iter_jsonl(Location(manifest.outputs, self.shard_dir.options).path())
                                            if not r["cached"] and r.get("key"))
             self.say(f"cache: wrote {table}")
-        info, m = self.info, manifest["metrics"]
-        m.update(engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
-                 generate_seconds=round(self.gen_seconds, 2), cached_rows=self.n_cached,
-                 seconds=round(time.perf_counter() - t_start, 2), output_tokens_this_attempt=self.gen_tokens,
-                 output_tokens_per_second=round(self.gen_tokens / self.gen_seconds, 1) if self.gen_seconds else 0.0,
-                 unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb(), outputs_asked_again=self.n_retried)
-        manifest["cache_lookup"] = self.lookup.stats if self.lookup is not None else None
-        manifest["engine"] = {"kind": self.cfg.engine.kind, "version": info.version if info else None,
-                              "settings": info.settings if info else {}, "attempts": info.attempts if info else []}
+        info = self.info
+        manifest.metrics = manifest.metrics.model_copy(update=dict(
+            engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
+            generate_seconds=round(self.gen_seconds, 2), cached_rows=self.n_cached,
+            seconds=round(time.perf_counter() - t_start, 2), output_tokens_this_attempt=self.gen_tokens,
+            output_tokens_per_second=round(self.gen_tokens / self.gen_seconds, 1) if self.gen_seconds else 0.0,
+            unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb(), outputs_asked_again=self.n_retried))
+        manifest.cache_lookup = self.lookup.stats if self.lookup is not None else None
+        manifest.engine = EngineRecord(kind=self.cfg.engine.kind, version=info.version if info else None,
+                                       settings=info.settings if info else {}, attempts=info.attempts if info else [])
         self.timeline.end("commit")
-        manifest["phases"] = self.timeline.to_list()  # the manifest write itself is the last few ms of commit
+        # the manifest write itself is the last few ms of commit
+        manifest.phases = [Phase(**p) for p in self.timeline.to_list()]
         checkpoint("before_manifest")
-        write_manifest(self.shard_dir.path(), manifest)
-        self.say(f"shard {self.shard['index']} done: {m['rows']} rows, {m['errors']} errors, "
-                 f"{m['output_tokens']} output tokens, {m['output_tokens_per_second']} tok/s")
+        manifest.write(self.shard_dir.path())
+        m = manifest.metrics
+        self.say(f"shard {self.shard.index} done: {m.rows} rows, {m.errors} errors, "
+                 f"{m.output_tokens} output tokens, {m.output_tokens_per_second} tok/s")
         check_error_rate(self.cfg, manifest)
         return manifest
 
 
-def run_shard(cfg: PipelineConfig, *, shard: dict, shard_dir: Location, model_dir: str, model_key: str,
+def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
               cache_root: Location | None = None, say: Callable[[str], None] = print,
-              started: dict | None = None, lora_dir: str | None = None) -> dict:
+              started: dict | None = None, lora_dir: str | None = None) -> ShardManifest:
     """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``); ``lora_dir``:
     a LoRA adapter the engine serves on every request."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
@@ -583,14 +581,13 @@ def sampling_identity(s: SamplingConfig) -> dict:
     return s.model_dump(exclude=exclude)
 
 
-def check_error_rate(cfg: PipelineConfig, manifest: dict) -> None:
-    m = manifest["metrics"]
-    failed = m["errors"] - m.get("invalid_outputs", 0)  # an answer that does not fit the schema is a row outcome
-    rate = failed / m["rows"] if m["rows"] else 0.0
+def check_error_rate(cfg: PipelineConfig, manifest: ShardManifest) -> None:
+    m = manifest.metrics
+    rate = m.failed / m.rows if m.rows else 0.0
     if rate > cfg.engine.max_error_rate:
-        raise ShardFailed(f"shard {manifest['shard']}: {failed} of {m['rows']} rows failed "
+        raise ShardFailed(f"shard {manifest.shard}: {m.failed} of {m.rows} rows failed "
                           f"({rate:.0%} > engine.max_error_rate {cfg.engine.max_error_rate:.0%}); "
-                          f"reasons are in {manifest['errors']}")
+                          f"reasons are in {manifest.errors}")
 
 
 _check_error_rate = check_error_rate

@@ -131,6 +131,101 @@ class ShardSpec(Manifest):
     url: str
 
 
+class ShardMetrics(BaseModel):
+    """A shard's counts and timings. Row counts cover every attempt's committed rows; ``*_this_attempt`` and
+    the timings are the attempt that committed the manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rows: int
+    ok: int = 0
+    errors: int = 0
+    invalid_outputs: int = 0           # answers that do not fit sampling.output_schema (row outcomes)
+    invalid_output_tokens: int = 0     # tokens generated for them
+    input_tokens: int = 0
+    cached_prompt_tokens: int = 0      # prompt tokens served from the engine's prefix cache
+    output_tokens: int = 0             # completion tokens of the usable rows
+    chunks: int = 0
+    engine_start_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    cached_rows: int = 0               # served from the result cache, not generated
+    seconds: float = 0.0
+    output_tokens_this_attempt: int = 0
+    output_tokens_per_second: float = 0.0
+    unique_prompts: int = 0
+    peak_rss_mb: float = 0.0
+    outputs_asked_again: int = 0       # sampling.output_retries re-asks
+
+    @property
+    def failed(self) -> int:
+        """Rows that failed (an answer that does not fit the schema is a row outcome, not a failure)."""
+        return self.errors - self.invalid_outputs
+
+
+class EngineRecord(BaseModel):
+    """The engine a shard ran: its kind and version, the settings it started with, each start attempt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    version: str | None = None
+    settings: dict[str, Any] = Field(default_factory=dict)
+    attempts: list[dict[str, Any]] = Field(default_factory=list, description="memory back-off: one per start")
+
+
+class Phase(BaseModel):
+    """One interval of a shard's timeline (``timeline.PHASES``), seconds since the epoch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    start: float
+    end: float
+
+
+class ShardResult(BaseModel):
+    """What a shard task hands on through XCom: where its files are and its counts (small, whatever the
+    shard's size)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shard: int
+    outputs: str
+    errors: str
+    metrics: ShardMetrics
+    engine: str | None = None          # the engine's kind
+
+    @classmethod
+    def of(cls, shard: "ShardResult | ShardManifest | dict") -> "ShardResult":
+        """The hand-off from a manifest, or from either one's JSON form (an XCom value)."""
+        if isinstance(shard, ShardResult):
+            return shard
+        if isinstance(shard, dict):
+            shard = ShardManifest.model_validate(shard) if "stage" in shard else cls.model_validate(shard)
+            if isinstance(shard, ShardResult):
+                return shard
+        return shard.result()
+
+
+class ShardManifest(Manifest):
+    """One committed shard: its merged files, their checksum, counts, the engine and the phases."""
+
+    stage: Literal["infer"] = "infer"
+    shard: int
+    status: Literal["ok"] = "ok"
+    outputs: str                       # outputs.jsonl: the usable rows, in input order
+    errors: str                        # errors.jsonl: rows with a reason (invalid outputs included)
+    metrics: ShardMetrics
+    checksum: str                      # of the ids in input order
+    cache_lookup: dict[str, Any] | None = None
+    engine: EngineRecord | None = None
+    phases: list[Phase] = Field(default_factory=list)
+
+    def result(self) -> ShardResult:
+        return ShardResult(shard=self.shard, outputs=self.outputs, errors=self.errors, metrics=self.metrics,
+                           engine=self.engine.kind if self.engine else None)
+
+
 class PlanManifest(Manifest):
     stage: Literal["plan"] = "plan"
     input: str
@@ -206,11 +301,11 @@ class TokenUsage(BaseModel):
     completion_tokens: int = 0
 
     @classmethod
-    def of_shards(cls, shard_manifests: list[dict]) -> "TokenUsage":
-        metrics = [s.get("metrics") or {} for s in shard_manifests if isinstance(s, dict)]
-        return cls(prompt_tokens=sum(m.get("input_tokens", 0) for m in metrics),
-                   cached_prompt_tokens=sum(m.get("cached_prompt_tokens", 0) for m in metrics),
-                   completion_tokens=sum(m.get("output_tokens", 0) for m in metrics))
+    def of_shards(cls, shards: "list[ShardManifest | ShardResult]") -> "TokenUsage":
+        metrics = [s.metrics for s in shards]
+        return cls(prompt_tokens=sum(m.input_tokens for m in metrics),
+                   cached_prompt_tokens=sum(m.cached_prompt_tokens for m in metrics),
+                   completion_tokens=sum(m.output_tokens for m in metrics))
 
 
 class PublishManifest(Manifest):

@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from batch_llm.manifests import ShardManifest, ShardMetrics
 from batch_llm.storage import Location, atomic_writer, iter_jsonl, json_bytes, list_files, write_jsonl
 
 
@@ -44,39 +45,36 @@ def _merged_rows(files: list, tmp_dir: str) -> Iterator[dict]:
         last = r["id"]
 
 
-def finish_shard(shard: dict, shard_dir: Location, chunks_dir: Location, shard_path, n_rows: int) -> dict:
+def finish_shard(index: int, shard_dir: Location, chunks_dir: Location, shard_path, n_rows: int) -> ShardManifest:
     """Merges committed chunks into outputs.jsonl / errors.jsonl: one row per id, in input order, streamed
-    (a worker's memory does not grow with the shard)."""
+    (a worker's memory does not grow with the shard). The manifest it returns has the row counts; the
+    caller adds the attempt's timings, the engine and the phases."""
     chunk_files = list_files(chunks_dir.path(), ".jsonl")
-    m = {"rows": n_rows, "ok": 0, "errors": 0, "invalid_outputs": 0, "invalid_output_tokens": 0, "input_tokens": 0,
-         "cached_prompt_tokens": 0, "output_tokens": 0, "chunks": len(chunk_files)}
+    m = ShardMetrics(rows=n_rows, chunks=len(chunk_files))
     digest = hashlib.sha256(b"[")  # sha256 of the JSON list of ids in input order, built as rows pass
     with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp, \
             atomic_writer(shard_dir.child("outputs.jsonl").path()) as ok, \
             atomic_writer(shard_dir.child("errors.jsonl").path()) as bad:
         for r in _merged_rows(chunk_files, tmp):
-            digest.update(((", " if m["ok"] + m["errors"] else "") + json.dumps(r["id"])).encode())
-            m["input_tokens"] += r["prompt_tokens"]
-            m["cached_prompt_tokens"] += r.get("cached_prompt_tokens", 0)  # rows committed before it was recorded: 0
+            digest.update(((", " if m.ok + m.errors else "") + json.dumps(r["id"])).encode())
+            m.input_tokens += r["prompt_tokens"]
+            m.cached_prompt_tokens += r.get("cached_prompt_tokens", 0)  # rows committed before it was recorded: 0
             line = json_bytes(r) + b"\n"
             if r["error"]:
-                m["errors"] += 1
+                m.errors += 1
                 if r.get("error_kind") == "invalid_output":  # generated, though not usable
-                    m["invalid_outputs"] += 1
-                    m["invalid_output_tokens"] += r["completion_tokens"]
+                    m.invalid_outputs += 1
+                    m.invalid_output_tokens += r["completion_tokens"]
                 bad.write(line)
             else:
-                m["ok"] += 1
-                m["output_tokens"] += r["completion_tokens"]
+                m.ok += 1
+                m.output_tokens += r["completion_tokens"]
                 ok.write(line)
-        if m["ok"] + m["errors"] != n_rows:
+        if m.ok + m.errors != n_rows:
             committed = committed_ids(chunks_dir)
             missing = [r["id"] for r in iter_jsonl(shard_path) if r["id"] not in committed]
-            raise RuntimeError(f"shard {shard['index']}: {len(missing)} rows have no committed result "
+            raise RuntimeError(f"shard {index}: {len(missing)} rows have no committed result "
                                f"(first: {missing[:3]}); the engine dropped requests")
     digest.update(b"]")
-    return {
-        "stage": "infer", "shard": shard["index"], "status": "ok",
-        "outputs": shard_dir.child("outputs.jsonl").url, "errors": shard_dir.child("errors.jsonl").url,
-        "metrics": m, "checksum": digest.hexdigest()[:16],
-    }
+    return ShardManifest(shard=index, outputs=shard_dir.child("outputs.jsonl").url,
+                         errors=shard_dir.child("errors.jsonl").url, metrics=m, checksum=digest.hexdigest()[:16])

@@ -47,6 +47,8 @@ from batch_llm.manifests import (
     PlanManifest,
     PublishManifest,
     QuantizeManifest,
+    ShardManifest,
+    ShardResult,
     ShardSpec,
     TokenUsage,
 )
@@ -60,7 +62,6 @@ from batch_llm.storage import (
     list_files,
     peak_rss_mb,
     read_json,
-    read_manifest,
     remove_tree,
     write_bytes_atomic,
     write_json,
@@ -129,9 +130,11 @@ def read_manifest_at(layout: RunLayout, stage: str):
     return STAGE_MANIFESTS[stage].read(layout.stage(stage).path())
 
 
-def shard_manifests(layout: RunLayout) -> list[dict]:
+def shard_manifests(layout: RunLayout) -> list[ShardManifest]:
+    """Every shard this run committed, by index (the publish task reads them from storage, not XCom)."""
     infer_dir = layout.stage("infer").path()
-    return [read_manifest(d) for d in list_files(infer_dir) if exists(d / "manifest.json")]
+    found = (ShardManifest.read_if_done(d) for d in list_files(infer_dir))
+    return sorted((m for m in found if m is not None), key=lambda m: m.shard)
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -172,29 +175,32 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
 
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                 shard: ShardSpec | dict,
-                say: Callable[[str], None] = print, started: dict | None = None) -> dict:
+                say: Callable[[str], None] = print, started: dict | None = None) -> ShardManifest:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
     own start times as ``started``)."""
     from batch_llm.infer import run_shard
 
-    shard = ShardSpec.model_validate(shard).model_dump()
+    shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
-    return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard['index']:05d}"),
+    return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard.index:05d}"),
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started)
 
 
-def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, shards: list[dict]) -> FilterManifest:
+def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
+                   shards: list[ShardResult | ShardManifest | dict]) -> FilterManifest:
     """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
     ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size."""
     out_dir = layout.stage("filter")
     if m := FilterManifest.read_if_done(out_dir.path()):
         return m
     opts = layout.output_root.options
+    results = [ShardResult.of(s) for s in shards]
 
     def merged(key: str) -> Iterator[dict]:
         # Each shard's files are in input order: a streamed merge puts the run in input order.
-        return heapq.merge(*(iter_jsonl(Location(s[key], opts).path()) for s in shards), key=lambda r: r["idx"])
+        return heapq.merge(*(iter_jsonl(Location(getattr(s, key), opts).path()) for s in results),
+                           key=lambda r: r["idx"])
 
     skipped = "task embed" if cfg.engine.task == "embed" else None  # vectors have no words to filter
     if cfg.filter.enabled and skipped is None:
@@ -315,10 +321,9 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                "config": cfg.model_dump(mode="json"),
                "manifests": {"plan": plan.model_dump(mode="json"), "filter": filtered.model_dump(mode="json"),
                              "evaluate": scores.model_dump(mode="json"),
-                             **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v
-                                for k, v in (extra_manifests or {}).items()}},
+                             **{k: _as_json(v) for k, v in (extra_manifests or {}).items()}},
                "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
-    usage = TokenUsage.of_shards((extra_manifests or {}).get("infer") or [])
+    usage = TokenUsage.of_shards([ShardResult.of(s) for s in (extra_manifests or {}).get("infer") or []])
     summary["usage"] = usage.model_dump()
     summary["report"] = version.child("report.html").url
     write_json(version.child("summary.json").path(), summary)
@@ -339,6 +344,13 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                         seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(out_dir.path())
     return m
+
+
+def _as_json(value):
+    """A manifest (or a list of them) as the summary stores it."""
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dict) -> list | None:

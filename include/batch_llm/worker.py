@@ -197,7 +197,7 @@ def main() -> int:
         traceback.print_exc(file=sys.stdout)
         print(f"WORKER_ERROR {type(e).__name__}: {e}", flush=True)
         return EXIT_ERROR
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    print(RESULT_PREFIX + result.model_dump_json(), flush=True)
     return 0
 
 

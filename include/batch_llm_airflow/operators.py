@@ -16,6 +16,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import stages
 from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.manifests import ShardManifest, ShardSpec
 from batch_llm.stages import RunLayout
 
 from batch_llm_airflow.params import overrides_from_params
@@ -147,6 +148,7 @@ class BatchInferenceOperator(PipelineStageOperator):
         from batch_llm.worker import WorkerFailed, WorkerHandle
 
         cfg, layout = self.resolve(context)
+        shard = ShardSpec.model_validate(self.shard)
         env = {}
         gpus = visible_gpus()
         lease_wait = 0.0
@@ -163,21 +165,20 @@ class BatchInferenceOperator(PipelineStageOperator):
             self._handle = WorkerHandle.start(spec, python=cfg.engine.python or sys.executable, env=env)
             if self._lease:
                 self._lease.record_worker(self._handle.pid)
-            self.log.info("shard %s (%s rows): worker pid %s", self.shard["index"], self.shard["rows"],
+            self.log.info("shard %s (%s rows): worker pid %s", shard.index, shard.rows,
                           self._handle.pid)
             try:
-                manifest = self._handle.wait(on_line=self.log.info)
+                manifest = ShardManifest.model_validate(self._handle.wait(on_line=self.log.info))
             except WorkerFailed as e:
                 if not e.retryable:
                     raise AirflowFailException(str(e)) from None
-                raise RuntimeError(f"shard {self.shard['index']} worker failed (exit {e.returncode}): {e}") from None
+                raise RuntimeError(f"shard {shard.index} worker failed (exit {e.returncode}): {e}") from None
         finally:
             if self._lease:
                 self._lease.release()
                 self._lease = None
         emit_shard_metrics(cfg.name, manifest, gpu_lease_wait_seconds=lease_wait)
-        return {"shard": manifest["shard"], "outputs": manifest["outputs"], "errors": manifest["errors"],
-                "metrics": manifest["metrics"], "engine": manifest.get("engine", {}).get("kind")}
+        return manifest.result().model_dump(mode="json")  # XCom: files and counts, not the phases or settings
 
     def on_kill(self) -> None:
         t0 = time.monotonic()
@@ -194,17 +195,17 @@ SHARD_GAUGES = ("output_tokens_per_second", "engine_start_seconds", "generate_se
                 "gpu_lease_wait_seconds")
 
 
-def emit_shard_metrics(pipeline: str, manifest: dict, *, gpu_lease_wait_seconds: float = 0.0) -> None:
+def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait_seconds: float = 0.0) -> None:
     """StatsD / OpenTelemetry metrics through Airflow's own Stats (configured by [metrics]), tagged with the
     pipeline and the shard: the shard's counts and timings, and how long it waited for its GPUs."""
     from airflow.sdk.observability.stats import Stats
 
-    m = {**manifest["metrics"], "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
-    tags = {"pipeline": pipeline, "shard": str(manifest["shard"])}
+    m = {**manifest.metrics.model_dump(), "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
+    tags = {"pipeline": pipeline, "shard": str(manifest.shard)}
     for name in SHARD_COUNTERS:
-        Stats.incr(f"batch_llm.shard.{name}", m.get(name, 0), tags=tags)
+        Stats.incr(f"batch_llm.shard.{name}", m[name], tags=tags)
     for name in SHARD_GAUGES:
-        Stats.gauge(f"batch_llm.shard.{name}", m.get(name, 0.0), tags=tags)
+        Stats.gauge(f"batch_llm.shard.{name}", m[name], tags=tags)
 
 
 class ContentFilterOperator(PipelineStageOperator):

@@ -72,4 +72,4 @@ def test_shard_turns_long_prompt_into_error_row_and_completes_the_rest(planned):
     # A retry with a tolerant threshold takes the committed shard as is: no engine start, same rows.
     tolerant = cfg.with_overrides({"engine.max_error_rate": 0.5})
     m = stages.infer_shard(tolerant, layout, model, plan.shards[0])
-    assert m["metrics"]["ok"] == 4 and m["metrics"]["errors"] == 1
+    assert m.metrics.ok == 4 and m.metrics.errors == 1

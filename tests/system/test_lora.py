@@ -59,9 +59,9 @@ def _run(tmp: Path, base: Path, run: str, **over) -> tuple[dict[str, str], objec
     model = stages.quantize(cfg, layout, fetched)
     plan = stages.plan_shards(cfg, layout)
     shard = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
-    rows = {r["id"]: r["output"] for r in iter_jsonl(Path(shard["outputs"]))}
+    rows = {r["id"]: r["output"] for r in iter_jsonl(Path(shard.outputs))}
     assert len(rows) == len(PROMPTS) and all(isinstance(v, str) for v in rows.values()), rows
-    return rows, fetched, shard["engine"]["settings"]
+    return rows, fetched, shard.engine.settings
 
 
 def test_served_and_merged_agree_and_differ_from_base(tmp_path, base_and_adapter):

@@ -14,4 +14,4 @@ def test_changed_sampling_misses_on_a_real_engine(tmp_path, demo_model_dir):
         model = stages.fetch(cfg, layout)
         plan = stages.plan_shards(cfg, layout)
         m = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
-        assert m["metrics"]["cached_rows"] == expect_cached, run
+        assert m.metrics.cached_rows == expect_cached, run

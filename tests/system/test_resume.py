@@ -122,20 +122,21 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     chunks.append([rows[42]])  # committed twice
     for n, chunk in enumerate(chunks):
         write_jsonl(shard_dir.child("chunks").child(f"chunk-{n:05d}.jsonl").path(), chunk)
-    m = infer._finish_shard({"index": 0}, shard_dir, shard_dir.child("chunks"), Location(str(shard_file)).path(),
+    m = infer._finish_shard(0, shard_dir, shard_dir.child("chunks"), Location(str(shard_file)).path(),
                             100)
     ok = list(iter_jsonl(shard_dir.child("outputs.jsonl").path()))
     bad = list(iter_jsonl(shard_dir.child("errors.jsonl").path()))
     assert [r["id"] for r in ok] == [r["id"] for r in rows if not r["error"]]
     assert [r["id"] for r in bad] == [r["id"] for r in rows if r["error"]]
-    assert m["metrics"] | {"chunks": 0} == {"rows": 100, "ok": 88, "errors": 12, "invalid_outputs": 0,
-                                            "invalid_output_tokens": 0, "input_tokens": 300, "cached_prompt_tokens": 0,
-                                            "output_tokens": 176, "chunks": 0}
+    assert m.metrics.model_dump(include={"rows", "ok", "errors", "invalid_outputs", "invalid_output_tokens",
+                                         "input_tokens", "cached_prompt_tokens", "output_tokens"}) == {
+        "rows": 100, "ok": 88, "errors": 12, "invalid_outputs": 0, "invalid_output_tokens": 0, "input_tokens": 300,
+        "cached_prompt_tokens": 0, "output_tokens": 176}
 
     for f in list_files(shard_dir.child("chunks").path(), ".jsonl"):
         if any(r["id"] == "r55" for r in iter_jsonl(f)):
             write_jsonl(f, [r for r in iter_jsonl(f) if r["id"] != "r55"])
     other = Location(str(tmp_path / "other"))
     with pytest.raises(RuntimeError, match=r"1 rows have no committed result \(first: \['r55'\]\)"):
-        infer._finish_shard({"index": 0}, other, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
+        infer._finish_shard(0, other, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
     assert not (tmp_path / "other" / "outputs.jsonl").exists(), "a failed merge must not publish a partial file"

@@ -61,8 +61,8 @@ def test_transformers_shard_runs_a_custom_code_model_only_when_trusted(tmp_path,
     with pytest.raises(EngineStartError, match="custom code"):
         run(False, "untrusted")
     m = run(True, "trusted")
-    assert m["metrics"]["ok"] == m["metrics"]["rows"] > 0
-    assert m["engine"]["settings"]["trust_remote_code"] is True
+    assert m.metrics.ok == m.metrics.rows > 0
+    assert m.engine.settings["trust_remote_code"] is True
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from batch_llm.config import ConfigError
 from batch_llm.infer import ShardRun
+from batch_llm.manifests import ShardSpec
 from batch_llm.storage import Location
 from helpers import demo_config
 
@@ -49,7 +50,7 @@ def test_embed_refuses_a_served_adapter(tmp_path):
 def _namespace(tmp_path, **overrides) -> str:
     shard = tmp_path / "rows.jsonl"
     shard.write_text("")
-    run = ShardRun(demo_config(tmp_path, **overrides), shard={"index": 0, "rows": 0, "url": str(shard)},
+    run = ShardRun(demo_config(tmp_path, **overrides), shard=ShardSpec(index=0, rows=0, url=str(shard)),
                    shard_dir=Location(str(tmp_path / "shard")), model_dir=str(tmp_path), model_key="m@main#abc",
                    cache_root=Location(str(tmp_path / "cache")))
     return run.cache.dir.url.rsplit("/", 1)[-1]

@@ -98,8 +98,9 @@ def test_shard_sizes():
 
 
 def test_run_token_usage_sums_the_shards():
-    from batch_llm.manifests import TokenUsage
+    from batch_llm.manifests import ShardMetrics, ShardResult, TokenUsage
 
-    shards = [{"metrics": {"input_tokens": 100, "cached_prompt_tokens": 64, "output_tokens": 20}},
-              {"metrics": {"input_tokens": 50, "output_tokens": 5}}]   # a manifest from before cached tokens
+    shards = [ShardResult(shard=i, outputs="o", errors="e", metrics=ShardMetrics(rows=9, **m)) for i, m in enumerate(
+        [{"input_tokens": 100, "cached_prompt_tokens": 64, "output_tokens": 20},
+         {"input_tokens": 50, "output_tokens": 5}])]   # an engine that does not report cached tokens
     assert TokenUsage.of_shards(shards) == TokenUsage(prompt_tokens=150, cached_prompt_tokens=64, completion_tokens=25)

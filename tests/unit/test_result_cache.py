@@ -90,14 +90,14 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
     assert not list(cache_dir.rglob("*.sst")), "no table before the shard ends"
     first = _EchoEngine.requests
     m = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
-    assert m["metrics"]["cached_rows"] == 0 and m["metrics"]["rows"] == 20
+    assert m.metrics.cached_rows == 0 and m.metrics.rows == 20
     assert 4 <= first < _EchoEngine.requests
     assert len(list(cache_dir.rglob("*.sst"))) == 1
     layout_b = stages.RunLayout.for_run(cfg, run_id="b", ds="2026-11-07")
     plan_b = stages.plan_shards(cfg, layout_b)
     before = _EchoEngine.requests
     m = stages.infer_shard(cfg, layout_b, stages.fetch(cfg, layout_b), plan_b.shards[0], say=lambda _: None)
-    assert m["metrics"]["cached_rows"] == 20 and _EchoEngine.requests == before
+    assert m.metrics.cached_rows == 20 and _EchoEngine.requests == before
     assert len(list(cache_dir.rglob("*.sst"))) == 1, "a fully cached shard writes no table"
 
 

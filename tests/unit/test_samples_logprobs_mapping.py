@@ -195,10 +195,10 @@ def test_committed_chunks_keep_the_sample_fields_through_the_merge(tmp_path):
     write_jsonl(chunks.child("chunk-00000-a.jsonl").path(), [row])
     shard_rows = tmp_path / "rows.jsonl"
     shard_rows.write_text(json.dumps({"id": "r1", "idx": 0}) + "\n")
-    m = finish_shard({"index": 0}, shard_dir, chunks, Location(str(shard_rows)).path(), 1)
-    (merged,) = iter_jsonl(Location(m["outputs"]).path())
+    m = finish_shard(0, shard_dir, chunks, Location(str(shard_rows)).path(), 1)
+    (merged,) = iter_jsonl(Location(m.outputs).path())
     assert {k: merged[k] for k in SAMPLE_FIELDS} == json.loads(json.dumps({k: row[k] for k in SAMPLE_FIELDS}))
-    assert m["metrics"]["output_tokens"] == 5  # every sample's tokens
+    assert m.metrics.output_tokens == 5  # every sample's tokens
 
 
 # ------------------------------------------------------------------------------------------ content filter

@@ -25,13 +25,14 @@ OBS = ROOT / "docker" / "observability"
 EMIT = """
 from airflow.sdk._shared.observability.metrics import stats
 from airflow.sdk.observability.metrics import stats_utils
+from batch_llm.manifests import ShardManifest
 from batch_llm_airflow.operators import emit_shard_metrics
 
 stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)  # as the task runner does
-emit_shard_metrics("demo", {"shard": 3, "metrics": {"rows": 10, "errors": 1, "input_tokens": 100,
-                   "output_tokens": 50, "cached_rows": 2, "output_tokens_per_second": 12.5,
-                   "engine_start_seconds": 40.1, "generate_seconds": 4.0, "seconds": 50.0}},
-                   gpu_lease_wait_seconds=7.25)
+emit_shard_metrics("demo", ShardManifest(shard=3, outputs="o", errors="e", checksum="c", metrics={
+                   "rows": 10, "errors": 1, "input_tokens": 100, "output_tokens": 50, "cached_rows": 2,
+                   "output_tokens_per_second": 12.5, "engine_start_seconds": 40.1, "generate_seconds": 4.0,
+                   "seconds": 50.0}), gpu_lease_wait_seconds=7.25)
 """
 
 
