@@ -8,12 +8,13 @@ as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / t
 wheels do not match torch 2.13 and which ms-swift's imports reach). Nothing here needs a hub: the model is
 the offline demo model (``python -m batch_llm.demo_model``), passed to swift as a local folder.
 
-The work, identical in every mode: N single-turn chat rows (``{"messages": [...]}``, every prompt unique),
-the model's chat template, greedy, at most ``--max-tokens`` new tokens, vLLM with ``enforce_eager`` and
-``max_model_len`` 2048, 2 GiB of CPU KV cache. batch-llm's run has one shard, no content filter, no
-EvalScope and no result cache (a repeat must generate again), so both sides do the same generation and
-write the same completions; what batch-llm adds on top (plan, manifests, merge, publish, run report) is on
-its clock.
+The work, identical in every mode: N single-turn chat rows (``{"messages": [...]}``, every prompt unique), the
+model's chat template, greedy, at most ``--max-tokens`` new tokens, vLLM with ``enforce_eager`` and
+``max_model_len`` 2048, 2 GiB of CPU KV cache, float32 weights on both sides (``--dtype``: the model's
+bfloat16 runs ~10x slower on a CPU without AVX-512, where 128 rows took ~12 min a mode). batch-llm's run has
+one shard, no content filter, no EvalScope and no result cache (a repeat must generate again), so both sides
+do the same generation and write the same completions; what batch-llm adds on top (plan, manifests, merge,
+publish, run report) is on its clock.
 
 The clock: process start → exit with the outputs on disk, measured by this driver around the child
 (``wall_s``); for batch-llm also the shard's engine start and generation phases from its manifest. Tokens
@@ -72,12 +73,12 @@ def chat_rows(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def pipeline_yaml(name: str, rows: Path, out: Path, max_tokens: int) -> str:
+def pipeline_yaml(name: str, rows: Path, out: Path, max_tokens: int, dtype: str) -> str:
     return f"""name: {name}
 model: {{ref: HuggingFaceTB/SmolLM2-135M-Instruct, revision: master}}
 input: {{path: {rows}}}
 sharding: {{num_shards: 1}}
-engine: {{kind: vllm, max_model_len: 2048, enforce_eager: true, cpu_kv_cache_gib: 2}}
+engine: {{kind: vllm, max_model_len: 2048, enforce_eager: true, cpu_kv_cache_gib: 2, dtype: {dtype}}}
 sampling: {{max_tokens: {max_tokens}, temperature: 0.0, seed: 0}}
 filter: {{enabled: false}}
 evaluate: {{enabled: false}}
@@ -90,8 +91,8 @@ airflow: {{schedule: null, retries: 0}}
 class Bench:
     """One work folder, the model, and a runner per mode; ``run(mode, i)`` times one fresh process."""
 
-    def __init__(self, work: Path, n_rows: int, max_tokens: int):
-        self.work, self.max_tokens = work, max_tokens
+    def __init__(self, work: Path, n_rows: int, max_tokens: int, dtype: str):
+        self.work, self.max_tokens, self.dtype = work, max_tokens, dtype
         self.model = subprocess.run([VENV / "python", "-m", "batch_llm.demo_model"], check=True,
                                     capture_output=True, text=True).stdout.strip().splitlines()[-1]
         self.rows = work / "rows.jsonl"
@@ -100,7 +101,7 @@ class Bench:
         self.pipelines.mkdir()
         self.name = "bench_swift"
         (self.pipelines / f"{self.name}.yaml").write_text(
-            pipeline_yaml(self.name, self.rows, work / "out", max_tokens))
+            pipeline_yaml(self.name, self.rows, work / "out", max_tokens, dtype))
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "TOKENIZERS_PARALLELISM": "false", "BATCH_LLM_GPUS": "",
                     "BATCH_LLM_MODEL_CACHE": str(ROOT / ".cache" / "modelscope"),
@@ -119,7 +120,8 @@ class Bench:
                      "--template", "chatml", "--template_backend", "jinja", "--infer_backend", "vllm",
                      "--val_dataset", self.rows, "--stream", "false", "--temperature", "0",
                      "--max_new_tokens", str(self.max_tokens), "--vllm_enforce_eager", "true",
-                     "--vllm_max_model_len", "2048", "--result_path", self.work / f"swift-{i}.jsonl"],
+                     "--vllm_max_model_len", "2048", "--torch_dtype", self.dtype,
+                     "--result_path", self.work / f"swift-{i}.jsonl"],
                     {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2",
                      # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
                      "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="swift,run,dag")
+    ap.add_argument("--dtype", default="float32", help="both sides; bfloat16 is ~10x slower on a CPU without "
+                    "AVX-512 (this one: AVX2), where the model's bf16 weights would otherwise run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "swift.jsonl"))
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -178,7 +182,7 @@ def main() -> None:
 
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_swift_") as tmp:
-        bench = Bench(Path(tmp), args.rows, args.max_tokens)
+        bench = Bench(Path(tmp), args.rows, args.max_tokens, args.dtype)
         tok = AutoTokenizer.from_pretrained(bench.model)
         for i in range(args.repeats):
             for mode in (modes if i % 2 == 0 else modes[::-1]):

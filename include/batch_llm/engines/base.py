@@ -257,6 +257,26 @@ def model_quantization(model_dir: str) -> dict:
     return qc if isinstance(qc, dict) else {}
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); True where it cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True
+    return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_dtype(dtype: str, model_dir: str, *, on_gpu: bool) -> str:
+    """``engine.dtype`` as the engine gets it: ``auto`` on a CPU without native bfloat16 becomes float32 for an
+    unquantized model. There a bf16 checkpoint's ``auto`` runs emulated bf16 kernels: on this project's CI
+    CPU (AVX2) 128 chat rows took 570 s of generation in bf16 and 119 s in float32 (bench/bench_swift.py).
+    Quantized checkpoints keep their own dtype (their kernels want 16-bit activations)."""
+    if dtype != "auto" or on_gpu or model_quantization(model_dir) or cpu_has_native_bf16():
+        return dtype
+    return "float32"
+
+
 def is_int_weight_only(qc: dict) -> bool:
     """True for integer weights with 16-bit activations (AWQ, GPTQ, compressed-tensors W4A16/W8A16)."""
     method = str(qc.get("quant_method", "")).lower()

@@ -16,6 +16,7 @@ from batch_llm.engines.base import (
     GenRequest,
     GenResult,
     classify_start_failure,
+    cpu_dtype,
     model_context_limit,
 )
 from batch_llm.engines.registry import register_engine
@@ -33,9 +34,9 @@ class TransformersEngine(Engine):
             import transformers
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16,
-                     "float32": torch.float32}.get(self.cfg.dtype, "auto")
             device = "cuda" if torch.cuda.is_available() else "cpu"
+            dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+                cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=device == "cuda"), "auto")
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
                                                               trust_remote_code=self.trust_remote_code,
                                                               **self.cfg.extra).to(device).eval()

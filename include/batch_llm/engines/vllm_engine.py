@@ -25,6 +25,7 @@ from batch_llm.engines.base import (
     TokenLogprob,
     TopLogprob,
     classify_start_failure,
+    cpu_dtype,
     is_int_weight_only,
     model_context_limit,
     model_quantization,
@@ -42,7 +43,8 @@ class VllmEngine(Engine):
         c = self.cfg
         args = dict(model=self.model_dir, tokenizer=self.model_dir, max_model_len=c.max_model_len,
                     max_num_seqs=c.max_num_seqs, gpu_memory_utilization=c.gpu_memory_utilization,
-                    tensor_parallel_size=c.tensor_parallel_size, dtype=c.dtype, quantization=c.quantization,
+                    tensor_parallel_size=c.tensor_parallel_size,
+                    dtype=cpu_dtype(c.dtype, self.model_dir, on_gpu=_cuda_visible()), quantization=c.quantization,
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
@@ -103,6 +105,7 @@ class VllmEngine(Engine):
                         num_kv_blocks=getattr(vc.cache_config, "num_gpu_blocks", None),
                         block_size=vc.cache_config.block_size,
                         enable_prefix_caching=vc.cache_config.enable_prefix_caching,
+                        dtype=str(vc.model_config.dtype).removeprefix("torch."),
                         kv_cache_dtype=str(vc.cache_config.cache_dtype),
                         enforce_eager=vc.model_config.enforce_eager,
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
@@ -260,6 +263,12 @@ def _token_text(tid: int, lp) -> str:
     # Without a tokenizer in the engine (skip_tokenizer_init) there is no text: the id, as vLLM's server writes it
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else f"token_id:{tid}"
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _gpu_name(device: str) -> str | None:
