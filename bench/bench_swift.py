@@ -17,17 +17,18 @@ do the same generation and write the same completions; what batch-llm adds on to
 publish, run report) is on its clock.
 
 The clock: process start → exit with the outputs on disk, measured by this driver around the child
-(``wall_s``); for batch-llm also the shard's engine start and generation phases from its manifest. Tokens
-delivered are the completions' tokens under the model's tokenizer, counted the same way for every mode
-(no row repeats, so tokens generated equal tokens delivered). Modes alternate (swift, run, dag, dag, run,
-swift, ...) so a drifting machine favours none; the summary gives medians, the spread (min–max) and the
-ratios of medians, and how many completions equal swift's.
+(``wall_s``); for batch-llm also the shard's engine start and generation phases from its manifest, for swift
+the generation runtime its own log prints. Tokens delivered are the completions' tokens under the model's
+tokenizer, counted the same way for every mode (no row repeats, so tokens generated equal tokens delivered).
+Modes alternate (swift, run, dag, dag, run, swift, ...) so a drifting machine favours none; the summary gives
+medians, the spread (min–max) and the ratios of medians, and how many completions equal swift's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,10 @@ class Bench:
         """The completions in row order, and for batch-llm the shard's phases."""
         if mode == "swift":
             rows = [json.loads(line) for line in (self.work / f"swift-{i}.jsonl").read_text().splitlines()]
-            return {"completions": [r["response"] for r in rows]}
+            # swift prints its generation's own timing at the end: {'num_prompt_tokens': ..., 'runtime': s, ...}
+            runtime = re.findall(r"'runtime': ([0-9.]+)", (self.work / f"swift-{i}.log").read_text())
+            return {"completions": [r["response"] for r in rows],
+                    "generate_s": round(float(runtime[-1]), 2) if runtime else None}
         ds = f"2026-01-{i + 1:02d}" if mode == "run" else f"2026-02-{i + 1:02d}"
         part = self.work / "out" / self.name / f"dt={ds}"
         version = Path(json.loads((part / "_CURRENT.json").read_text())["version"].removeprefix("file://"))
@@ -199,9 +203,11 @@ def main() -> None:
     walls = {m: [r["wall_s"] for r in results if r["mode"] == m] for m in modes}
     for m in modes:
         line = f"{m:6s} wall {spread(walls[m])}"
+        gen = [r["generate_s"] for r in results if r["mode"] == m and r.get("generate_s") is not None]
         if m != "swift":
-            line += (f"; engine start {spread([r['engine_start_s'] for r in results if r['mode'] == m])}"
-                     f"; generation {spread([r['generate_s'] for r in results if r['mode'] == m])}")
+            line += f"; engine start {spread([r['engine_start_s'] for r in results if r['mode'] == m])}"
+        if gen:
+            line += f"; generation {spread(gen)}"
         print(line)
     if "swift" in modes:
         ref = next(r["completions"] for r in results if r["mode"] == "swift")
