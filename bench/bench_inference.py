@@ -110,7 +110,8 @@ def run_raw(a, rows) -> dict:
 
 def run_raw_lmdeploy(a, rows) -> dict:
     """LMDeploy's own engine fed the same token ids as the stage (no re-tokenized text, no tokenization on
-    the clock): its async engine's ``generate(..., input_ids=...)``, all requests in flight at once."""
+    the clock): its async engine's ``preprocess(input_ids=...)`` then ``generate``, every request in flight at
+    once on the pipeline's own event loop (as the engine interface drives it, without the shard around it)."""
     import asyncio
 
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
@@ -120,26 +121,26 @@ def run_raw_lmdeploy(a, rows) -> dict:
                     cache_max_entry_count=a.gpu_util, dtype=a.dtype, eager_mode=a.enforce_eager), log_level="WARNING")
     construct = time.perf_counter() - t0
     ready = _since_start()
-    engine = getattr(pipe, "async_engine", pipe)
+    engine, loop = pipe.async_engine, pipe.internal_thread.loop  # as engines/lmdeploy_engine.py drives it
 
-    async def one(i: int, r: dict) -> list[int]:
+    async def one(r: dict) -> tuple[list[int], int]:
         gen = GenerationConfig(max_new_tokens=r["max_tokens"], do_sample=False, ignore_eos=True)
-        toks: list[int] = []
-        async for out in engine.generate(messages=None, session_id=i, gen_config=gen,
-                                         input_ids=r["prompt_token_ids"], stream_response=True, sequence_start=True,
-                                         sequence_end=True, do_preprocess=False):
-            toks.extend(getattr(out, "token_ids", None) or [])
-        return toks
-
-    async def all_rows() -> list[list[int]]:
-        return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        pre = await engine.preprocess(None, pipe.session_mgr.get(), gen_config=gen,
+                                      input_ids=list(r["prompt_token_ids"]), do_preprocess=False)
+        out = None
+        async for part in engine.generate(pre, stream_response=False):
+            resp = part.to_response(0)
+            out = out.extend(resp) if out else resp
+        return list(getattr(out, "token_ids", None) or []), int(out.generate_token_len)
 
     t1 = time.perf_counter()
-    toks = asyncio.run(all_rows())
+    futures = [asyncio.run_coroutine_threadsafe(one(r), loop) for r in rows]  # all in flight, as pipeline() does
+    done = [f.result() for f in futures]
     el = time.perf_counter() - t1
+    toks = [t for t, _ in done]
     pipe.close()
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
-    n_out = sum(map(len, toks))
+    n_out = sum(n for _, n in done)
     return dict(mode="raw", engine="lmdeploy", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 

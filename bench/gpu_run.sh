@@ -57,9 +57,10 @@ case "${1:-fixed}" in
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there
     PYTHONPATH=/root/lmd timeout 300 python3 $S/make_model.py /root/q7 big 2>&1 | tail -2 ;;
-  lmdeploy)
+  lmdeploy|lmdeploy-mix)  # raw gets the same token ids as the stage; REPEATS runs of each mode, alternating
     python3 -m pip install -q --no-index --no-deps --target /root/lmd .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
     export PYTHONPATH=/root/lmd:$PWD/include TOKENIZERS_PARALLELISM=false
-    timeout 540 python3 bench/bench_inference.py --engine lmdeploy --model /root/q7 --vocab 32000 --dataset fixed \
-      --n 1000 --modes raw,stage --out $OUT/gpu_lmdeploy.jsonl ;;
+    if [ "$1" = lmdeploy ]; then data=(--dataset fixed --n 1000); else data=(--dataset mix --n 2000); fi
+    timeout ${T:-540} python3 bench/bench_inference.py --engine lmdeploy --model /root/q7 --vocab 32000 "${data[@]}" \
+      --modes raw,stage --repeats ${REPEATS:-3} --out $OUT/gpu_lmdeploy.jsonl ;;
 esac

@@ -53,6 +53,7 @@ def make_input(path: Path, rows: int, seed: int = 0) -> int:
 
 def synthesize_outputs(cfg, layout, plan) -> list[dict]:
     """What the shard runner would have written (outputs in input order, no errors), labelled synthesized."""
+    from batch_llm.manifests import ShardMetrics, ShardResult
     from batch_llm.storage import Location, iter_jsonl, write_jsonl
 
     rng = random.Random(1)
@@ -65,8 +66,8 @@ def synthesize_outputs(cfg, layout, plan) -> list[dict]:
              "finish_reason": "stop", "prompt_tokens": 60,
              "completion_tokens": 48, "cached": False, "error": None, "synthesized": True} for idx, rid in rows))
         write_jsonl(d.child("errors.jsonl").path(), [])
-        shards.append({"shard": s.index, "outputs": d.child("outputs.jsonl").url, "errors": d.child("errors.jsonl").url,
-                       "metrics": {"rows": n, "ok": n, "errors": 0, "synthesized": True}})
+        shards.append(ShardResult(shard=s.index, outputs=d.child("outputs.jsonl").url,
+                                  errors=d.child("errors.jsonl").url, metrics=ShardMetrics(rows=n, ok=n)))
     return shards
 
 
@@ -85,7 +86,7 @@ def run_stage(name: str, workdir: Path) -> dict:
         extra = {"valid": m.valid, "shards": len(m.shards)}
     elif name == "synthesize":
         shards = synthesize_outputs(cfg, layout, stages.read_manifest_at(layout, "plan"))
-        (workdir / "shards.json").write_text(json.dumps(shards))
+        (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in shards]))
     elif name == "filter":
         shards = json.loads((workdir / "shards.json").read_text())
         m = stages.content_filter(cfg, layout, stages.read_manifest_at(layout, "plan"), shards)

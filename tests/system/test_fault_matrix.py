@@ -21,7 +21,7 @@ from batch_llm.cli import main
 from batch_llm.config import ConfigError, load_config
 from batch_llm.demo_model import DEMO_MODEL_ID, snapshot_dir
 from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
-from batch_llm.manifests import PlanManifest
+from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult
 from batch_llm.storage import write_jsonl
 from helpers import DEMO_YAML, demo_config
 
@@ -142,7 +142,8 @@ def test_object_storage_word_list_is_checked_when_the_filter_starts(tmp_path):
     plan = PlanManifest(input=cfg.input.path, format="jsonl", rows_read=2, valid=2, invalid=0, has_references=False,
                         errors=str(tmp_path / "errors.jsonl"), records=str(tmp_path / "records.jsonl"), shards=[])
     # The shard files do not exist either: the word list's error comes first, so no row was read.
-    shards = [{"outputs": str(tmp_path / "shard-0" / "outputs.jsonl"), "errors": str(tmp_path / "shard-0" / "e.jsonl")}]
+    shards = [ShardResult(shard=0, outputs=str(tmp_path / "shard-0" / "outputs.jsonl"),
+                          errors=str(tmp_path / "shard-0" / "e.jsonl"), metrics=ShardMetrics(rows=2))]
     with pytest.raises(FileNotFoundError) as ei:
         stages.content_filter(cfg, layout, plan, shards)
     assert ei.value.filename == url and "word list 'watchlist'" in str(ei.value), str(ei.value)
