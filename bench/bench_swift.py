@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--first-repeat", type=int, default=0, help="continue an earlier invocation's alternation "
+                    "(its results file then holds repeats 0..N-1)")
     ap.add_argument("--modes", default="swift,run,dag")
     ap.add_argument("--dtype", default="float32", help="both sides; bfloat16 is ~10x slower on a CPU without "
                     "AVX-512 (this one: AVX2), where the model's bf16 weights would otherwise run")
@@ -188,7 +190,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_swift_") as tmp:
         bench = Bench(Path(tmp), args.rows, args.max_tokens, args.dtype)
         tok = AutoTokenizer.from_pretrained(bench.model)
-        for i in range(args.repeats):
+        for i in range(args.first_repeat, args.first_repeat + args.repeats):
             for mode in (modes if i % 2 == 0 else modes[::-1]):
                 r = bench.run(mode, i)
                 done = [c for c in r["completions"] if c is not None]
