@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from batch_llm import plan as plan_mod
+from batch_llm.engines.base import cpu_dtype
 from batch_llm.formats import PromptRow, RawRow, to_prompt_row
 from batch_llm.row_params import RowParams, engine_refusal, resolve
 from batch_llm.storage import Location, iter_jsonl, read_json
@@ -167,10 +168,12 @@ def parity(tmp_path_factory, demo_model_dir):
     only_parity.write_text("".join(json.dumps(x) + "\n" for x in PARITY_LINES if x["url"] == CHAT))
     env_vllm = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     vllm_out = tmp / "vllm_out.jsonl"
+    # the dtype the project's engine runs here (float32 on a CPU without native bf16): the same work on both sides
+    dtype = cpu_dtype("auto", str(demo_model_dir), on_gpu=False)
     ref = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(only_parity), "-o",
          str(vllm_out), "--model", str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager",
-         "--max-model-len", "1024", "--generation-config", "vllm", "--seed", "0"],
+         "--max-model-len", "1024", "--generation-config", "vllm", "--seed", "0", "--dtype", dtype],
         env={**os.environ, **env_vllm}, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
     out = tmp / "pipeline_out"
