@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
-from batch_llm.manifests import PlanManifest, QuantizeManifest, ShardManifest
+from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 
@@ -253,9 +253,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"  summary: {m.summary}")
     if m.report:
         print(f"  report:  {m.report}")
-    from batch_llm.storage import Location, read_json
+    from batch_llm.storage import Location
 
-    print(format_findings(diagnose(read_json(Location(m.summary, layout.output_root.options).path()))))
+    print(format_findings(diagnose(RunSummary.read(Location(m.summary, layout.output_root.options).path()))))
     return 0
 
 
@@ -296,7 +296,7 @@ def _finish_command(args: argparse.Namespace, run_id: str, ds: str) -> str:
 
 
 def find_summary(target: str):
-    """(summary, version Location, pipeline root Location) for a summary.json, a published version, a
+    """(RunSummary, version Location, pipeline root Location) for a summary.json, a published version, a
     partition, a run folder or a pipeline folder (its latest partition)."""
     from batch_llm.storage import Location, exists, list_files, read_json, read_manifest
 
@@ -318,7 +318,7 @@ def find_summary(target: str):
             loc = Location(read_json(p / parts[-1] / "_CURRENT.json")["version"]).child("summary.json")
     if not exists(loc.path()):
         raise FileNotFoundError(f"{loc.url}: no such summary")
-    summary = read_json(loc.path())
+    summary = RunSummary.read(loc.path())
     version = Location(loc.url.rsplit("/", 1)[0], loc.options)
     pipeline_root = Location(version.url.rsplit("/", 2)[0], loc.options)
     return summary, version, pipeline_root
@@ -345,7 +345,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from batch_llm.doctor import diagnose, format_findings
 
     summary, version, _ = find_summary(args.target)
-    print(f"{summary.get('pipeline')} {summary.get('partition')} (run {summary.get('run_id')})")
+    print(f"{summary.pipeline} {summary.partition} (run {summary.run_id})")
     print(format_findings(diagnose(summary, gpus=args.gpus, options=version.options)))
     return 0
 

@@ -5,7 +5,7 @@ ms-swift users tune batch inference by hand with a checklist: which engine, stre
 padding, prefix caching for a shared system prompt, engine start against shard time, shards against GPUs,
 errors and cache hits. The doctor applies that checklist to the numbers a run recorded::
 
-    findings = diagnose(summary)                 # summary.json of a published version
+    findings = diagnose(RunSummary.read(version))   # summary.json of a published version
     print(format_findings(findings))
 
 Every finding carries the numbers it was derived from (``evidence``) and one concrete config change
@@ -19,7 +19,18 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from batch_llm.run_stats import PrefixStats, RunStats, TokenStats, mean_of, quantile, run_stats
+from batch_llm.manifests import RunSummary
+from batch_llm.run_stats import (
+    PrefixStats,
+    RunStats,
+    TokenStats,
+    engine_record,
+    mean_of,
+    model_dir,
+    quantile,
+    run_stats,
+    shard_phases,
+)
 
 # Thresholds (each check names the one it uses).
 START_SHARE_MAX = 0.2          # engine start above this share of a shard's time: bigger shards
@@ -121,9 +132,9 @@ def _shards(k: int) -> str:
 def _check_engine(run: RunStats) -> Iterable[Finding]:
     if run.kind != "transformers" or not run.metrics:
         return
-    ok = sum(m.get("ok", 0) for m in run.metrics)
-    gen = sum(m.get("generate_seconds", 0.0) for m in run.metrics)
-    out = sum(m.get("output_tokens", 0) for m in run.metrics)
+    ok = sum(m.ok for m in run.metrics)
+    gen = sum(m.generate_seconds for m in run.metrics)
+    out = sum(m.output_tokens for m in run.metrics)
     if not ok:
         return
     tps = f"{out / gen:,.1f} output tok/s" if gen else "no generation time recorded"
@@ -256,11 +267,10 @@ def _check_memory_headroom(run: RunStats) -> Iterable[Finding]:
                       f"gpu_memory_utilization {util:g} leaves {_pct(1 - util)} of the GPU for activations, "
                       f"CUDA graphs and other processes (ms-swift guidance: 10-15 %)",
                       f"engine.gpu_memory_utilization: {safe:g}", "memory")
-    backed_off = [s for s in run.shards if isinstance(s.get("engine"), dict)
-                  and len((s["engine"].get("attempts") or [])) > 1]
+    backed_off = [rec for s in run.shards if (rec := engine_record(s)) and len(rec.attempts) > 1]
     if backed_off:
-        ok = next((a for a in backed_off[0]["engine"]["attempts"] if a.get("ok")), None)
-        failed = sum(len(s["engine"]["attempts"]) - 1 for s in backed_off)
+        ok = next((a for a in backed_off[0].attempts if a.get("ok")), None)
+        failed = sum(len(rec.attempts) - 1 for rec in backed_off)
         if ok:
             keys = [k for k in ("gpu_memory_utilization", "max_num_seqs", "max_model_len")
                     if ok.get(k) is not None and ok.get(k) != run.engine_cfg.get(k)]
@@ -297,14 +307,14 @@ def _check_prefix(run: RunStats) -> Iterable[Finding]:
 def _start_rows(run: RunStats) -> tuple[int, float, float, float, float]:
     """(rows a shard needs so that engine start stays under START_SHARE_TARGET of its time — 0 when start
     is no problem —, median start share, median start seconds, median shard seconds, generation s per row)."""
-    started = [m for m in run.metrics if m.get("seconds") and m.get("engine_start_seconds")]
+    started = [m for m in run.metrics if m.seconds and m.engine_start_seconds]
     if not started:
         return 0, 0.0, 0.0, 0.0, 0.0
-    share = statistics.median(m["engine_start_seconds"] / m["seconds"] for m in started)
-    start = statistics.median(m["engine_start_seconds"] for m in started)
-    total = statistics.median(m["seconds"] for m in started)
+    share = statistics.median(m.engine_start_seconds / m.seconds for m in started)
+    start = statistics.median(m.engine_start_seconds for m in started)
+    total = statistics.median(m.seconds for m in started)
     rows = sum(run.engine_rows(m) for m in started)
-    per_row = sum(m.get("generate_seconds", 0.0) for m in started) / rows if rows else 0.0
+    per_row = sum(m.generate_seconds for m in started) / rows if rows else 0.0
     if share <= START_SHARE_MAX or per_row <= 0:
         return 0, share, start, total, per_row
     need = math.ceil(round(start * (1 / START_SHARE_TARGET - 1) / per_row, 6))
@@ -346,8 +356,8 @@ def _check_gpu_sharding(run: RunStats) -> Iterable[Finding]:
 
 
 def _check_errors(run: RunStats) -> Iterable[Finding]:
-    plan = (run.summary.get("manifests") or {}).get("plan") or {}
-    read, invalid = plan.get("rows_read") or 0, plan.get("invalid") or 0
+    plan = run.plan
+    read, invalid = plan.rows_read or 0, plan.invalid or 0
     reasons = run.errors or {}
     if read and invalid / read > ERROR_RATE_INFO:
         top = ", ".join(f"{k} ({v})" for k, v in (reasons.get("plan") or Counter()).most_common(3))
@@ -355,9 +365,9 @@ def _check_errors(run: RunStats) -> Iterable[Finding]:
                       "input rows rejected by the planner",
                       f"{invalid:,} of {read:,} input rows ({_pct(invalid / read)}) are invalid"
                       f"{': ' + top if top else ''}",
-                      f"fix the input rows listed in {plan.get('errors') or 'the plan errors file'}", "errors")
-    rows = sum(m.get("rows", 0) for m in run.metrics)
-    errs = sum(m.get("errors", 0) for m in run.metrics)
+                      f"fix the input rows listed in {plan.errors or 'the plan errors file'}", "errors")
+    rows = sum(m.rows for m in run.metrics)
+    errs = sum(m.errors for m in run.metrics)
     if rows and errs / rows > ERROR_RATE_INFO:
         counter = reasons.get("infer") or Counter()
         top = ", ".join(f"{k} ({v})" for k, v in counter.most_common(3))
@@ -402,13 +412,13 @@ def _check_truncation(run: RunStats) -> Iterable[Finding]:
 
 
 def _check_cache(run: RunStats) -> Iterable[Finding]:
-    rows = sum(m.get("rows", 0) - m.get("errors", 0) for m in run.metrics)
+    rows = sum(m.rows - m.errors for m in run.metrics)
     if not rows:
         return
     sampling = run.cfg.get("sampling") or {}
     deterministic = sampling.get("temperature", 0) == 0 or sampling.get("seed") is not None
     dedupe = run.engine_cfg.get("dedupe_prompts", True) and deterministic
-    uniq = sum(m.get("unique_prompts", m.get("rows", 0) - m.get("errors", 0)) for m in run.metrics)
+    uniq = sum(m.unique_prompts for m in run.metrics)
     dup = 1 - uniq / rows
     why_random = "sampling is random: temperature > 0 without a seed"
     if not dedupe and dup > DUPLICATES_MIN:
@@ -417,7 +427,7 @@ def _check_cache(run: RunStats) -> Iterable[Finding]:
                       f"{rows - uniq:,} of {rows:,} rows ({_pct(dup)}) repeat a prompt of their shard and were "
                       f"generated once each ({'dedupe_prompts is off' if deterministic else why_random})",
                       change, "cache")
-    cached = sum(m.get("cached_rows", 0) for m in run.metrics)
+    cached = sum(m.cached_rows for m in run.metrics)
     if cached and not deterministic:
         yield Finding("info", "cached outputs reused although sampling is random",
                       f"{cached:,} of {rows:,} rows ({_pct(cached / rows)}) came from the result cache while "
@@ -441,7 +451,7 @@ PHASE_ADVICE = {
 def _check_timeline(run: RunStats) -> Iterable[Finding]:
     from batch_llm.timeline import largest_avoidable
 
-    top = largest_avoidable(run.shards)
+    top = largest_avoidable(map(shard_phases, run.shards))
     if not top or top[2] < 0.1:  # under a tenth of the shards' time: nothing worth naming
         return
     name, seconds, share = top
@@ -457,8 +467,8 @@ def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
     from batch_llm.engines.base import model_config_json
 
     device = rec.device_named(run.settings.get("gpu_name"))
-    model_dir = run.quantize.get("local_dir") or run.fetch.get("local_dir") or ""
-    config = model_config_json(model_dir) if device and model_dir else {}
+    folder = model_dir(run.summary)
+    config = model_config_json(folder) if device and folder else {}
     gen, rows, ok = run.total("generate_seconds"), run.total("rows"), run.total("ok")
     if not config or not gen or not rows or not ok:
         return None
@@ -502,7 +512,7 @@ CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs,
           _check_truncation, _check_cache, _check_timeline, _check_expected_rate)
 
 
-def diagnose(summary: dict, *, gpus: int | None = None, tokens: TokenStats | None = None,
+def diagnose(summary: RunSummary, *, gpus: int | None = None, tokens: TokenStats | None = None,
              prefix: PrefixStats | None = None, errors: dict | None = None, options: dict | None = None,
              read_files: bool = True) -> list[Finding]:
     """The findings for one run's summary, warnings first.

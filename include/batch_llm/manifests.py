@@ -6,9 +6,10 @@ small whatever the run's size (counts and locations, never rows): XCom carries t
 """
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
 from upath import UPath
 
 from batch_llm.storage import MANIFEST, exists, read_json, write_json
@@ -322,3 +323,67 @@ class PublishManifest(Manifest):
     cache: dict[str, Any] | None = Field(None, description="result-cache maintenance done after publishing")
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
+
+
+SUMMARY = "summary.json"
+
+
+class RunManifests(BaseModel):
+    """The stage manifests a run summary carries: plan, filter and evaluate always; fetch, quantize and the
+    shards when publish was handed them (a stage left out is left out of the JSON too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: PlanManifest
+    filter: FilterManifest
+    evaluate: EvaluateManifest
+    fetch: FetchManifest | None = None
+    quantize: QuantizeManifest | None = None
+    infer: list[ShardManifest | ShardResult] | None = Field(
+        None, description="the shards: their manifests, or (from XCom) their hand-offs")
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    @property
+    def shards(self) -> list[ShardManifest | ShardResult]:
+        """The shards by index ([] when the summary has none)."""
+        return sorted(self.infer or [], key=lambda s: s.shard)
+
+
+class RunSummary(BaseModel):
+    """A published version's ``summary.json``: what the run published and where, the configuration it ran with,
+    every stage's manifest and the tokens it used. The doctor, the report and ``batch-llm report``/``doctor``
+    read it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str
+    run_id: str
+    partition: str
+    rows_published: int
+    format: str
+    dataset: str                       # the published data file
+    errors: str                        # the published errors.jsonl
+    config: dict[str, Any] = Field(
+        description="the pipeline configuration the run used, as JSON (Params applied); "
+        "kept as written, so a summary stays readable when the config model changes")
+    manifests: RunManifests
+    published_at: dt.datetime
+    usage: TokenUsage = Field(default_factory=TokenUsage)
+    report: str | None = None          # report.html next to the summary
+
+    @field_serializer("published_at")
+    def _iso(self, value: dt.datetime) -> str:
+        return value.isoformat()  # as written before the model: "+00:00", not pydantic's "Z"
+
+    def write(self, version_dir: UPath) -> UPath:
+        path = version_dir / SUMMARY
+        write_json(path, self.model_dump(mode="json"))
+        return path
+
+    @classmethod
+    def read(cls, path: UPath) -> "RunSummary":
+        """The summary in ``path``: a summary.json, or the published version's folder that holds one."""
+        return cls.model_validate(read_json(path if path.name == SUMMARY else path / SUMMARY))

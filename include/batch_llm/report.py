@@ -30,7 +30,8 @@ import yaml
 from markupsafe import Markup
 
 from batch_llm.doctor import Finding, diagnose_run
-from batch_llm.run_stats import RunStats, mean_of, quantile, run_stats
+from batch_llm.manifests import QuantizeManifest, RunSummary
+from batch_llm.run_stats import RunStats, mean_of, quantile, run_stats, shard_phases
 from batch_llm.storage import Location, exists, list_files, read_json, write_text_atomic
 from batch_llm.templates import render
 
@@ -50,9 +51,9 @@ C_OK, C_DROP, C_INVALID, C_ERR = "#3c9a5f", "#e0a526", "#c8553d", "#8c2d2d"
 ACTION_COLORS = {"flag": "#6c8ebf", "mask": "#e0a526", "drop": "#c8553d"}
 
 
-def _export_label(quantize: dict) -> str:
+def _export_label(quantize: QuantizeManifest) -> str:
     """How the report names the quantize stage's export: "AWQ W4A16", "RTN W4A16", "FP8_DYNAMIC"."""
-    q = quantize.get("quantization") or {}
+    q = quantize.quantization or {}
     scheme = q.get("scheme") or "W4A16"
     method = q.get("method")
     return f"{method.upper()} {scheme}" if scheme == "W4A16" and method else scheme
@@ -60,7 +61,7 @@ def _export_label(quantize: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ entry points
 
-def write_run_report(summary: dict, version_dir: Location, pipeline_root: Location, *,
+def write_run_report(summary: RunSummary, version_dir: Location, pipeline_root: Location, *,
                      gpus: int | None = None) -> str:
     """Renders the run report into ``<version_dir>/report.html`` and returns its URL."""
     page = render_report(summary, pipeline_root=pipeline_root, options=version_dir.options, gpus=gpus)
@@ -69,7 +70,7 @@ def write_run_report(summary: dict, version_dir: Location, pipeline_root: Locati
     return loc.url
 
 
-def render_report(summary: dict, *, pipeline_root: Location | None = None, options: dict | None = None,
+def render_report(summary: RunSummary, *, pipeline_root: Location | None = None, options: dict | None = None,
                   gpus: int | None = None) -> str:
     import matplotlib
 
@@ -160,44 +161,45 @@ class _Page:
 
 def _header(r: _Page) -> dict:
     s = r.run.summary
-    read = r.run.plan.get("rows_read")
+    read = r.run.plan.rows_read
     out_tok, gen = r.run.total("output_tokens"), r.run.total("generate_seconds")
     metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
-    score = (r.run.evaluate.get("metrics") or {}).get(metric)
-    errors = (r.run.plan.get("invalid") or 0) + (r.run.filter.get("inference_error_rows") or r.run.total("errors"))
-    tiles = [("rows read", _num(read)), ("published", _num(s.get("rows_published"))),
-             ("errors", _num(errors)), ("dropped by filter", _num((r.run.filter.get("summary") or {}).get("rows_dropped"))),
+    score = r.run.evaluate.metrics.get(metric)
+    errors = (r.run.plan.invalid or 0) + (r.run.filter.inference_error_rows or r.run.total("errors"))
+    tiles = [("rows read", _num(read)), ("published", _num(s.rows_published)),
+             ("errors", _num(errors)), ("dropped by filter", _num(r.run.filter.summary.rows_dropped)),
              ("shards", _num(len(r.run.shards))), ("output tokens", _num(out_tok)),
              ("output tok/s per engine", _num(out_tok / gen, 1) if gen else "–"),
              ("engine-seconds", _num(r.run.total("seconds"))), (metric, f"{score:.4f}" if score is not None else "–")]
     if (r.run.cfg.get("sampling") or {}).get("output_schema"):  # structured outputs: how many fit the schema
         tiles.insert(3, ("invalid outputs (schema)", _num(r.run.total("invalid_outputs"))))
-    if r.run.plan.get("capped"):
-        tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.run.plan.get("capped"))))
+    if r.run.plan.capped:
+        tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.run.plan.capped)))
     cached, prompt = r.run.total("cached_prompt_tokens"), r.run.total("input_tokens")
     if cached:  # the engine's prefix cache: prompt tokens it did not compute again
         tiles.insert(-3, ("prompt tokens from prefix cache", f"{_num(cached)} ({cached / prompt:.0%})"))
     kind, version, st = r.run.engine
-    model = r.run.fetch.get("id") or (r.run.cfg.get("model") or {}).get("ref", "?")
-    rev = r.run.fetch.get("revision") or (r.run.cfg.get("model") or {}).get("revision", "")
+    fetched, quantized = r.run.fetch, r.run.quantize
+    model = (fetched.id if fetched else None) or (r.run.cfg.get("model") or {}).get("ref", "?")
+    rev = (fetched.revision if fetched else None) or (r.run.cfg.get("model") or {}).get("revision", "")
     samp = r.run.cfg.get("sampling") or {}
     eng_bits = ", ".join(f"{k} {st[k]}" for k in ("device", "max_num_seqs", "max_model_len", "gpu_memory_utilization",
                                                    "kv_cache_dtype", "enable_prefix_caching", "batch_size")
                          if k in st)
     facts = [
-        ("model", f"{model} @ {rev}" + (f" ({_export_label(r.run.quantize)})" if r.run.quantize.get("quantized")
+        ("model", f"{model} @ {rev}" + (f" ({_export_label(quantized)})" if quantized and quantized.quantized
                                          else "")),
         ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
         ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
                      f"seed {samp.get('seed')}" + (", output schema" + (" (guided decoding)" if samp.get(
                          "guided_decoding", True) else " (checked only)") if samp.get("output_schema") else "")),
-        ("input", f"{r.run.plan.get('input', (r.run.cfg.get('input') or {}).get('path', ''))} ({r.run.plan.get('format', '')})"),
-        ("dataset", s.get("dataset")), ("errors", s.get("errors")),
-        ("EvalScope report", r.run.evaluate.get("report_html")),
+        ("input", f"{r.run.plan.input} ({r.run.plan.format})"),
+        ("dataset", s.dataset), ("errors", s.errors),
+        ("EvalScope report", r.run.evaluate.report_html),
     ]
     paths = ("dataset", "errors", "EvalScope report", "input")
-    return {"pipeline": s.get("pipeline", "batch-llm"), "partition": s.get("partition", ""),
-            "run_id": s.get("run_id"), "published_at": s.get("published_at", ""),
+    return {"pipeline": s.pipeline, "partition": s.partition,
+            "run_id": s.run_id, "published_at": s.published_at.isoformat(),
             "warnings": sum(f.severity == "warning" for f in r.findings), "findings": len(r.findings),
             "tiles": tiles, "facts": [(k, v, k in paths) for k, v in facts if v]}
 
@@ -211,13 +213,12 @@ def _doctor(r: _Page) -> list:
 
 
 def _outcomes(r: _Page) -> list:
-    fs = r.run.filter.get("summary") or {}
-    invalid = int(r.run.plan.get("invalid") or 0)
-    infer_err = int(r.run.filter.get("inference_error_rows") if r.run.filter.get("inference_error_rows") is not None
-                    else r.run.total("errors"))
-    dropped = int(fs.get("rows_dropped") or 0)
-    ok = int(r.run.summary.get("rows_published") or 0)
-    read = int(r.run.plan.get("rows_read") or (ok + dropped + invalid + infer_err))
+    fs = r.run.filter.summary
+    invalid = int(r.run.plan.invalid or 0)
+    infer_err = int(r.run.filter.inference_error_rows)
+    dropped = int(fs.rows_dropped or 0)
+    ok = int(r.run.summary.rows_published or 0)
+    read = int(r.run.plan.rows_read or (ok + dropped + invalid + infer_err))
     rows = [("published", ok, C_OK), ("dropped by content filter", dropped, C_DROP),
             ("invalid input (plan)", invalid, C_INVALID), ("inference errors", infer_err, C_ERR)]
     fig, ax = _figure(7.2, 1.9)
@@ -232,10 +233,10 @@ def _outcomes(r: _Page) -> list:
     _integer_axis(ax.xaxis)
     ax.grid(axis="y", visible=False)
     extra = []
-    if fs.get("rows_masked"):
-        extra.append(f"{fs['rows_masked']:,} published rows had words masked")
-    if fs.get("rows_flagged"):
-        extra.append(f"{fs['rows_flagged']:,} were flagged")
+    if fs.rows_masked:
+        extra.append(f"{fs.rows_masked:,} published rows had words masked")
+    if fs.rows_flagged:
+        extra.append(f"{fs.rows_flagged:,} were flagged")
     cached = int(r.run.total("cached_rows"))
     if cached:
         extra.append(f"{cached:,} rows came from the result cache")
@@ -243,8 +244,8 @@ def _outcomes(r: _Page) -> list:
 
 
 def _throughput(r: _Page) -> list:
-    pts = [(s.get("shard", i), m.get("output_tokens_per_second") or 0.0)
-           for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)) if m.get("generate_seconds")]
+    pts = [(s.shard, m.output_tokens_per_second or 0.0) for s, m in zip(r.run.shards, r.run.metrics)
+           if m.generate_seconds]
     if not pts:
         return [Note("No shard ran the engine (no shards, or every row came from the cache).")]
     idx, tps = [p[0] for p in pts], [p[1] for p in pts]
@@ -289,21 +290,22 @@ def _timeline(r: _Page) -> list:
     run); engine start overlaps tokenizing, so it is drawn on the lower half of the row."""
     from batch_llm.timeline import PHASES, largest_avoidable, phase_seconds
 
-    shards = sorted((s for s in r.run.shards if s.get("phases")), key=lambda s: min(p["start"] for p in s["phases"]))
+    shards = sorted(((s.shard, phases) for s in r.run.shards if (phases := shard_phases(s))),
+                    key=lambda sp: min(p.start for p in sp[1]))
     if not shards:
         return [Note("No shard recorded a timeline (manifests written before timelines existed).")]
     shown = shards[:TIMELINE_SHARDS_MAX]
-    t0 = min(p["start"] for p in shown[0]["phases"])
+    t0 = min(p.start for p in shown[0][1])
     fig, ax = _figure(7.2, max(1.6, 0.28 * len(shown) + 0.9))
     seen = set()
-    for y, s in enumerate(shown):
-        for p in s["phases"]:
-            lower = p["name"] == "engine"
-            ax.barh(y + (0.17 if lower else -0.17), p["end"] - p["start"], left=p["start"] - t0,
-                    height=0.34, color=PHASE_COLORS.get(p["name"], C_OTHER),
-                    label=p["name"] if p["name"] not in seen else None, linewidth=0)
-            seen.add(p["name"])
-    ax.set_yticks(range(len(shown)), [str(s.get("shard", i)) for i, s in enumerate(shown)])
+    for y, (_, phases) in enumerate(shown):
+        for p in phases:
+            lower = p.name == "engine"
+            ax.barh(y + (0.17 if lower else -0.17), p.end - p.start, left=p.start - t0,
+                    height=0.34, color=PHASE_COLORS.get(p.name, C_OTHER),
+                    label=p.name if p.name not in seen else None, linewidth=0)
+            seen.add(p.name)
+    ax.set_yticks(range(len(shown)), [str(index) for index, _ in shown])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first shard began")
     ax.set_ylabel("shard")
@@ -312,11 +314,11 @@ def _timeline(r: _Page) -> list:
     order = sorted(range(len(labels)), key=lambda i: PHASES.index(labels[i]) if labels[i] in PHASES else 99)
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower right", ncols=5, fontsize=7)
     totals: dict[str, float] = {}
-    for s in shards:
-        for name, sec in phase_seconds(s["phases"]).items():
+    for _, phases in shards:
+        for name, sec in phase_seconds(phases).items():
             totals[name] = totals.get(name, 0.0) + sec
     rows = [[name, _num(totals[name], 1)] for name in PHASES if name in totals]
-    top = largest_avoidable(shards)
+    top = largest_avoidable(phases for _, phases in shards)
     note = (Markup("Largest avoidable phase: <b>{}</b>, {} s ({:.0%} of the shards' wall time); the doctor says "
                    "what to change.").format(top[0], _num(top[1], 1), top[2]) if top else Markup(""))
     more = f" The first {len(shown)} of {len(shards)} shards are drawn." if len(shards) > len(shown) else ""
@@ -325,10 +327,10 @@ def _timeline(r: _Page) -> list:
 
 def _time(r: _Page) -> list:
     rows = []
-    for i, (s, m) in enumerate(zip(r.run.shards, r.run.metrics)):
-        start, gen = m.get("engine_start_seconds") or 0.0, m.get("generate_seconds") or 0.0
-        total = m.get("seconds") or 0.0
-        rows.append((s.get("shard", i), start, gen, max(0.0, total - start - gen), total))
+    for s, m in zip(r.run.shards, r.run.metrics):
+        start, gen = m.engine_start_seconds or 0.0, m.generate_seconds or 0.0
+        total = m.seconds or 0.0
+        rows.append((s.shard, start, gen, max(0.0, total - start - gen), total))
     if not rows:
         return [Note("No shard manifests in this summary.")]
     many = len(rows) > SHARD_BARS_MAX
@@ -392,14 +394,14 @@ def _lengths(r: _Page) -> list:
 
 
 def _filter(r: _Page) -> list:
-    fs = r.run.filter.get("summary") or {}
-    if fs.get("enabled") is False or not (r.run.cfg.get("filter") or {}).get("enabled", True):
-        return [Note(f"The content filter was off ({_num(fs.get('rows_scanned'))} rows passed unscanned).")]
-    lists = fs.get("lists") or [{"name": k, "action": "?"} for k in (fs.get("hits_per_list") or {})]
-    hits = fs.get("hits_per_list") or {}
-    counts = f"{_num(fs.get('rows_scanned'))} rows scanned, {_num(fs.get('rows_affected'))} affected " \
-             f"({_num(fs.get('rows_masked'))} masked, {_num(fs.get('rows_flagged'))} flagged, " \
-             f"{_num(fs.get('rows_dropped'))} dropped)"
+    fs = r.run.filter.summary
+    if fs.enabled is False or not (r.run.cfg.get("filter") or {}).get("enabled", True):
+        return [Note(f"The content filter was off ({_num(fs.rows_scanned)} rows passed unscanned).")]
+    lists = fs.lists or [{"name": k, "action": "?"} for k in fs.hits_per_list]
+    hits = fs.hits_per_list
+    counts = f"{_num(fs.rows_scanned)} rows scanned, {_num(fs.rows_affected)} affected " \
+             f"({_num(fs.rows_masked)} masked, {_num(fs.rows_flagged)} flagged, " \
+             f"{_num(fs.rows_dropped)} dropped)"
     if not sum(hits.values()):
         return [Note(f"No hits in {len(lists)} list(s): {counts}.")]
     names = [lst["name"] for lst in lists]
@@ -419,7 +421,7 @@ def _filter(r: _Page) -> list:
     ax.legend(handles=[Patch(color=ACTION_COLORS[a], label=a) for a in used], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), title="action", fontsize=7.5)
     _integer_axis(ax.xaxis)
-    per_word = fs.get("hits_per_word") or {}
+    per_word = fs.hits_per_word
     rows = []
     for lst in lists:
         words = sorted((per_word.get(lst["name"]) or {}).items(), key=lambda kv: -kv[1])
@@ -431,15 +433,15 @@ def _filter(r: _Page) -> list:
 
 
 def _scores(r: _Page) -> list:
-    metrics = r.run.evaluate.get("metrics") or {}
+    metrics = r.run.evaluate.metrics
     metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
     min_score = (r.run.cfg.get("evaluate") or {}).get("min_score")
     history = score_history(r.run.summary, r.pipeline_root, r.run.options) if r.pipeline_root else \
-        [{"partition": r.run.summary.get("partition", "this run"), "run_id": r.run.summary.get("run_id"), "metrics": metrics,
-          "num_samples": r.run.evaluate.get("num_samples"), "current": True}]
+        [{"partition": r.run.summary.partition, "run_id": r.run.summary.run_id, "metrics": metrics,
+          "num_samples": r.run.evaluate.num_samples, "current": True}]
     scored = [h for h in history if h["metrics"]]
     if not scored:
-        why = r.run.evaluate.get("skipped") or "no scores recorded"
+        why = r.run.evaluate.skipped or "no scores recorded"
         return [Note(f"EvalScope scoring was skipped: {why}.")]
     names = [metric] + [m for m in ("Rouge-1-F", "Rouge-2-F", "Rouge-L-F", "bleu-4", "bleu-1")
                         if m != metric and any(m in h["metrics"] for h in scored)]
@@ -475,20 +477,20 @@ def _scores(r: _Page) -> list:
                   for h in scored[::-1][:TREND_TABLE_MAX]]
     if len(scored) > 1:
         tables.append(_table(["partition", "samples", metric], trend_rows))
-    rep = r.run.evaluate.get("report_html")
+    rep = r.run.evaluate.report_html
     link = [Note(Markup("EvalScope's own report: <code>{}</code>").format(rep))] if rep else []
-    n, pop = r.run.evaluate.get("num_samples"), r.run.evaluate.get("rows_with_references")
+    n, pop = r.run.evaluate.num_samples, r.run.evaluate.rows_with_references
     sample = [Note(f"These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference answer (seeded "
-                   f"by evaluate.sample_seed = {r.run.evaluate.get('sample_seed')}; the same seed scores the same "
+                   f"by evaluate.sample_seed = {r.run.evaluate.sample_seed}; the same seed scores the same "
                    "rows).")] if n and pop and n < pop else []
     return [_img(fig, "EvalScope score trend"), *sample, Columns(tables), *link]
 
 
-def score_history(summary: dict, pipeline_root: Location, options: dict | None = None,
+def score_history(summary: RunSummary, pipeline_root: Location, options: dict | None = None,
                   limit: int = TREND_MAX) -> list[dict]:
     """The scores of the pipeline's published partitions up to this one (each ``<partition>/_CURRENT.json``
     → version → ``summary.json``), oldest first; this run's own scores stand for its partition."""
-    current = summary.get("partition") or ""
+    current = summary.partition
     names = []
     for d in list_files(pipeline_root.path()):
         if d.name in ("runs", "_cache") or d.name == current or d.name > current:
@@ -499,15 +501,15 @@ def score_history(summary: dict, pipeline_root: Location, options: dict | None =
     for name in sorted(names)[-(limit - 1):] if limit > 1 else []:
         try:
             ptr = read_json(pipeline_root.child(name, "_CURRENT.json").path())
-            summ = read_json(Location(ptr["version"], options or pipeline_root.options).child("summary.json").path())
-        except (OSError, KeyError, ValueError):
+            summ = RunSummary.read(Location(ptr["version"], options or pipeline_root.options).path())
+        except (OSError, KeyError, ValueError):  # pydantic's ValidationError is a ValueError
             continue  # a version removed meanwhile, or a pointer without a summary: no point on the trend
-        ev = (summ.get("manifests") or {}).get("evaluate") or {}
-        out.append({"partition": name, "run_id": summ.get("run_id"), "metrics": ev.get("metrics") or {},
-                    "num_samples": ev.get("num_samples"), "current": False})
-    ev = (summary.get("manifests") or {}).get("evaluate") or {}
-    out.append({"partition": current or "this run", "run_id": summary.get("run_id"),
-                "metrics": ev.get("metrics") or {}, "num_samples": ev.get("num_samples"), "current": True})
+        ev = summ.manifests.evaluate
+        out.append({"partition": name, "run_id": summ.run_id, "metrics": ev.metrics,
+                    "num_samples": ev.num_samples, "current": False})
+    ev = summary.manifests.evaluate
+    out.append({"partition": current or "this run", "run_id": summary.run_id,
+                "metrics": ev.metrics, "num_samples": ev.num_samples, "current": True})
     return out
 
 
@@ -516,15 +518,15 @@ def _shards_table(r: _Page) -> list:
         return [Note("No shard manifests in this summary.")]
     pairs = list(zip(r.run.shards, r.run.metrics))
     if len(pairs) > SHARD_TABLE_MAX:
-        pairs = sorted(pairs, key=lambda p: -(p[1].get("seconds") or 0))[:SHARD_TABLE_TOP]
+        pairs = sorted(pairs, key=lambda p: -(p[1].seconds or 0))[:SHARD_TABLE_TOP]
         head = f"The {SHARD_TABLE_TOP} slowest of {len(r.run.shards):,} shards."
     else:
         head = ""
-    rows = [[s.get("shard"), _num(m.get("rows")), _num(m.get("ok")), _num(m.get("errors")), _num(m.get("cached_rows")),
-             _num(m.get("input_tokens")), _num(m.get("output_tokens")), _num(m.get("engine_start_seconds"), 1),
-             _num(m.get("generate_seconds"), 1), _num(m.get("seconds"), 1), _num(m.get("output_tokens_per_second"), 1)]
+    rows = [[s.shard, _num(m.rows), _num(m.ok), _num(m.errors), _num(m.cached_rows), _num(m.input_tokens),
+             _num(m.output_tokens), _num(m.engine_start_seconds, 1), _num(m.generate_seconds, 1), _num(m.seconds, 1),
+             _num(m.output_tokens_per_second, 1)]
             for s, m in pairs]
-    errs = sum(1 for m in r.run.metrics if m.get("errors"))
+    errs = sum(1 for m in r.run.metrics if m.errors)
     note = f"{errs:,} shard(s) have error rows; their reasons are in each shard's errors.jsonl." if errs else ""
     table = _table(["shard", "rows", "ok", "errors", "cached", "input tok", "output tok", "start s", "gen s",
                     "total s", "tok/s"], rows, numeric=True)

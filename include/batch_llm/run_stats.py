@@ -1,9 +1,10 @@
 """What a finished run's summary and files say, read once: the facts the doctor's rules and the report use.
 
-A run's ``summary.json`` names its stage manifests; :class:`RunStats` gathers from it the shard metrics,
-the engine's recorded settings, the device, and (streaming, bounded) statistics read from the shards' files:
-token lengths (:class:`TokenStats`), shared prompt prefixes (:class:`PrefixStats`) and error kinds. The
-doctor (``doctor.py``: rules) and the report (``report.py``: rendering) both read this one object.
+A run's ``summary.json`` (:class:`~batch_llm.manifests.RunSummary`) holds its stage manifests; :class:`RunStats`
+gathers from it the shard metrics, the engine's recorded settings, the device, and (streaming, bounded)
+statistics read from the shards' files: token lengths (:class:`TokenStats`), shared prompt prefixes
+(:class:`PrefixStats`) and error kinds. The doctor (``doctor.py``: rules) and the report (``report.py``:
+rendering) both read this one object.
 """
 from __future__ import annotations
 
@@ -14,23 +15,48 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from batch_llm.gpu_lease import visible_gpus
+from batch_llm.manifests import (
+    EngineRecord,
+    EvaluateManifest,
+    FetchManifest,
+    FilterManifest,
+    Phase,
+    PlanManifest,
+    QuantizeManifest,
+    RunSummary,
+    ShardManifest,
+    ShardMetrics,
+    ShardResult,
+)
 from batch_llm.storage import Location, exists, iter_jsonl
 
-
-def infer_manifests(summary: dict) -> list[dict]:
-    """The shard manifests of a summary, by shard index (empty when the summary has none)."""
-    shards = (summary.get("manifests") or {}).get("infer") or []
-    return sorted((s for s in shards if isinstance(s, dict)), key=lambda s: s.get("shard", 0))
+Shard = ShardManifest | ShardResult  # a summary's shard: its manifest, or (from XCom) its hand-off
 
 
-def engine_settings(shard: dict) -> dict:
-    eng = shard.get("engine")
-    return dict(eng.get("settings") or {}) if isinstance(eng, dict) else {}
+def engine_record(shard: Shard) -> EngineRecord | None:
+    """The engine a shard's manifest recorded (a hand-off names only the engine's kind)."""
+    return shard.engine if isinstance(shard.engine, EngineRecord) else None
 
 
-def engine_kind(shard: dict) -> str | None:
-    eng = shard.get("engine")
-    return eng.get("kind") if isinstance(eng, dict) else eng
+def engine_settings(shard: Shard) -> dict:
+    rec = engine_record(shard)
+    return dict(rec.settings) if rec else {}
+
+
+def engine_kind(shard: Shard) -> str | None:
+    rec = engine_record(shard)
+    return rec.kind if rec else shard.engine
+
+
+def shard_phases(shard: Shard) -> list[Phase]:
+    """The shard's timeline (a hand-off carries none)."""
+    return shard.phases if isinstance(shard, ShardManifest) else []
+
+
+def model_dir(summary: RunSummary) -> str:
+    """The model folder the shards served: the quantize stage's export, else the fetched folder ("" if neither)."""
+    m = summary.manifests
+    return (m.quantize.local_dir if m.quantize else "") or (m.fetch.local_dir if m.fetch else "")
 
 
 def quantile(counts: Counter | dict, q: float) -> float | None:
@@ -80,42 +106,47 @@ class TokenStats:
         return 1 - self.decode_used / self.decode_slots if self.decode_slots else None
 
 
-def read_token_stats(summary: dict, options: dict | None = None, *, max_rows: int = 500_000,
+def read_token_stats(summary: RunSummary, options: dict | None = None, *, max_rows: int = 500_000,
                      batch_size: int | None = None, sort_by_length: bool | None = None) -> TokenStats:
     """Reads prompt/completion lengths row by row (streaming; at most ``max_rows`` spread over the shards,
     the first rows of each) and simulates the static batches of the transformers engine over them."""
-    cfg = summary.get("config") or {}
+    cfg = summary.config
     bs = batch_size or (cfg.get("engine") or {}).get("batch_size") or 16
     sort = (cfg.get("sharding") or {}).get("sort_by_length", True) if sort_by_length is None else sort_by_length
-    shards = infer_manifests(summary)
-    st = TokenStats(batch_size=bs, rows_total=sum((s.get("metrics") or {}).get("ok", 0) for s in shards))
+    shards = summary.manifests.shards
+    st = TokenStats(batch_size=bs, rows_total=sum(s.metrics.ok for s in shards))
     per_shard = max(1000, max_rows // max(1, len(shards)))
     for s in shards:
-        if not s.get("outputs"):
+        if not s.outputs:
             continue
-        path = Location(s["outputs"], options or {}).path()
-        if not exists(path):
-            continue
-        sent: list[tuple[int, int]] = []
-        for i, r in enumerate(iter_jsonl(path)):
-            if i >= per_shard:
-                break
-            p, c = int(r.get("prompt_tokens") or 0), int(r.get("completion_tokens") or 0)
-            st.prompt[p] += 1
-            st.completion[c] += 1
-            st.rows += 1
-            st.truncated += r.get("finish_reason") == "length"
-            if not r.get("cached"):
-                sent.append((p, c))
-        if sort:  # the planner sorts a shard by prompt length; batches are cut in that order
-            sent.sort()
-        for k in range(0, len(sent), bs):
-            batch = sent[k:k + bs]
-            st.padded_tokens += max(p for p, _ in batch) * len(batch)
-            st.real_tokens += sum(p for p, _ in batch)
-            st.decode_slots += max(c for _, c in batch) * len(batch)
-            st.decode_used += sum(c for _, c in batch)
+        path = Location(s.outputs, options or {}).path()
+        if exists(path):
+            _add_shard_tokens(st, path, per_shard, sort)
     return st
+
+
+def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
+    """One shard's rows (its first ``per_shard``) into the token statistics, and its static batches."""
+    bs = st.batch_size
+    sent: list[tuple[int, int]] = []
+    for i, r in enumerate(iter_jsonl(path)):
+        if i >= per_shard:
+            break
+        p, c = int(r.get("prompt_tokens") or 0), int(r.get("completion_tokens") or 0)
+        st.prompt[p] += 1
+        st.completion[c] += 1
+        st.rows += 1
+        st.truncated += r.get("finish_reason") == "length"
+        if not r.get("cached"):
+            sent.append((p, c))
+    if sort:  # the planner sorts a shard by prompt length; batches are cut in that order
+        sent.sort()
+    for k in range(0, len(sent), bs):
+        batch = sent[k:k + bs]
+        st.padded_tokens += max(p for p, _ in batch) * len(batch)
+        st.real_tokens += sum(p for p, _ in batch)
+        st.decode_slots += max(c for _, c in batch) * len(batch)
+        st.decode_used += sum(c for _, c in batch)
 
 
 @dataclass
@@ -132,16 +163,16 @@ class PrefixStats:
         return max(self.common_prefix_chars, self.system_chars if self.system_share >= 0.5 else 0)
 
 
-def read_prefix_stats(summary: dict, options: dict | None = None, *, max_rows: int = 400,
+def read_prefix_stats(summary: RunSummary, options: dict | None = None, *, max_rows: int = 400,
                       max_shards: int = 8) -> PrefixStats:
-    shards = ((summary.get("manifests") or {}).get("plan") or {}).get("shards") or []
+    shards = summary.manifests.plan.shards
     texts: list[str] = []
     systems: Counter = Counter()
     chosen = shards[:: max(1, math.ceil(len(shards) / max_shards))][:max_shards]
     per = max(1, max_rows // max(1, len(chosen)))
     for s in chosen:
-        path = Location(s.get("url", ""), options or {}).path()
-        if not s.get("url") or not exists(path):
+        path = Location(s.url, options or {}).path()
+        if not s.url or not exists(path):
             continue
         for i, r in enumerate(iter_jsonl(path)):
             if i >= per:
@@ -163,20 +194,20 @@ def read_prefix_stats(summary: dict, options: dict | None = None, *, max_rows: i
 _ROLE_TAG = re.compile(r"<(?:system|user|assistant|tool|developer)>")
 
 
-def read_error_reasons(summary: dict, options: dict | None = None, *, max_rows: int = 20_000) -> dict:
+def read_error_reasons(summary: RunSummary, options: dict | None = None, *, max_rows: int = 20_000) -> dict:
     """{"plan": Counter(reason), "infer": Counter(reason), "max_prompt_tokens": int} from the errors files."""
     out = {"plan": Counter(), "infer": Counter(), "max_prompt_tokens": 0, "too_long": 0}
-    plan_errors = ((summary.get("manifests") or {}).get("plan") or {}).get("errors")
+    plan_errors = summary.manifests.plan.errors
     if plan_errors and exists(Location(plan_errors, options or {}).path()):
         for i, r in enumerate(iter_jsonl(Location(plan_errors, options or {}).path())):
             if i >= max_rows:
                 break
             out["plan"][_reason_kind(r.get("reason") or "")] += 1
     n = 0
-    for s in infer_manifests(summary):
-        if not s.get("errors") or not (s.get("metrics") or {}).get("errors"):
+    for s in summary.manifests.shards:
+        if not s.errors or not s.metrics.errors:
             continue
-        path = Location(s["errors"], options or {}).path()
+        path = Location(s.errors, options or {}).path()
         if not exists(path):
             continue
         for r in iter_jsonl(path):
@@ -211,10 +242,10 @@ def gpu_count(gpus: int | None = None) -> int | None:
 class RunStats:
     """One run's facts (see the module's docstring); build it with :func:`run_stats`."""
 
-    summary: dict
-    cfg: dict
-    shards: list[dict]
-    metrics: list[dict]
+    summary: RunSummary
+    cfg: dict                      # the configuration the run used, as the summary keeps it (JSON)
+    shards: list[Shard]
+    metrics: list[ShardMetrics]
     settings: dict
     kind: str
     device: str
@@ -226,40 +257,36 @@ class RunStats:
     model_limit: int | None = None  # the model's own context limit (max_position_embeddings), when known
     options: dict = field(default_factory=dict)  # fsspec options for the files the summary names
 
-    def manifest(self, stage: str) -> dict:
-        """The summary's manifest of a stage (plan, filter, evaluate, fetch, quantize), {} when absent."""
-        return (self.summary.get("manifests") or {}).get(stage) or {}
+    @property
+    def plan(self) -> PlanManifest:
+        return self.summary.manifests.plan
 
     @property
-    def plan(self) -> dict:
-        return self.manifest("plan")
+    def filter(self) -> FilterManifest:
+        return self.summary.manifests.filter
 
     @property
-    def filter(self) -> dict:
-        return self.manifest("filter")
+    def evaluate(self) -> EvaluateManifest:
+        return self.summary.manifests.evaluate
 
     @property
-    def evaluate(self) -> dict:
-        return self.manifest("evaluate")
+    def fetch(self) -> FetchManifest | None:
+        return self.summary.manifests.fetch
 
     @property
-    def fetch(self) -> dict:
-        return self.manifest("fetch")
+    def quantize(self) -> QuantizeManifest | None:
+        return self.summary.manifests.quantize
 
-    @property
-    def quantize(self) -> dict:
-        return self.manifest("quantize")
-
-    def total(self, key: str) -> float:
-        """A shard metric summed over the shards."""
-        return sum(m.get(key) or 0 for m in self.metrics)
+    def total(self, metric: str) -> float:
+        """A shard metric (a :class:`ShardMetrics` field) summed over the shards."""
+        return sum(getattr(m, metric) or 0 for m in self.metrics)
 
     @property
     def engine(self) -> tuple[str, str, dict]:
         """(kind, version, settings) the shards recorded, else the configured kind."""
         for s in self.shards:
             if engine_settings(s):
-                return engine_kind(s) or "?", (s.get("engine") or {}).get("version") or "", engine_settings(s)
+                return engine_kind(s) or "?", engine_record(s).version or "", engine_settings(s)
         return self.engine_cfg.get("kind", "?"), "", {}
 
     @property
@@ -268,16 +295,16 @@ class RunStats:
 
     @property
     def total_rows(self) -> int:
-        return int(self.plan.get("valid") or self.total("rows"))
+        return int(self.plan.valid or self.total("rows"))
 
     @property
     def tp(self) -> int:
         return int(self.settings.get("tensor_parallel_size") or self.engine_cfg.get("tensor_parallel_size") or 1)
 
-    def engine_rows(self, m: dict) -> int:
+    def engine_rows(self, m: ShardMetrics) -> int:
         """Requests a shard sent to the engine (rows less cache hits, duplicates folded)."""
-        rows = m.get("rows", 0) - m.get("cached_rows", 0) - m.get("errors", 0)
-        return max(0, min(rows, m.get("unique_prompts", rows)))
+        rows = m.rows - m.cached_rows - m.errors
+        return max(0, min(rows, m.unique_prompts))
 
     def mean_seq_tokens(self) -> float | None:
         if self.tokens and self.tokens.rows:
@@ -288,7 +315,7 @@ class RunStats:
         return self.total("input_tokens") / rows + self.total("output_tokens") / ok
 
 
-def model_limit_of(summary: dict, settings: dict) -> int | None:
+def model_limit_of(summary: RunSummary, settings: dict) -> int | None:
     """The model's context limit: what the engine recorded (``model_context_limit`` in the shard's engine
     settings), else ``max_position_embeddings`` in the config.json of the model folder the run names, when
     that folder is on this machine."""
@@ -297,9 +324,9 @@ def model_limit_of(summary: dict, settings: dict) -> int | None:
         return v
     from batch_llm.engines.base import model_context_limit
 
-    manifests = summary.get("manifests") or {}
-    for d in ((manifests.get("quantize") or {}).get("local_dir"), (manifests.get("fetch") or {}).get("local_dir"),
-              ((summary.get("config") or {}).get("model") or {}).get("ref")):
+    m = summary.manifests
+    for d in (m.quantize.local_dir if m.quantize else None, m.fetch.local_dir if m.fetch else None,
+              (summary.config.get("model") or {}).get("ref")):
         if isinstance(d, str) and os.path.isdir(d):
             limit = model_context_limit(d)
             if limit:
@@ -307,19 +334,15 @@ def model_limit_of(summary: dict, settings: dict) -> int | None:
     return None
 
 
-def run_stats(summary: dict, *, gpus: int | None = None, tokens: TokenStats | None = None,
+def run_stats(summary: RunSummary, *, gpus: int | None = None, tokens: TokenStats | None = None,
               prefix: PrefixStats | None = None, errors: dict | None = None, options: dict | None = None,
               read_files: bool = True) -> RunStats:
     """The run's facts; statistics already read are passed in, the others read from the files the summary
     names (unless ``read_files`` is false). ``options``: fsspec options for those files."""
-    cfg = summary.get("config") or {}
-    shards = infer_manifests(summary)
-    metrics = [s.get("metrics") or {} for s in shards]
-    settings: dict = {}
-    for s in shards:
-        if engine_settings(s):
-            settings = engine_settings(s)
-            break
+    cfg = summary.config
+    shards = summary.manifests.shards
+    metrics = [s.metrics for s in shards]
+    settings = next((engine_settings(s) for s in shards if engine_settings(s)), {})
     kind = next((k for k in map(engine_kind, shards) if k), None) or (cfg.get("engine") or {}).get("kind") or "vllm"
     device = str(settings.get("device") or ("cuda" if kind == "lmdeploy" else ""))
     n_gpus = gpu_count(gpus)

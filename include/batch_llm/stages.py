@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
@@ -39,6 +37,7 @@ from batch_llm.formats import (
     write_rows,
 )
 from batch_llm.manifests import (
+    SUMMARY,
     EvaluateManifest,
     FetchManifest,
     FilterManifest,
@@ -47,6 +46,8 @@ from batch_llm.manifests import (
     PlanManifest,
     PublishManifest,
     QuantizeManifest,
+    RunManifests,
+    RunSummary,
     ShardManifest,
     ShardResult,
     ShardSpec,
@@ -316,41 +317,30 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                                  for rec, out in pairs), fmt,
                    types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts))
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
-    summary = {"pipeline": cfg.name, "run_id": layout.run_id, "partition": layout.partition,
-               "rows_published": n, "format": fmt, "dataset": data.url, "errors": version.child("errors.jsonl").url,
-               "config": cfg.model_dump(mode="json"),
-               "manifests": {"plan": plan.model_dump(mode="json"), "filter": filtered.model_dump(mode="json"),
-                             "evaluate": scores.model_dump(mode="json"),
-                             **{k: _as_json(v) for k, v in (extra_manifests or {}).items()}},
-               "published_at": dt.datetime.now(dt.timezone.utc).isoformat()}
-    usage = TokenUsage.of_shards([ShardResult.of(s) for s in (extra_manifests or {}).get("infer") or []])
-    summary["usage"] = usage.model_dump()
-    summary["report"] = version.child("report.html").url
-    write_json(version.child("summary.json").path(), summary)
+    manifests = RunManifests(plan=plan, filter=filtered, evaluate=scores, **(extra_manifests or {}))
+    summary = RunSummary(
+        pipeline=cfg.name, run_id=layout.run_id, partition=layout.partition, rows_published=n, format=fmt,
+        dataset=data.url, errors=version.child("errors.jsonl").url, config=cfg.model_dump(mode="json"),
+        manifests=manifests, published_at=dt.datetime.now(dt.timezone.utc),
+        usage=TokenUsage.of_shards(manifests.shards), report=version.child("report.html").url)
+    summary.write(version.path())
     from batch_llm.report import write_run_report  # matplotlib loads only here, not when DAGs are parsed
 
     report_url = write_run_report(summary, version, layout.pipeline_root)
     pointer = layout.published.child("_CURRENT.json")
     previous = read_json(pointer.path()).get("version") if exists(pointer.path()) else None
     write_json(pointer.path(), {"version": version.url, "dataset": data.url, "run_id": layout.run_id,
-                                "rows": n, "committed_at": summary["published_at"], "report": report_url})
+                                "rows": n, "committed_at": summary.published_at.isoformat(), "report": report_url})
     for old in list_files(layout.published.path()):
         if old.name.startswith("v-") and old.name not in (version.url.rsplit("/", 1)[-1],
                                                           (previous or "").rsplit("/", 1)[-1]):
             remove_tree(old)
     m = PublishManifest(partition=layout.published.url, version=version.url, dataset=data.url, rows=n,
-                        summary=version.child("summary.json").url, errors=version.child("errors.jsonl").url,
-                        error_rows=n_errors, report=report_url, usage=usage, cache=maintain_cache(cfg, layout),
+                        summary=version.child(SUMMARY).url, errors=version.child("errors.jsonl").url,
+                        error_rows=n_errors, report=report_url, usage=summary.usage, cache=maintain_cache(cfg, layout),
                         seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(out_dir.path())
     return m
-
-
-def _as_json(value):
-    """A manifest (or a list of them) as the summary stores it."""
-    if isinstance(value, list):
-        return [_as_json(v) for v in value]
-    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dict) -> list | None:

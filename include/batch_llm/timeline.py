@@ -17,7 +17,12 @@ Times are seconds since the epoch (the worker and the operator are different pro
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batch_llm.manifests import Phase
 
 PHASES = ("spawn", "imports", "read", "engine", "tokenize", "first_token", "generation", "merge", "commit")
 # Generation is the work itself; the other phases are overhead a shard could shorten or hide.
@@ -43,23 +48,23 @@ class Timeline:
         return sorted(self.phases, key=lambda p: (p["start"], PHASES.index(p["name"]) if p["name"] in PHASES else 99))
 
 
-def phase_seconds(phases: list[dict]) -> dict[str, float]:
+def phase_seconds(phases: list[Phase]) -> dict[str, float]:
     """Seconds per phase name (a phase recorded twice, e.g. by a resumed attempt, adds up)."""
     out: dict[str, float] = {}
     for p in phases or []:
-        out[p["name"]] = out.get(p["name"], 0.0) + max(0.0, p["end"] - p["start"])
+        out[p.name] = out.get(p.name, 0.0) + max(0.0, p.end - p.start)
     return out
 
 
-def largest_avoidable(shards: list[dict]) -> tuple[str, float, float] | None:
-    """(phase, seconds over all shards, share of the shards' wall time) of the largest overhead phase."""
+def largest_avoidable(shard_phases: Iterable[list[Phase]]) -> tuple[str, float, float] | None:
+    """(phase, seconds over all shards, share of the shards' wall time) of the largest overhead phase, from each
+    shard's recorded phases."""
     totals: dict[str, float] = {}
     wall = 0.0
-    for s in shards:
-        phases = s.get("phases") or []
+    for phases in shard_phases:
         if not phases:
             continue
-        wall += max(p["end"] for p in phases) - min(p["start"] for p in phases)
+        wall += max(p.end for p in phases) - min(p.start for p in phases)
         for name, sec in phase_seconds(phases).items():
             if name in AVOIDABLE:
                 totals[name] = totals.get(name, 0.0) + sec

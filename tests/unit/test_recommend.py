@@ -17,6 +17,8 @@ from batch_llm import recommend as R
 from batch_llm.cli import main
 from batch_llm.config import load_config
 from batch_llm.doctor import diagnose
+from batch_llm.manifests import RunSummary
+from synthetic_runs import fetch_manifest, plan_manifest, run_summary, shard_manifest
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DEMO = Path(__file__).resolve().parents[2] / "dags" / "pipelines" / "demo.yaml"
@@ -221,19 +223,20 @@ def test_worker_without_gpus_reports_none(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ doctor
-def _gpu_run(model_dir: Path, tok_s: float, rows: int = 1000) -> dict:
+def _gpu_run(model_dir: Path, tok_s: float, rows: int = 1000) -> RunSummary:
     seconds = rows * 256 / tok_s
-    shard = {"shard": 0, "metrics": {"rows": rows, "ok": rows, "errors": 0, "cached_rows": 0, "unique_prompts": rows,
-                                     "input_tokens": rows * 256, "output_tokens": rows * 256,
-                                     "output_tokens_this_attempt": rows * 256, "generate_seconds": seconds,
-                                     "seconds": seconds + 60, "engine_start_seconds": 60,
-                                     "output_tokens_per_second": tok_s},
-             "engine": {"kind": "vllm", "settings": {"device": "cuda", "gpu_name": "NVIDIA H200", "max_num_seqs": 1024,
-                                                     "gpu_memory_utilization": 0.9, "max_model_len": 2048,
-                                                     "num_kv_blocks": 127740, "block_size": 16,
-                                                     "kv_cache_dtype": "auto", "tensor_parallel_size": 1}}}
-    return {"config": {"engine": {"kind": "vllm"}}, "manifests": {
-        "fetch": {"local_dir": str(model_dir)}, "plan": {"valid": rows}, "infer": [shard]}}
+    shard = shard_manifest(0, metrics={"rows": rows, "ok": rows, "errors": 0, "cached_rows": 0, "unique_prompts": rows,
+                                       "input_tokens": rows * 256, "output_tokens": rows * 256,
+                                       "output_tokens_this_attempt": rows * 256, "generate_seconds": seconds,
+                                       "seconds": seconds + 60, "engine_start_seconds": 60,
+                                       "output_tokens_per_second": tok_s},
+                           engine={"kind": "vllm", "settings": {"device": "cuda", "gpu_name": "NVIDIA H200",
+                                                                "max_num_seqs": 1024, "gpu_memory_utilization": 0.9,
+                                                                "max_model_len": 2048, "num_kv_blocks": 127740,
+                                                                "block_size": 16, "kv_cache_dtype": "auto",
+                                                                "tensor_parallel_size": 1}})
+    return run_summary(config={"engine": {"kind": "vllm"}}, fetch=fetch_manifest(str(model_dir)),
+                       plan=plan_manifest(valid=rows), infer=[shard])
 
 
 def test_doctor_says_when_a_gpu_run_is_far_below_the_prediction(tmp_path, monkeypatch):

@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 from batch_llm.doctor import Finding, diagnose, format_findings
+from batch_llm.manifests import EvaluateManifest, FilterSummary
 from batch_llm.report import write_run_report
 from batch_llm.run_stats import PrefixStats, TokenStats, read_token_stats
 from batch_llm.storage import Location, exists, read_json, write_jsonl
-from synthetic_runs import make_run
+from synthetic_runs import fetch_manifest, make_run, plan_manifest, run_summary, shard_manifest
 
 SECTIONS = ("doctor", "outcomes", "throughput", "time", "timeline", "lengths", "filter", "scores", "shards", "config")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -69,7 +70,8 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
 
 def test_report_says_the_score_is_a_sample(tmp_path):
     summary, version, pipe = make_run(tmp_path, 3)
-    summary["manifests"]["evaluate"].update(num_samples=2000, rows_with_references=1_000_000, sample_seed=7)
+    summary.manifests.evaluate = summary.manifests.evaluate.model_copy(
+        update={"num_samples": 2000, "rows_with_references": 1_000_000, "sample_seed": 7})
     page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
     assert "a sample: 2,000 of the 1,000,000 rows with a reference answer" in _section(page, "scores")
     assert "evaluate.sample_seed = 7" in _section(page, "scores")
@@ -77,10 +79,10 @@ def test_report_says_the_score_is_a_sample(tmp_path):
 
 def test_report_without_scores_filter_or_shards(tmp_path):
     summary, version, pipe = make_run(tmp_path, 2, earlier=())
-    summary["manifests"]["evaluate"] = {"stage": "evaluate", "skipped": "no reference answers", "metrics": {}}
-    summary["manifests"]["filter"]["summary"] = {"enabled": False, "rows_scanned": 12}
-    summary["config"]["filter"]["enabled"] = False
-    del summary["manifests"]["infer"]
+    summary.manifests.evaluate = EvaluateManifest(skipped="no reference answers", metrics={})
+    summary.manifests.filter.summary = FilterSummary(enabled=False, rows_scanned=12)
+    summary.config["filter"]["enabled"] = False
+    summary.manifests.infer = None
     page = Location(write_run_report(summary, version, pipe)).path().read_text()
     assert "could not be rendered" not in page
     assert "skipped: no reference answers" in _section(page, "scores")
@@ -92,8 +94,8 @@ def test_token_stats_stream_the_shard_outputs(tmp_path):
     summary, _, _ = make_run(tmp_path, 4, rows_per_shard=5)
     st = read_token_stats(summary)
     assert st.rows == st.rows_total == 20
-    expect = Counter(r["prompt_tokens"] for s in summary["manifests"]["infer"]
-                     for r in map(json.loads, open(s["outputs"])))
+    expect = Counter(r["prompt_tokens"] for s in summary.manifests.infer
+                     for r in map(json.loads, open(s.outputs)))
     assert st.prompt == expect
 
 
@@ -132,24 +134,23 @@ def shard(i=0, *, rows=1000, start=5.0, gen=100.0, seconds=None, errors=0, cache
     st = {"max_num_seqs": 256, "max_model_len": 4096, "gpu_memory_utilization": 0.9, "num_kv_blocks": 8000,
           "block_size": 16, "enable_prefix_caching": True, "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
           "device": "cuda", **(settings or {})}
-    return {"shard": i, "metrics": {"rows": rows, "ok": rows - errors, "errors": errors, "cached_rows": cached,
-                                    "unique_prompts": rows - errors if unique is None else unique,
-                                    "input_tokens": 300 * rows, "output_tokens": 100 * (rows - errors),
-                                    "engine_start_seconds": start, "generate_seconds": gen,
-                                    "seconds": seconds if seconds is not None else start + gen + 1,
-                                    "output_tokens_per_second": out_tps},
-            "engine": {"kind": kind, "settings": st, "attempts": attempts or [{"ok": True}]}}
+    return shard_manifest(i, metrics={"rows": rows, "ok": rows - errors, "errors": errors, "cached_rows": cached,
+                                      "unique_prompts": rows - errors if unique is None else unique,
+                                      "input_tokens": 300 * rows, "output_tokens": 100 * (rows - errors),
+                                      "engine_start_seconds": start, "generate_seconds": gen,
+                                      "seconds": seconds if seconds is not None else start + gen + 1,
+                                      "output_tokens_per_second": out_tps},
+                          engine={"kind": kind, "settings": st, "attempts": attempts or [{"ok": True}]})
 
 
 def summary_of(shards, *, engine=None, sampling=None, sharding=None, invalid=0):
-    valid = sum(s["metrics"]["rows"] for s in shards)
-    return {"config": {"engine": {"kind": shards[0]["engine"]["kind"] if shards else "vllm", "batch_size": 16,
-                                  "dedupe_prompts": True, "gpu_memory_utilization": 0.9, "cpu_kv_cache_gib": 2.0,
-                                  **(engine or {})},
-                       "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0, **(sampling or {})},
-                       "sharding": {"sort_by_length": True, **(sharding or {})}},
-            "manifests": {"plan": {"rows_read": valid + invalid, "valid": valid, "invalid": invalid},
-                          "infer": shards}}
+    valid = sum(s.metrics.rows for s in shards)
+    return run_summary(config={"engine": {"kind": shards[0].engine.kind if shards else "vllm", "batch_size": 16,
+                                          "dedupe_prompts": True, "gpu_memory_utilization": 0.9,
+                                          "cpu_kv_cache_gib": 2.0, **(engine or {})},
+                               "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0, **(sampling or {})},
+                               "sharding": {"sort_by_length": True, **(sharding or {})}},
+                       plan=plan_manifest(rows_read=valid + invalid, valid=valid, invalid=invalid), infer=shards)
 
 
 def tokens(prompts=(300,) * 100, completions=(100,) * 100, *, truncated=0, batch=16, padded=None, real=None,
@@ -380,7 +381,7 @@ def test_max_model_len_advice_is_bounded_by_the_model(demo_model_dir):
     # no limit recorded by the engine: the model folder the run names says it (config.json)
     old = [shard(i, rows=4096, start=60, gen=1200, errors=(400 if i == 0 else 0)) for i in range(8)]
     summary = summary_of(old)
-    summary["manifests"]["fetch"] = {"local_dir": str(demo_model_dir)}
+    summary.manifests.fetch = fetch_manifest(str(demo_model_dir))
     assert advice(200_000, summary).change.startswith("input: split")
     assert advice(20_000, summary_of(old)).change == "engine.max_model_len: 32768"  # limit unknown: as before
 
@@ -390,10 +391,10 @@ def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
     findings = [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
     assert len(findings) == 1 and findings[0].title == "largest avoidable phase: engine"
     assert "engine.compile_cache" in findings[0].change
-    for s in summary["manifests"]["infer"]:  # engine start negligible: imports, the largest left, is 3 %
-        for p in s["phases"]:
-            if p["name"] == "engine":
-                p["end"] = p["start"] + 0.5
+    for s in summary.manifests.infer:  # engine start negligible: imports, the largest left, is 3 %
+        for p in s.phases:
+            if p.name == "engine":
+                p.end = p.start + 0.5
     assert not [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
 
 
@@ -403,8 +404,8 @@ def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
     from batch_llm.report import render_report
     from batch_llm_airflow.report_app import render_index
 
-    summary = {"pipeline": "<script>alert(1)</script>", "partition": "2026-01-01", "run_id": "r&1",
-               "config": {"model": {"ref": "org/<img src=x onerror=alert(2)>"}}, "manifests": {}}
+    summary = run_summary(pipeline="<script>alert(1)</script>", partition="2026-01-01", run_id="r&1",
+                          config={"model": {"ref": "org/<img src=x onerror=alert(2)>"}}, plan=plan_manifest())
     page = render_report(summary)
     assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(2)&gt;" in page
