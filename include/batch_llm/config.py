@@ -221,6 +221,11 @@ class EngineConfig(_Section):
     kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = Field(None, description="vLLM n-gram speculative decoding; null: off")
     cpu_kv_cache_gib: int = Field(2, ge=1, description="vLLM CPU backend KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    multiprocessing: bool | None = Field(None, description="vLLM: its engine core in a process of its own "
+                                         "(VLLM_ENABLE_V1_MULTIPROCESSING). null: yes on GPUs (vLLM's default: "
+                                         "the scheduler overlaps the client's work), no on CPUs, where vLLM would "
+                                         "spawn an engine-core and a worker process (each importing vLLM again) "
+                                         "and pin the worker to all cores but one; docs/benchmarks.md measures it")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
                                   "(LMDeploy: `backend` and fields of that backend's engine config)")
@@ -264,6 +269,9 @@ class EngineConfig(_Section):
         if self.speculative is not None and "speculative_config" in self.extra:
             problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
                             "speculative_config, not both")
+        if self.multiprocessing is not None and self.kind != "vllm":
+            problems.append(f"engine.multiprocessing: vLLM's engine-core process; engine.kind is {self.kind!r}: "
+                            "remove engine.multiprocessing")
         if self.compile_cache is not None and self.kind != "vllm":
             problems.append(f"engine.compile_cache: vLLM's compilation cache; engine.kind is {self.kind!r}: remove "
                             "engine.compile_cache")

@@ -1,7 +1,7 @@
 """Faults a GPU fleet has, on the real CPU vLLM engine.
 
-* The engine-core process (a child of the worker, not the worker itself) is killed with SIGKILL mid-shard,
-  as the kernel's OOM killer or a crashed GPU does it: the shard fails as a retryable worker failure, not as
+* The engine-core process (a child of the worker, not the worker itself; engine.multiprocessing on, as on
+  GPUs) is killed with SIGKILL mid-shard, as the kernel's OOM killer or a crashed GPU does it: the shard fails as a retryable worker failure, not as
   error rows and not as a hang; the retry resumes and ends with every row exactly once and no error rows.
 * In one process: a request vLLM refuses (a prompt longer than the context) is an error row; once the engine
   is dead, further requests raise ``EngineFailed`` instead of becoming rows the engine "rejected".
@@ -70,7 +70,7 @@ def _engine_core_children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def killed_mid_shard(tmp_path_factory, demo_model_dir):
     """First attempt of a shard whose engine core is killed once the first row is committed."""
-    layout, spec = _prepare(tmp_path_factory.mktemp("kill"), "engine-core-killed",
+    layout, spec = _prepare(tmp_path_factory.mktemp("kill"), "engine-core-killed", engine__multiprocessing=True,
                             engine__extra={"kv_cache_memory_bytes": KV_100_BLOCKS, "disable_log_stats": False})
     lines: list[str] = []
     failure: list[BaseException] = []
@@ -177,7 +177,7 @@ def test_dead_engine_raises_instead_of_turning_requests_into_error_rows(tmp_path
     from batch_llm.engines.vllm_engine import VllmEngine
 
     cfg = demo_config(tmp_path, engine__max_model_len=256, engine__max_num_seqs=4, engine__enforce_eager=True,
-                      sampling__max_tokens=8)
+                      engine__multiprocessing=True, sampling__max_tokens=8)  # an engine-core process to kill
     engine = VllmEngine(str(demo_model_dir), cfg.engine, cfg.sampling)
     engine.start()
     try:

@@ -51,6 +51,15 @@ class VllmEngine(Engine):
                     trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(), **c.extra)
         return {k: v for k, v in args.items() if v is not None}
 
+    def _multiprocessing(self) -> bool:
+        """engine.multiprocessing, or its default: on GPUs vLLM's own (the engine core in a process of its own,
+        its scheduling overlapping this process's work), on CPUs in this process. There vLLM would start an
+        engine-core and a worker process, each importing vLLM again (~20 s each on 2 cores), and pin the worker
+        to all cores but one: the 128-row chat benchmark in docs/benchmarks.md measures the difference."""
+        if self.cfg.multiprocessing is not None:
+            return self.cfg.multiprocessing
+        return _cuda_visible()
+
     def _task_args(self) -> dict:
         """engine.task embed: vLLM's pooling runner; a causal LM converted to an embedding model pools its
         last token's hidden state."""
@@ -82,6 +91,7 @@ class VllmEngine(Engine):
                 str(self.cfg.cpu_kv_cache_gib)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
+        multiprocessing = self._multiprocessing()
         tail = OutputTail()
         missing = _missing_cpu_kernel(self.model_dir)
         if missing:
@@ -90,6 +100,11 @@ class VllmEngine(Engine):
             import vllm
             from vllm import LLM
 
+            # vLLM caches its environment once an engine has started (envs.enable_envs_cache); an in-process
+            # engine core does that in this process, and a later start here (memory back-off, the probe, a
+            # test process) would not see the variables set above.
+            getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
             with tail.capture():
                 self.llm = LLM(**self._constructor_args())
         except Exception as e:  # noqa: BLE001 - classified and re-raised
@@ -108,7 +123,7 @@ class VllmEngine(Engine):
                         dtype=str(vc.model_config.dtype).removeprefix("torch."),
                         kv_cache_dtype=str(vc.cache_config.cache_dtype),
                         enforce_eager=vc.model_config.enforce_eager,
-                        tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
+                        tensor_parallel_size=vc.parallel_config.tensor_parallel_size, multiprocessing=multiprocessing,
                         device=str(vc.device_config.device), gpu_name=_gpu_name(str(vc.device_config.device)),
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
