@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from batch_llm.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
-from batch_llm.storage import Location, read_json, write_json, write_manifest
+from batch_llm.manifests import RunSummary
+from batch_llm.storage import Location, write_json, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
@@ -107,19 +108,19 @@ def published(tmp_path):
     they are) copied into a partition of its own, or a synthetic run when the demo has not run here."""
     demo = sorted(DEMO_OUTPUT.glob("dt=*/v-*/summary.json"))
     if demo:
-        summary = read_json(demo[-1])
+        summary = RunSummary.read(demo[-1])
         pipe = Location(str(tmp_path / "batch_llm_demo"))
-        version = pipe.child(summary["partition"], "v-copy")
+        version = pipe.child(summary.partition, "v-copy")
         source = "demo"
     else:
         from synthetic_runs import make_run
 
         summary, version, pipe = make_run(tmp_path, 3)
         source = "synthetic"
-    write_json(version.child("summary.json").path(), summary)
+    summary.write(version.path())
     part = Location(version.url.rsplit("/", 1)[0])
     write_json(part.child("_CURRENT.json").path(), {"version": version.url})
-    run_dir = pipe.child("runs", summary["partition"], "r")
+    run_dir = pipe.child("runs", summary.partition, "r")
     write_manifest(run_dir.child("publish").path(), {"summary": version.child("summary.json").url})
     return {"summary": summary, "version": version, "partition": part, "pipe": pipe, "run": run_dir, "source": source}
 
@@ -130,7 +131,7 @@ def test_find_summary_from_every_kind_of_target(published):
                    published["pipe"].url):
         summary, version, root = find_summary(target)
         assert version.url == v.url and root.url == published["pipe"].url, target
-        assert summary["run_id"] == published["summary"]["run_id"]
+        assert summary.run_id == published["summary"].run_id
     with pytest.raises(FileNotFoundError, match="no run summary here"):
         find_summary(str(Path(published["pipe"].url).parent / "nothing"))
 
@@ -152,7 +153,7 @@ def test_report_writes_then_shows(published, capsys):
 def test_doctor(published, capsys):
     assert main(["doctor", published["version"].url]) == 0
     out = capsys.readouterr().out
-    assert published["summary"]["pipeline"] in out
+    assert published["summary"].pipeline in out
     assert "No findings" in out or ("evidence:" in out and "change:" in out)
     if published["source"] == "demo":
         # The demo rejects 4 of its 24 input rows on purpose: the doctor must say so, with the numbers.
