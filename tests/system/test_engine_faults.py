@@ -1,8 +1,9 @@
 """Faults a GPU fleet has, on the real CPU vLLM engine.
 
 * The engine-core process (a child of the worker, not the worker itself; engine.multiprocessing on, as on
-  GPUs) is killed with SIGKILL mid-shard, as the kernel's OOM killer or a crashed GPU does it: the shard fails as a retryable worker failure, not as
-  error rows and not as a hang; the retry resumes and ends with every row exactly once and no error rows.
+  GPUs) is killed with SIGKILL mid-shard, as the kernel's OOM killer or a crashed GPU does it: the shard fails
+  as a retryable worker failure, not as error rows and not as a hang; the retry resumes and ends with every
+  row exactly once and no error rows.
 * In one process: a request vLLM refuses (a prompt longer than the context) is an error row; once the engine
   is dead, further requests raise ``EngineFailed`` instead of becoming rows the engine "rejected".
 * The memory classifier on real vLLM output: a KV cache too small for max_model_len is a memory failure; a
