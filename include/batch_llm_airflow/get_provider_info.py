@@ -6,8 +6,11 @@ Modelled on apache/airflow's generated ``get_provider_info.py`` files (the runti
 third-party providers such as astro-provider-ray (``versions``). ``package-name`` must be the distribution's
 name as pip knows it, or Airflow refuses the provider.
 
-- No ``connection-types``: storage goes through the amazon provider's ``aws`` connections
-  (``storage_bridge.py``); this package defines no hook.
+- ``hooks``: ``batch_llm_airflow.hooks`` (``BatchLlmStorageHook``: storage options and ``conn@bucket`` locations
+  for every operator and the report app, with credentials that botocore refreshes). No ``connection-types``:
+  the hook reads the amazon provider's ``aws`` connections (``conn_type = "aws"``) and adds no type of its own;
+  ProvidersManager keeps one hook per connection type, so a second ``aws`` entry would be dropped as a duplicate
+  (or, loaded first, take the amazon provider's form away).
 - No ``plugins``: Airflow loads a provider's ``plugins`` only with ``[core] lazy_discover_providers = False``
   (default True), so the UI plugin is registered through the ``airflow.plugins`` entry point, which every
   plugins manager reads. Listing it here too would, in that setting, register ``batch_llm`` a second time:
@@ -29,6 +32,7 @@ PACKAGE = "batch-llm"
 PLUGIN_ENTRY_POINT = "batch_llm_airflow.plugin:BatchLlmPlugin"  # [project.entry-points."airflow.plugins"]
 RUN_REPORT_LINK = "batch_llm_airflow.operators.RunReportLink"
 GPU_LLM_BATCH_DECORATOR = "batch_llm_airflow.llm_batch.gpu_llm_batch_task"  # @task.gpu_llm_batch
+HOOKS_MODULE = "batch_llm_airflow.hooks"  # BatchLlmStorageHook
 
 
 def _version() -> str:
@@ -51,6 +55,7 @@ def get_provider_info() -> dict[str, Any]:
         "integrations": [{"integration-name": "Batch LLM", "tags": ["ai", "llm"]}],
         "operators": [{"integration-name": "Batch LLM",
                        "python-modules": ["batch_llm_airflow.operators", "batch_llm_airflow.llm_batch"]}],
+        "hooks": [{"integration-name": "Batch LLM", "python-modules": [HOOKS_MODULE]}],
         "task-decorators": [{"name": "gpu_llm_batch", "class-name": GPU_LLM_BATCH_DECORATOR}],
         "extra-links": [RUN_REPORT_LINK],
     }

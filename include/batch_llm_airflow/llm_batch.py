@@ -43,8 +43,9 @@ from batch_llm.config import PipelineConfig, load_config
 from batch_llm.llm_batch import STATE_DIR, BatchInputError, OutputType
 from pydantic import BaseModel
 
-from batch_llm_airflow.operators import BatchInferenceOperator, PipelineStageOperator, names_storage_errors
-from batch_llm_airflow.storage_bridge import StorageTarget, location, storage_options
+from batch_llm_airflow.hooks import BatchLlmStorageHook
+from batch_llm_airflow.operators import BatchInferenceOperator, PipelineStageOperator, fetch_storage_options, names_storage_errors
+from batch_llm_airflow.storage_bridge import StorageTarget, split_conn
 
 # common-ai arguments that mean something only for a hosted API: refused by name, with what to do instead.
 HOSTED_ONLY = {
@@ -60,12 +61,9 @@ HOSTED_ONLY = {
 }
 
 
-def _conn_of(url: str) -> str | None:
-    """The Airflow connection of ``s3://conn@bucket/key`` (ObjectStoragePath's form), else None."""
-    if "://" not in url:
-        return None
-    host = url.split("://", 1)[1].split("/", 1)[0]
-    return host.split("@", 1)[0] if "@" in host else None
+def _target(url: str, *, must_exist: bool = False) -> StorageTarget:
+    """``url`` (``s3://conn@bucket/key``: ObjectStoragePath's form names its connection) as a storage target."""
+    return StorageTarget(split_conn(url)[1], BatchLlmStorageHook(None).location(url), must_exist=must_exist)
 
 
 class BatchRef(BaseModel):
@@ -106,17 +104,16 @@ class GPUBatchPlanOperator(PipelineStageOperator):
 
     @names_storage_errors
     def execute(self, context: Context) -> list[dict]:
-        root = location(self.result_path, None)
-        self._storage_targets = [StorageTarget(_conn_of(self.result_path), root)]
+        self._storage_targets = [_target(self.result_path)]
         if self.input_path:
-            self._storage_targets.append(StorageTarget(_conn_of(self.input_path), location(self.input_path, None),
-                                                       must_exist=True))
+            self._storage_targets.append(_target(self.input_path, must_exist=True))
+        root = self._storage_targets[0].location
         ti = context["ti"]
         try:
             cfg = llm_batch.batch_config(name=self.batch_task_id, model_id=self.model_id, result_path=self.result_path,
                                          max_tokens=self.max_tokens, output=OutputType.of(self.output_type),
                                          base=self.base_config, overrides=self.batch_overrides)
-            requests = llm_batch.requests_from_file(location(self.input_path, None), self.input_format) \
+            requests = llm_batch.requests_from_file(self._storage_targets[1].location, self.input_format) \
                 if self.input_path else llm_batch.normalize_requests(self.requests)
             batch = llm_batch.prepare(
                 cfg, root.child(STATE_DIR), requests=requests, system_prompt=self.system_prompt or "",
@@ -166,8 +163,8 @@ class _BatchStage(PipelineStageOperator):
 
     def resolve(self, context: Context):
         ref = BatchRef.model_validate(self.batch)
-        root = location(ref.result_path, None)
-        self._storage_targets = [StorageTarget(_conn_of(ref.result_path), root)]
+        self._storage_targets = [_target(ref.result_path)]
+        root = self._storage_targets[0].location
         self._batch = llm_batch.read_batch(root.child(STATE_DIR), ref.key16, ref.fingerprint)
         self._ref = ref
         return self._batch.config, self._batch.layout
@@ -182,9 +179,7 @@ class GPUBatchModelOperator(_BatchStage):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        lora = cfg.model.lora
-        fetched = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id),
-                               adapter_storage_options=storage_options(lora.conn_id) if lora else None)
+        fetched = stages.fetch(cfg, layout, **fetch_storage_options(cfg))
         m = stages.quantize(cfg, layout, fetched)
         self.log.info("model %s at %s", m.id, m.local_dir)
         return m.ref().model_dump(mode="json")
@@ -215,7 +210,8 @@ class GPUBatchLandOperator(_BatchStage):
         ref = self._ref
         result_uri = f"{ref.result_path.rstrip('/')}/{ref.key16}.jsonl"
         m = llm_batch.land(cfg, layout, self._batch.manifest, OutputType.of(self.output_type),
-                           result=location(result_uri, None), result_uri=result_uri, reattached=ref.reattached)
+                           result=BatchLlmStorageHook(None).location(result_uri), result_uri=result_uri,
+                           reattached=ref.reattached)
         counts = ", ".join(f"{k}={v}" for k, v in m.counts.model_dump().items() if v)
         self.log.info("Landed %d results for batch %s at %s (%s; terminal_reason=%s)", m.request_count, m.batch_id,
                       m.result_uri, counts or "no results", m.terminal_reason)

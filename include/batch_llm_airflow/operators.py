@@ -19,8 +19,9 @@ from batch_llm.config import PipelineConfig, parse_config
 from batch_llm.manifests import ShardManifest, ShardSpec
 from batch_llm.stages import RunLayout
 
+from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.params import overrides_from_params
-from batch_llm_airflow.storage_bridge import StorageTarget, location, storage_errors, storage_options
+from batch_llm_airflow.storage_bridge import StorageTarget, split_conn, storage_errors
 
 
 def run_date(context: Context) -> str:
@@ -39,6 +40,13 @@ def names_storage_errors(execute):
             return execute(self, *args, **kwargs)
 
     return wrapper
+
+
+def fetch_storage_options(cfg: PipelineConfig) -> dict:
+    """``stages.fetch``'s storage keyword arguments: the model's and the LoRA adapter's connections."""
+    lora = cfg.model.lora
+    return {"storage_options": BatchLlmStorageHook(cfg.model.conn_id).storage_options(),
+            "adapter_storage_options": BatchLlmStorageHook(lora.conn_id).storage_options() if lora else None}
 
 
 class PipelineStageOperator(BaseOperator):
@@ -60,8 +68,8 @@ class PipelineStageOperator(BaseOperator):
         params = context.get("params") or {}
         cfg = cfg.with_overrides({**overrides_from_params(params, cfg), **self.config_overrides},
                                  source=f"params of {self.dag_id}")
-        out = location(cfg.output.path, cfg.output.conn_id)
-        inp = location(cfg.input.path.format(ds=run_date(context)), cfg.input.conn_id)
+        out = BatchLlmStorageHook(cfg.output.conn_id).location(cfg.output.path)
+        inp = BatchLlmStorageHook(cfg.input.conn_id).location(cfg.input.path.format(ds=run_date(context)))
         # A retry resumes in the same run folder; clearing the run in the UI starts a fresh one.
         clears = getattr(context["dag_run"], "clear_number", 0) or 0
         run_id = context["run_id"] + (f".clear{clears}" if clears else "")
@@ -82,10 +90,8 @@ class FetchModelOperator(PipelineStageOperator):
         from batch_llm.lora import AdapterInvalid
 
         cfg, layout = self.resolve(context)
-        lora = cfg.model.lora
         try:
-            m = stages.fetch(cfg, layout, storage_options=storage_options(cfg.model.conn_id),
-                             adapter_storage_options=storage_options(lora.conn_id) if lora else None)
+            m = stages.fetch(cfg, layout, **fetch_storage_options(cfg))
         except (ModelFolderIncomplete, NoChatTemplate, AdapterInvalid) as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m.id, m.local_dir, m.cache_hit,
@@ -248,7 +254,7 @@ class RunReportLink(BaseOperatorLink):
     def get_link(self, operator, *, ti_key) -> str:
         from airflow.sdk.execution_time.xcom import XCom
 
-        from batch_llm_airflow.report_app import report_href, split_conn
+        from batch_llm_airflow.report_app import report_href
 
         value = XCom.get_value(ti_key=ti_key, key="return_value") or {}
         report = value.get("report") if isinstance(value, dict) else None

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from batch_llm_airflow.storage_bridge import split_conn
+
 log = logging.getLogger("batch_llm_airflow.report_app")
 
 URL_PREFIX = "/batch-llm"
@@ -76,17 +78,6 @@ class Root:
 
 def _is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
-
-
-def split_conn(url: str) -> tuple[str, str | None]:
-    """``s3://conn@bucket/key`` (Airflow's ObjectStoragePath form) -> (``s3://bucket/key``, ``conn``)."""
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        host = rest.split("/", 1)[0]
-        if "@" in host:
-            conn, rest = rest.split("@", 1)
-            return f"{scheme}://{rest}", conn
-    return url, None
 
 
 def _norm_local(url: str) -> str:
@@ -212,9 +203,9 @@ def _location(r: Resolved, conn_id: str | None):
         return Location(r.url)
     if conn_id and r.root.conn_id and conn_id != r.root.conn_id:
         raise ReportError(403, f"connection {conn_id!r} is not the one configured for this path")
-    from batch_llm_airflow.storage_bridge import location
+    from batch_llm_airflow.hooks import BatchLlmStorageHook
 
-    return location(r.url, conn_id or r.root.conn_id)
+    return BatchLlmStorageHook(conn_id or r.root.conn_id).location(r.url)
 
 
 def read_report(path: str, conn_id: str | None, user: Any) -> bytes:
@@ -241,7 +232,7 @@ def recent_reports(user: Any, limit: int = INDEX_MAX) -> list[dict]:
     the roots of DAGs the user may read, newest version name first."""
     from batch_llm.storage import Location
 
-    from batch_llm_airflow.storage_bridge import location
+    from batch_llm_airflow.hooks import BatchLlmStorageHook
 
     out: list[dict] = []
     for root in allowed_roots():
@@ -249,7 +240,7 @@ def recent_reports(user: Any, limit: int = INDEX_MAX) -> list[dict]:
         if root.dag_id and not can_read_dag(user, root.dag_id):
             continue
         try:
-            base = Location(root.url) if root.local else location(root.url, root.conn_id)
+            base = Location(root.url) if root.local else BatchLlmStorageHook(root.conn_id).location(root.url)
             found = list(base.path().glob(pattern))
         except Exception as e:  # noqa: BLE001 - one unreachable store must not hide the others
             log.warning("listing reports under %s failed: %s", root.url, e)
