@@ -25,6 +25,20 @@ def demo_config(tmp: Path, **overrides) -> PipelineConfig:
                                                                    for k, v in overrides.items()}})
 
 
+def cache_namespace(tmp: Path, **overrides) -> str:
+    """The result-cache namespace a shard of the demo pipeline (with ``overrides``) reads and writes."""
+    from batch_llm.infer import ShardRun
+    from batch_llm.manifests import ShardSpec
+    from batch_llm.storage import Location
+
+    shard = tmp / "rows.jsonl"
+    shard.write_text("")
+    run = ShardRun(demo_config(tmp, **overrides), shard=ShardSpec(index=0, rows=0, url=str(shard)),
+                   shard_dir=Location(str(tmp / "shard")), model_dir=str(tmp), model_key="m@main#abc",
+                   cache_root=Location(str(tmp / "cache")))
+    return run.cache.dir.url.rsplit("/", 1)[-1]
+
+
 def custom_code_model(demo_dir: Path, dest: Path) -> Path:
     """A copy of the demo model whose config, model class and tokenizer are code shipped in the folder
     (``auto_map``), as a ``trust_remote_code`` checkpoint has them: transformers and vLLM refuse to load it

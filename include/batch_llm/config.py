@@ -198,16 +198,38 @@ class EmbedConfig(_Section):
     normalize: bool = Field(True, description="L2-normalize every vector (vLLM's use_activation for embed)")
 
 
+class ClassifyConfig(_Section):
+    """Settings of ``engine.task: classify`` (vLLM's pooling runner, its classify pooler: the last token's
+    class logits, softmaxed)."""
+
+    labels: list[str] | None = Field(None, min_length=2, description="The classes. Given: a causal LM becomes a "
+                                     "zero-shot classifier whose score for a label is the logit of that label's "
+                                     "token at the prompt's last position (vLLM's classifier_from_token), so each "
+                                     "label must be one token of the model's vocabulary (checked at engine start) "
+                                     "and the prompt should ask for one of them. null: the model's own "
+                                     "classification head (a *ForSequenceClassification checkpoint), its classes "
+                                     "from config.json's id2label")
+
+    @field_validator("labels")
+    @classmethod
+    def _distinct(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"labels must be distinct: {v}")
+        return v
+
+
 class EngineConfig(_Section):
     """The engine and its parameters; ``kind`` picks vLLM, LMDeploy or plain transformers."""
 
     kind: Literal["vllm", "transformers", "lmdeploy"] = "vllm"
     # Under engine, not top level: it is the runner the engine starts with (vLLM's runner/convert), so it
     # reaches the engine with its section through every start (memory back-off copies included).
-    task: Literal["generate", "embed"] = Field("generate", description="generate: text outputs; embed: one "
-                                               "vector per row (vLLM's pooling runner, last-token pooling for a "
-                                               "causal LM) in an ``embedding`` column; vllm only")
+    task: Literal["generate", "embed", "classify"] = Field(
+        "generate", description="generate: text outputs; embed: one vector per row (vLLM's pooling runner, "
+        "last-token pooling for a causal LM) in an ``embedding`` column; classify: class probabilities per row "
+        "(``label`` the top class, ``score_<class>`` columns); embed and classify: vllm only")
     embed: EmbedConfig = Field(default_factory=EmbedConfig, description="task: embed settings")
+    classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="task: classify settings")
     max_model_len: int | None = Field(2048, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -248,14 +270,25 @@ class EngineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _embed_needs_vllm(self) -> "EngineConfig":
-        if self.task == "embed" and self.kind != "vllm":
-            raise ValueError(f"task: embed runs on vLLM's pooling runner; engine.kind is {self.kind!r}: set "
+    def _pooling_tasks_need_vllm(self) -> "EngineConfig":
+        if self.task != "generate" and self.kind != "vllm":
+            raise ValueError(f"task: {self.task} runs on vLLM's pooling runner; engine.kind is {self.kind!r}: set "
                              "engine.kind: vllm")
-        if self.task != "embed" and self.embed != EmbedConfig():  # not fields_set: with_overrides dumps all
-            raise ValueError("engine.embed: settings of engine.task: embed; engine.task is "
-                             f"{self.task!r} (remove engine.embed or set engine.task: embed)")
+        for task, settings, default in (("embed", self.embed, EmbedConfig()),
+                                        ("classify", self.classify, ClassifyConfig())):
+            if self.task != task and settings != default:  # not fields_set: with_overrides dumps all
+                raise ValueError(f"engine.{task}: settings of engine.task: {task}; engine.task is "
+                                 f"{self.task!r} (remove engine.{task} or set engine.task: {task})")
         return self
+
+    def task_identity(self) -> dict | None:
+        """The task and its settings where they decide a row's result beyond the sampling (embed, classify):
+        part of the result cache's namespace. None for generate."""
+        if self.task == "embed":
+            return {"task": "embed", **self.embed.model_dump()}
+        if self.task == "classify":
+            return {"task": "classify", **self.classify.model_dump()}
+        return None
 
     @model_validator(mode="after")
     def _every_key_honored(self) -> "EngineConfig":
@@ -428,8 +461,9 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _embed_takes_no_generation_settings(self) -> "PipelineConfig":
-        if self.engine.task != "embed":
+    def _pooling_tasks_take_no_generation_settings(self) -> "PipelineConfig":
+        task = self.engine.task
+        if task == "generate":
             return self
         s = self.sampling
         # settings that would silently do nothing are refused, like an unknown key
@@ -439,10 +473,10 @@ class PipelineConfig(_Section):
         cols = [c for c in self.input.sampling_columns if c != "max_tokens"]
         problems = [f"sampling.{k}" for k in given] + [f"input.sampling_columns: {c}" for c in cols]
         if problems:
-            raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: embed generates no "
+            raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: {task} generates no "
                              "text (remove them)")
         if self.model.lora is not None and not self.model.lora.merge:
-            raise ValueError("model.lora.merge: false: a served adapter is not tested with engine.task: embed; "
+            raise ValueError(f"model.lora.merge: false: a served adapter is not tested with engine.task: {task}; "
                              "set model.lora.merge: true (the adapter is merged into the model at fetch)")
         return self
 

@@ -329,7 +329,22 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
             out[k] = None
     if schema is not None and isinstance(result.get("output"), str):
         _add_structured(out, record, result["output"], fmt, schema)
+    if "scores" in out:
+        _add_class_scores(out, record, out.pop("scores"))
     return out
+
+
+def _add_class_scores(out: dict, record: dict, scores: dict) -> None:
+    """engine.task classify: one ``score_<class>`` column per class beside ``label`` (the top class), in every
+    format (named ``output_<name>`` where the input has a column of that name, e.g. a gold ``label``)."""
+    if "label" in record and "label" in out:  # the input's own column (a gold label) stays
+        out["output_label"], out["label"] = out["label"], record["label"]
+    for name, p in scores.items():
+        out[structured_column(class_score_column(name), record)] = p
+
+
+def class_score_column(label: str) -> str:
+    return f"score_{label}"
 
 
 def _choices(result: dict) -> list[tuple[str, str | None, list | None]]:
@@ -387,7 +402,7 @@ def structured_column(name: str, record: dict) -> str:
 
 
 _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
-              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding")
+              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding", "label", "scores")
 
 _SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
 

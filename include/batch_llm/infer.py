@@ -186,8 +186,9 @@ class _Group:
 # text and finish reason (n > 1), the log-probabilities of the first sample's tokens and of every sample's.
 # Chunks, outputs.jsonl and cache entries carry them as they are, so a resumed shard or a cache hit loses none.
 SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
-# engine.task embed: the row's vector, carried like the sample fields (chunks, outputs.jsonl, cache entries).
-RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding")
+# engine.task embed: the row's vector; classify: its top class and every class's probability. Carried like the
+# sample fields (chunks, outputs.jsonl, cache entries).
+RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores")
 
 
 def _sample_fields(res: GenResult) -> dict:
@@ -308,10 +309,10 @@ class ShardRun:
         if root is None or not self.cfg.cache.enabled:
             return None
         e = self.cfg.engine
-        embed = e.task == "embed"  # the sampling decides no vector; the task and its settings do
+        pooling = e.task != "generate"  # the sampling decides no vector or class; the task and its settings do
         ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
-                       self.cfg.model.chat_template), sampling={} if embed else sampling_identity(self.cfg.sampling),
-                       engine_kind=e.kind, task={"task": "embed", **e.embed.model_dump()} if embed else None)
+                       self.cfg.model.chat_template), sampling={} if pooling else sampling_identity(self.cfg.sampling),
+                       engine_kind=e.kind, task=e.task_identity())
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
     # ---------------------------------------------------------------------------------- the steps
@@ -490,6 +491,8 @@ class ShardRun:
                  **_sample_fields(res)}
         if res.embedding is not None:  # a vector, no text: output stays null
             entry.update(output=None, embedding=res.embedding)
+        if res.scores is not None:  # class probabilities, no text: output stays null
+            entry.update(output=None, label=max(res.scores, key=res.scores.__getitem__), scores=res.scores)
         for r in group.rows:
             if res.error:
                 self.pending.append(_error_row(r, res.error, prompt_tokens=res.prompt_tokens))

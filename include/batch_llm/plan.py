@@ -260,9 +260,10 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location)
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files[0], cfg.input.format)
-    if fmt == "openai_batch" and cfg.engine.task == "embed":  # its output lines are chat/completion bodies
-        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: embed "
-                         "writes vectors (give a JSONL, Parquet or CSV table of prompts)")
+    if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
+        made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
+        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
+                         f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
         scan = _Scan(cfg, fmt, tmp)

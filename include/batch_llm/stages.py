@@ -30,6 +30,7 @@ from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import (
     FILE_SUFFIX,
+    class_score_column,
     joined_outputs,
     openai_error_line,
     output_record,
@@ -203,7 +204,7 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
         return heapq.merge(*(iter_jsonl(Location(getattr(s, key), opts).path()) for s in results),
                            key=lambda r: r["idx"])
 
-    skipped = "task embed" if cfg.engine.task == "embed" else None  # vectors have no words to filter
+    skipped = f"task {cfg.engine.task}" if cfg.engine.task != "generate" else None  # vectors, classes: no words
     if cfg.filter.enabled and skipped is None:
         from batch_llm.content_filter import filter_rows  # pyahocorasick is not needed on GPU workers
 
@@ -242,8 +243,8 @@ def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtere
 def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
               out_dir: Location) -> EvaluateManifest:
     opts = layout.output_root.options
-    if cfg.engine.task == "embed":  # no text to score against references
-        m = EvaluateManifest(skipped="task embed")
+    if cfg.engine.task != "generate":  # vectors, classes: no text to score against references
+        m = EvaluateManifest(skipped=f"task {cfg.engine.task}")
     elif not cfg.evaluate.enabled:
         m = EvaluateManifest(skipped="evaluate.enabled is false")
     elif not plan.has_references:
@@ -315,7 +316,8 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
     n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema)
                                  for rec, out in pairs), fmt,
-                   types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts))
+                   types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts)
+                   or _class_types(cfg, plan, filtered, opts))
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
     manifests = RunManifests(plan=plan, filter=filtered, evaluate=scores, **(extra_manifests or {}))
     summary = RunSummary(
@@ -364,6 +366,23 @@ def _embedding_types(filtered: FilterManifest, fmt: str, opts: dict) -> list | N
     import pyarrow as pa
 
     return [pa.field("embedding", pa.list_(pa.float32(), len(vec)))]
+
+
+def _class_types(cfg: PipelineConfig, plan: PlanManifest, filtered: FilterManifest, opts: dict) -> list | None:
+    """engine.task classify in Parquet: ``label`` a string and each class's ``score_<class>`` a float64, typed
+    up front (a batch of error rows alone would have no value to infer them from); the classes are the first
+    output's (one model and run: the same classes in every row)."""
+    if cfg.engine.task != "classify" or plan.format != "parquet":
+        return None
+    first = next((r for r in iter_jsonl(Location(filtered.outputs, opts).path()) if r.get("scores")), None)
+    if first is None:
+        return None
+    import pyarrow as pa
+
+    rec = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    record = (rec or {}).get("record") or {}
+    return [pa.field("output_label" if "label" in record else "label", pa.string()),
+            *(pa.field(structured_column(class_score_column(c), record), pa.float64()) for c in first["scores"])]
 
 
 def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import pytest
 from batch_llm.config import ConfigError
-from batch_llm.infer import ShardRun
-from batch_llm.manifests import ShardSpec
 from batch_llm.storage import Location
-from helpers import demo_config
+from helpers import cache_namespace, demo_config
 
 
 def test_embed_is_off_by_default_and_loads_on_vllm(tmp_path):
@@ -47,28 +45,14 @@ def test_embed_refuses_a_served_adapter(tmp_path):
         demo_config(tmp_path, engine__task="embed", model__lora={"ref": str(tmp_path), "merge": False})
 
 
-def _namespace(tmp_path, **overrides) -> str:
-    shard = tmp_path / "rows.jsonl"
-    shard.write_text("")
-    run = ShardRun(demo_config(tmp_path, **overrides), shard=ShardSpec(index=0, rows=0, url=str(shard)),
-                   shard_dir=Location(str(tmp_path / "shard")), model_dir=str(tmp_path), model_key="m@main#abc",
-                   cache_root=Location(str(tmp_path / "cache")))
-    return run.cache.dir.url.rsplit("/", 1)[-1]
-
-
 def test_the_cache_never_serves_text_for_an_embed_request(tmp_path):
-    generate = _namespace(tmp_path)
-    embed = _namespace(tmp_path, engine__task="embed")
+    generate = cache_namespace(tmp_path)
+    embed = cache_namespace(tmp_path, engine__task="embed")
     assert embed != generate
-    assert _namespace(tmp_path, engine__task="embed", engine__embed={"normalize": False}) not in (embed, generate)
+    assert cache_namespace(tmp_path, engine__task="embed", engine__embed={"normalize": False}) not in (embed, generate)
     # the sampling decides no vector: another temperature is the same embed namespace
-    assert _namespace(tmp_path, engine__task="embed", sampling__temperature=0.5) == embed
-    assert _namespace(tmp_path, sampling__temperature=0.5) != generate
-
-
-def test_classify_is_not_a_task_yet(tmp_path):
-    with pytest.raises(ConfigError, match=r"engine.task: Input should be 'generate' or 'embed'"):
-        demo_config(tmp_path, engine__task="classify")
+    assert cache_namespace(tmp_path, engine__task="embed", sampling__temperature=0.5) == embed
+    assert cache_namespace(tmp_path, sampling__temperature=0.5) != generate
 
 
 def test_openai_batch_input_refused_for_embed(tmp_path):

@@ -67,6 +67,7 @@ class GenResult:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the engine's prefix cache (vLLM)
     samples: tuple[Sample, ...] | None = None  # every sample, where the request asked n > 1 or logprobs (vLLM)
     embedding: list[float] | None = None  # engine.task embed: the prompt's vector (vLLM's pooling runner)
+    scores: dict[str, float] | None = None  # engine.task classify: each class's probability, in the classes' order
 
 
 @dataclass

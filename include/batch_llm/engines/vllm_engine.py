@@ -6,10 +6,12 @@ stays full, and the request list is never held in memory twice.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from batch_llm.engines.base import (
@@ -48,7 +50,8 @@ class VllmEngine(Engine):
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
-                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(), **c.extra)
+                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
+                    **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
         return {k: v for k, v in args.items() if v is not None}
 
     def _multiprocessing(self) -> bool:
@@ -61,9 +64,15 @@ class VllmEngine(Engine):
         return _cuda_visible()
 
     def _task_args(self) -> dict:
-        """engine.task embed: vLLM's pooling runner; a causal LM converted to an embedding model pools its
-        last token's hidden state."""
-        return dict(runner="pooling", convert="embed") if self.cfg.task == "embed" else {}
+        """engine.task embed / classify: vLLM's pooling runner. A causal LM converted to an embedding model pools
+        its last token's hidden state; converted to a classifier with ``classify.labels``, its score head is the
+        language-model head's rows of the label tokens (vLLM's classifier_from_token, no_post_processing)."""
+        hf_overrides = dict(self.cfg.extra.get("hf_overrides") or {})
+        if self.cfg.task == "classify" and self.cfg.classify.labels:
+            hf_overrides = {"classifier_from_token": list(self.cfg.classify.labels), "method": "no_post_processing",
+                            **hf_overrides}
+        args = dict(runner="pooling", convert=self.cfg.task) if self.cfg.task in ("embed", "classify") else {}
+        return {**args, "hf_overrides": hf_overrides} if hf_overrides else args
 
     def _lora_args(self) -> dict:
         """A served adapter: LoRA on, one adapter slot, the rank the adapter needs (engine.extra may override)."""
@@ -96,6 +105,8 @@ class VllmEngine(Engine):
         missing = _missing_cpu_kernel(self.model_dir)
         if missing:
             raise EngineCannotRun(missing)
+        if self.cfg.task == "classify":
+            self.labels = classify_labels(self.model_dir, self.cfg.classify.labels)
         try:
             import vllm
             from vllm import LLM
@@ -139,8 +150,8 @@ class VllmEngine(Engine):
         return self.llm.llm_engine.vllm_config.model_config.max_model_len
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
-        if self.cfg.task == "embed":
-            yield from self._embed(requests)
+        if self.cfg.task in ("embed", "classify"):
+            yield from self._pool(requests)
             return
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -181,21 +192,24 @@ class VllmEngine(Engine):
 
         yield from self._stream(requests, add, lambda out: gen_result(out, top_k.pop(out.request_id, None)))
 
-    def _embed(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
-        """engine.task embed: the requests streamed through the pooling runner as generate streams them; one
-        vector per request (the row's sampling does not apply)."""
+    def _pool(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        """engine.task embed / classify: the requests streamed through the pooling runner as generate streams
+        them; one vector, or one probability per class, per request (the row's sampling does not apply)."""
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        params = PoolingParams(task="embed", use_activation=self.cfg.embed.normalize)
+        embed = self.cfg.task == "embed"
+        params = PoolingParams(task="embed", use_activation=self.cfg.embed.normalize) if embed else \
+            PoolingParams(task="classify")  # softmax over the classes (vLLM's default activation)
 
         def add(engine, req: GenRequest) -> None:
             engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params.clone())
 
         def result(out) -> GenResult:
+            values = out.outputs.data.float().tolist()
             return GenResult(out.request_id, prompt_tokens=len(out.prompt_token_ids or []),
-                             cached_prompt_tokens=out.num_cached_tokens or 0,
-                             embedding=out.outputs.data.float().tolist())
+                             cached_prompt_tokens=out.num_cached_tokens or 0, embedding=values if embed else None,
+                             scores=None if embed else dict(zip(self.labels, values, strict=True)))
 
         yield from self._stream(requests, add, result)
 
@@ -241,6 +255,34 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def classify_labels(model_dir: str, labels: list[str] | None) -> list[str]:
+    """The classes of engine.task classify, in the order of the score head's rows, or EngineCannotRun saying why
+    the model cannot classify them. Labels given: each must be one token of the model's vocabulary (vLLM looks
+    each up with ``convert_tokens_to_ids`` and would silently score the unknown token instead). None: the
+    checkpoint's own classification head and its ``id2label``."""
+    if labels:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        bad = {label: tok.tokenize(label) for label in labels
+               if tok.convert_tokens_to_ids(label) in (None, tok.unk_token_id)}
+        if bad:
+            said = "; ".join(f"{label!r} is {len(pieces)} tokens {pieces}" for label, pieces in bad.items())
+            raise EngineCannotRun(f"engine.classify.labels: each label must be one token of the model's vocabulary "
+                                  f"(its score is that token's logit): {said}. Pick labels the tokenizer has whole "
+                                  f"(short English words often are), or use a model with a classification head "
+                                  f"and no labels")
+        return list(labels)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    id2label = config.get("id2label") or {}
+    if not arch.endswith("ForSequenceClassification") or not id2label:
+        raise EngineCannotRun(f"engine.task: classify without engine.classify.labels needs a model with a "
+                              f"classification head and its id2label; {model_dir} is {arch}: set "
+                              f"engine.classify.labels to classify zero-shot with its vocabulary")
+    return [id2label[k] for k in sorted(id2label, key=int)]
 
 
 def gen_result(out, top_k: int | None = None) -> GenResult:
