@@ -12,6 +12,10 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
          outputs.jsonl / errors.jsonl and the manifest
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
+  raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
+         (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start
+         (no engine-core process importing vLLM again) against what it costs in generation (no overlap of
+         the scheduler with this process's work)
 
 Datasets (token-id prompts, so they also work with random weights, ``--dummy``):
   fixed  N × in-len random tokens → out-len tokens, ignore_eos
@@ -85,9 +89,11 @@ def _write_outputs(path: Path, rows, token_lists) -> None:
         os.fsync(f.fileno())
 
 
-def run_raw(a, rows) -> dict:
+def run_raw(a, rows, *, in_process: bool = False) -> dict:
     if a.engine == "lmdeploy":
         return run_raw_lmdeploy(a, rows)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -104,8 +110,8 @@ def run_raw(a, rows) -> dict:
     toks = [list(o.outputs[0].token_ids) for o in outs]
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
     n_out = sum(map(len, toks))
-    return dict(mode="raw", engine="vllm", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
-                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
+    return dict(mode="raw-inproc" if in_process else "raw", engine="vllm", generate_s=el, generated_tokens=n_out,
+                delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
 def run_raw_lmdeploy(a, rows) -> dict:
@@ -145,7 +151,7 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
-def run_stage(a, rows) -> dict:
+def run_stage(a, rows, *, in_process: bool = False) -> dict:
     from batch_llm.config import parse_config
     from batch_llm.stages import RunLayout
     from batch_llm.storage import Location, write_jsonl
@@ -161,7 +167,8 @@ def run_stage(a, rows) -> dict:
         "name": "bench", "model": {"ref": a.model}, "input": {"path": shard_url}, "output": {"path": str(work)},
         "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
-                   "commit_every_rows": a.commit_rows, "progress_every_seconds": 30},
+                   "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
+                   **({"multiprocessing": False} if in_process else {})},
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
@@ -178,7 +185,7 @@ def run_stage(a, rows) -> dict:
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
-    return dict(mode="stage", engine=a.engine, generate_s=mt["generate_seconds"],
+    return dict(mode="stage-inproc" if in_process else "stage", engine=a.engine, generate_s=mt["generate_seconds"],
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
@@ -231,7 +238,10 @@ def child(a) -> None:
     cfg = json.load(open(Path(a.model) / "config.json"))
     vocab = a.vocab or min(cfg.get("vocab_size", 32000), 150000)
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
-    res = {"raw": run_raw, "stage": run_stage, "hf": run_hf}[a.child](a, rows)
+    modes = {"raw": run_raw, "stage": run_stage, "hf": run_hf,
+             "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
+             "stage-inproc": lambda a, rows: run_stage(a, rows, in_process=True)}
+    res = modes[a.child](a, rows)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
     import resource
@@ -260,12 +270,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    if "raw" in out and "stage" in out:
-        out["stage_over_raw"] = {
-            "whole_process": round(out["raw"]["wall_s"]["median"] / out["stage"]["wall_s"]["median"], 3),
-            "generated_tok_s_in_generation": round(out["stage"]["generated_tok_s"]["median"]
-                                                   / out["raw"]["generated_tok_s"]["median"], 3),
-            "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs["raw"], runs["stage"])]}
+    for mode in ("stage", "stage-inproc", "raw-inproc"):
+        if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
+            out[f"{mode}_over_raw"] = {
+                "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
+                "generated_tok_s_in_generation": round(out[mode]["generated_tok_s"]["median"]
+                                                       / out["raw"]["generated_tok_s"]["median"], 3),
+                "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs["raw"], runs[mode])]}
     return out
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
 #   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache
+#   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process)
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
 # Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
 # Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
@@ -28,9 +29,9 @@ h200_summary() {  # the lines of a log that matter, short
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
   fixed) vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
-           --modes raw,stage --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
+           --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
   mix)   vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
-           --modes raw,stage --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
+           --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
   hf)    vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
            --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
   checks) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy stop resume | tee $OUT/checks.txt ;;
