@@ -25,6 +25,25 @@ def demo_config(tmp: Path, **overrides) -> PipelineConfig:
                                                                    for k, v in overrides.items()}})
 
 
+def run_demo_cli(src: Path, out: Path, *, ds: str, run_id: str, sets: list[str]) -> tuple[dict, dict, str]:
+    """``batch-llm run`` of the demo pipeline over ``src`` into ``out``, as a user runs it (a process of its
+    own, ``--set`` overrides); the test fails with the run's output when it fails. Returns the partition's
+    ``_CURRENT.json``, the published ``summary.json`` and the run's stdout."""
+    import subprocess
+    import sys
+
+    from batch_llm.storage import Location, read_json
+
+    args = [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
+            "--ds", ds, "--run-id", run_id, "--plain"]
+    for s in sets:
+        args += ["--set", s]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    current = read_json(Location(str(out)).child("batch_llm_demo", f"dt={ds}", "_CURRENT.json").path())
+    return current, read_json(Location(current["version"]).child("summary.json").path()), run.stdout
+
+
 def cache_namespace(tmp: Path, **overrides) -> str:
     """The result-cache namespace a shard of the demo pipeline (with ``overrides``) reads and writes."""
     from batch_llm.infer import ShardRun

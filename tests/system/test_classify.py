@@ -10,16 +10,13 @@ own forward pass of the same model over the same prompts, computed here independ
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_llm.engines.base import EngineCannotRun
 from batch_llm.engines.vllm_engine import classify_labels
-from batch_llm.storage import Location, read_json
-from helpers import DEMO_YAML
+from batch_llm.storage import Location
+from helpers import run_demo_cli
 
 DS = "2026-12-02"
 LABELS = ["positive", "negative", "neutral"]
@@ -50,15 +47,7 @@ def run(tmp_path_factory, demo_model_dir):
     tmp = tmp_path_factory.mktemp("classify")
     src = tmp / "in.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), src)
-    out = tmp / "out"
-    args = [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
-            "--ds", DS, "--run-id", "classify", "--plain"]
-    for s in SETS:
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    current = read_json(Location(str(out)).child("batch_llm_demo", f"dt={DS}", "_CURRENT.json").path())
-    summary = read_json(Location(current["version"]).child("summary.json").path())
+    current, summary, _ = run_demo_cli(src, tmp / "out", ds=DS, run_id="classify", sets=SETS)
     return pq.read_table(Location(current["dataset"]).path()), summary, demo_model_dir
 
 

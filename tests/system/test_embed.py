@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm.storage import Location, read_json
-from helpers import DEMO_YAML
+from batch_llm.storage import Location
+from helpers import run_demo_cli
 
 DS = "2026-12-01"
 DISTINCT = [f"Sentence number {i}: the {w} is on the table." for i, w in
@@ -29,14 +27,7 @@ SETS = ["sharding.num_shards=1", "engine.task=embed", "engine.dedupe_prompts=fal
 
 
 def _run(src, out, run_id):
-    args = [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
-            "--ds", DS, "--run-id", run_id, "--plain"]
-    for s in SETS:
-        args += ["--set", s]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    current = read_json(Location(str(out)).child("batch_llm_demo", f"dt={DS}", "_CURRENT.json").path())
-    summary = read_json(Location(current["version"]).child("summary.json").path())
+    current, summary, _ = run_demo_cli(src, out, ds=DS, run_id=run_id, sets=SETS)
     return pq.read_table(Location(current["dataset"]).path()), summary
 
 

@@ -9,14 +9,12 @@ through the cache table, and no second engine starts.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm.storage import Location, iter_jsonl, read_json
-from helpers import DEMO_YAML
+from batch_llm.storage import Location, iter_jsonl
+from helpers import run_demo_cli
 
 DS = "2026-11-21"
 # (id, prompt, n, logprobs, temperature, seed, max_tokens)
@@ -41,15 +39,7 @@ def _body(row: tuple) -> dict:
 
 
 def _run(src, out, run_id):
-    args = [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
-            "--ds", DS, "--run-id", run_id, "--plain"]
-    for s in SETS:
-        args += ["--set", s]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    current = read_json(Location(str(out)).child("batch_llm_demo", f"dt={DS}", "_CURRENT.json").path())
-    summary = read_json(Location(current["version"]).child("summary.json").path())
-    return current, summary, run.stdout
+    return run_demo_cli(src, out, ds=DS, run_id=run_id, sets=SETS)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 from batch_llm.config import ConfigError
 from batch_llm.formats import output_record
-from batch_llm.storage import Location
 from helpers import cache_namespace, demo_config
 
 LABELS = ["positive", "negative", "neutral"]
@@ -51,17 +50,6 @@ def test_the_cache_keys_on_the_task_and_its_classes(tmp_path):
     assert cache_namespace(tmp_path, engine__task="classify", engine__classify={"labels": LABELS[:2]}) != classify
     assert cache_namespace(tmp_path, engine__task="classify", engine__classify={"labels": LABELS},
                       sampling__temperature=0.5) == classify  # the sampling decides no class
-
-
-def test_openai_batch_input_refused_for_classify(tmp_path):
-    from batch_llm.plan import plan_shards
-
-    src = tmp_path / "batch.jsonl"
-    src.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
-                   '"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n')
-    cfg = demo_config(tmp_path, engine__task="classify", input__path=str(src))
-    with pytest.raises(ValueError, match=r"OpenAI Batch input .* engine.task: classify writes class probabilities"):
-        plan_shards(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
 
 
 def test_published_row_has_the_top_class_and_one_score_column_per_class():

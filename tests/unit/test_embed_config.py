@@ -1,4 +1,5 @@
-"""engine.task embed: what the config refuses, the cache namespace it keys on, the manifests it skips."""
+"""engine.task embed (and classify, where they share a rule): what the config refuses, the cache namespace it
+keys on, the manifests it skips."""
 from __future__ import annotations
 
 import pytest
@@ -55,12 +56,13 @@ def test_the_cache_never_serves_text_for_an_embed_request(tmp_path):
     assert cache_namespace(tmp_path, sampling__temperature=0.5) != generate
 
 
-def test_openai_batch_input_refused_for_embed(tmp_path):
+@pytest.mark.parametrize("task, made", [("embed", "vectors"), ("classify", "class probabilities")])
+def test_openai_batch_input_refused_for_pooling_tasks(tmp_path, task, made):
     from batch_llm.plan import plan_shards
 
     src = tmp_path / "batch.jsonl"
     src.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
                    '"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n')
-    cfg = demo_config(tmp_path, engine__task="embed", input__path=str(src))
-    with pytest.raises(ValueError, match=r"OpenAI Batch input .* engine.task: embed writes vectors"):
+    cfg = demo_config(tmp_path, engine__task=task, input__path=str(src))
+    with pytest.raises(ValueError, match=rf"OpenAI Batch input .* engine.task: {task} writes {made}"):
         plan_shards(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))

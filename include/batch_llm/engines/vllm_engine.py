@@ -61,7 +61,11 @@ class VllmEngine(Engine):
         to all cores but one: the 128-row chat benchmark in docs/benchmarks.md measures the difference."""
         if self.cfg.multiprocessing is not None:
             return self.cfg.multiprocessing
-        return _cuda_visible()
+        # vLLM's platform, not torch.cuda: asking torch before vLLM is imported initializes CUDA in this process
+        # (vLLM's import switches torch to an NVML check), and the forked engine core then cannot use the GPU
+        from vllm.platforms import current_platform
+
+        return not current_platform.is_cpu()
 
     def _task_args(self) -> dict:
         """engine.task embed / classify: vLLM's pooling runner. A causal LM converted to an embedding model pools
@@ -100,7 +104,6 @@ class VllmEngine(Engine):
                 str(self.cfg.cpu_kv_cache_gib)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
-        multiprocessing = self._multiprocessing()
         tail = OutputTail()
         missing = _missing_cpu_kernel(self.model_dir)
         if missing:
@@ -110,6 +113,8 @@ class VllmEngine(Engine):
         try:
             import vllm
             from vllm import LLM
+
+            multiprocessing = self._multiprocessing()
 
             # vLLM caches its environment once an engine has started (envs.enable_envs_cache); an in-process
             # engine core does that in this process, and a later start here (memory back-off, the probe, a
