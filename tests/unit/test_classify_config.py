@@ -65,3 +65,18 @@ def test_published_row_has_the_top_class_and_one_score_column_per_class():
     # an error row: no prediction, the gold label untouched
     row = output_record({"id": "a", "label": "positive"}, {"id": "a", "output": None, "error": "too long"}, "jsonl")
     assert row["label"] == "positive" and "output_label" not in row and row["error"] == "too long"
+
+
+def test_classify_constructor_arguments_keep_the_users_hf_overrides(tmp_path):
+    from batch_llm.engines.vllm_engine import VllmEngine
+
+    cfg = demo_config(tmp_path, engine__task="classify", engine__classify={"labels": LABELS},
+                      engine__extra={"hf_overrides": {"rope_theta": 20000.0}})
+    args = VllmEngine(str(tmp_path), cfg.engine, cfg.sampling)._task_args()
+    assert (args["runner"], args["convert"]) == ("pooling", "classify")
+    assert args["hf_overrides"] == {"classifier_from_token": LABELS, "method": "no_post_processing",
+                                    "rope_theta": 20000.0}
+    plain = demo_config(tmp_path, engine__extra={"hf_overrides": {"rope_theta": 20000.0}})
+    assert VllmEngine(str(tmp_path), plain.engine, plain.sampling)._task_args() == \
+        {"hf_overrides": {"rope_theta": 20000.0}}
+

@@ -144,3 +144,10 @@ def test_recommend_reads_the_quantize_scheme_and_fp8_checkpoints():
             "group_0": {"weights": {"type": weight_type, "num_bits": 8 if weight_type == "float" else 4}}}}}
     assert scheme_of(None, None, model_config=ct("float")) == "fp8"
     assert scheme_of(None, None, model_config=ct("int")) == "w4a16"
+
+
+def test_multiprocessing_is_a_vllm_setting(tmp_path):
+    assert demo_config(tmp_path).engine.multiprocessing is None  # vLLM's platform decides: off on CPUs
+    assert demo_config(tmp_path, engine__multiprocessing=True).engine.multiprocessing is True
+    with pytest.raises(ConfigError, match=r"engine.multiprocessing: vLLM's engine-core process"):
+        demo_config(tmp_path, engine__kind="transformers", engine__multiprocessing=False)
