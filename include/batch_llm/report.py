@@ -491,14 +491,18 @@ def score_history(summary: RunSummary, pipeline_root: Location, options: dict | 
     """The scores of the pipeline's published partitions up to this one (each ``<partition>/_CURRENT.json``
     → version → ``summary.json``), oldest first; this run's own scores stand for its partition."""
     current = summary.partition
-    names = []
-    for d in list_files(pipeline_root.path()):
-        if d.name in ("runs", "_cache") or d.name == current or d.name > current:
-            continue
+    # newest first, and only until the trend is full: a pipeline with years of daily partitions costs `limit`
+    # pointer checks, not one per partition (each a request on object storage)
+    earlier = sorted((d for d in list_files(pipeline_root.path())
+                      if d.name not in ("runs", "_cache") and d.name < current), key=lambda d: d.name, reverse=True)
+    names: list[str] = []
+    for d in earlier:
+        if len(names) >= limit - 1:
+            break
         if exists(d / "_CURRENT.json"):
             names.append(d.name)
     out = []
-    for name in sorted(names)[-(limit - 1):] if limit > 1 else []:
+    for name in reversed(names):
         try:
             ptr = read_json(pipeline_root.child(name, "_CURRENT.json").path())
             summ = RunSummary.read(Location(ptr["version"], options or pipeline_root.options).path())

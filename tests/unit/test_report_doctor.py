@@ -413,3 +413,19 @@ def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
     assert "font:14px/1.45 system-ui,-apple-system,'Segoe UI'" in page  # the stylesheet is included unescaped
     index = render_index([{"dag_id": "d<1", "partition": "p", "version": "v", "url": "s3://b/x.html", "conn_id": None}])
     assert "<td>d&lt;1</td>" in index and 'href="/batch-llm/report?path=s3%3A%2F%2Fb%2Fx.html"' in index
+
+
+def test_score_trend_reads_only_the_newest_partitions_it_shows(tmp_path, monkeypatch):
+    """A pipeline with many earlier partitions: the trend holds the newest ``limit - 1`` of them, oldest first,
+    and checks no older partition's pointer (each check is a request on object storage)."""
+    import batch_llm.report as report
+
+    earlier = tuple(f"dt=2026-11-{d:02d}" for d in range(1, 13))
+    summary, _, pipe = make_run(tmp_path, 2, earlier=earlier)
+    checked = []
+    real_exists = report.exists
+    monkeypatch.setattr(report, "exists", lambda p: checked.append(p.parent.name) or real_exists(p))
+    trend = report.score_history(summary, pipe, limit=4)
+    assert [t["partition"] for t in trend] == ["dt=2026-11-10", "dt=2026-11-11", "dt=2026-11-12", summary.partition]
+    assert trend[-1]["current"] and not any(t["current"] for t in trend[:-1])
+    assert sorted(checked) == ["dt=2026-11-10", "dt=2026-11-11", "dt=2026-11-12"]
