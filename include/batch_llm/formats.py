@@ -337,10 +337,15 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
 def _add_class_scores(out: dict, record: dict, scores: dict) -> None:
     """engine.task classify: one ``score_<class>`` column per class beside ``label`` (the top class), in every
     format (named ``output_<name>`` where the input has a column of that name, e.g. a gold ``label``)."""
-    if "label" in record and "label" in out:  # the input's own column (a gold label) stays
-        out["output_label"], out["label"] = out["label"], record["label"]
+    if "label" in out and (column := class_label_column(record)) != "label":
+        out[column], out["label"] = out["label"], record["label"]  # the input's own column (a gold label) stays
     for name, p in scores.items():
         out[structured_column(class_score_column(name), record)] = p
+
+
+def class_label_column(record: dict) -> str:
+    """Where a classify row's top class is published: ``label``, or ``output_label`` beside an input ``label``."""
+    return "output_label" if "label" in record else "label"
 
 
 def class_score_column(label: str) -> str:

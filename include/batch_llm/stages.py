@@ -30,6 +30,7 @@ from batch_llm.config import PipelineConfig
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import (
     FILE_SUFFIX,
+    class_label_column,
     class_score_column,
     joined_outputs,
     openai_error_line,
@@ -381,7 +382,7 @@ def _class_types(cfg: PipelineConfig, plan: PlanManifest, filtered: FilterManife
 
     rec = next(iter_jsonl(Location(plan.records, opts).path()), None)
     record = (rec or {}).get("record") or {}
-    return [pa.field("output_label" if "label" in record else "label", pa.string()),
+    return [pa.field(class_label_column(record), pa.string()),
             *(pa.field(structured_column(class_score_column(c), record), pa.float64()) for c in first["scores"])]
 
 
