@@ -58,6 +58,19 @@ case "${1:-fixed}" in
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there
     PYTHONPATH=/root/lmd timeout 300 python3 $S/make_model.py /root/q7 big 2>&1 | tail -2 ;;
+  profile)  # where each process of one raw and one stage run spends its time in generation: py-spy (carry
+    # .gpu-stage/pyspy: `pip download --no-deps py-spy -d .gpu-stage/pyspy`), non-blocking sampling at RATE Hz
+    # (blocking sampling slowed the engine start ~3x), summarized on the device (the raw stacks are too large)
+    vllm_env; python3 -m pip install -q --no-index --no-deps --target /root/pyspy .gpu-stage/pyspy/*.whl 2>&1 | grep -v WARNING
+    modes=${MODES:-raw,stage}
+    for mode in ${modes//,/ }; do
+      BENCH_T0=$(date +%s.%N) timeout -k 10 ${T:-300} /root/pyspy/bin/py-spy record --nonblocking --subprocesses --idle \
+        --threads -r ${RATE:-50} -f raw -o /tmp/profile_$mode.txt -- python3 bench/bench_inference.py --model $M --dummy \
+        --dataset ${DATASET:-mix} --n ${N:-2000} --child $mode > $OUT/profile_$mode.log 2>&1
+      echo "profile $mode rc=$?"; grep -E "^RESULT" $OUT/profile_$mode.log | cut -c1-400
+      python3 bench/profile_summary.py /tmp/profile_$mode.txt > $OUT/profile_${mode}_summary.txt
+      gzip -c /tmp/profile_$mode.txt > $OUT/profile_$mode.txt.gz
+    done ;;
   lmdeploy|lmdeploy-mix)  # raw gets the same token ids as the stage; REPEATS runs of each mode, alternating
     python3 -m pip install -q --no-index --no-deps --target /root/lmd .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
     export PYTHONPATH=/root/lmd:$PWD/include TOKENIZERS_PARALLELISM=false
