@@ -21,5 +21,9 @@ else
   skip=(--ignore=tests/system/test_ui_browser.py --ignore=tests/system/test_celery_executor.py
         --ignore=tests/system/test_quantize.py --ignore=tests/system/test_openai_batch.py)
 fi
-.venv/bin/python -m pytest -p no:cacheprovider --durations=20 "${skip[@]}"; rest=$?
+# Two workers, a module each at a time (--dist loadfile: a module's fixtures start once): the suite keeps
+# one core busy on average (engine starts, Airflow processes), so two run it in about two thirds of the time.
+.venv/bin/python -m pytest -p no:cacheprovider --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder "${skip[@]}"
+rest=$?
 [ $ui -eq 0 ] && [ $rest -eq 0 ]

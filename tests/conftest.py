@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VAR = ROOT / "var" / "test"
+# One folder per pytest-xdist worker (make test runs two): dag.test()'s SQLite database is one writer's
+VAR = ROOT / "var" / "test" / os.environ.get("PYTEST_XDIST_WORKER", "main")
 VAR.mkdir(parents=True, exist_ok=True)
 
 os.environ.setdefault("AIRFLOW_HOME", str(VAR / "airflow"))
@@ -25,6 +26,14 @@ for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_
              "TOKENIZERS_PARALLELISM": "false", "BATCH_LLM_GPUS": ""}.items():
     os.environ.setdefault(k, v)
 (VAR / "airflow").mkdir(parents=True, exist_ok=True)
+# Two xdist workers (make test) share the cores: one OpenMP thread per process, or PyTorch's threads spin
+# against each other's (a transformers shard took minutes instead of seconds); and vLLM's CPU engine pins
+# its thread to every core but the last (its automatic binding), so both workers' engines would share core 0
+# while core 1 idles: each worker's engines get a core of their own.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                          str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) % (os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +68,15 @@ def s3(tmp_path_factory):
             yield server
         finally:
             os.environ.pop("AIRFLOW_CONN_LAKE", None)
+
+
+# The longest modules (2-6 min each here) first: make test's two xdist workers (--dist loadfile, and
+# --no-loadscope-reorder, else xdist orders modules by their number of tests) take them at once and the many
+# short modules fill in behind, so both workers finish at about the same time.
+LONGEST_FIRST = ("test_resume.py", "test_engine_faults.py", "test_rest_backfill.py", "test_s3_pipeline.py",
+                 "test_pipeline_e2e.py", "test_structured_outputs.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
