@@ -13,17 +13,19 @@ fi
 # inside CI's 90 minutes on a 2-core AVX2 machine (the rest took 78 min there with them): the browser UI test
 # (~3 min), the CeleryExecutor fault tests (Redis, PostgreSQL, a scheduler and workers killed; ~12 min), the
 # AWQ / FP8 exports with llm-compressor (~7 min) and the OpenAI Batch parity against vLLM's own run-batch (~9 min).
-ui=0
+# They run one after another, in pytest processes of their own and before the xdist run, not beside it:
+# they start services and heavy engines of their own, and were never checked sharing the cores.
+heavy=(tests/system/test_celery_executor.py tests/system/test_quantize.py tests/system/test_openai_batch.py)
+skip=(--ignore=tests/system/test_ui_browser.py)
+for m in "${heavy[@]}"; do skip+=("--ignore=$m"); done
+extra=0
 if [ "${TEST_ALL:-0}" = 1 ]; then
-  .venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py; ui=$?
-  skip=(--ignore=tests/system/test_ui_browser.py)
-else
-  skip=(--ignore=tests/system/test_ui_browser.py --ignore=tests/system/test_celery_executor.py
-        --ignore=tests/system/test_quantize.py --ignore=tests/system/test_openai_batch.py)
+  .venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py || extra=1
+  .venv/bin/python -m pytest -p no:cacheprovider --durations=10 "${heavy[@]}" || extra=1
 fi
 # Two workers, a module each at a time (--dist loadfile: a module's fixtures start once): the suite keeps
 # one core busy on average (engine starts, Airflow processes), so two run it in about two thirds of the time.
 .venv/bin/python -m pytest -p no:cacheprovider --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile \
   --no-loadscope-reorder "${skip[@]}"
 rest=$?
-[ $ui -eq 0 ] && [ $rest -eq 0 ]
+[ $extra -eq 0 ] && [ $rest -eq 0 ]
