@@ -552,11 +552,16 @@ class AirflowServices:
 
         url = f"{self.base_url}/api/v2/{path.lstrip('/')}" if not path.startswith("/") else \
             f"{self.base_url}{path}"
-        for attempt in (1, 2):
+        for attempt in range(1, 11):
             r = requests.request(method, url, json=json, params=params, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.token()}"})
             if r.status_code == 401 and attempt == 1:
                 self._token = None
+                continue
+            # On SQLite Airflow answers 503 "Database is locked" while the scheduler holds the database (more
+            # often on a busy machine, as with make test's two workers): a client asks again
+            if r.status_code == 503 and "Database is locked" in r.text:
+                time.sleep(3)
                 continue
             break
         if r.status_code not in set(ok):

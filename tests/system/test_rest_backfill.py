@@ -51,19 +51,6 @@ def services(tmp_path_factory, demo_model_dir, request):
         assert not svc.procs.leftovers(), "processes left behind"
 
 
-def create_backfill(svc, body: dict, attempts: int = 10) -> dict:
-    """POST /backfills. On SQLite Airflow answers 503 "Database is locked" while the scheduler holds the database
-    (more often when the machine is busy, as with two test workers): a client tries again."""
-    for attempt in range(attempts):
-        try:
-            return svc.api("POST", "backfills", json=body)
-        except AssertionError as e:
-            if "Database is locked" not in str(e) or attempt == attempts - 1:
-                raise
-            time.sleep(3)
-    raise AssertionError("unreachable")
-
-
 def midnight(day: dt.date) -> str:
     return dt.datetime.combine(day, dt.time(), tzinfo=dt.timezone.utc).isoformat()
 
@@ -102,7 +89,7 @@ def test_backfill_three_days_through_rest(services):
     assert planned == [d.isoformat() for d in DAYS], dry
 
     # Created while the DAG is still paused (see the module docstring), then unpaused so that it runs.
-    backfill = create_backfill(svc, body)
+    backfill = svc.api("POST", "backfills", json=body)
     svc.unpause(DAG_ID)
 
     runs = []
