@@ -8,9 +8,11 @@ Modes, each run in a fresh process (so GPU memory is free between them):
   raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call), then the
          completions written to a JSONL file; with --engine lmdeploy: LMDeploy's engine fed the same token
          ids (no re-tokenized text), then the completions written
-  stage  the project's inference stage exactly as the operator runs it: shard file in storage, the spawned
+  stage  the project's plan and inference stages as the DAG runs them: the input file planned into one shard
+         (validation, the shard's order: largest output budget first, then prompt length), the spawned
          worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
          outputs.jsonl / errors.jsonl and the manifest
+  stage-x  the stage with --stage-extra's engine arguments added (engine.extra): a tuning knob against the same raw
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
   raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start
@@ -151,20 +153,24 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
-def run_stage(a, rows, *, in_process: bool = False) -> dict:
+def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False) -> dict:
     from batch_llm.config import parse_config
+    from batch_llm.plan import plan_shards
     from batch_llm.stages import RunLayout
     from batch_llm.storage import Location, write_jsonl
     from batch_llm.worker import WorkerHandle
 
     work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
-    shard_url = str(work / "shard-00000.jsonl")
-    write_jsonl(Location(shard_url).path(), ({**r, "idx": i, "messages": []} for i, r in enumerate(rows)))
+    input_url = str(work / "input.jsonl")
+    write_jsonl(Location(input_url).path(), rows)
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
     if a.engine == "lmdeploy":
         extra = {}
+    if tuned:
+        extra.update(json.loads(a.stage_extra or "{}"))
     cfg = parse_config({
-        "name": "bench", "model": {"ref": a.model}, "input": {"path": shard_url}, "output": {"path": str(work)},
+        "name": "bench", "model": {"ref": a.model}, "input": {"path": input_url}, "output": {"path": str(work)},
+        "sharding": {"num_shards": 1},
         "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
@@ -172,9 +178,10 @@ def run_stage(a, rows, *, in_process: bool = False) -> dict:
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
+    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
+    assert plan.valid == len(rows) and len(plan.shards) == 1, plan
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(),
-            "model": {"local_dir": a.model, "model_key": "bench"},
-            "shard": {"index": 0, "rows": len(rows), "url": shard_url}}
+            "model": {"local_dir": a.model, "model_key": "bench"}, "shard": plan.shards[0].model_dump(mode="json")}
     ready: list[float] = []
 
     def on_line(line: str) -> None:
@@ -185,11 +192,12 @@ def run_stage(a, rows, *, in_process: bool = False) -> dict:
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
-    return dict(mode="stage-inproc" if in_process else "stage", engine=a.engine, generate_s=mt["generate_seconds"],
+    mode = "stage-inproc" if in_process else "stage-x" if tuned else "stage"
+    return dict(mode=mode, engine=a.engine, generate_s=mt["generate_seconds"],
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
-                phases=m.get("phases"))
+                plan_s=plan.seconds, phases=m.get("phases"))
 
 
 def run_hf(a, rows) -> dict:
@@ -240,7 +248,8 @@ def child(a) -> None:
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
     modes = {"raw": run_raw, "stage": run_stage, "hf": run_hf,
              "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
-             "stage-inproc": lambda a, rows: run_stage(a, rows, in_process=True)}
+             "stage-inproc": lambda a, rows: run_stage(a, rows, in_process=True),
+             "stage-x": lambda a, rows: run_stage(a, rows, tuned=True)}
     res = modes[a.child](a, rows)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
@@ -270,7 +279,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    for mode in ("stage", "stage-inproc", "raw-inproc"):
+    for mode in ("stage", "stage-x", "stage-inproc", "raw-inproc"):
         if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
             out[f"{mode}_over_raw"] = {
                 "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
@@ -298,6 +307,7 @@ def main() -> None:
     p.add_argument("--hf-n", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--modes", default="raw,stage")
+    p.add_argument("--stage-extra", default="", help="JSON: engine arguments of the stage-x mode (engine.extra)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")
     p.add_argument("--child", help=argparse.SUPPRESS)

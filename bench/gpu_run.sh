@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
 #   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache
-#   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process)
+#   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
+#    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments)
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
 # Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
 # Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
@@ -30,8 +31,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
   fixed) vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
-  mix)   vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
-           --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
+  mix)   vllm_env; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
+           --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl \
+           ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
   hf)    vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
            --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
   checks) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy stop resume | tee $OUT/checks.txt ;;

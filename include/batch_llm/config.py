@@ -140,7 +140,8 @@ class ShardingConfig(_Section):
 
     rows_per_shard: int | None = Field(None, gt=0)
     num_shards: int | None = Field(None, gt=0)
-    sort_by_length: bool = True
+    sort_by_length: bool = Field(True, description="Inside a shard, rows with the largest output budget first, "
+                                   "then by prompt length (plan.shard_order); false: input order")
     # With neither set, shards are sized so that engine start stays under max_engine_start_share of a shard's
     # time, from these two expectations (defaults: measured on one H200, Qwen2.5-7B shape; docs/benchmarks.md).
     max_engine_start_share: float = Field(0.1, gt=0, lt=1)

@@ -1,14 +1,16 @@
 """Plan shards: read the run's input, validate every row, split the valid rows into shards, in bounded memory.
 
 Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on. Shards are
-contiguous ranges of the input (so outputs merge back in input order), sorted by prompt length inside
-(similar lengths batch together: less padding for static batching, steadier decode batches for vLLM).
+contiguous ranges of the input (so outputs merge back in input order), sorted inside by output budget, largest
+first, then by prompt length (``shard_order``): the longest generations start first instead of
+trailing a shard's end on a near-empty batch, and similar prompt lengths batch together (less padding for
+static batching).
 
 Memory does not grow with the input. How, in three streamed passes over local temporary files::
 
     input files ─> validate ─> spool (valid rows, input order) + row errors + one 8-byte id hash per row
     id hashes (an array, sorted) ─> candidate duplicates ─> one pass over the spool confirms them by id
-    spool ─> records.jsonl + shard files (each sorted by length: in-memory runs spilled and merged)
+    spool ─> records.jsonl + shard files (each sorted by shard_order: in-memory runs spilled and merged)
 
 The spool is a local file of tab-separated fields whose JSON parts are written once in the first pass and
 copied as bytes afterwards (JSON escapes tabs and newlines, so a field never holds one). Planning needs
@@ -63,10 +65,21 @@ def shard_sizes(n: int, s: ShardingConfig, max_tokens: int = 256) -> list[int]:
 
 
 def prompt_chars(r: PromptRow) -> int:
-    """The sort key inside a shard: a prompt's length (token ids count as 4 characters)."""
+    """A prompt's length in characters (token ids count as 4 characters)."""
     if r.prompt_token_ids:
         return len(r.prompt_token_ids) * 4
     return len(r.text) if r.text is not None else sum(len(m["content"]) for m in r.messages)
+
+
+def shard_order(r: PromptRow, default_max_tokens: int) -> tuple[int, int]:
+    """The sort key inside a shard: the row's output budget, largest first, then its prompt length.
+
+    Engines that batch continuously (vLLM, LMDeploy) admit requests in shard order. A long generation
+    admitted late runs on after the rest have finished, in ever smaller decode batches; started first, it
+    overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md).
+    Rows of one budget (a pipeline-wide ``sampling.max_tokens``) keep the prompt-length order."""
+    budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
+    return -budget, prompt_chars(r)
 
 
 _dumps = json_bytes
@@ -109,8 +122,8 @@ class _Scan:
                     self.has_references = self.has_references or bool(row.reference)
                     shard_body = _dumps(_shard_fields(row))
                     record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
-                    spool.write(b"\t".join((where[:-1], b"%d" % prompt_chars(row), _dumps(row.id), shard_body,
-                                            record_body)) + b"\n")
+                    spool.write(b"\t".join((where[:-1], b"%d %d" % shard_order(row, self.cfg.sampling.max_tokens),
+                                            _dumps(row.id), shard_body, record_body)) + b"\n")
 
     def _checked(self, row: PromptRow) -> PromptRow:
         """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them."""
@@ -139,7 +152,8 @@ def _shard_fields(r: PromptRow) -> dict:
 
 
 def _spool_lines(path: Path) -> Iterator[list[bytes]]:
-    """Spool rows as their fields: file_no, line, chars, id (JSON), shard body, record body."""
+    """Spool rows as their fields: file_no, line, shard_order ("-budget chars"), id (JSON), shard body, record
+    body."""
     with open(path, "rb") as fh:
         for line in fh:
             yield line.rstrip(b"\n").split(b"\t")
@@ -185,33 +199,33 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
 
 
 class _SortedShardWriter:
-    """Writes one shard's rows sorted by (prompt length, input position), in bounded memory: runs of
+    """Writes one shard's rows sorted by (``shard_order``, input position), in bounded memory: runs of
     ``SORT_RUN_ROWS`` rows are sorted in memory and spilled to local files, then merged into the shard."""
 
     def __init__(self, loc: Location, tmp: Path, *, sort: bool):
         self.loc, self.tmp, self.sort = loc, tmp, sort
-        self.buf: list[tuple[int, int, bytes]] = []
+        self.buf: list[tuple[int, int, int, bytes]] = []
         self.runs: list[Path] = []
 
-    def add(self, chars: int, idx: int, line: bytes) -> None:
-        self.buf.append((chars, idx, line))
+    def add(self, order: tuple[int, int], idx: int, line: bytes) -> None:
+        self.buf.append((*order, idx, line))
         if len(self.buf) >= SORT_RUN_ROWS:
             self._spill()
 
     def _spill(self) -> None:
         run = self.tmp / f"run-{len(self.runs):05d}.tsv"
         with open(run, "wb") as fh:
-            fh.writelines(b"%d\t%d\t%s" % item for item in self._sorted_buf())
+            fh.writelines(b"%d\t%d\t%d\t%s" % item for item in self._sorted_buf())
         self.runs.append(run)
         self.buf = []
 
-    def _sorted_buf(self) -> list[tuple[int, int, bytes]]:
+    def _sorted_buf(self) -> list[tuple[int, int, int, bytes]]:
         return sorted(self.buf) if self.sort else self.buf
 
     def close(self) -> None:
         with atomic_writer(self.loc.path()) as w:
             if not self.runs:
-                for _, _, line in self._sorted_buf():
+                for *_, line in self._sorted_buf():
                     w.write(line)
                 return
             self._spill()
@@ -220,7 +234,7 @@ class _SortedShardWriter:
                 # Unsorted runs are consecutive input ranges: chaining them keeps input order.
                 items = heapq.merge(*map(_run_items, handles)) if self.sort else \
                     (item for h in handles for item in _run_items(h))
-                for _, _, line in items:
+                for *_, line in items:
                     w.write(line)
             finally:
                 for h in handles:
@@ -229,10 +243,10 @@ class _SortedShardWriter:
             run.unlink(missing_ok=True)
 
 
-def _run_items(fh) -> Iterator[tuple[int, int, bytes]]:
+def _run_items(fh) -> Iterator[tuple[int, int, int, bytes]]:
     for ln in fh:
-        chars, idx, line = ln.split(b"\t", 2)
-        yield int(chars), int(idx), line
+        neg_budget, chars, idx, line = ln.split(b"\t", 3)
+        yield int(neg_budget), int(chars), int(idx), line
 
 
 def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
@@ -309,7 +323,8 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
                 loc = plan_dir.child(f"shard-{len(shards):05d}.jsonl")
                 shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
                 writer = _SortedShardWriter(loc, tmp, sort=sort)
-            writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
+            neg_budget, chars = fields[2].split(b" ")
+            writer.add((int(neg_budget), int(chars)), idx, _with_idx(fields[4], idx))
             records.write(_with_idx(fields[5], idx))
             idx += 1
             left -= 1

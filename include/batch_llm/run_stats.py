@@ -139,7 +139,8 @@ def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
         st.truncated += r.get("finish_reason") == "length"
         if not r.get("cached"):
             sent.append((p, c))
-    if sort:  # the planner sorts a shard by prompt length; batches are cut in that order
+    if sort:  # the planner sorts a shard by output budget, then prompt length (plan.shard_order); with one
+        # budget for every row, the common case, that is prompt length, and batches are cut in that order
         sent.sort()
     for k in range(0, len(sent), bs):
         batch = sent[k:k + bs]

@@ -51,6 +51,26 @@ def test_parquet_sorted_by_length_inside_shards(tmp_path):
     assert first == ["r3", "r2", "r1", "r0"]  # contiguous input range, shortest prompt first
 
 
+def test_largest_output_budget_first_then_prompt_length(tmp_path, monkeypatch):
+    """Rows with their own max_tokens: the longest generations lead the shard (they would otherwise trail its
+    end on a near-empty batch); rows of one budget (the pipeline's, 256 here) stay shortest prompt first. The
+    same order whether the shard is sorted in memory or in spilled runs merged."""
+    budgets = {"r0": None, "r1": 512, "r2": 16, "r3": 512, "r4": None, "r5": 16, "r6": 1024}
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps({"id": r["id"], "prompt": r["text"],
+                                     **({"max_tokens": budgets[r["id"]]} if budgets[r["id"]] else {})}) + "\n"
+                         for r in ROWS))
+    want = ["r6", "r3", "r1", "r4", "r0", "r5", "r2"]  # 1024; 512 (r3 shorter); 256 (r4 shorter); 16 (r5 shorter)
+    for run_rows in (plan_mod.SORT_RUN_ROWS, 2):
+        monkeypatch.setattr(plan_mod, "SORT_RUN_ROWS", run_rows)
+        m = _plan(tmp_path, p, sharding__num_shards=1)
+        rows = list(iter_jsonl(Location(m.shards[0].url).path()))
+        assert [r["id"] for r in rows] == want, run_rows
+        assert [r["idx"] for r in rows] == [int(i[1:]) for i in want]  # input positions kept for the merge
+    m = _plan(tmp_path, p, sharding__num_shards=1, sharding__sort_by_length=False)
+    assert [r["id"] for r in iter_jsonl(Location(m.shards[0].url).path())] == [r["id"] for r in ROWS]
+
+
 def test_openai_batch_in_and_out(tmp_path):
     p = tmp_path / "batch.jsonl"
     lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
