@@ -442,7 +442,6 @@ PHASE_ADVICE = {
     "read": "keep the shard files and the result cache near the workers (same region/bucket)",
     "engine": "engine.compile_cache or fewer, larger shards (sharding.rows_per_shard)",
     "tokenize": "pre-tokenized prompt_token_ids in the input, or a faster tokenizer",
-    "first_token": "smaller engine.max_num_batched_tokens so the first results come sooner",
     "merge": "a larger engine.commit_every_rows (fewer chunks to merge)",
     "commit": "output storage near the workers; the cache on the same store",
 }

@@ -7,7 +7,9 @@ Phases (``PHASES``), in the order a shard meets them::
     read        committed rows, the keys pass over the shard file, the cache lookup and its hits
     engine      engine start (in a thread of its own, overlapping the next phase)
     tokenize    chat template + tokenizer over the rows to send, while the engine starts (spooled)
-    first_token generation begins → the first result
+    first_token generation begins → the first result (generation too: the engine works from its first step,
+                but a row is a result only when its output is done, later when the largest output budgets
+                lead the shard, as the planner orders it)
     generation  the first result → the last
     merge       committed chunks merged into outputs.jsonl / errors.jsonl
     commit      the cache table and the manifest
@@ -25,8 +27,9 @@ if TYPE_CHECKING:
     from batch_llm.manifests import Phase
 
 PHASES = ("spawn", "imports", "read", "engine", "tokenize", "first_token", "generation", "merge", "commit")
-# Generation is the work itself; the other phases are overhead a shard could shorten or hide.
-AVOIDABLE = ("spawn", "imports", "read", "engine", "tokenize", "first_token", "merge", "commit")
+# Generation (first_token and generation) is the work itself; the other phases are overhead a shard could
+# shorten or hide.
+AVOIDABLE = ("spawn", "imports", "read", "engine", "tokenize", "merge", "commit")
 
 
 @dataclass

@@ -396,6 +396,11 @@ def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
             if p.name == "engine":
                 p.end = p.start + 0.5
     assert not [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
+    for s in summary.manifests.infer:  # a late first result (the longest rows lead the shard) is generation
+        first = next(p for p in s.phases if p.name == "first_token")
+        gen = next(p for p in s.phases if p.name == "generation")
+        first.end = gen.start = first.start + 0.5 * (gen.end - first.start)
+    assert not [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
 
 
 def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
