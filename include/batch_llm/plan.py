@@ -71,15 +71,20 @@ def prompt_chars(r: PromptRow) -> int:
     return len(r.text) if r.text is not None else sum(len(m["content"]) for m in r.messages)
 
 
-def shard_order(r: PromptRow, default_max_tokens: int) -> tuple[int, int]:
-    """The sort key inside a shard: the row's output budget, largest first, then its prompt length.
+# shard_order's weight of one output token: above any prompt's length in characters.
+_BUDGET_STEP = 1 << 40
+
+
+def shard_order(r: PromptRow, default_max_tokens: int) -> int:
+    """The sort key inside a shard: the row's output budget, largest first, then its prompt length, as one
+    integer (ascending = that order), so the sort and its spilled runs carry one number a row.
 
     Engines that batch continuously (vLLM, LMDeploy) admit requests in shard order. A long generation
     admitted late runs on after the rest have finished, in ever smaller decode batches; started first, it
     overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md).
     Rows of one budget (a pipeline-wide ``sampling.max_tokens``) keep the prompt-length order."""
     budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
-    return -budget, prompt_chars(r)
+    return prompt_chars(r) - budget * _BUDGET_STEP
 
 
 _dumps = json_bytes
@@ -122,7 +127,7 @@ class _Scan:
                     self.has_references = self.has_references or bool(row.reference)
                     shard_body = _dumps(_shard_fields(row))
                     record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
-                    spool.write(b"\t".join((where[:-1], b"%d %d" % shard_order(row, self.cfg.sampling.max_tokens),
+                    spool.write(b"\t".join((where[:-1], b"%d" % shard_order(row, self.cfg.sampling.max_tokens),
                                             _dumps(row.id), shard_body, record_body)) + b"\n")
 
     def _checked(self, row: PromptRow) -> PromptRow:
@@ -152,8 +157,7 @@ def _shard_fields(r: PromptRow) -> dict:
 
 
 def _spool_lines(path: Path) -> Iterator[list[bytes]]:
-    """Spool rows as their fields: file_no, line, shard_order ("-budget chars"), id (JSON), shard body, record
-    body."""
+    """Spool rows as their fields: file_no, line, shard_order, id (JSON), shard body, record body."""
     with open(path, "rb") as fh:
         for line in fh:
             yield line.rstrip(b"\n").split(b"\t")
@@ -204,28 +208,28 @@ class _SortedShardWriter:
 
     def __init__(self, loc: Location, tmp: Path, *, sort: bool):
         self.loc, self.tmp, self.sort = loc, tmp, sort
-        self.buf: list[tuple[int, int, int, bytes]] = []
+        self.buf: list[tuple[int, int, bytes]] = []
         self.runs: list[Path] = []
 
-    def add(self, order: tuple[int, int], idx: int, line: bytes) -> None:
-        self.buf.append((*order, idx, line))
+    def add(self, order: int, idx: int, line: bytes) -> None:
+        self.buf.append((order, idx, line))
         if len(self.buf) >= SORT_RUN_ROWS:
             self._spill()
 
     def _spill(self) -> None:
         run = self.tmp / f"run-{len(self.runs):05d}.tsv"
         with open(run, "wb") as fh:
-            fh.writelines(b"%d\t%d\t%d\t%s" % item for item in self._sorted_buf())
+            fh.writelines(b"%d\t%d\t%s" % item for item in self._sorted_buf())
         self.runs.append(run)
         self.buf = []
 
-    def _sorted_buf(self) -> list[tuple[int, int, int, bytes]]:
+    def _sorted_buf(self) -> list[tuple[int, int, bytes]]:
         return sorted(self.buf) if self.sort else self.buf
 
     def close(self) -> None:
         with atomic_writer(self.loc.path()) as w:
             if not self.runs:
-                for *_, line in self._sorted_buf():
+                for _, _, line in self._sorted_buf():
                     w.write(line)
                 return
             self._spill()
@@ -234,7 +238,7 @@ class _SortedShardWriter:
                 # Unsorted runs are consecutive input ranges: chaining them keeps input order.
                 items = heapq.merge(*map(_run_items, handles)) if self.sort else \
                     (item for h in handles for item in _run_items(h))
-                for *_, line in items:
+                for _, _, line in items:
                     w.write(line)
             finally:
                 for h in handles:
@@ -243,10 +247,10 @@ class _SortedShardWriter:
             run.unlink(missing_ok=True)
 
 
-def _run_items(fh) -> Iterator[tuple[int, int, int, bytes]]:
+def _run_items(fh) -> Iterator[tuple[int, int, bytes]]:
     for ln in fh:
-        neg_budget, chars, idx, line = ln.split(b"\t", 3)
-        yield int(neg_budget), int(chars), int(idx), line
+        order, idx, line = ln.split(b"\t", 2)
+        yield int(order), int(idx), line
 
 
 def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
@@ -323,8 +327,7 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
                 loc = plan_dir.child(f"shard-{len(shards):05d}.jsonl")
                 shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
                 writer = _SortedShardWriter(loc, tmp, sort=sort)
-            neg_budget, chars = fields[2].split(b" ")
-            writer.add((int(neg_budget), int(chars)), idx, _with_idx(fields[4], idx))
+            writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
             records.write(_with_idx(fields[5], idx))
             idx += 1
             left -= 1
