@@ -13,6 +13,8 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
          outputs.jsonl / errors.jsonl and the manifest
   stage-x  the stage with --stage-extra's engine arguments added (engine.extra): a tuning knob against the same raw
+  stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
+         order (largest output budget first, then prompt length) is worth
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
   raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start
@@ -153,7 +155,7 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
-def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False) -> dict:
+def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False, input_order: bool = False) -> dict:
     from batch_llm.config import parse_config
     from batch_llm.plan import plan_shards
     from batch_llm.stages import RunLayout
@@ -170,7 +172,7 @@ def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False) -> dict
         extra.update(json.loads(a.stage_extra or "{}"))
     cfg = parse_config({
         "name": "bench", "model": {"ref": a.model}, "input": {"path": input_url}, "output": {"path": str(work)},
-        "sharding": {"num_shards": 1},
+        "sharding": {"num_shards": 1, "sort_by_length": not input_order},
         "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
@@ -192,7 +194,7 @@ def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False) -> dict
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
-    mode = "stage-inproc" if in_process else "stage-x" if tuned else "stage"
+    mode = "stage-inproc" if in_process else "stage-x" if tuned else "stage-input-order" if input_order else "stage"
     return dict(mode=mode, engine=a.engine, generate_s=mt["generate_seconds"],
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
@@ -249,7 +251,8 @@ def child(a) -> None:
     modes = {"raw": run_raw, "stage": run_stage, "hf": run_hf,
              "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
              "stage-inproc": lambda a, rows: run_stage(a, rows, in_process=True),
-             "stage-x": lambda a, rows: run_stage(a, rows, tuned=True)}
+             "stage-x": lambda a, rows: run_stage(a, rows, tuned=True),
+             "stage-input-order": lambda a, rows: run_stage(a, rows, input_order=True)}
     res = modes[a.child](a, rows)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
@@ -279,7 +282,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    for mode in ("stage", "stage-x", "stage-inproc", "raw-inproc"):
+    for mode in ("stage", "stage-x", "stage-input-order", "stage-inproc", "raw-inproc"):
         if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
             out[f"{mode}_over_raw"] = {
                 "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
