@@ -155,7 +155,8 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
 
 
-def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False, input_order: bool = False) -> dict:
+def run_stage(a, rows, mode: str = "stage") -> dict:
+    """``mode``: stage, stage-inproc, stage-x or stage-input-order (the module's docstring says what each is)."""
     from batch_llm.config import parse_config
     from batch_llm.plan import plan_shards
     from batch_llm.stages import RunLayout
@@ -168,15 +169,15 @@ def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False, input_o
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
     if a.engine == "lmdeploy":
         extra = {}
-    if tuned:
+    if mode == "stage-x":
         extra.update(json.loads(a.stage_extra or "{}"))
     cfg = parse_config({
         "name": "bench", "model": {"ref": a.model}, "input": {"path": input_url}, "output": {"path": str(work)},
-        "sharding": {"num_shards": 1, "sort_by_length": not input_order},
+        "sharding": {"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
         "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
-                   **({"multiprocessing": False} if in_process else {})},
+                   **({"multiprocessing": False} if mode == "stage-inproc" else {})},
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
@@ -194,7 +195,6 @@ def run_stage(a, rows, *, in_process: bool = False, tuned: bool = False, input_o
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
-    mode = "stage-inproc" if in_process else "stage-x" if tuned else "stage-input-order" if input_order else "stage"
     return dict(mode=mode, engine=a.engine, generate_s=mt["generate_seconds"],
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
@@ -248,12 +248,8 @@ def child(a) -> None:
     cfg = json.load(open(Path(a.model) / "config.json"))
     vocab = a.vocab or min(cfg.get("vocab_size", 32000), 150000)
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
-    modes = {"raw": run_raw, "stage": run_stage, "hf": run_hf,
-             "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
-             "stage-inproc": lambda a, rows: run_stage(a, rows, in_process=True),
-             "stage-x": lambda a, rows: run_stage(a, rows, tuned=True),
-             "stage-input-order": lambda a, rows: run_stage(a, rows, input_order=True)}
-    res = modes[a.child](a, rows)
+    modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True)}
+    res = run_stage(a, rows, a.child) if a.child.startswith("stage") else modes[a.child](a, rows)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
     import resource
