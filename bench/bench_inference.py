@@ -29,6 +29,8 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``):
 
 The clock (the same for every mode):
   wall_s          process start → outputs on disk → process exit, measured by this driver around the child
+  outputs_s       process start → outputs on disk (raw: its output file written and fsynced; stage: the shard's
+                  manifest written, the end of its timeline's commit phase): wall_s without the exit
   engine_ready_s  process start → the engine accepts requests (imports and engine construction included)
   generate_s      the generation call (raw) or the shard's generation phase (stage), nothing else
   tokens          generated (what the engine produced) apart from delivered (output tokens in the rows
@@ -115,7 +117,8 @@ def run_raw(a, rows, *, in_process: bool = False) -> dict:
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
     n_out = sum(map(len, toks))
     return dict(mode="raw-inproc" if in_process else "raw", engine="vllm", generate_s=el, generated_tokens=n_out,
-                delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
+                delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows),
+                outputs_s=_since_start())
 
 
 def run_raw_lmdeploy(a, rows) -> dict:
@@ -152,7 +155,7 @@ def run_raw_lmdeploy(a, rows) -> dict:
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
     n_out = sum(n for _, n in done)
     return dict(mode="raw", engine="lmdeploy", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
-                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows))
+                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), outputs_s=_since_start())
 
 
 def run_stage(a, rows, mode: str = "stage") -> dict:
@@ -199,7 +202,15 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
-                plan_s=plan.seconds, phases=m.get("phases"))
+                plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
+
+
+def _outputs_written(phases: list[dict]) -> float | None:
+    """Seconds since the driver started this process until the shard's manifest was written (its commit
+    phase's end, on the worker's wall clock, which is this machine's)."""
+    end = next((p["end"] for p in phases if p["name"] == "commit" and p.get("end")), None)
+    t0 = os.environ.get("BENCH_T0")
+    return None if end is None or t0 is None else end - float(t0)
 
 
 def run_hf(a, rows) -> dict:
@@ -274,7 +285,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     out: dict = {}
     for mode, rs in runs.items():
         out[mode] = {k: spread([r[k] for r in rs if r.get(k) is not None])
-                     for k in ("wall_s", "engine_ready_s", "generate_s", "generated_tok_s")
+                     for k in ("wall_s", "outputs_s", "engine_ready_s", "generate_s", "generated_tok_s")
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
@@ -282,6 +293,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
             out[f"{mode}_over_raw"] = {
                 "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
+                **({"to_outputs_on_disk": round(out["raw"]["outputs_s"]["median"] / out[mode]["outputs_s"]["median"], 3)}
+                   if "outputs_s" in out["raw"] and "outputs_s" in out[mode] else {}),
                 "generated_tok_s_in_generation": round(out[mode]["generated_tok_s"]["median"]
                                                        / out["raw"]["generated_tok_s"]["median"], 3),
                 "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs["raw"], runs[mode])]}

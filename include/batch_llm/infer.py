@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
-from batch_llm.engines.base import EngineInfo, GenRequest, GenResult
+from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
 from batch_llm.output_schema import OutputSchema
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
@@ -269,12 +269,17 @@ class ShardRun:
     """One shard, run to completion or resumed; ``run()`` returns its manifest.
 
     ``shard`` is the planner's entry (``ShardSpec``: index, rows, the shard file's url). ``started`` carries the
-    worker's own clock (``spawned_at``, ``worker_started_at``, epoch seconds) for the timeline."""
+    worker's own clock (``spawned_at``, ``worker_started_at``, epoch seconds) for the timeline. ``on_committed``
+    is called with the manifest once it is durable and the shard passed its error-rate check, before the engine
+    is shut down: the worker reports there and ends its engine's processes itself (``batch_llm.worker``)."""
 
     def __init__(self, cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
-                 started: dict | None = None, lora_dir: str | None = None):
+                 started: dict | None = None, lora_dir: str | None = None,
+                 on_committed: Callable[[ShardManifest], None] | None = None):
         self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
+        self.on_committed = on_committed
+        self.engine: Engine | None = None
         self.model_dir, self.model_key, self.lora_dir = model_dir, model_key, lora_dir
         self.shard_path = Location(shard.url, shard_dir.options).path()
         self.chunks_dir = shard_dir.child("chunks")
@@ -321,7 +326,7 @@ class ShardRun:
         if manifest := ShardManifest.read_if_done(self.shard_dir.path()):
             self.say(f"shard {self.shard.index} already committed: {manifest.metrics.rows} rows; nothing to do")
             check_error_rate(self.cfg, manifest)
-            return manifest
+            return self._committed(manifest)
         self.timeline.begin("read")
         done = committed_ids(self.chunks_dir)
         if done:
@@ -331,11 +336,23 @@ class ShardRun:
         self.progress.total, self.progress.done = self.n_rows, len(done)
         self._serve_cache()
         self.timeline.end("read")
-        if self.groups:
-            self._generate()
-        self._commit(force=True)
-        self.progress.tick(0, 0, force=True)
-        return self._finish(t_start)
+        # The engine shuts down after the manifest is written, not before: the outputs are durable ~1 s (vLLM's
+        # shutdown handshake) sooner, and the worker need not wait for it at all (on_committed).
+        try:
+            if self.groups:
+                self._generate()
+            self._commit(force=True)
+            self.progress.tick(0, 0, force=True)
+            return self._committed(self._finish(t_start))
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+
+    def _committed(self, manifest: ShardManifest) -> ShardManifest:
+        if self.on_committed is not None:
+            self.on_committed(manifest)
+        return manifest
 
     def _read_requests(self, done: set[str]) -> None:
         """The keys pass: streams the shard once, holding a few small fields per row (not the prompts)."""
@@ -381,6 +398,7 @@ class ShardRun:
             self.retry = _RequestSpool(Path(tmp) / "retry-0.jsonl")
             spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
             engine, self.info = starter.result()
+            self.engine = engine  # closed by run(), once the manifest is written
             self.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
                      f"{self.info.settings}")
             t_gen, t0 = time.perf_counter(), time.time()
@@ -403,7 +421,6 @@ class ShardRun:
             finally:
                 self.gen_seconds = time.perf_counter() - t_gen
                 self.timeline.add("generation", first or t0)
-                engine.close()
 
     def _tokenize_while(self, engine_starting: Callable[[], bool], rows: Iterator[dict], spool: Path) -> Path | None:
         """Renders requests into a local spool for as long as the engine is starting; the rest are rendered
@@ -570,11 +587,13 @@ class ShardRun:
 
 def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
               cache_root: Location | None = None, say: Callable[[str], None] = print,
-              started: dict | None = None, lora_dir: str | None = None) -> ShardManifest:
+              started: dict | None = None, lora_dir: str | None = None,
+              on_committed: Callable[[ShardManifest], None] | None = None) -> ShardManifest:
     """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``); ``lora_dir``:
     a LoRA adapter the engine serves on every request."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
-                    cache_root=cache_root, say=say, started=started, lora_dir=lora_dir).run()
+                    cache_root=cache_root, say=say, started=started, lora_dir=lora_dir,
+                    on_committed=on_committed).run()
 
 
 def sampling_identity(s: SamplingConfig) -> dict:

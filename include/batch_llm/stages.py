@@ -178,16 +178,17 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
 
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                 shard: ShardSpec | dict,
-                say: Callable[[str], None] = print, started: dict | None = None) -> ShardManifest:
+                say: Callable[[str], None] = print, started: dict | None = None,
+                on_committed: Callable[[ShardManifest], None] | None = None) -> ShardManifest:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
-    own start times as ``started``)."""
+    own start times as ``started`` and reports from ``on_committed``, before the engine's shutdown)."""
     from batch_llm.infer import run_shard
 
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
     return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard.index:05d}"),
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
-                     cache_root=layout.cache_root(cfg), say=say, started=started)
+                     cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed)
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
