@@ -29,7 +29,7 @@ h200_summary() {  # the lines of a log that matter, short
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
-  fixed) vllm_env; timeout 570 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+  fixed) vllm_env; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl ;;
   mix)   vllm_env; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl \
