@@ -186,7 +186,7 @@ class _FastEnd:
             self.ipc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="batch_llm_ipc_")
 
     def __call__(self, manifest) -> None:
-        print(RESULT_PREFIX + manifest.model_dump_json(), flush=True)
+        report_result(manifest)
         me = os.getpid()
         for pid in live_group_members(me):
             if pid != me:
@@ -194,10 +194,19 @@ class _FastEnd:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if self.ipc_dir:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self.remove_ipc_dir()
         sys.stderr.flush()
         os._exit(0)
+
+    def remove_ipc_dir(self) -> None:
+        """Also on a worker that failed before its shard was committed: the folder is per attempt."""
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def report_result(manifest) -> None:
+    """The one line ``WorkerHandle`` reads the shard's manifest from."""
+    print(RESULT_PREFIX + manifest.model_dump_json(), flush=True)
 
 
 def _die_with_parent() -> None:
@@ -238,7 +247,9 @@ def main() -> int:
         traceback.print_exc(file=sys.stdout)
         print(f"WORKER_ERROR {type(e).__name__}: {e}", flush=True)
         return EXIT_ERROR
-    print(RESULT_PREFIX + result.model_dump_json(), flush=True)
+    finally:
+        fast_end.remove_ipc_dir()
+    report_result(result)
     return 0
 
 
