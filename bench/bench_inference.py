@@ -13,6 +13,8 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
          outputs.jsonl / errors.jsonl and the manifest
   stage-x  the stage with --stage-extra's engine arguments added (engine.extra): a tuning knob against the same raw
+  stage-vllm-graphs  the stage with vLLM's own CUDA graphs (engine.cuda_graphs: vllm) instead of the offline set:
+         what the smaller capture is worth at engine start and costs in generation
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
@@ -159,7 +161,8 @@ def run_raw_lmdeploy(a, rows) -> dict:
 
 
 def run_stage(a, rows, mode: str = "stage") -> dict:
-    """``mode``: stage, stage-inproc, stage-x or stage-input-order (the module's docstring says what each is)."""
+    """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs or stage-input-order (the module's docstring says
+    what each is)."""
     from batch_llm.config import parse_config
     from batch_llm.plan import plan_shards
     from batch_llm.stages import RunLayout
@@ -180,7 +183,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
         "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
-                   **({"multiprocessing": False} if mode == "stage-inproc" else {})},
+                   **({"multiprocessing": False} if mode == "stage-inproc" else {}),
+                   **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {})},
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
@@ -193,8 +197,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
     def on_line(line: str) -> None:
         if " started in " in line and "engine " in line and not ready:
             ready.append(_since_start())  # the worker says so the moment the engine is up
-        if "progress" in line or "done" in line or "Error" in line:
-            print("  [stage]", line[:200], flush=True)
+        if any(k in line for k in ("progress", "done", "Error", *ENGINE_LOG_MARKS)):
+            print("  [stage]", line[:300], flush=True)
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
@@ -203,6 +207,11 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
                 plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
+
+
+# vLLM's own lines on where its start went (kept in --logs)
+ENGINE_LOG_MARKS = ("Graph capturing", "init engine", "torch.compile took", "KV cache size", "Model loading took",
+                    "cudagraph", "CUDAGraphMode")
 
 
 def _outputs_written(phases: list[dict]) -> float | None:
@@ -289,7 +298,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    for mode in ("stage", "stage-x", "stage-input-order", "stage-inproc", "raw-inproc"):
+    for mode in ("stage", "stage-x", "stage-vllm-graphs", "stage-input-order", "stage-inproc", "raw-inproc"):
         if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
             out[f"{mode}_over_raw"] = {
                 "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
@@ -323,7 +332,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--out", help="append results as JSON lines to this file")
+    p.add_argument("--out", help="append results as JSON lines to this file (each run as it ends, then the summary)")
+    p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
     a = p.parse_args()
     if a.child:
         return child(a)
@@ -331,12 +341,15 @@ def main() -> None:
     schedule = alternating(a.modes.split(","), a.repeats)
     # A first run on a fresh machine also fills vLLM's compile cache (~/.cache/vllm), which every later run
     # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
-    for mode in ([schedule[0]] * a.warmup) + schedule:
+    for i, mode in enumerate(([schedule[0]] * a.warmup) + schedule):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", "BENCH_T0": repr(t0)})
         wall = time.time() - t0
+        if a.logs:
+            Path(a.logs).mkdir(parents=True, exist_ok=True)
+            (Path(a.logs) / f"{i:02d}-{mode}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if not line:
             print(f"{mode} FAILED rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
@@ -348,6 +361,10 @@ def main() -> None:
             continue
         runs.setdefault(mode, []).append(res)
         print(f"{mode}: " + json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
+        if a.out:  # as it ends: a call cut short by its time limit keeps the runs it finished
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            with open(a.out, "a") as f:
+                f.write(json.dumps({"run": res}) + "\n")
     warm = runs.pop("_warmup", None)
     summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset,
                "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy, "model": a.model,

@@ -250,6 +250,13 @@ class EngineConfig(_Section):
                                          "spawn an engine-core and a worker process (each importing vLLM again) "
                                          "and pin the worker to all cores but one; docs/benchmarks.md measures it")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
+    cuda_graphs: Literal["offline", "vllm"] = Field(
+        "offline", description="vLLM on a GPU: which CUDA graphs the engine captures at start. offline: full graphs "
+        "of decode steps only, at 1, 2, 4 ... 128 sequences then every 16 up to vLLM's ceiling of 512 (32 sizes; a batch "
+        "job's mixed prefill steps carry thousands of tokens, where a graph saves nothing, and below 128 "
+        "sequences a decode step is bound by reading the weights, so padding it up costs little); vllm: vLLM's "
+        "own (full and piecewise graphs, 51 sizes each: 102 captures). A compilation_config in engine.extra "
+        "wins; speculative decoding, LoRA and the pooling tasks keep vLLM's own")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
                                   "(LMDeploy: `backend` and fields of that backend's engine config)")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")

@@ -35,6 +35,12 @@ from batch_llm.engines.base import (
 )
 from batch_llm.engines.registry import register_engine
 
+# Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
+# reading the weights (a 7B model on an H200: ~3.1 ms to read them, ~1.8 ms to compute 128 rows), and padded rows
+# have no KV cache to read, so rounding a batch up to the next power of two costs little; above 128 the stride
+# is vLLM's own 16, up to its ceiling of 512.
+OFFLINE_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16))
+
 
 @register_engine
 class VllmEngine(Engine):
@@ -51,8 +57,22 @@ class VllmEngine(Engine):
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
-                    **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
+                    **self._cuda_graph_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
         return {k: v for k, v in args.items() if v is not None}
+
+    def _cuda_graph_args(self, *, on_gpu: bool | None = None) -> dict:
+        """engine.cuda_graphs: offline, the graphs a batch job's decode steps use and no more (docs/benchmarks.md
+        measures the engine start and the generation rate against vLLM's own set)."""
+        c = self.cfg
+        # Speculative decoding's decode steps are not one token a sequence, and the pooling runner and LoRA
+        # were not measured with this set: those keep vLLM's own.
+        if (c.cuda_graphs != "offline" or c.enforce_eager or c.speculative is not None or c.task != "generate"
+                or self.lora_dir is not None or "compilation_config" in c.extra):
+            return {}
+        if not (_cuda_visible() if on_gpu is None else on_gpu):
+            return {}
+        return {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                       "cudagraph_capture_sizes": list(OFFLINE_CAPTURE_SIZES)}}
 
     def _multiprocessing(self) -> bool:
         """engine.multiprocessing, or its default: on GPUs vLLM's own (the engine core in a process of its own,
@@ -138,7 +158,7 @@ class VllmEngine(Engine):
                         enable_prefix_caching=vc.cache_config.enable_prefix_caching,
                         dtype=str(vc.model_config.dtype).removeprefix("torch."),
                         kv_cache_dtype=str(vc.cache_config.cache_dtype),
-                        enforce_eager=vc.model_config.enforce_eager,
+                        enforce_eager=vc.model_config.enforce_eager, **_graph_settings(vc.compilation_config),
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size, multiprocessing=multiprocessing,
                         device=str(vc.device_config.device), gpu_name=_gpu_name(str(vc.device_config.device)),
                         model_context_limit=model_context_limit(self.model_dir),
@@ -325,6 +345,13 @@ def _token_text(tid: int, lp) -> str:
     # Without a tokenizer in the engine (skip_tokenizer_init) there is no text: the id, as vLLM's server writes it
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else f"token_id:{tid}"
+
+
+def _graph_settings(compilation) -> dict:
+    """The CUDA graphs the engine captured (mode, sizes), for the manifest: NONE and no sizes on a CPU."""
+    mode = getattr(compilation, "cudagraph_mode", None)
+    return dict(cudagraph_mode=getattr(mode, "name", None) if mode is not None else None,
+                cudagraph_sizes=len(getattr(compilation, "cudagraph_capture_sizes", None) or []))
 
 
 def _cuda_visible() -> bool:
