@@ -41,20 +41,34 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerHandle:
-    def __init__(self, proc: subprocess.Popen):
+    """A worker process in a session (process group) of its own, and the folder vLLM puts its sockets in.
+
+    vLLM's ``ipc://`` socket files go to ``VLLM_RPC_BASE_PATH``; a worker that ends with SIGKILL (its fast end, a
+    stop, a crash) leaves them behind. The handle outlives every such end, so it owns that folder: one per attempt,
+    made here unless the caller chose one, removed once the worker's group is gone."""
+
+    def __init__(self, proc: subprocess.Popen, ipc_dir: str | None = None):
         self.proc = proc
+        self.ipc_dir = ipc_dir
         self.tail: list[str] = []
 
     @classmethod
     def start(cls, spec: dict, *, python: str | None = None, env: dict | None = None) -> "WorkerHandle":
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        ipc_dir = None
+        if "VLLM_RPC_BASE_PATH" not in full_env:
+            ipc_dir = full_env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="batch_llm_ipc_")
         spec = {**spec, "spawned_at": time.time()}  # the shard's timeline starts here
         proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, text=True, bufsize=1)
         proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
-        return cls(proc)
+        return cls(proc, ipc_dir)
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     @property
     def pid(self) -> int:
@@ -88,6 +102,7 @@ class WorkerHandle:
         # Engine processes (vLLM's engine core) outlive a worker that died by SIGKILL and keep the GPU's
         # memory; they share the worker's process group, so end the group whatever the exit was.
         stop_process_group(self.proc.pid, grace_seconds=10)
+        self._remove_ipc_dir()
         reader.join(timeout=10)
         while not lines.empty():
             line = lines.get_nowait()
@@ -105,6 +120,7 @@ class WorkerHandle:
             self.proc.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             pass
+        self._remove_ipc_dir()
 
 
 class _WorkerOutput:
@@ -177,13 +193,11 @@ class _FastEnd:
     ~2.3 s of a CPU one (docs/benchmarks.md). Used only where nothing of the engine's
     needs its own cleanup: one device (tensor parallelism shares memory segments between its processes, which
     a kill would leave behind) and this worker leading its own process group (as ``WorkerHandle`` starts it),
-    so the kill reaches no one else. vLLM's socket files go to a folder of this worker's, removed here."""
+    so the kill reaches no one else. vLLM's socket files are left in the folder ``WorkerHandle`` made for this
+    attempt, which it removes once the group is gone."""
 
     def __init__(self, cfg) -> None:
         self.enabled = cfg.engine.tensor_parallel_size == 1 and os.getpgrp() == os.getpid()
-        self.ipc_dir = None
-        if self.enabled and "VLLM_RPC_BASE_PATH" not in os.environ:
-            self.ipc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="batch_llm_ipc_")
 
     def __call__(self, manifest) -> None:
         report_result(manifest)
@@ -194,14 +208,8 @@ class _FastEnd:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        self.remove_ipc_dir()
         sys.stderr.flush()
         os._exit(0)
-
-    def remove_ipc_dir(self) -> None:
-        """Also on a worker that failed before its shard was committed: the folder is per attempt."""
-        if self.ipc_dir:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def report_result(manifest) -> None:
@@ -247,8 +255,6 @@ def main() -> int:
         traceback.print_exc(file=sys.stdout)
         print(f"WORKER_ERROR {type(e).__name__}: {e}", flush=True)
         return EXIT_ERROR
-    finally:
-        fast_end.remove_ipc_dir()
     report_result(result)
     return 0
 
