@@ -89,16 +89,16 @@ def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_confi
 def test_offline_cuda_graphs_reach_vllm_on_a_gpu_only_and_step_aside_for_what_they_do_not_cover(tmp_path):
     from batch_llm.engines.vllm_engine import OFFLINE_CAPTURE_SIZES, VllmEngine
 
-    def graphs(on_gpu=True, lora=None, **overrides):  # the demo runs eager (a CPU); a GPU pipeline would not
+    def graphs(possible=True, lora=None, **overrides):  # the demo runs eager (a CPU); a GPU pipeline would not
         cfg = demo_config(tmp_path, **{"engine__enforce_eager": False, **overrides})
-        return VllmEngine("/m", cfg.engine, cfg.sampling, lora_dir=lora)._cuda_graph_args(on_gpu=on_gpu)
+        return VllmEngine("/m", cfg.engine, cfg.sampling, lora_dir=lora)._cuda_graph_args(possible=possible)
 
     offline = graphs()["compilation_config"]
     assert offline["cudagraph_mode"] == "FULL_DECODE_ONLY"
     sizes = offline["cudagraph_capture_sizes"]
     assert sizes == sorted(set(sizes)) and sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 512
     assert len(sizes) == len(OFFLINE_CAPTURE_SIZES) == 32 and all(b - a == 16 for a, b in zip(sizes[7:], sizes[8:]))
-    assert graphs(on_gpu=False) == {}  # the CPU backend captures nothing
+    assert graphs(possible=False) == {}  # a CPU (no graphs), or a vLLM without cudagraph_mode
     assert graphs(engine__cuda_graphs="vllm") == {}
     assert graphs(engine__enforce_eager=True) == {}
     assert graphs(engine__speculative={"num_speculative_tokens": 3}) == {}
@@ -110,7 +110,7 @@ def test_offline_cuda_graphs_reach_vllm_on_a_gpu_only_and_step_aside_for_what_th
 def test_on_a_gpu_the_constructor_carries_the_offline_graphs_unless_extra_sets_its_own(tmp_path, monkeypatch):
     from batch_llm.engines import vllm_engine
 
-    monkeypatch.setattr(vllm_engine, "_cuda_visible", lambda: True)
+    monkeypatch.setattr(vllm_engine, "_offline_graphs_possible", lambda: True)
     cfg = demo_config(tmp_path, engine__enforce_eager=False)
     args = vllm_engine.VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()
     assert args["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"

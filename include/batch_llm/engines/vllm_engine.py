@@ -60,7 +60,7 @@ class VllmEngine(Engine):
                     **self._cuda_graph_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
         return {k: v for k, v in args.items() if v is not None}
 
-    def _cuda_graph_args(self, *, on_gpu: bool | None = None) -> dict:
+    def _cuda_graph_args(self, *, possible: bool | None = None) -> dict:
         """engine.cuda_graphs: offline, the graphs a batch job's decode steps use and no more (docs/benchmarks.md
         measures the engine start and the generation rate against vLLM's own set)."""
         c = self.cfg
@@ -69,7 +69,7 @@ class VllmEngine(Engine):
         if (c.cuda_graphs != "offline" or c.enforce_eager or c.speculative is not None or c.task != "generate"
                 or self.lora_dir is not None or "compilation_config" in c.extra):
             return {}
-        if not (_cuda_visible() if on_gpu is None else on_gpu):
+        if not (_offline_graphs_possible() if possible is None else possible):
             return {}
         return {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                        "cudagraph_capture_sizes": list(OFFLINE_CAPTURE_SIZES)}}
@@ -352,6 +352,16 @@ def _graph_settings(compilation) -> dict:
     mode = getattr(compilation, "cudagraph_mode", None)
     return dict(cudagraph_mode=getattr(mode, "name", None) if mode is not None else None,
                 cudagraph_sizes=len(getattr(compilation, "cudagraph_capture_sizes", None) or []))
+
+
+def _offline_graphs_possible() -> bool:
+    """A GPU (the CPU backend captures no graphs), and a vLLM that takes ``cudagraph_mode`` (0.10.2 on): an older
+    one keeps its own graphs rather than refusing the engine's start over an unknown argument."""
+    if not _cuda_visible():
+        return False
+    from vllm.config import CompilationConfig
+
+    return "cudagraph_mode" in getattr(CompilationConfig, "__dataclass_fields__", {})
 
 
 def _cuda_visible() -> bool:
