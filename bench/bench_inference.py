@@ -332,7 +332,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--out", help="append results as JSON lines to this file (each run as it ends, then the summary)")
+    p.add_argument("--out", help="append results as JSON lines to this file: each run as it ends, then the "
+                   "summary (earlier files carry the runs inside the summary line instead)")
     p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
     a = p.parse_args()
     if a.child:
@@ -373,7 +374,7 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as f:
-            f.write(json.dumps({"summary": summary, "runs": runs}) + "\n")
+            f.write(json.dumps({"summary": summary}) + "\n")  # its runs are the {"run": ...} lines above it
 
 
 if __name__ == "__main__":

@@ -349,8 +349,7 @@ def _token_text(tid: int, lp) -> str:
 
 def _graph_settings(compilation) -> dict:
     """The CUDA graphs the engine captured (mode, sizes), for the manifest: NONE and no sizes on a CPU."""
-    mode = getattr(compilation, "cudagraph_mode", None)
-    return dict(cudagraph_mode=getattr(mode, "name", None) if mode is not None else None,
+    return dict(cudagraph_mode=getattr(getattr(compilation, "cudagraph_mode", None), "name", None),
                 cudagraph_sizes=len(getattr(compilation, "cudagraph_capture_sizes", None) or []))
 
 
