@@ -15,6 +15,8 @@ Modes, each run in a fresh process (so GPU memory is free between them):
   stage-x  the stage with --stage-extra's engine arguments added (engine.extra): a tuning knob against the same raw
   stage-vllm-graphs  the stage with vLLM's own CUDA graphs (engine.cuda_graphs: vllm) instead of the offline set:
          what the smaller capture is worth at engine start and costs in generation
+  stage-compile  the stage with torch.compile (engine.torch_compile: true) under the offline graphs: what skipping
+         the compile is worth at engine start and costs in generation
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
@@ -161,7 +163,7 @@ def run_raw_lmdeploy(a, rows) -> dict:
 
 
 def run_stage(a, rows, mode: str = "stage") -> dict:
-    """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs or stage-input-order (the module's docstring says
+    """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
     from batch_llm.config import parse_config
     from batch_llm.plan import plan_shards
@@ -184,7 +186,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                    "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                    "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
                    **({"multiprocessing": False} if mode == "stage-inproc" else {}),
-                   **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {})},
+                   **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
+                   **({"torch_compile": True} if mode == "stage-compile" else {})},
         "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
@@ -298,7 +301,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    for mode in ("stage", "stage-x", "stage-vllm-graphs", "stage-input-order", "stage-inproc", "raw-inproc"):
+    for mode in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order", "stage-inproc",
+                 "raw-inproc"):
         if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
             out[f"{mode}_over_raw"] = {
                 "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),

@@ -3,7 +3,8 @@
 #   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache
 #   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
-#    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own. A call's alternating order
+#    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
+#    stage with torch.compile against without (the default under the offline graphs). A call's alternating order
 #    always opens with the first mode, and a call's opening run can be its slowest: give a second call of the
 #    same pair its MODES reversed)
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight

@@ -33,7 +33,7 @@ from batch_llm.storage import Location, atomic_writer, exists
 ARCHIVE_SUFFIX = ".tar.gz"
 # Settings that change what vLLM compiles or captures; the rest (memory, batch bookkeeping) does not.
 GRAPH_SETTINGS = ("task", "dtype", "quantization", "kv_cache_dtype", "tensor_parallel_size", "max_model_len",
-                  "max_num_seqs", "enforce_eager", "cuda_graphs", "speculative", "extra")
+                  "max_num_seqs", "enforce_eager", "cuda_graphs", "torch_compile", "speculative", "extra")
 
 
 def is_remote(setting: str) -> bool:

@@ -257,6 +257,12 @@ class EngineConfig(_Section):
         "sequences a decode step is bound by reading the weights, so padding it up costs little); vllm: vLLM's "
         "own (full and piecewise graphs, 51 sizes each: 102 captures). A compilation_config in engine.extra "
         "wins; speculative decoding, LoRA and the pooling tasks keep vLLM's own")
+    torch_compile: bool | None = Field(
+        None, description="vLLM: torch.compile of the model (vLLM's compilation mode 3). null: off where the offline "
+        "CUDA graphs apply (engine.cuda_graphs: offline on a GPU: the decode steps then run in full graphs of the "
+        "uncompiled model with vLLM's own kernels, and the start skips Dynamo and Inductor, cold or warm), vLLM's own "
+        "choice elsewhere; true: vLLM's own choice always; false: off (vLLM's compilation mode 0), on a CPU too. A "
+        "compilation_config in engine.extra wins")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
                                   "(LMDeploy: `backend` and fields of that backend's engine config)")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")
@@ -313,6 +319,9 @@ class EngineConfig(_Section):
         if self.multiprocessing is not None and self.kind != "vllm":
             problems.append(f"engine.multiprocessing: vLLM's engine-core process; engine.kind is {self.kind!r}: "
                             "remove engine.multiprocessing")
+        if self.torch_compile is not None and self.kind != "vllm":
+            problems.append(f"engine.torch_compile: vLLM's compilation mode; engine.kind is {self.kind!r}: remove "
+                            "engine.torch_compile")
         if self.compile_cache is not None and self.kind != "vllm":
             problems.append(f"engine.compile_cache: vLLM's compilation cache; engine.kind is {self.kind!r}: remove "
                             "engine.compile_cache")

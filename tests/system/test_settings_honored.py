@@ -90,7 +90,8 @@ def test_vllm_gets_trust_remote_code(tmp_path, custom_model, trusted_vllm):
     assert mc.trust_remote_code is True and info.settings["trust_remote_code"] is True
     assert type(mc.hf_config).__name__ == "SmolCustomConfig"  # the folder's own config class ran
     assert info.settings["model_context_limit"] == 8192
-    # the graphs it captured, for the manifest: none on a CPU, eager or not
+    # how it compiled and the graphs it captured, for the manifest: eager compiles nothing, and a CPU captures no graphs
+    assert info.settings["compilation_mode"] == "NONE"
     assert info.settings["cudagraph_mode"] == "NONE" and info.settings["cudagraph_sizes"] == 0
 
 

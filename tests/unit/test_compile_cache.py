@@ -199,6 +199,7 @@ def test_key_follows_graph_settings_only(model_dir):
     k = compile_cache.cache_key(model_dir, EngineConfig())
     assert compile_cache.cache_key(model_dir, EngineConfig(gpu_memory_utilization=0.5, commit_every_rows=7)) == k
     for changed in (dict(dtype="float16"), dict(max_num_seqs=64), dict(enforce_eager=True), dict(cuda_graphs="vllm"),
+                    dict(torch_compile=True),
                     dict(extra={"compilation_config": {"level": 0}})):
         assert compile_cache.cache_key(model_dir, EngineConfig(**changed)) != k, changed
     assert compile_cache.cache_key(model_dir, EngineConfig(), lora_rank=16) != k

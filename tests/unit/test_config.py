@@ -86,37 +86,59 @@ def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_confi
     assert cfg.with_overrides({}).engine.speculative == cfg.engine.speculative  # survives a params round trip
 
 
-def test_offline_cuda_graphs_reach_vllm_on_a_gpu_only_and_step_aside_for_what_they_do_not_cover(tmp_path):
-    from batch_llm.engines.vllm_engine import OFFLINE_CAPTURE_SIZES, VllmEngine
+def _compilation(monkeypatch, tmp_path, *, gpu=True, takes=("mode", "cudagraph_mode"), lora=None, **overrides):
+    """The compilation_config the engine would hand vLLM, on a GPU or not, with a vLLM taking ``takes``."""
+    from batch_llm.engines import vllm_engine
 
-    def graphs(possible=True, lora=None, **overrides):  # the demo runs eager (a CPU); a GPU pipeline would not
-        cfg = demo_config(tmp_path, **{"engine__enforce_eager": False, **overrides})
-        return VllmEngine("/m", cfg.engine, cfg.sampling, lora_dir=lora)._cuda_graph_args(possible=possible)
+    monkeypatch.setattr(vllm_engine, "_cuda_visible", lambda: gpu)
+    monkeypatch.setattr(vllm_engine, "_compilation_config_takes", lambda field: field in takes)
+    cfg = demo_config(tmp_path, **{"engine__enforce_eager": False, **overrides})  # the demo runs eager (a CPU)
+    engine = vllm_engine.VllmEngine("/m", cfg.engine, cfg.sampling, lora_dir=lora)
+    # what reaches vLLM's constructor; with an adapter, that would read the adapter's rank from its folder
+    args = engine._compilation_args() if lora else engine._constructor_args()
+    return args.get("compilation_config")
 
-    offline = graphs()["compilation_config"]
+
+def test_offline_cuda_graphs_reach_vllm_on_a_gpu_only_and_step_aside_for_what_they_do_not_cover(tmp_path, monkeypatch):
+    from batch_llm.engines.vllm_engine import OFFLINE_CAPTURE_SIZES
+
+    def graphs(**kw):
+        config = _compilation(monkeypatch, tmp_path, **kw) or {}
+        return {k: v for k, v in config.items() if k.startswith("cudagraph")}
+
+    offline = graphs()
     assert offline["cudagraph_mode"] == "FULL_DECODE_ONLY"
     sizes = offline["cudagraph_capture_sizes"]
     assert sizes == sorted(set(sizes)) and sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 512
     assert len(sizes) == len(OFFLINE_CAPTURE_SIZES) == 32 and all(b - a == 16 for a, b in zip(sizes[7:], sizes[8:]))
-    assert graphs(possible=False) == {}  # a CPU (no graphs), or a vLLM without cudagraph_mode
+    assert graphs(gpu=False) == {}  # a CPU captures no graphs
+    assert graphs(takes=("mode",)) == {}  # a vLLM before cudagraph_mode keeps its own
     assert graphs(engine__cuda_graphs="vllm") == {}
     assert graphs(engine__enforce_eager=True) == {}
     assert graphs(engine__speculative={"num_speculative_tokens": 3}) == {}
     assert graphs(engine__task="embed") == {}
     assert graphs(lora="/adapter") == {}
-    assert graphs(engine__extra={"compilation_config": {"cudagraph_capture_sizes": [8]}}) == {}
 
 
-def test_on_a_gpu_the_constructor_carries_the_offline_graphs_unless_extra_sets_its_own(tmp_path, monkeypatch):
-    from batch_llm.engines import vllm_engine
+def test_torch_compile_is_off_by_default_only_where_the_offline_graphs_run(tmp_path, monkeypatch):
+    def mode(**kw):
+        config = _compilation(monkeypatch, tmp_path, **kw) or {}
+        return config.get("mode", config.get("level"))
 
-    monkeypatch.setattr(vllm_engine, "_offline_graphs_possible", lambda: True)
-    cfg = demo_config(tmp_path, engine__enforce_eager=False)
-    args = vllm_engine.VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()
-    assert args["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
-    own = {"cudagraph_capture_sizes": [8]}
-    cfg = demo_config(tmp_path, engine__enforce_eager=False, engine__extra={"compilation_config": own})
-    assert vllm_engine.VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()["compilation_config"] == own
+    assert mode() == 0  # a GPU with the offline graphs: full decode graphs of the uncompiled model
+    assert mode(engine__torch_compile=True) is None  # vLLM's own choice (mode 3 on a GPU)
+    for elsewhere in (dict(gpu=False), dict(engine__cuda_graphs="vllm"), dict(lora="/adapter"),
+                      dict(engine__speculative={"num_speculative_tokens": 3})):
+        assert mode(**elsewhere) is None, elsewhere  # no offline graphs: vLLM compiles as it would
+        assert mode(engine__torch_compile=False, **elsewhere) == 0, elsewhere
+    assert _compilation(monkeypatch, tmp_path, gpu=False, engine__torch_compile=False) == {"mode": 0}
+    assert _compilation(monkeypatch, tmp_path, takes=("cudagraph_mode",), engine__torch_compile=False)["level"] == 0
+    own = {"cudagraph_capture_sizes": [8]}  # the user's own compilation_config wins whole
+    assert _compilation(monkeypatch, tmp_path, engine__extra={"compilation_config": own}) == own
+    assert _compilation(monkeypatch, tmp_path, engine__torch_compile=False,
+                        engine__extra={"compilation_config": own}) == own
+    with pytest.raises(ValueError, match="engine.torch_compile"):
+        demo_config(tmp_path, engine__kind="transformers", engine__torch_compile=False)
 
 
 @pytest.mark.parametrize("speculative,expected", [

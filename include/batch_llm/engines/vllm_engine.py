@@ -6,6 +6,7 @@ stays full, and the request list is never held in memory twice.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -57,22 +58,35 @@ class VllmEngine(Engine):
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
-                    **self._cuda_graph_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
+                    **self._compilation_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
         return {k: v for k, v in args.items() if v is not None}
 
-    def _cuda_graph_args(self, *, possible: bool | None = None) -> dict:
-        """engine.cuda_graphs: offline, the graphs a batch job's decode steps use and no more (docs/benchmarks.md
-        measures the engine start and the generation rate against vLLM's own set)."""
+    def _compilation_args(self) -> dict:
+        """vLLM's compilation_config from engine.cuda_graphs and engine.torch_compile (docs/benchmarks.md measures
+        both at engine start and in generation)."""
+        c = self.cfg
+        if "compilation_config" in c.extra:  # the user's own wins whole
+            return {}
+        config = self._offline_graphs()
+        torch_compile = c.torch_compile if c.torch_compile is not None else not config
+        if not torch_compile:  # no torch.compile: Dynamo and Inductor never run (vLLM's mode, or level before it)
+            config["mode" if _compilation_config_takes("mode") else "level"] = 0
+        return {"compilation_config": config} if config else {}
+
+    def _offline_graphs(self) -> dict:
+        """engine.cuda_graphs: offline, the graphs a batch job's decode steps use and no more; {} where they do
+        not apply."""
         c = self.cfg
         # Speculative decoding's decode steps are not one token a sequence, and the pooling runner and LoRA
         # were not measured with this set: those keep vLLM's own.
         if (c.cuda_graphs != "offline" or c.enforce_eager or c.speculative is not None or c.task != "generate"
-                or self.lora_dir is not None or "compilation_config" in c.extra):
+                or self.lora_dir is not None):
             return {}
-        if not (_offline_graphs_possible() if possible is None else possible):
+        # A GPU (the CPU backend captures no graphs), and a vLLM that takes cudagraph_mode (0.10.2 on): an older
+        # one keeps its own graphs rather than refusing the engine's start over an unknown argument.
+        if not (_cuda_visible() and _compilation_config_takes("cudagraph_mode")):
             return {}
-        return {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
-                                       "cudagraph_capture_sizes": list(OFFLINE_CAPTURE_SIZES)}}
+        return {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": list(OFFLINE_CAPTURE_SIZES)}
 
     def _multiprocessing(self) -> bool:
         """engine.multiprocessing, or its default: on GPUs vLLM's own (the engine core in a process of its own,
@@ -348,19 +362,20 @@ def _token_text(tid: int, lp) -> str:
 
 
 def _graph_settings(compilation) -> dict:
-    """The CUDA graphs the engine captured (mode, sizes), for the manifest: NONE and no sizes on a CPU."""
-    return dict(cudagraph_mode=getattr(getattr(compilation, "cudagraph_mode", None), "name", None),
+    """How the engine compiled (vLLM's compilation mode: NONE is no torch.compile) and the CUDA graphs it
+    captured (mode, sizes), for the manifest: NONE and no sizes on a CPU."""
+    mode = getattr(compilation, "mode", getattr(compilation, "level", None))
+    return dict(compilation_mode=getattr(mode, "name", mode),
+                cudagraph_mode=getattr(getattr(compilation, "cudagraph_mode", None), "name", None),
                 cudagraph_sizes=len(getattr(compilation, "cudagraph_capture_sizes", None) or []))
 
 
-def _offline_graphs_possible() -> bool:
-    """A GPU (the CPU backend captures no graphs), and a vLLM that takes ``cudagraph_mode`` (0.10.2 on): an older
-    one keeps its own graphs rather than refusing the engine's start over an unknown argument."""
-    if not _cuda_visible():
-        return False
+@functools.cache
+def _compilation_config_takes(field: str) -> bool:
+    """Whether this vLLM's CompilationConfig has ``field``: its config dataclasses refuse unknown ones."""
     from vllm.config import CompilationConfig
 
-    return "cudagraph_mode" in getattr(CompilationConfig, "__dataclass_fields__", {})
+    return field in getattr(CompilationConfig, "__dataclass_fields__", {})
 
 
 def _cuda_visible() -> bool:
