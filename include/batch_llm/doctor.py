@@ -440,8 +440,8 @@ PHASE_ADVICE = {
     "spawn": "start fewer, larger shards (sharding.rows_per_shard), or warm workers",
     "imports": "a worker image with the engine's packages preinstalled (and compiled .pyc files)",
     "read": "keep the shard files and the result cache near the workers (same region/bucket)",
-    "engine": "engine.compile_cache, engine.cuda_graphs: offline (the default; ~4 s a start on an H200), or fewer, "
-              "larger shards (sharding.rows_per_shard)",
+    "engine": "engine.cuda_graphs: offline with engine.torch_compile off (the defaults; ~4 s and ~4.5 s a start on "
+              "an H200), engine.compile_cache, or fewer, larger shards (sharding.rows_per_shard)",
     "tokenize": "pre-tokenized prompt_token_ids in the input, or a faster tokenizer",
     "merge": "a larger engine.commit_every_rows (fewer chunks to merge)",
     "commit": "output storage near the workers; the cache on the same store",
