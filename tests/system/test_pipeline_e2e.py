@@ -71,17 +71,21 @@ def test_planted_invalid_rows_reported(demo_run):
 
 
 def test_listed_word_masked(demo_run):
-    _, _, part = demo_run
+    from batch_llm.content_filter import ContentFilter
+
+    cfg, _, part = demo_run
     current = read_json(part.child("_CURRENT.json").path())
     rows = {r["id"]: r for r in iter_jsonl(Location(current["dataset"]).path())}
     # The demo's watchlist names "Paris" and "Tokyo"; the greedy answers to the capital questions (q000, q001) name
     # at least one of them (which ones varies from machine to machine: on the 2026-12-02 evening machine the answer
-    # to q000 named no city at all, on earlier ones it named Paris), and no listed word may come out unmasked.
+    # to q000 named no city at all, on earlier ones it named Paris), and no listed word may come out unmasked
+    # (the filter's own whole-word scan of what was written finds nothing left to mask).
     masked = [r for r in rows.values() if any(h["list"] == "watchlist" for h in r.get("filter_hits") or [])]
     assert {r["id"] for r in masked} & {"q000", "q001"}, [rows[i]["output"] for i in ("q000", "q001")]
     assert all("*****" in r["output"] for r in masked)
+    scan = ContentFilter(cfg.filter).scan
     assert not [r["id"] for r in rows.values() if r.get("output") and
-                any(w in r["output"].lower() for w in ("paris", "tokyo"))]
+                any(lst.cfg.action == "mask" for lst, *_ in scan(r["output"]))]
 
 
 def test_evalscope_report(demo_run):
