@@ -214,7 +214,7 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
 
 # vLLM's own lines on where its start went (kept in --logs)
 ENGINE_LOG_MARKS = ("Graph capturing", "init engine", "torch.compile took", "KV cache size", "Model loading took",
-                    "cudagraph", "CUDAGraphMode")
+                    "cudagraph", "CUDAGraphMode", "Asynchronous scheduling")
 
 
 def _outputs_written(phases: list[dict]) -> float | None:

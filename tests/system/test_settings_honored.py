@@ -93,6 +93,9 @@ def test_vllm_gets_trust_remote_code(tmp_path, custom_model, trusted_vllm):
     # how it compiled and the graphs it captured, for the manifest: eager compiles nothing, and a CPU captures no graphs
     assert info.settings["compilation_mode"] == "NONE"
     assert info.settings["cudagraph_mode"] == "NONE" and info.settings["cudagraph_sizes"] == 0
+    # whether vLLM overlapped its scheduling with the model's steps: read from its config, not assumed
+    assert info.settings["async_scheduling"] is engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    assert isinstance(info.settings["async_scheduling"], bool)
 
 
 def test_vllm_reports_prompt_tokens_served_from_its_prefix_cache(trusted_vllm, demo_model_dir):

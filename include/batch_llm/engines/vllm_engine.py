@@ -166,6 +166,9 @@ class VllmEngine(Engine):
         settings = dict(max_model_len=vc.model_config.max_model_len,
                         max_num_seqs=vc.scheduler_config.max_num_seqs,
                         max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
+                        # vLLM schedules step n+1 while step n runs unless an option rules it out (pooling,
+                        # some speculative methods): the manifest says which this engine did
+                        async_scheduling=getattr(vc.scheduler_config, "async_scheduling", None),
                         gpu_memory_utilization=vc.cache_config.gpu_memory_utilization,
                         num_kv_blocks=getattr(vc.cache_config, "num_gpu_blocks", None),
                         block_size=vc.cache_config.block_size,
