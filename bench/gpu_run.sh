@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache
+#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import
 #   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
 #    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
@@ -60,6 +60,9 @@ case "${1:-fixed}" in
   compile_cache) vllm_env  # engine.compile_cache cold vs warm, a fresh process per engine start (file:// store)
     timeout 565 python3 bench/bench_compile_cache.py --model $M --dummy --pairs ${PAIRS:-3} --timeout ${T:-140} \
       --out $OUT/compile_cache.jsonl 2>&1 | tee $OUT/compile_cache.log ;;
+  gc_import) vllm_env  # the engine start with the collector paused over vLLM's import against without (bench_gc_import.py)
+    timeout ${T:-565} python3 bench/bench_gc_import.py --model $M --dummy --pairs ${PAIRS:-3} --timeout 150 \
+      --out $OUT/gc_import.jsonl 2>&1 | tee $OUT/gc_import.log ;;
   lmdeploy-stage)
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there

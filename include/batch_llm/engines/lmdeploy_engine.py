@@ -22,6 +22,7 @@ from batch_llm.engines.base import (
     GenRequest,
     GenResult,
     classify_start_failure,
+    gc_paused_import,
     model_context_limit,
     stream_requests,
 )
@@ -40,8 +41,9 @@ class LmdeployEngine(Engine):
         # (lmdeploy_config.py); cache_max_entry_count is LMDeploy's share of *free* GPU memory for the KV cache.
         try:
             backend, kwargs = lmdeploy_backend_config(self.cfg)
-            import lmdeploy
-            from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig, pipeline
+            with gc_paused_import():
+                import lmdeploy
+                from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig, pipeline
 
             cls = TurbomindEngineConfig if backend == "turbomind" else PytorchEngineConfig
             unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls)})

@@ -17,6 +17,7 @@ from batch_llm.engines.base import (
     GenResult,
     classify_start_failure,
     cpu_dtype,
+    gc_paused_import,
     model_context_limit,
 )
 from batch_llm.engines.registry import register_engine
@@ -30,9 +31,10 @@ class TransformersEngine(Engine):
     def start(self) -> EngineInfo:
         t0 = time.perf_counter()
         try:
-            import torch
-            import transformers
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            with gc_paused_import():
+                import torch
+                import transformers
+                from transformers import AutoModelForCausalLM, AutoTokenizer
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(

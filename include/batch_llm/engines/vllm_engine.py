@@ -29,6 +29,7 @@ from batch_llm.engines.base import (
     TopLogprob,
     classify_start_failure,
     cpu_dtype,
+    gc_paused_import,
     is_int_weight_only,
     model_context_limit,
     model_quantization,
@@ -139,14 +140,16 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
         tail = OutputTail()
-        missing = _missing_cpu_kernel(self.model_dir)
+        with gc_paused_import():  # a 4-bit model on a CPU imports vLLM here, to ask its kernels
+            missing = _missing_cpu_kernel(self.model_dir)
         if missing:
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
             self.labels = classify_labels(self.model_dir, self.cfg.classify.labels)
         try:
-            import vllm
-            from vllm import LLM
+            with gc_paused_import():  # most of a warm engine start is importing vLLM (docs/benchmarks.md)
+                import vllm
+                from vllm import LLM
 
             multiprocessing = self._multiprocessing()
 
