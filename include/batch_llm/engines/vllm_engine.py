@@ -140,17 +140,18 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         t0 = time.perf_counter()
         tail = OutputTail()
-        with gc_paused_import():  # a 4-bit model on a CPU imports vLLM here, to ask its kernels
-            missing = _missing_cpu_kernel(self.model_dir)
+        try:
+            with gc_paused_import("vllm"):  # most of a warm engine start is importing vLLM (docs/benchmarks.md)
+                import vllm
+                from vllm import LLM
+        except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
+            raise EngineStartError(f"vLLM failed to start: {e}", output=_exception_text(e)) from e
+        missing = _missing_cpu_kernel(self.model_dir)
         if missing:
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
             self.labels = classify_labels(self.model_dir, self.cfg.classify.labels)
         try:
-            with gc_paused_import():  # most of a warm engine start is importing vLLM (docs/benchmarks.md)
-                import vllm
-                from vllm import LLM
-
             multiprocessing = self._multiprocessing()
 
             # vLLM caches its environment once an engine has started (envs.enable_envs_cache); an in-process
