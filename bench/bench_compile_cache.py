@@ -65,7 +65,7 @@ def _mb(url: str | None) -> float | None:
     return round(p.stat().st_size / 2**20, 1) if p and p.exists() else None
 
 
-def _run(cmd: list[str], timeout: int) -> tuple[str, int]:
+def run_in_own_group(cmd: list[str], timeout: float) -> tuple[str, int]:
     """One run in a process group of its own, ended whole afterwards: no engine core outlives its run and
     holds GPU memory into the next."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -110,7 +110,7 @@ def main() -> None:
                    "--local", str(work / f"local-{i}-{mode}"), "--max-model-len", str(a.max_model_len),
                    "--gpu-util", str(a.gpu_util)] + (["--dummy"] if a.dummy else []) + (["--eager"] if a.eager else [])
             t0 = time.time()
-            text, rc = _run(cmd, a.timeout)
+            text, rc = run_in_own_group(cmd, a.timeout)
             Path(f"{Path(a.out).with_suffix('')}-run-{i}-{mode}.log").write_text(text)  # raw, beside the results
             res = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
             if res is None:

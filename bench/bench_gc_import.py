@@ -17,11 +17,11 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import time
+
+from bench_compile_cache import run_in_own_group  # this folder: the script's own, first on sys.path
+from bench_inference import spread
 
 T0 = time.time()
 VARIANTS = ("paused", "collecting")
@@ -76,15 +76,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for i in range(a.pairs):
         for variant in VARIANTS if i % 2 == 0 else VARIANTS[::-1]:  # alternating: a drifting machine favours neither
-            proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--variant", variant],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            try:
-                text, _ = proc.communicate(timeout=a.timeout)
-            except subprocess.TimeoutExpired:
-                text = "timed out"
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = run_in_own_group([sys.executable, __file__, *sys.argv[1:], "--variant", variant], a.timeout)
             line = next((x for x in text.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"{variant} FAILED\n{text[-3000:]}", flush=True)
@@ -95,9 +87,8 @@ def main() -> None:
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(json.dumps({"run": res}) + "\n")
-    summary = {v: {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
-                       "max": max(r[k] for r in rs), "n": len(rs)}
-                   for k in ("import_s", "construct_s", "engine_ready_s")} for v, rs in runs.items() if rs}
+    summary = {v: {k: spread([r[k] for r in rs]) for k in ("import_s", "construct_s", "engine_ready_s")}
+               for v, rs in runs.items() if rs}
     print("SUMMARY " + json.dumps(summary), flush=True)
     if a.out:
         with open(a.out, "a") as f:
