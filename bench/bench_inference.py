@@ -114,7 +114,7 @@ def run_raw(a, rows, *, in_process: bool = False) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
               for r in rows]
-    t1 = time.perf_counter()
+    t1, gen_start = time.perf_counter(), _since_start()
     outs = llm.generate(prompts, params, use_tqdm=False)
     el = time.perf_counter() - t1
     toks = [list(o.outputs[0].token_ids) for o in outs]
@@ -122,7 +122,7 @@ def run_raw(a, rows, *, in_process: bool = False) -> dict:
     n_out = sum(map(len, toks))
     return dict(mode="raw-inproc" if in_process else "raw", engine="vllm", generate_s=el, generated_tokens=n_out,
                 delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows),
-                outputs_s=_since_start())
+                generate_start_s=gen_start, outputs_s=_since_start())
 
 
 def run_raw_lmdeploy(a, rows) -> dict:
@@ -359,7 +359,7 @@ def main() -> None:
         if not line:
             print(f"{mode} FAILED rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
             continue
-        res = {**json.loads(line[7:]), "wall_s": round(wall, 2)}
+        res = {**json.loads(line[7:]), "wall_s": round(wall, 2), "started_epoch": round(t0, 3)}
         if a.warmup and not runs.get("_warmup"):
             runs["_warmup"] = [res]
             print(f"warm-up ({mode}, not counted): wall {res['wall_s']} s", flush=True)

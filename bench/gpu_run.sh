@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
 #   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import
-#   (fixed / mix: MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
+#   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (bench/gpu_telemetry.py; TELEMETRY=0:
+#    not) and summarized per run phase at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
 #    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
 #    stage with torch.compile against without (the default under the offline graphs). A call's alternating order
@@ -26,6 +27,13 @@ vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
 }
+telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OUT, for gpu_telemetry.py by-run
+  [ "${TELEMETRY:-1}" = 1 ] || return 0
+  python3 bench/gpu_telemetry.py record --out $OUT/gpu_telemetry.jsonl & TELEMETRY_PID=$!
+  trap 'kill $TELEMETRY_PID 2>/dev/null; wait $TELEMETRY_PID 2>/dev/null
+        python3 bench/gpu_telemetry.py by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $OUT/gpu.jsonl \
+          > $OUT/gpu_telemetry_by_run.jsonl && cat $OUT/gpu_telemetry_by_run.jsonl' EXIT
+}
 h200_summary() {  # the lines of a log that matter, short
   grep -E "^RESULT|GPU KV cache size|Maximum concurrency|torch.compile took|init engine|Error|Traceback" "$1" \
     | grep -v "^RESULT.*\"phase\": \"engine\".*kv_cache_tokens" | cut -c1-500 | tail -30
@@ -33,9 +41,9 @@ h200_summary() {  # the lines of a log that matter, short
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
-  fixed) vllm_env; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+  fixed) vllm_env; telemetry_on; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs ;;
-  mix)   vllm_env; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
+  mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
   hf)    vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
