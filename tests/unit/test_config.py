@@ -109,8 +109,9 @@ def test_offline_cuda_graphs_reach_vllm_on_a_gpu_only_and_step_aside_for_what_th
     offline = graphs()
     assert offline["cudagraph_mode"] == "FULL_DECODE_ONLY"
     sizes = offline["cudagraph_capture_sizes"]
-    assert sizes == sorted(set(sizes)) and sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 512
-    assert len(sizes) == len(OFFLINE_CAPTURE_SIZES) == 32 and all(b - a == 16 for a, b in zip(sizes[7:], sizes[8:]))
+    assert sizes == sorted(set(sizes)) and sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 1024
+    assert len(sizes) == len(OFFLINE_CAPTURE_SIZES) == 48 and 512 in sizes  # stride 16 up to 512, then 32
+    assert {b - a for a, b in zip(sizes[7:], sizes[8:])} == {16, 32} and sizes[sizes.index(512) + 1] == 544
     assert graphs(gpu=False) == {}  # a CPU captures no graphs
     assert graphs(takes=("mode",)) == {}  # a vLLM before cudagraph_mode keeps its own
     assert graphs(engine__cuda_graphs="vllm") == {}

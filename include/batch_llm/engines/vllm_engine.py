@@ -40,8 +40,11 @@ from batch_llm.engines.registry import register_engine
 # Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
 # reading the weights (a 7B model on an H200: ~3.1 ms to read them, ~1.8 ms to compute 128 rows), and padded rows
 # have no KV cache to read, so rounding a batch up to the next power of two costs little; above 128 the stride
-# is vLLM's own 16, up to its ceiling of 512.
-OFFLINE_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16))
+# is vLLM's own 16 up to its default ceiling of 512, then 32 up to 1024 (vLLM's max_num_seqs on large GPUs; it
+# drops the sizes above the engine's max_num_seqs). A batch job's decode batches are that large: without a graph
+# an uncompiled decode step of 1024 sequences is bound by launching its kernels (H200, mix: the GPU ~50 % busy
+# while all 1024 decode; docs/benchmarks.md).
+OFFLINE_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16), *range(544, 1025, 32))
 
 
 @register_engine
