@@ -252,9 +252,10 @@ class EngineConfig(_Section):
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     cuda_graphs: Literal["offline", "vllm"] = Field(
         "offline", description="vLLM on a GPU: which CUDA graphs the engine captures at start. offline: full graphs "
-        "of decode steps only, at 1, 2, 4 ... 128 sequences then every 16 up to vLLM's ceiling of 512 (32 sizes; a batch "
-        "job's mixed prefill steps carry thousands of tokens, where a graph saves nothing, and below 128 "
-        "sequences a decode step is bound by reading the weights, so padding it up costs little); vllm: vLLM's "
+        "of decode steps only, at 1, 2, 4 ... 128 sequences, every 16 up to 512, then every 32 up to 1024 (48 sizes, "
+        "those above max_num_seqs dropped; a batch job's mixed prefill steps carry thousands of tokens, where a graph "
+        "saves nothing; below 128 sequences a decode step is bound by reading the weights, so padding it up costs "
+        "little; above 512 a step without a graph is bound by the CPU launching its kernels); vllm: vLLM's "
         "own (full and piecewise graphs, 51 sizes each: 102 captures). A compilation_config in engine.extra "
         "wins; speculative decoding, LoRA and the pooling tasks keep vLLM's own")
     torch_compile: bool | None = Field(
