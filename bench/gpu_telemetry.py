@@ -1,16 +1,18 @@
-"""The GPU's clocks, power and temperature while a benchmark runs, and what they were in each run's phases: to
-tell a run that was slower because of its own work from one whose GPU ran slower (a hot or power-capped H200
-lowers its SM clock in compute-bound prefill, and the stage's generation on the mix is two-valued, the whole
-difference in the prefill-heavy time to its first finished request; docs/benchmarks.md).
+"""The GPU's clocks, power, temperature and utilization while a benchmark runs, and what they were in each run's
+phases: to tell a run that was slower because its GPU ran slower (an H200 at its power cap lowers its SM clock)
+from one whose GPU waited. On the mix the stage's generation was two-valued; this found the GPU waiting 3-6 s
+mid-generation on decode steps with no CUDA graph, not its clocks (docs/benchmarks.md, the tenth lease).
 
     python bench/gpu_telemetry.py record --out telemetry.jsonl [--interval 0.2]     # until killed
-    python bench/gpu_telemetry.py by-run --telemetry telemetry.jsonl --runs gpu.jsonl
+    python bench/gpu_telemetry.py by-run --telemetry telemetry.jsonl --runs gpu.jsonl [--strip]
 
 ``record`` samples NVML (pynvml, or the copy vLLM ships in vllm/third_party) every --interval seconds: the
 wall clock, SM and memory clocks (MHz), power (W), temperature (°C), utilization (%) and the active clock
 throttle reasons (NVML's bit mask). ``by-run`` reads bench_inference.py's ``{"run": ...}`` lines (each run's
-``started_epoch`` and, for the stage, its timeline) and prints per run the mean SM clock, power and temperature
-over its generation and, for the stage, over its first-token phase and the rest.
+``started_epoch`` and, for the stage, its timeline) and prints per run the means of clock, power, temperature and
+utilization, and the share of samples held at the power cap or slowed for heat, over its generation and, for the
+stage, over its first-token phase and the rest. ``--strip`` adds the utilization of each sample from 1 s before
+generation to 0.5 s after it, one digit a sample (9: at least 90 % busy).
 """
 from __future__ import annotations
 
@@ -81,7 +83,11 @@ def mean_over(samples: list[dict], window: tuple[float, float], key: str) -> flo
     return round(statistics.fmean(vals), 1) if vals else None
 
 
-def by_run(telemetry: str, runs: str) -> list[dict]:
+def util_strip(samples: list[dict], window: tuple[float, float]) -> str:
+    return "".join(str(min(9, s["util_gpu"] // 10)) for s in samples if window[0] - 1 <= s["t"] <= window[1] + 0.5)
+
+
+def by_run(telemetry: str, runs: str, *, strip: bool = False) -> list[dict]:
     samples = [json.loads(x) for x in open(telemetry) if x.strip()]
     rows = []
     for line in open(runs):
@@ -95,6 +101,8 @@ def by_run(telemetry: str, runs: str) -> list[dict]:
             inside = [s for s in samples if w[0] <= s["t"] <= w[1]]
             for reason, bits in THROTTLE.items():  # the share of its samples with the clock held down for that reason
                 row[name][reason] = round(sum(bool(s["throttle"] & bits) for s in inside) / max(1, len(inside)), 2)
+        if strip and "generation" in row:
+            row["util_strip"] = util_strip(samples, windows(run)["generation"])
         rows.append(row)
     return rows
 
@@ -108,11 +116,12 @@ def main() -> None:
     b = sub.add_parser("by-run")
     b.add_argument("--telemetry", required=True)
     b.add_argument("--runs", required=True)
+    b.add_argument("--strip", action="store_true", help="each run's utilization, one digit per sample")
     a = p.parse_args()
     if a.cmd == "record":
         record(a.out, a.interval)
     else:
-        for row in by_run(a.telemetry, a.runs):
+        for row in by_run(a.telemetry, a.runs, strip=a.strip):
             json.dump(row, sys.stdout)
             sys.stdout.write("\n")
 
