@@ -18,6 +18,13 @@ def fault_env(fault: str) -> dict[str, str]:
     return {"BATCH_LLM_FAULT": fault, "PYTHONPATH": path}
 
 
+def vllm_cpu_env() -> dict[str, str]:
+    """The environment of a child process that runs vLLM's CPU engine in a test: a 1 GiB KV cache, no usage
+    report, no hub."""
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
 def demo_config(tmp: Path, **overrides) -> PipelineConfig:
     """The demo pipeline writing under ``tmp``; overrides are dotted keys with '__' for '.'."""
     cfg = load_config(DEMO_YAML)

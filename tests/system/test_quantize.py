@@ -7,7 +7,6 @@ around it, and vLLM (main environment, CPU) generates from the exported checkpoi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import pytest
 from batch_llm import quantize as q
 from batch_llm.config import QuantizeConfig
 from batch_llm.demo_model import default_cache_dir, snapshot_dir
+from helpers import vllm_cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -197,11 +197,6 @@ sys.exit(1)
 """
 
 
-def _vllm_env() -> dict:
-    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
-                TRANSFORMERS_OFFLINE="1")
-
-
 @pytest.fixture(scope="module")
 def vllm_serves(export, tmp_path_factory):
     """vLLM (main environment, CPU) on the export: ("served", result) or ("cannot_run", why) where this CPU's
@@ -214,7 +209,7 @@ def vllm_serves(export, tmp_path_factory):
     script.write_text(VLLM_SCRIPT)
     log_file = tmp_path / "vllm.log"
     with open(log_file, "w") as log:
-        proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=_vllm_env(), cwd=tmp_path,
+        proc = subprocess.run([str(MAIN_PYTHON), str(script), result["model_dir"]], env=vllm_cpu_env(), cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=log, text=True, timeout=540)
     output = proc.stdout + log_file.read_text()
     if proc.returncode != 0:
@@ -231,7 +226,7 @@ def _script_line(script: str, model_dir: str, tmp_path, prefix: str) -> str:
     """Runs a script in the main environment on the export; returns its output line starting with prefix."""
     path = tmp_path / "script.py"
     path.write_text(script)
-    proc = subprocess.run([str(MAIN_PYTHON), str(path), model_dir], env=_vllm_env(), cwd=tmp_path,
+    proc = subprocess.run([str(MAIN_PYTHON), str(path), model_dir], env=vllm_cpu_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
