@@ -34,3 +34,20 @@ def test_cpu_dtype(tmp_path, monkeypatch, native, dtype, quantized, on_gpu, expe
         config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert base.cpu_dtype(dtype, str(tmp_path), on_gpu=on_gpu) == expected
+
+
+def _ct(weights: dict, acts: dict | None) -> dict:
+    return {"quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {"weights": weights, "input_activations": acts}}}
+
+
+def test_fp8_channel_weights_are_told_from_int_and_other_fp8_layouts():
+    """What the vLLM engine refuses on a CPU without AMX-FP8: FP8_DYNAMIC's per-channel float-8 weights."""
+    fp8_dynamic = _ct({"type": "float", "num_bits": 8, "strategy": "channel"},
+                      {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True})
+    assert base.is_fp8_channel_weights(fp8_dynamic) and not base.is_int_weight_only(fp8_dynamic)
+    w4a16 = _ct({"type": "int", "num_bits": 4, "strategy": "group"}, None)
+    assert base.is_int_weight_only(w4a16) and not base.is_fp8_channel_weights(w4a16)
+    per_tensor = _ct({"type": "float", "num_bits": 8, "strategy": "tensor"}, {"type": "float", "num_bits": 8})
+    assert not base.is_fp8_channel_weights(per_tensor)  # vLLM's CPU has an AMX kernel for it without AMX-FP8
+    assert not base.is_fp8_channel_weights({"quant_method": "awq", "bits": 4}) and not base.is_fp8_channel_weights({})

@@ -305,6 +305,15 @@ def cpu_dtype(dtype: str, model_dir: str, *, on_gpu: bool) -> str:
     return "float32"
 
 
+def is_fp8_channel_weights(qc: dict) -> bool:
+    """True for compressed-tensors 8-bit float weights scaled per output channel (quantize.scheme FP8_DYNAMIC)."""
+    if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return False
+    groups = (qc.get("config_groups") or {}).values()
+    return any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+               and (g.get("weights") or {}).get("strategy") == "channel" for g in groups if isinstance(g, dict))
+
+
 def is_int_weight_only(qc: dict) -> bool:
     """True for integer weights with 16-bit activations (AWQ, GPTQ, compressed-tensors W4A16/W8A16)."""
     method = str(qc.get("quant_method", "")).lower()

@@ -30,6 +30,7 @@ from batch_llm.engines.base import (
     classify_start_failure,
     cpu_dtype,
     gc_paused_import,
+    is_fp8_channel_weights,
     is_int_weight_only,
     model_context_limit,
     model_quantization,
@@ -409,9 +410,14 @@ def _gpu_name(device: str) -> str | None:
 def _missing_cpu_kernel(model_dir: str) -> str | None:
     """Why vLLM cannot run this model on this CPU, or None. vLLM's CPU wheel ships one kernel library per x86
     level, and only the AVX-512 one has the integer-weight GEMM (``cpu_gemm_wna16``): on an AVX2-only CPU
-    such a model loads, then the engine dies at its first step. Asked of the loaded kernels, not of CPU flags,
-    so a later build that adds the kernel is used."""
-    if not is_int_weight_only(model_quantization(model_dir)):
+    such a model loads, then the engine dies at its first step. FP8 weights scaled per channel (FP8_DYNAMIC) have
+    a CPU kernel only where the CPU has AMX-FP8; elsewhere vLLM runs them through torch's reference FP8 matmul
+    (oneDNN's ``ref`` implementation: 29 ms for one row through a 576 x 1536 layer on a 2-core Sapphire Rapids-class
+    VM, 5 minutes for 8 tokens of a 135M model), a shard that would not finish. Asked of vLLM's own kernels and
+    probes, not of CPU flags, so a later build that adds a kernel is used."""
+    qc = model_quantization(model_dir)
+    int_weights, fp8_weights = is_int_weight_only(qc), is_fp8_channel_weights(qc)
+    if not (int_weights or fp8_weights):
         return None
     import torch
     from vllm.platforms import current_platform
@@ -419,11 +425,19 @@ def _missing_cpu_kernel(model_dir: str) -> str | None:
     if not current_platform.is_cpu():
         return None
     current_platform.import_kernels()
-    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+    if int_weights:
+        if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+            return None
+        return (f"vLLM's CPU build on this machine has no integer-weight kernel (cpu_gemm_wna16: only its AVX-512 "
+                f"build has it), so it cannot run the 4-bit model at {model_dir}. Run this pipeline on a GPU or an "
+                f"AVX-512 CPU, or set engine.kind: transformers, or quantize.enabled: false.")
+    from vllm import _custom_ops as ops
+
+    if getattr(ops, "cpu_has_amx_fp8", lambda: False)():
         return None
-    return (f"vLLM's CPU build on this machine has no integer-weight kernel (cpu_gemm_wna16: only its AVX-512 "
-            f"build has it), so it cannot run the 4-bit model at {model_dir}. Run this pipeline on a GPU or an "
-            f"AVX-512 CPU, or set engine.kind: transformers, or quantize.enabled: false.")
+    return (f"this CPU has no AMX-FP8, so vLLM has no kernel for the FP8 weights of the model at {model_dir} and "
+            f"would run them through torch's reference FP8 matmul (~100x slower than the unquantized model). Run this "
+            f"pipeline on a GPU or a CPU with AMX-FP8, or set engine.kind: transformers, or quantize.enabled: false.")
 
 
 def is_request_refusal(e: BaseException, *, engine_dead: bool = False) -> bool:
