@@ -78,9 +78,8 @@ def windows(run: dict) -> dict[str, tuple[float, float]]:
     return {"generation": (t0 + ready, t0 + ready + run["generate_s"])}
 
 
-def mean_over(samples: list[dict], window: tuple[float, float], key: str) -> float | None:
-    vals = [s[key] for s in samples if window[0] <= s["t"] <= window[1]]
-    return round(statistics.fmean(vals), 1) if vals else None
+def mean_of(samples: list[dict], key: str) -> float | None:
+    return round(statistics.fmean(s[key] for s in samples), 1) if samples else None
 
 
 def util_strip(samples: list[dict], window: tuple[float, float]) -> str:
@@ -95,14 +94,15 @@ def by_run(telemetry: str, runs: str, *, strip: bool = False) -> list[dict]:
         if not run:
             continue
         row = {"mode": run["mode"], "generate_s": round(run["generate_s"], 2)}
-        for name, w in windows(run).items():
-            row[name] = {"s": round(w[1] - w[0], 2), **{k: mean_over(samples, w, k) for k in
-                                                       ("sm_mhz", "power_w", "temp_c", "util_gpu")}}
+        phases = windows(run)
+        for name, w in phases.items():
             inside = [s for s in samples if w[0] <= s["t"] <= w[1]]
+            row[name] = {"s": round(w[1] - w[0], 2),
+                         **{k: mean_of(inside, k) for k in ("sm_mhz", "power_w", "temp_c", "util_gpu")}}
             for reason, bits in THROTTLE.items():  # the share of its samples with the clock held down for that reason
                 row[name][reason] = round(sum(bool(s["throttle"] & bits) for s in inside) / max(1, len(inside)), 2)
-        if strip and "generation" in row:
-            row["util_strip"] = util_strip(samples, windows(run)["generation"])
+        if strip and "generation" in phases:
+            row["util_strip"] = util_strip(samples, phases["generation"])
         rows.append(row)
     return rows
 
