@@ -9,9 +9,11 @@ a ModelScope cache layout, so the pipeline resolves the model through the real `
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -64,13 +66,18 @@ def build_demo_model(cache_dir: Path | None = None) -> Path:
         cfg.torch_dtype = "bfloat16"
         fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         fresh.load_state_dict(loaded.state_dict())
-        partial = target.with_name(target.name + ".partial")
-        if partial.exists():
-            import shutil
-            shutil.rmtree(partial)
+        # A name of its own: two processes building at once (make check's xdist workers) each write their
+        # own folder; the first rename wins and the other's copy is dropped. A half-built model is never
+        # mistaken for a cached one.
+        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
         fresh.save_pretrained(partial)
         tok.save_pretrained(partial)
-        partial.rename(target)  # a half-built model is never mistaken for a cached one
+        try:
+            partial.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
     return target
 
 
