@@ -8,25 +8,101 @@ killed task) ends it first, so its memory is really free. Process ids are reused
 its leader is the recorded process (same start time), or, with the leader gone, when every live member
 started after it; a record without a start time ends nothing.
 
+The lease folder is private: a record in it names a process group that the next holder signals, so nobody
+else may be able to write one there. It is created 0700 (default ``/tmp/batch_llm_gpu_leases-<uid>``, or
+``$BATCH_LLM_LEASE_DIR``); an existing one must be a real folder (no symlink) of this user that neither group
+nor others may write, else ``LeaseDirUnsafe``. Lease files are opened inside it without following symlinks,
+and a recorded group is signalled only when all its live processes are this user's.
+
 The pool of the GPU queue carries the slot count (slots = GPUs / tensor_parallel_size); the leases decide
 which GPUs a running task gets.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_LEASE_DIR = "/tmp/batch_llm_gpu_leases"
+LEASE_DIR_ENV = "BATCH_LLM_LEASE_DIR"
 
 
 class NoGpuFree(TimeoutError):
     pass
+
+
+class LeaseDirUnsafe(PermissionError):
+    """The lease folder could be written by someone else: its records would name groups we then kill."""
+
+
+def default_lease_dir() -> str:
+    """One folder per user: under the shared /tmp a fixed name could be created first by anyone."""
+    return f"/tmp/batch_llm_gpu_leases-{os.getuid()}"
+
+
+def open_private_dir(path: Path) -> int:
+    """A descriptor of the lease folder ``path``, created 0700 if missing; LeaseDirUnsafe unless it is a real
+    folder owned by this user without group/other write. Lease files are then opened relative to the
+    descriptor, so swapping the path for another folder after this check changes nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fix = (f"remove it or point ${LEASE_DIR_ENV} at a folder of your own (it is created 0700 if missing); "
+           f"the default is {default_lease_dir()}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise LeaseDirUnsafe(f"GPU lease folder {path} is a symlink or not a folder: {fix}") from None
+        raise
+    st = os.fstat(fd)
+    problem = ("is owned by uid %d, not by this user (uid %d)" % (st.st_uid, os.getuid())
+               if st.st_uid != os.getuid() else
+               "may be written by group or others (mode %o)" % stat.S_IMODE(st.st_mode)
+               if st.st_mode & 0o022 else None)
+    if problem:
+        os.close(fd)
+        raise LeaseDirUnsafe(f"GPU lease folder {path} {problem}: anyone who can write there can name a process "
+                             f"group the next lease kills; {fix}")
+    return fd
+
+
+def open_lease_file(dir_fd: int, name: str, ldir: Path):
+    """``name`` inside the lease folder, created 0600, never through a symlink."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LeaseDirUnsafe(f"GPU lease file {ldir / name} is a symlink; remove it") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise LeaseDirUnsafe(f"GPU lease file {ldir / name} is not a regular file of this user; remove it")
+    return os.fdopen(fd, "r+")
+
+
+def group_is_mine(pgid: int) -> bool:
+    """Whether every live process of group ``pgid`` runs as this user: a worker we started does; a group of
+    someone else's is never ours to end (root's killpg would reach it)."""
+    from batch_llm.worker import live_group_members
+
+    me = os.getuid()
+    for pid in live_group_members(pgid):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != me:
+                return False
+        except FileNotFoundError:
+            continue
+    return True
 
 
 def visible_gpus() -> list[str]:
@@ -105,22 +181,25 @@ class GpuLease:
         gpus = visible_gpus() if gpus is None else gpus
         if count > len(gpus):
             raise ValueError(f"{count} GPU(s) asked for, this worker has {len(gpus)}: {gpus}")
-        ldir = Path(lease_dir or os.environ.get("BATCH_LLM_LEASE_DIR", DEFAULT_LEASE_DIR))
-        ldir.mkdir(parents=True, exist_ok=True)
+        ldir = Path(lease_dir or os.environ.get(LEASE_DIR_ENV) or default_lease_dir())
+        dir_fd = open_private_dir(ldir)
+        try:
+            return cls._acquire_in(dir_fd, ldir, count, gpus, timeout, poll, holder)
+        finally:
+            os.close(dir_fd)
+
+    @classmethod
+    def _acquire_in(cls, dir_fd: int, ldir: Path, count: int, gpus: list[str], timeout: float, poll: float,
+                    holder: str) -> "GpuLease":
         deadline = time.monotonic() + timeout
         while True:
             taken, files = [], []
-            for g in gpus:
-                f = open(ldir / f"gpu-{g}.lock", "a+")
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+            try:
+                cls._lock_free(dir_fd, ldir, gpus, count, taken, files)
+            except BaseException:
+                for f in files:
                     f.close()
-                    continue
-                taken.append(g)
-                files.append(f)
-                if len(taken) == count:
-                    break
+                raise
             if len(taken) == count:
                 lease = cls(taken, ldir, files)
                 lease._reclaim_and_record(holder)
@@ -130,6 +209,21 @@ class GpuLease:
             if time.monotonic() >= deadline:
                 raise NoGpuFree(f"no {count} free GPU(s) among {gpus} within {timeout:.0f}s (leases in {ldir})")
             time.sleep(poll)
+
+    @staticmethod
+    def _lock_free(dir_fd: int, ldir: Path, gpus: list[str], count: int, taken: list, files: list) -> None:
+        """Locks free GPUs' lease files until ``count`` are held, appending to ``taken`` and ``files``."""
+        for g in gpus:
+            f = open_lease_file(dir_fd, f"gpu-{g}.lock", ldir)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            taken.append(g)
+            files.append(f)
+            if len(taken) == count:
+                return
 
     def _reclaim_and_record(self, holder: str) -> None:
         from batch_llm.worker import process_group_alive, stop_process_group
@@ -141,7 +235,8 @@ class GpuLease:
             except ValueError:
                 prev = {}
             pgid = prev.get("worker_pgid")
-            if pgid and process_group_alive(pgid) and is_recorded_group(pgid, prev.get("worker_start")):
+            if (pgid and process_group_alive(pgid) and is_recorded_group(pgid, prev.get("worker_start"))
+                    and group_is_mine(pgid)):
                 stop_process_group(pgid, grace_seconds=5)  # an orphan of a killed task still holds memory
             self._write(f, {"holder": holder, "pid": os.getpid(), "worker_pgid": None, "since": time.time()})
 

@@ -114,3 +114,77 @@ def test_orphans_of_a_dead_worker_leader_are_ended(tmp_path):
     finally:
         if process_group_alive(pgid):
             os.killpg(pgid, 9)
+
+
+# ------------------------------------------------------------------------------------ a private lease folder
+# A lease record names a process group that the next holder kills: only this user may be able to write one.
+def test_the_lease_folder_is_made_private_and_per_user(tmp_path, monkeypatch):
+    from batch_llm import gpu_lease
+
+    assert str(os.getuid()) in gpu_lease.default_lease_dir()  # not one fixed name anyone may create first
+    monkeypatch.setenv("BATCH_LLM_LEASE_DIR", str(tmp_path / "leases"))
+    old = os.umask(0o022)  # a usual umask; mkdir's mode alone would give 0755
+    try:
+        GpuLease.acquire(1, gpus=["0"], timeout=1).release()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "leases").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_symlinked_lease_folder_is_refused(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(PermissionError, match=f"{tmp_path / 'link'} is a symlink.*BATCH_LLM_LEASE_DIR"):
+        GpuLease.acquire(1, gpus=["0"], lease_dir=tmp_path / "link", timeout=1)
+    assert not list((tmp_path / "real").iterdir())
+
+
+def test_a_lease_folder_others_may_write_is_refused(tmp_path):
+    ldir = tmp_path / "leases"
+    ldir.mkdir()
+    ldir.chmod(0o777)
+    with pytest.raises(PermissionError, match="written by group or others"):
+        GpuLease.acquire(1, gpus=["0"], lease_dir=ldir, timeout=1)
+
+
+def test_a_lease_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    ldir = tmp_path / "leases"
+    ldir.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        os.chown(ldir, 65534, 65534)
+    else:  # cannot give the folder away: be someone else instead
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    with pytest.raises(PermissionError, match="owned by uid"):
+        GpuLease.acquire(1, gpus=["0"], lease_dir=ldir, timeout=1)
+
+
+def test_a_symlinked_lease_file_is_not_followed(tmp_path):
+    ldir = tmp_path / "leases"
+    ldir.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (ldir / "gpu-0.lock").symlink_to(victim)
+    with pytest.raises(PermissionError, match="gpu-0.lock is a symlink"):
+        GpuLease.acquire(1, gpus=["0"], lease_dir=ldir, timeout=1)
+    assert victim.read_text() == "keep"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="starting a process of another user needs root")
+def test_a_recorded_group_of_another_user_is_not_killed(tmp_path):
+    """Root's killpg reaches every process: a record naming another user's group (whatever wrote it) is left
+    alone, even when the start time matches."""
+    import json
+
+    from batch_llm.gpu_lease import process_start_time
+
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True, user=65534)
+    try:
+        record = {"worker_pgid": other.pid, "worker_start": process_start_time(other.pid)}
+        (tmp_path / "gpu-0.lock").write_text(json.dumps(record))
+        GpuLease.acquire(1, gpus=["0"], lease_dir=tmp_path, timeout=5, poll=0.1).release()
+        time.sleep(0.3)
+        assert other.poll() is None, "another user's process group was killed"
+    finally:
+        other.kill()
+        other.wait()
