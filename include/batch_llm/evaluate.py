@@ -13,7 +13,8 @@ Metric names are EvalScope's own per-sample keys (``general_qa`` reports these):
   precision with brevity penalty, not cumulative BLEU-4; no smoothing, so a missing order gives ~1e-308).
 
 The report JSON names them by identity (``rouge`` + ``{variant: l, statistic: f1}``); they are mapped back to
-the names above. ``metric`` is matched case-insensitively (``rouge-l-f`` and ``mean_Rouge-L-F`` work too).
+the names above. ``metric`` is matched whatever its case and separators (``rouge-l-f``, ``rouge_l_f`` and
+``mean_Rouge-L-F`` work too): ``canonical_metric`` gives EvalScope's spelling, which the config stores.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import heapq
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -38,6 +40,38 @@ MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under rep
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _PUNKT = "tokenizers/punkt_tab/english/"
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
+
+# EvalScope's general_qa score names (METRIC_SCORE_KEYS of evalscope.benchmarks.general_qa_vqa_metrics), spelled
+# out so that a config is checked where EvalScope is not installed (the scheduler, the DAG parser); a unit test
+# compares them with EvalScope's own.
+METRICS = ("Rouge-1-R", "Rouge-1-P", "Rouge-1-F", "Rouge-2-R", "Rouge-2-P", "Rouge-2-F",
+           "Rouge-L-R", "Rouge-L-P", "Rouge-L-F", "bleu-1", "bleu-2", "bleu-3", "bleu-4")
+
+
+class MetricNotScored(RuntimeError):
+    """``evaluate.min_score`` is set but the scores hold no value of ``evaluate.metric``: the gate cannot pass."""
+
+
+def _metric_key(name: str) -> str:
+    """A name without case, separators ('-', '_', spaces) or the report's ``mean_`` prefix."""
+    return re.sub(r"[\s_-]+", "", name.strip().lower()).removeprefix("mean")
+
+
+def canonical_metric(name: str, known: Iterable[str] = METRICS) -> str:
+    """EvalScope's spelling of a metric given in any case and with any separators; ValueError, listing the
+    known names, for anything else."""
+    key = _metric_key(name)
+    for known_name in known:
+        if _metric_key(known_name) == key:
+            return known_name
+    raise ValueError(f"unknown metric {name!r}; EvalScope's general_qa reports {', '.join(known)}")
+
+
+def metric_score(metrics: dict[str, float], name: str) -> float | None:
+    """The score of ``name`` in ``metrics`` however either is spelled (a manifest may predate the canonical
+    spelling), or None."""
+    key = _metric_key(name)
+    return next((v for k, v in metrics.items() if _metric_key(k) == key), None)
 
 
 def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "Rouge-L-F") -> dict:
@@ -143,11 +177,7 @@ def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "
 
 
 def _normalize_metric(metric: str, names: list[str]) -> str:
-    key = metric.strip().lower().removeprefix("mean_")
-    for name in names:
-        if name.lower() == key:
-            return name
-    raise ValueError(f"unknown EvalScope metric {metric!r}; general_qa reports {names}")
+    return canonical_metric(metric, names)  # against the names of the EvalScope that runs
 
 
 def _replay_model(outputs: dict[str, str]):
