@@ -51,6 +51,11 @@ class WorkerHandle:
         self.proc = proc
         self.ipc_dir = ipc_dir
         self.tail: list[str] = []
+        # The group is signalled by the leader's pid, which names the group only until the leader is reaped
+        # (then the pid may be reused): the handle reaps it only after signalling, under this lock. Reentrant:
+        # stop() runs from on_kill, Airflow's SIGTERM handler, possibly in the middle of wait()'s own end.
+        self._group_lock = threading.RLock()
+        self._reaping = False
 
     @classmethod
     def start(cls, spec: dict, *, python: str | None = None, env: dict | None = None) -> "WorkerHandle":
@@ -92,16 +97,17 @@ class WorkerHandle:
             try:
                 line = lines.get(timeout=0.5)
             except queue.Empty:
-                if self.proc.poll() is not None:
+                if self._leader_exited():
                     break
                 continue
             if line is None:
                 break
             out.take(line)
-        rc = self.proc.wait()
+        self._wait_leader_exit()
         # Engine processes (vLLM's engine core) outlive a worker that died by SIGKILL and keep the GPU's
         # memory; they share the worker's process group, so end the group whatever the exit was.
-        stop_process_group(self.proc.pid, grace_seconds=10)
+        self._end_group(grace_seconds=10)
+        rc = self.proc.wait()
         self._remove_ipc_dir()
         reader.join(timeout=10)
         while not lines.empty():
@@ -115,12 +121,52 @@ class WorkerHandle:
 
     def stop(self, grace_seconds: float = 10.0) -> None:
         """Ends the worker's whole process group (engine processes included) and waits for it."""
-        stop_process_group(self.proc.pid, grace_seconds)
-        try:
-            self.proc.wait(timeout=grace_seconds)
-        except subprocess.TimeoutExpired:
-            pass
+        self._end_group(grace_seconds)
         self._remove_ipc_dir()
+
+    def _leader_exited(self) -> bool:
+        """Whether the worker has exited, without reaping it (WNOWAIT): a zombie still holds its pid."""
+        if self.proc.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already
+            return True
+
+    def _wait_leader_exit(self) -> None:
+        """Blocks until the worker exits, leaving it unreaped (Popen.wait would reap it)."""
+        if self.proc.returncode is None:
+            try:
+                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass
+
+    def _signal_group(self, sig: int) -> bool:
+        """Sends ``sig`` to the worker's group while the leader is unreaped; False once there is no group to
+        signal: after the reap the pid may name someone else's group."""
+        if self.proc.returncode is not None or self._reaping:
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _end_group(self, grace_seconds: float) -> None:
+        """SIGTERM, then SIGKILL, to the group until no live member is left, then reaps the leader."""
+        with self._group_lock:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if not self._signal_group(sig) or _wait_group_gone(self.proc.pid, grace_seconds):
+                    break
+            if self._reaping:  # re-entered (on_kill during wait's end): the outer call reaps
+                return
+            self._reaping = True
+            try:
+                self.proc.wait(timeout=grace_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                self._reaping = False
 
 
 class _WorkerOutput:
@@ -147,16 +193,25 @@ class _WorkerOutput:
 
 
 def stop_process_group(pgid: int, grace_seconds: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, to group ``pgid``. The caller makes sure ``pgid`` is still the group it means
+    (``WorkerHandle`` keeps the leader unreaped; a GPU lease checks the leader's start time)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline:
-            if not process_group_alive(pgid):
-                return
-            time.sleep(0.1)
+        if _wait_group_gone(pgid, grace_seconds):
+            return
+
+
+def _wait_group_gone(pgid: int, grace_seconds: float) -> bool:
+    """Whether group ``pgid`` has no live member left within ``grace_seconds``."""
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        if not live_group_members(pgid):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def process_group_alive(pgid: int) -> bool:
