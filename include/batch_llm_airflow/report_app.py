@@ -17,8 +17,14 @@ Who may read what:
 - Only reports of DAGs the user may read: the path's pipeline (``<root>/<pipeline>/...``, the pipeline name
   is the DAG id) is checked with the auth manager's ``is_authorized_dag(GET, RUN)``; no access: 403.
 
-``s3://`` reports are read with the credentials of the Airflow connection: the root's ``output.conn_id``, or
-the ``conn_id`` query parameter where the root names none (a different one than the root's is refused).
+``s3://`` reports are read with the credentials of the root's own connection (``output.conn_id`` or the
+``conn@`` of its URL) and no other: a ``conn_id`` query parameter other than it is refused, also where the root
+names none (such a root is read with the API server's default credentials), or a caller could point any
+connection at any bucket.
+
+No pipeline code runs here: the roots come from each pipeline YAML's ``name`` and ``output`` keys, read as
+plain YAML. Validating the whole config would import the authors' Python (an output schema given as
+``module:Class``) in the API server on every refresh of the roots, where Airflow 3 keeps DAG authors' code out.
 
 The page is served with a Content-Security-Policy that allows no scripts and no requests (inline CSS and
 ``data:`` images only): a report shows user data, and it is served from Airflow's own origin.
@@ -31,6 +37,7 @@ import html
 import logging
 import os
 import posixpath
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -92,21 +99,44 @@ def pipelines_folder() -> Path:
     return Path(conf.get("core", "dags_folder")) / "pipelines"
 
 
-def configured_roots() -> list[Root]:
-    """Every pipeline's ``<output.path>/<name>``, then the ``$BATCH_LLM_REPORT_ROOTS`` prefixes."""
-    from batch_llm.config import ConfigError, load_config
+_DAG_ID = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def pipeline_root(path: Path) -> Root:
+    """``<output.path>/<name>`` of one pipeline YAML, from those keys alone (ValueError when they are not
+    usable): the full config is not validated here, as that imports an output schema's ``module:Class``."""
+    import yaml
     from batch_llm.storage import join_url
 
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"not valid YAML: {e}") from None
+    name = data.get("name") if isinstance(data, dict) else None
+    output = data.get("output") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not _DAG_ID.fullmatch(name):
+        raise ValueError("no usable 'name' (the DAG id)")
+    if not isinstance(output, dict) or not isinstance(output.get("path"), str) or not output["path"]:
+        raise ValueError("no output.path")
+    conn_id = output.get("conn_id")
+    if conn_id is not None and not isinstance(conn_id, str):
+        raise ValueError("output.conn_id is not a string")
+    out = output["path"]
+    if out.startswith(("./", "../")):  # relative to the YAML's folder, as load_config resolves it
+        out = str((path.parent / out).resolve())
+    url, conn = split_conn(out)
+    return Root(join_url(url, name), conn_id or conn, name, path.name)
+
+
+def configured_roots() -> list[Root]:
+    """Every pipeline's ``<output.path>/<name>``, then the ``$BATCH_LLM_REPORT_ROOTS`` prefixes."""
     roots: list[Root] = []
     folder = pipelines_folder()
     for path in sorted(folder.glob("*.y*ml")) if folder.is_dir() else []:
         try:
-            cfg = load_config(path)
-        except (ConfigError, OSError) as e:
+            roots.append(pipeline_root(path))
+        except (ValueError, OSError) as e:
             log.warning("report roots: skipping %s: %s", path, str(e).splitlines()[0])
-            continue
-        url, conn = split_conn(cfg.output.path)
-        roots.append(Root(join_url(url, cfg.name), cfg.output.conn_id or conn, cfg.name, path.name))
     for item in filter(None, (s.strip() for s in os.environ.get(ROOTS_ENV, "").split(","))):
         url, conn = split_conn(item)
         roots.append(Root(url.rstrip("/") or "/", conn, None, ROOTS_ENV))
@@ -201,11 +231,13 @@ def _location(r: Resolved, conn_id: str | None):
 
     if r.root.local:
         return Location(r.url)
-    if conn_id and r.root.conn_id and conn_id != r.root.conn_id:
+    # The root's own connection only: a caller's conn_id would lend its credentials to any bucket a root
+    # without one covers.
+    if conn_id and conn_id != r.root.conn_id:
         raise ReportError(403, f"connection {conn_id!r} is not the one configured for this path")
     from batch_llm_airflow.hooks import BatchLlmStorageHook
 
-    return BatchLlmStorageHook(conn_id or r.root.conn_id).location(r.url)
+    return BatchLlmStorageHook(r.root.conn_id).location(r.url)
 
 
 def read_report(path: str, conn_id: str | None, user: Any) -> bytes:
