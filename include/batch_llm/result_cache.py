@@ -32,15 +32,23 @@ bounded memory (runs of 50k entries spilled to local temporary files, then ``hea
 ``atomic_writer``: the object is visible only once complete. A retry writes the table again, which is harmless
 (a duplicate is dropped at compaction).
 
-Maintenance (``maintain``, run by the publish task): tables whose newest entry is expired are deleted from the
-listing; once ``compact_after_tables`` shard tables exist they are merged (streamed k-way merge, newest entry
-of a key wins, expired entries dropped) into one run; when more than ``max_runs`` runs would exist, all runs
-are merged into one. It merges only the tables it listed, commits its output, and only then deletes its
-inputs, so shards writing meanwhile lose nothing; two compactions racing can leave duplicates, never a lost or
-wrong entry. A lookup that meets a table deleted under it lists again and retries once for what is still
-missing (at worst a miss: the row is generated again). With maintenance after each run a namespace holds at
-most ``compact_after_tables - 1 + max_runs`` tables, plus the shards of the runs since the last maintenance:
-with the defaults (64, 8) and shard counts of a few hundred, fewer than 1,000 objects whatever the history.
+Maintenance (``maintain``, run by the publish task): tables whose newest entry is expired (by the name, then
+checked in the footer) are deleted; once ``compact_after_tables`` shard tables exist they are merged (streamed
+k-way merge, newest entry of a key wins, expired entries dropped) into one run; when more than ``max_runs`` runs
+would exist, all runs are merged into one. It merges only the tables it listed, commits its output, and only
+then deletes its inputs, so shards writing meanwhile lose nothing; two compactions racing can leave duplicates,
+never a lost or wrong entry. A table it cannot read (a newer format, a damaged file) is never deleted nor
+merged: it is kept and named in the stats (``unreadable_tables_kept``). A lookup that meets a table deleted
+under it lists again and retries once for what is still missing (at worst a miss: the row is generated again).
+With maintenance after each run a namespace holds at most ``compact_after_tables - 1 + max_runs`` tables, plus
+the shards of the runs since the last maintenance: with the defaults (64, 8) and shard counts of a few hundred,
+fewer than 1,000 objects whatever the history.
+
+Each namespace is maintained with the settings of the pipelines that write it, not of the pipeline whose
+publish runs maintenance: publish records its pipeline's settings (``record_retention``) in the namespaces its
+run wrote (``<ns>/_retention.<pipeline>.json``); ``maintain_all`` applies, per namespace, the longest retention
+any of them asked for (null, keep forever, wins). A namespace without a record is only compacted, never expired;
+one with a record it cannot read is left alone.
 
 An entry's ``t`` is when it was generated, not when it was last served: ``max_age_days`` bounds how old a
 reused result can be. The legacy layout (``seg-<uuid>.jsonl`` segments) is not read by lookups; ``maintain``
@@ -66,7 +74,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from batch_llm.storage import AtomicWriter, Location, is_local, iter_jsonl
+from batch_llm.storage import AtomicWriter, Location, is_local, iter_jsonl, read_json, write_json
 
 log = logging.getLogger("batch_llm.result_cache")
 
@@ -89,6 +97,8 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _DAY = 86400.0
 _ENCODE = msgspec.json.Encoder(enc_hook=str).encode  # compact, non-ASCII kept, key order kept
 _DECODE = msgspec.json.Decoder().decode
+RETENTION_PREFIX = "_retention."  # <ns>/_retention.<pipeline>.json: the settings of a pipeline that writes ns
+RETENTION_FORMAT = 1
 
 
 def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind: str,
@@ -297,6 +307,7 @@ class ResultCache:
 
     def __init__(self, root: Location, ns: str, *, max_age_days: float | None = None, gap_bytes: int | None = None,
                  clock: Callable[[], float] = time.time):
+        self.ns = ns
         self.dir = root.child(ns)
         self._upath = self.dir.path()
         self.local = is_local(self._upath)
@@ -471,18 +482,12 @@ class ResultCache:
         t0 = time.perf_counter()
         stats = {"tables_before": 0, "tables_after": 0, "expired_tables_deleted": 0, "tables_merged": 0,
                  "legacy_segments_folded": 0, **_merge_stats(), "bytes_read": 0, "ranges_read": 0,
-                 "objects_read": 0, "aborted": None, "seconds": 0.0}
+                 "objects_read": 0, "unreadable_tables_kept": [], "aborted": None, "seconds": 0.0}
         cutoff = self._cutoff(max_age_days)
         self._fold_legacy(stats)
         tables = self.tables()
         stats["tables_before"] = len(tables)
-        live = []
-        for t in tables:
-            if cutoff is not None and t.max_t < cutoff:
-                self._delete(t)
-                stats["expired_tables_deleted"] += 1
-            else:
-                live.append(t)
+        live = self._delete_expired(tables, cutoff, stats)
         shards = [t for t in live if t.kind == "s"]
         runs = [t for t in live if t.kind == "r"]
         inputs = shards if len(shards) >= compact_after_tables else []
@@ -494,12 +499,37 @@ class ResultCache:
         stats["seconds"] = round(time.perf_counter() - t0, 3)
         return stats
 
+    def _delete_expired(self, tables: list[_Table], cutoff: float | None, stats: dict) -> list[_Table]:
+        """Deletes the tables whose newest entry is older than ``cutoff``, once their footer is read and says
+        so; returns the others, less those it could not read (kept, named in the stats, not merged)."""
+        expired = [t for t in tables if cutoff is not None and t.max_t < cutoff]
+        if not expired:
+            return tables
+        reader = _Reader(self.fs, self.local, stats)
+        try:
+            metas, gone = _open_tables(reader, expired)
+        finally:
+            reader.close()
+        unreadable = _unread(expired, metas, gone)
+        stats["unreadable_tables_kept"] += [t.name for t in unreadable]
+        dead = {m.table.name for m in metas if m.max_t < cutoff}
+        for m in metas:
+            if m.table.name in dead:
+                self._delete(m.table)
+        stats["expired_tables_deleted"] += len(dead)
+        skip = dead | {t.name for t in gone} | {t.name for t in unreadable}
+        return [t for t in tables if t.name not in skip]
+
     def _merge(self, inputs: list[_Table], cutoff: float | None, stats: dict) -> str | None:
         reader = _Reader(self.fs, self.local, stats)
         try:
             metas, gone = _open_tables(reader, inputs)
             if gone:
                 stats["aborted"] = f"{len(gone)} input tables were deleted meanwhile (a concurrent compaction)"
+                return None
+            # A table it cannot read (a newer worker's format) is neither merged nor deleted: its entries stay.
+            stats["unreadable_tables_kept"] += [t.name for t in _unread(inputs, metas, gone)]
+            if not metas:
                 return None
             chunk = int(min(MAX_RANGE_BYTES, max(256 * 2**10, BATCH_BYTES // max(1, len(metas)))))
             items = heapq.merge(*(_iter_values(reader, m, chunk) for m in metas))
@@ -510,9 +540,9 @@ class ResultCache:
                 return None
         finally:
             reader.close()
-        stats["tables_merged"] = len(inputs)
-        for t in inputs:  # only after the output is committed
-            self._delete(t)
+        stats["tables_merged"] = len(metas)
+        for m in metas:  # only after the output is committed, and only what was read into it
+            self._delete(m.table)
         return name
 
     def _fold_legacy(self, stats: dict) -> None:
@@ -527,8 +557,74 @@ class ResultCache:
         stats["legacy_segments_folded"] = len(segs)
 
 
-def maintain_all(root: Location, **kwargs) -> dict:
-    """``ResultCache.maintain`` for every namespace under the cache root: {namespace: stats}."""
+def _unread(tables: list[_Table], metas: list[_Meta], gone: list[_Table]) -> list[_Table]:
+    """The tables that exist but whose footer could not be read (``_open_tables`` skipped them)."""
+    seen = {m.table.name for m in metas} | {t.name for t in gone}
+    return [t for t in tables if t.name not in seen]
+
+
+def record_retention(root: Location, ns: str, pipeline: str, *, max_age_days: float | None,
+                     compact_after_tables: int, max_runs: int) -> None:
+    """Records in namespace ``ns`` the cache settings of a pipeline that writes it (one file per pipeline,
+    replaced at each of its publishes): maintenance then applies them, whichever pipeline runs it."""
+    write_json(root.child(ns, f"{RETENTION_PREFIX}{pipeline}.json").path(),
+               {"format": RETENTION_FORMAT, "pipeline": pipeline, "max_age_days": max_age_days,
+                "compact_after_tables": compact_after_tables, "max_runs": max_runs, "recorded_at": time.time()})
+
+
+def recorded_settings(cache: ResultCache) -> dict | None:
+    """The maintenance settings of a namespace from its writers' records: the longest retention (null, keep
+    forever, wins over any age), the largest compaction thresholds; None when no pipeline recorded any.
+    ValueError when a record cannot be read (a newer format, a damaged file): then nothing is known."""
+    records = []
+    for name, _ in cache._entries():
+        if not (name.startswith(RETENTION_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            rec = read_json(cache.dir.child(name).path())
+            if rec.get("format") != RETENTION_FORMAT:
+                raise ValueError(f"format {rec.get('format')!r}, this version reads {RETENTION_FORMAT}")
+            ages = rec["max_age_days"]
+            records.append((None if ages is None else float(ages), int(rec["compact_after_tables"]),
+                            int(rec["max_runs"]), str(rec["pipeline"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{name}: {e}") from e
+    if not records:
+        return None
+    ages = [r[0] for r in records]
+    return {"max_age_days": None if None in ages else max(ages), "compact_after_tables": max(r[1] for r in records),
+            "max_runs": max(r[2] for r in records), "pipelines": sorted(r[3] for r in records)}
+
+
+def maintain_namespace(cache: ResultCache, *, compact_after_tables: int = 64, max_runs: int = 8) -> dict:
+    """``ResultCache.maintain`` with the settings the namespace's writers recorded; without a record, only
+    compaction (with the thresholds given), nothing expired. Never raises: a failure is in the stats
+    (``error``), and a namespace whose record cannot be read is left alone (``skipped``)."""
+    try:
+        settings = recorded_settings(cache)
+    except ValueError as e:
+        return {"skipped": f"its retention record cannot be read ({e}); nothing deleted"}
+    if settings is None:  # written before records existed, or by no pipeline that published since
+        settings = {"max_age_days": None, "compact_after_tables": compact_after_tables, "max_runs": max_runs,
+                    "pipelines": []}
+    try:
+        stats = cache.maintain(max_age_days=settings["max_age_days"],
+                               compact_after_tables=settings["compact_after_tables"], max_runs=settings["max_runs"])
+    except Exception as e:  # noqa: BLE001 - one namespace's failure must not stop the others' maintenance
+        log.warning("result cache: maintenance of %s failed: %s", cache.ns, e, exc_info=True)
+        return {"error": f"{type(e).__name__}: {e}", "settings": settings}
+    return {**stats, "settings": settings}
+
+
+def maintain_all(root: Location, *, compact_after_tables: int = 64, max_runs: int = 8) -> dict:
+    """``maintain_namespace`` for every namespace under the cache root, each with its own writers' settings
+    (the thresholds given only where a namespace has no record): {namespace: stats}."""
+    return {ns: maintain_namespace(ResultCache(root, ns), compact_after_tables=compact_after_tables,
+                                   max_runs=max_runs)
+            for ns in _namespaces(root)}
+
+
+def _namespaces(root: Location) -> list[str]:
     probe = ResultCache(root, "")
     names = []
     if probe.local:
@@ -543,7 +639,7 @@ def maintain_all(root: Location, **kwargs) -> dict:
                      if d.get("type") == "directory"]
         except FileNotFoundError:
             pass
-    return {ns: ResultCache(root, ns).maintain(**kwargs) for ns in sorted(names)}
+    return sorted(names)
 
 
 def _merge_stats() -> dict:
@@ -622,8 +718,8 @@ def _iter_values(reader: _Reader, m: _Meta, chunk: int) -> Iterator[tuple]:
 
 # ------------------------------------------------------------------------------------------ lookup
 class Lookup:
-    """An iterator of the found entries of one lookup; ``stats``: keys, hits, expired (candidates older than
-    max_age), tables (consulted), objects_read, ranges_read, bytes_read, cache_bytes (of the tables
+    """An iterator of the found entries of one lookup; ``stats``: namespace, keys, hits, expired (candidates older
+    than max_age), tables (consulted), objects_read, ranges_read, bytes_read, cache_bytes (of the tables
     consulted), retried (a table was deleted under it), seconds (its own time, not the consumer's)."""
 
     def __init__(self, cache: ResultCache, keys: Iterable[str]):
@@ -641,7 +737,7 @@ class Lookup:
         self._cutoff = cache._cutoff(cache.max_age_days)
         listed = cache.tables()
         self._tables = [t for t in listed if self._cutoff is None or t.max_t >= self._cutoff]
-        self.stats = {"keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
+        self.stats = {"namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
                       "ranges_read": 0, "bytes_read": 0, "cache_bytes": 0, "retried": False,
                       "seconds": time.perf_counter() - t0}
         self._it: Iterator[dict] | None = None

@@ -207,7 +207,8 @@ def test_expired_entries_miss_and_are_dropped_at_compaction(tmp_path):
     _check(list(cache.lookup(_key(i) for i in range(310))), set(range(200, 310)))
     now[0] = T0 + 100 * DAY
     s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
-    assert s["expired_tables_deleted"] == 1 and s["bytes_read"] == 0 and cache.tables() == []
+    # the dead table's footer alone is read (one range from its end) to confirm it before it is deleted
+    assert s["expired_tables_deleted"] == 1 and s["ranges_read"] == 1 and cache.tables() == []
 
 
 def test_compaction_keeps_the_object_count_bounded_over_many_days(tmp_path):
@@ -320,6 +321,103 @@ def test_legacy_segments_are_folded_into_a_table(tmp_path):
     assert s["legacy_segments_folded"] == 1
     _check(list(cache.lookup(_key(i) for i in range(60))), set(range(50)))
     assert result_cache.maintain_all(Location(str(tmp_path)))["ns"]["tables_after"] == 1
+
+
+# ------------------------------------------------------------------------------------------ what maintenance may delete
+def _newer_format_table(cache: ResultCache, entries: list[dict]) -> str:
+    """A table as a newer worker might write it: the same name scheme, a footer version this one cannot read."""
+    info = cache.write_table(entries)
+    path = cache.dir.child(info["name"]).path()
+    data = bytearray(path.read_bytes())
+    data[len(data) - result_cache.FOOTER.size + 8:len(data) - result_cache.FOOTER.size + 12] = \
+        (result_cache.VERSION + 1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return info["name"]
+
+
+def test_a_table_it_cannot_read_is_kept_not_merged_nor_expired(tmp_path):
+    now = [T0]
+    cache = ResultCache(Location(str(tmp_path)), "ns", clock=lambda: now[0])
+    ids = _fill(cache, 2, 50)
+    newer = _newer_format_table(cache, [_entry(i, T0) for i in range(1000, 1010)])
+    s = cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=8)
+    assert s["tables_merged"] == 2 and s["unreadable_tables_kept"] == [newer], s
+    assert sorted(t.name for t in cache.tables() if t.kind == "s") == [newer]
+    _check(list(cache.lookup(_key(i) for i in ids)), ids)
+    old = _newer_format_table(cache, [_entry(i, T0 - 40 * DAY) for i in range(2000, 2010)])  # expired by name
+    s = cache.maintain(max_age_days=30, compact_after_tables=64, max_runs=8)
+    assert s["expired_tables_deleted"] == 0 and s["unreadable_tables_kept"] == [old], s
+    assert {newer, old} <= {t.name for t in cache.tables()}
+
+
+def _old_table(root: Location, ns: str) -> ResultCache:
+    """A namespace holding one table written 40 days ago (by the wall clock maintenance goes by)."""
+    import time
+
+    cache = ResultCache(root, ns)
+    cache.write_table(_entry(i, time.time() - 40 * DAY) for i in range(20))
+    return cache
+
+
+def test_each_namespace_is_maintained_with_its_own_writers_settings(tmp_path):
+    root = Location(str(tmp_path))
+    caches = {ns: _old_table(root, ns) for ns in ("monthly", "forever", "shared", "unrecorded")}
+    result_cache.record_retention(root, "monthly", "p30", max_age_days=30, compact_after_tables=64, max_runs=8)
+    result_cache.record_retention(root, "forever", "pkeep", max_age_days=None, compact_after_tables=64, max_runs=8)
+    for pipeline, age in (("p30", 30), ("pkeep", None)):  # two pipelines write one namespace: the longest wins
+        result_cache.record_retention(root, "shared", pipeline, max_age_days=age, compact_after_tables=64, max_runs=8)
+    got = result_cache.maintain_all(root)
+    assert {ns: len(c.tables()) for ns, c in caches.items()} == {"monthly": 0, "forever": 1, "shared": 1,
+                                                                 "unrecorded": 1}, got
+    assert got["shared"]["settings"]["pipelines"] == ["p30", "pkeep"]
+    assert got["unrecorded"]["settings"]["max_age_days"] is None
+
+
+def test_a_namespace_whose_record_it_cannot_read_is_left_alone(tmp_path):
+    root = Location(str(tmp_path))
+    cache = _old_table(root, "ns")
+    result_cache.record_retention(root, "ns", "p30", max_age_days=30, compact_after_tables=64, max_runs=8)
+    write_jsonl(cache.dir.child("_retention.newer.json").path(), [{"format": 2, "pipeline": "newer"}])
+    got = result_cache.maintain_all(root)
+    assert "_retention.newer.json" in got["ns"]["skipped"] and len(cache.tables()) == 1
+
+
+def _publish_maintenance(tmp_path, **cache_settings) -> tuple:
+    """maintain_cache as publish calls it, for a run whose one shard looked up (and wrote) namespace "mine"."""
+    from batch_llm.manifests import ShardManifest, ShardMetrics
+
+    cfg = demo_config(tmp_path, **{f"cache__{k}": v for k, v in cache_settings.items()})
+    layout = stages.RunLayout.for_run(cfg, run_id="manual__cache", ds="2026-01-01")
+    ShardManifest(shard=0, outputs="o", errors="e", metrics=ShardMetrics(rows=0), checksum="c",
+                  cache_lookup={"namespace": "mine", "keys": 0}).write(layout.stage("infer").child("shard-00000").path())
+    return cfg, layout, layout.cache_root(cfg)
+
+
+def test_publish_expires_by_each_namespaces_own_settings(tmp_path):
+    cfg, layout, root = _publish_maintenance(tmp_path, max_age_days=30)
+    mine, other = _old_table(root, "mine"), _old_table(root, "other")
+    result_cache.record_retention(root, "other", "keeps_forever", max_age_days=None, compact_after_tables=64,
+                                  max_runs=8)
+    got = stages.maintain_cache(cfg, layout)
+    assert got["recorded"] == ["mine"] and mine.tables() == [], got
+    assert len(other.tables()) == 1, got  # another pipeline's "keep forever" is not overridden by this one's 30 days
+    assert result_cache.recorded_settings(mine)["pipelines"] == [cfg.name]
+
+
+def test_publish_cache_maintenance_never_raises(tmp_path, monkeypatch):
+    cfg, layout, root = _publish_maintenance(tmp_path)
+
+    def broken(*a, **k):
+        raise OSError("the store is down")
+
+    monkeypatch.setattr(result_cache, "maintain_all", broken)
+    assert stages.maintain_cache(cfg, layout) == {"error": "OSError: the store is down"}
+    monkeypatch.undo()
+    monkeypatch.setattr(ResultCache, "maintain", broken)
+    got = stages.maintain_cache(cfg, layout)
+    assert got["namespaces"] == {} or all("error" in s for s in got["namespaces"].values()), got
+    _old_table(root, "a")
+    assert stages.maintain_cache(cfg, layout)["namespaces"]["a"]["error"] == "OSError: the store is down"
 
 
 # ------------------------------------------------------------------------------------------ on S3
