@@ -1,13 +1,17 @@
 """Row readers and writers, per format, in one place; and the rule that turns a row into a chat.
 
-Readers never raise on a bad row: they yield ``RawRow`` objects carrying either the parsed record or the
-reason it could not be parsed, so the planner can report it and go on.
+Readers never raise on a bad row, in any format: they yield ``RawRow`` objects carrying either the parsed
+record or the reason it could not be parsed (bad bytes, a malformed line, a value Python cannot hold), so the
+planner can report it and go on. A file none of whose rows can be read (a corrupt Parquet file, a table without
+a prompt column) raises ``InputFileError`` naming the file.
 """
 from __future__ import annotations
 
 import csv
 import io
 import json
+import re
+import string
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -25,6 +29,14 @@ from batch_llm.storage import atomic_writer, iter_jsonl, json_bytes, list_files,
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
+
+# The largest CSV cell read, in characters (csv's default is 128 KiB): far past any context window, and
+# bounded, so a runaway quote that swallows the rest of a file cannot take the memory with it.
+CSV_FIELD_LIMIT = 16 << 20
+
+
+class InputFileError(ValueError):
+    """An input file none of whose rows can be read or be valid: corrupt, or lacking the columns a row needs."""
 
 
 @dataclass
@@ -75,10 +87,17 @@ def read_rows(path: UPath, fmt: str) -> Iterator[RawRow]:
         yield from read_file_rows(f, fmt)
 
 
-def read_file_rows(f: UPath, fmt: str) -> Iterator[RawRow]:
+def read_file_rows(f: UPath, fmt: str, cfg: InputConfig | None = None) -> Iterator[RawRow]:
+    """The rows of one file, streamed. With ``cfg``, a table (CSV, Parquet) whose columns cannot make one valid
+    row is refused before its first row: ``InputFileError`` names the file and the columns it has."""
     kind = detect_format(f, fmt) if fmt == "auto" else fmt
-    reader = {"jsonl": _read_jsonl, "openai_batch": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv}[kind]
-    for raw in reader(f):
+    if kind == "csv":
+        rows = _read_csv(f, cfg)
+    elif kind == "parquet":
+        rows = _read_parquet(f, cfg)
+    else:
+        rows = _read_jsonl(f)
+    for raw in rows:
         raw.source = f.name
         yield raw
 
@@ -128,25 +147,182 @@ def _read_jsonl(path: UPath) -> Iterator[RawRow]:
             yield RawRow(n, obj)
 
 
-def _read_parquet(path: UPath) -> Iterator[RawRow]:
+def _read_parquet(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
+    """Record batches, one at a time; ``line`` is the 1-based row number in the file."""
     import pyarrow.parquet as pq
 
     with path.open("rb") as fh:
-        pf = pq.ParquetFile(fh)
+        try:
+            pf = pq.ParquetFile(fh)
+        except _parquet_faults() as e:
+            raise InputFileError(f"{path}: not a readable Parquet file ({e})") from e
+        if cfg is not None:
+            _require_columns(path, pf.schema_arrow.names, cfg)
         n = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for rec in batch.to_pylist():
-                n += 1
-                yield RawRow(n, rec)
+        for batch in _parquet_batches(pf, path):
+            yield from _batch_rows(batch, n)
+            n += batch.num_rows
 
 
-def _read_csv(path: UPath) -> Iterator[RawRow]:
-    with path.open("r", encoding="utf-8", newline="") as fh:
-        for n, rec in enumerate(csv.DictReader(fh), start=1):
-            if None in rec:  # more fields than the header names
-                yield RawRow(n, None, f"{len(rec[None])} more field(s) than the header has")
-                continue
-            yield RawRow(n, dict(rec))
+def _parquet_faults() -> tuple[type[Exception], ...]:
+    import pyarrow as pa
+
+    return pa.ArrowException, OSError  # OSError: a page that does not decompress (ArrowIOError is one)
+
+
+def _parquet_batches(pf, path: UPath) -> Iterator:
+    """The file's record batches; a damaged page past the footer stops the file with the row it stopped at
+    (what follows cannot be counted, so the file fails as a whole rather than dropping rows unseen)."""
+    batches = pf.iter_batches(batch_size=4096)
+    done = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except _parquet_faults() as e:
+            raise InputFileError(f"{path}: Parquet data unreadable after row {done} ({e})") from e
+        done += batch.num_rows
+        yield batch
+
+
+# What converting one Arrow value to Python raises when Python cannot hold it (a date past year 9999) or
+# pyarrow cannot convert it (Arrow's errors subclass these).
+_VALUE_FAULTS = (ArithmeticError, ValueError, TypeError, NotImplementedError)
+
+
+def _batch_rows(batch, before: int) -> Iterator[RawRow]:
+    """A batch's rows, converted at once; where one value cannot be converted, row by row, so only that row
+    fails."""
+    try:
+        records = batch.to_pylist()
+    except _VALUE_FAULTS:
+        records = None
+    if records is not None:
+        for i, rec in enumerate(records, start=before + 1):
+            yield RawRow(i, rec)
+        return
+    columns = list(zip(batch.schema.names, batch.columns))
+    for i in range(batch.num_rows):
+        rec, error = _converted_row(columns, i)
+        yield RawRow(before + i + 1, rec, error)
+
+
+def _converted_row(columns: list, i: int) -> tuple[dict | None, str | None]:
+    rec = {}
+    for name, col in columns:
+        try:
+            rec[name] = col[i].as_py()
+        except _VALUE_FAULTS as e:
+            return None, f"column {name!r}: {e}"
+    return rec, None
+
+
+def _read_csv(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
+    """Records with ``line``, the file's line (1: the header) where each starts. Bytes are decoded line by
+    line, leniently, so a line that is not UTF-8 fails its record alone."""
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+    with path.open("rb") as fh:
+        # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is not part of the first column's name.
+        text = io.TextIOWrapper(fh, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        lines = _CountedLines(text)
+        reader = csv.reader(lines)
+        header = _csv_header(reader, lines, path)
+        if header is None:  # an empty file: no rows
+            return
+        if cfg is not None:
+            _require_columns(path, header, cfg)
+        yield from _csv_records(reader, lines, header)
+
+
+# Where the lenient decoding put a byte that is not UTF-8 (surrogateescape maps it to U+DC80..U+DCFF).
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
+class _CountedLines:
+    """A text file's lines for ``csv.reader``, counted, noting the first one since ``clear()`` that held bytes
+    that are not UTF-8, as (line, byte offset in that line)."""
+
+    def __init__(self, text: io.TextIOWrapper) -> None:
+        self.text = text
+        self.n = 0
+        self.bad: tuple[int, int] | None = None
+
+    def __iter__(self) -> _CountedLines:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.text)
+        self.n += 1
+        if self.bad is None and (m := _UNDECODED.search(line)):
+            self.bad = (self.n, len(line[:m.start()].encode("utf-8")))
+        return line
+
+    def clear(self) -> None:
+        self.bad = None
+
+
+def _csv_header(reader, lines: _CountedLines, path: UPath) -> list[str] | None:
+    """The first non-blank record; a header that cannot be read fails the file (no row could be named)."""
+    try:
+        header = next((fields for fields in reader if fields), None)
+    except csv.Error as e:
+        raise InputFileError(f"{path}: the header (line {lines.n}) is not valid CSV: {e}") from None
+    if lines.bad:
+        raise InputFileError(f"{path}: the header is not valid UTF-8 at byte {lines.bad[1]} (line {lines.bad[0]})")
+    return header
+
+
+def _csv_records(reader, lines: _CountedLines, header: list[str]) -> Iterator[RawRow]:
+    while True:
+        start = lines.n + 1
+        lines.clear()
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:  # the reader starts afresh on the next line
+            yield RawRow(start, None, f"not valid CSV: {e}")
+            continue
+        if fields:  # a blank line is no row
+            yield _csv_row(start, fields, header, lines.bad)
+
+
+def _csv_row(start: int, fields: list[str], header: list[str], bad: tuple[int, int] | None) -> RawRow:
+    if bad is not None:
+        line, byte = bad
+        return RawRow(start, None, f"not valid UTF-8 at byte {byte}" + (f" of line {line}" if line != start else ""))
+    if len(fields) > len(header):
+        return RawRow(start, None, f"{len(fields) - len(header)} more field(s) than the header has")
+    if len(fields) < len(header):
+        return RawRow(start, None, f"{len(header) - len(fields)} field(s) fewer than the header has")
+    return RawRow(start, dict(zip(header, fields)))
+
+
+def _require_columns(path: UPath, columns: list[str], cfg: InputConfig) -> None:
+    """Refuses a table none of whose rows could be valid: one error naming the file and its columns, rather
+    than the same row error once per row."""
+    have = set(columns)
+    lacks = []
+    if cfg.id_column not in have:
+        lacks.append(f"the id column {cfg.id_column!r}")
+    if "prompt_token_ids" in have:  # pre-tokenized rows need no text columns
+        pass
+    elif cfg.template:
+        needed = sorted(_template_columns(cfg.template) - have)
+        if needed:
+            lacks.append(f"the template's column(s) {', '.join(map(repr, needed))}")
+    elif not have & {cfg.messages_column, cfg.prompt_column}:
+        lacks.append(f"a prompt column ({cfg.messages_column!r} or {cfg.prompt_column!r})")
+    if lacks:
+        raise InputFileError(f"{path}: no row can be valid: the file lacks {' and '.join(lacks)}; "
+                             f"its columns: {', '.join(columns) or '(none)'}")
+
+
+def _template_columns(template: str) -> set[str]:
+    """The columns a template reads: ``{lang}``, ``{meta.lang}`` and ``{langs[0]}`` all read ``lang(s)``."""
+    names = (re.split(r"[.\[]", field)[0] for _, field, _, _ in string.Formatter().parse(template) if field)
+    return {n for n in names if n and not n.isdigit()}
 
 
 def _render_template(template: str, record: dict) -> str:
@@ -188,6 +364,8 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     if tokens is not None:
         return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(tokens), params=params)
     messages, prompt = rec.get(cfg.messages_column), rec.get(cfg.prompt_column)
+    if fmt == "csv" and messages == "":  # an empty cell is CSV's null: the row's prompt may be in the other column
+        messages = None
     if cfg.template:
         text = _render_template(cfg.template, rec)
         if not text.strip():
@@ -203,10 +381,18 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     elif prompt is not None:
         messages = [{"role": "user", "content": _check_prompt(prompt)}]
     else:
-        raise ValueError(f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}")
+        raise ValueError(_no_prompt_reason(rec, cfg))
     ref = rec.get(cfg.reference_column)
     return PromptRow(id=rid, idx=idx, messages=_with_system(messages, cfg), params=params,
                      reference=ref if isinstance(ref, str) and ref.strip() else None)
+
+
+def _no_prompt_reason(rec: dict, cfg: InputConfig) -> str:
+    """Why a row has no prompt: its prompt columns are null (a table's row has them), or absent (a JSON line)."""
+    nulls = [repr(c) for c in (cfg.messages_column, cfg.prompt_column) if c in rec]
+    if nulls:
+        return f"no prompt: {' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null"
+    return f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}"
 
 
 def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:

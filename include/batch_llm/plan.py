@@ -1,10 +1,11 @@
 """Plan shards: read the run's input, validate every row, split the valid rows into shards, in bounded memory.
 
-Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on. Shards are
-contiguous ranges of the input (so outputs merge back in input order), sorted inside by output budget, largest
-first, then by prompt length (``shard_order``): the longest generations start first instead of
-trailing a shard's end on a near-empty batch, and similar prompt lengths batch together (less padding for
-static batching).
+Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on; a file none
+of whose rows can be read or be valid (corrupt Parquet, a table without a prompt column) fails the plan, naming
+the file (``formats.InputFileError``). Shards are contiguous ranges of the input (so outputs merge back in input
+order), sorted inside by output budget, largest first, then by prompt length (``shard_order``): the longest
+generations start first instead of trailing a shard's end on a near-empty batch, and similar prompt lengths
+batch together (less padding for static batching).
 
 Memory does not grow with the input. How, in three streamed passes over local temporary files::
 
@@ -110,7 +111,7 @@ class _Scan:
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
         with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
             for file_no, f in enumerate(files):
-                for raw in read_file_rows(f, read_fmt):
+                for raw in read_file_rows(f, read_fmt, self.cfg.input):
                     self.rows_read += 1
                     where = b"%d\t%d\t" % (file_no, raw.line)
                     if raw.error:

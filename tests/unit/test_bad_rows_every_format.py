@@ -1,0 +1,158 @@
+"""Bad rows in CSV and Parquet input: each becomes an error row naming its file, line (row) and reason, and the
+rest of the file is planned, as JSONL input does it; a file no row of which can be read (corrupt Parquet, a table
+without a prompt column) is one clear error naming the file."""
+from __future__ import annotations
+
+import csv
+import datetime
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from batch_llm import formats
+from batch_llm import plan as plan_mod
+from batch_llm.storage import Location, iter_jsonl
+from helpers import demo_config
+
+
+def _plan(tmp_path, path, **over):
+    cfg = demo_config(tmp_path, input__path=str(path), **over)
+    return plan_mod.plan_shards(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
+
+
+def _planned(tmp_path, path, **over) -> tuple[set[str], dict[int, dict]]:
+    """The ids planned and the errors by line; every row read is one or the other."""
+    m = _plan(tmp_path, path, **over)
+    ids = {r["id"] for s in m.shards for r in iter_jsonl(Location(s.url).path())}
+    errors = {e["line"]: e for e in iter_jsonl(Location(m.errors).path())}
+    assert m.rows_read == m.valid + m.invalid == len(ids) + len(errors)
+    assert all(e["source"] == path.name and e["reason"] for e in errors.values())
+    return ids, errors
+
+
+# ----------------------------------------------------------------------------------------------------- CSV
+def test_csv_row_with_a_non_utf8_byte_is_a_row_error(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_bytes(b'id,prompt\na,hello\nb,caf\xe9 au lait\nc,"two\nlines \xff"\nd,bye\n')
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "d"}
+    assert errors[3]["reason"] == "not valid UTF-8 at byte 5"   # lines of the file: the header is line 1
+    assert errors[4]["reason"] == "not valid UTF-8 at byte 6 of line 5"  # a quoted cell over two lines
+
+
+def test_csv_with_a_byte_order_mark_keeps_its_first_column(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_bytes(b"\xef\xbb\xbfid,prompt\na,hello\n")  # as Excel writes "CSV UTF-8"
+    assert _planned(tmp_path, p) == ({"a"}, {})
+
+
+def test_csv_cell_of_200_kb_is_read(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_text(f"id,prompt\na,{'x' * 200_000}\nb,short\n")
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "b"} and errors == {}
+
+
+def test_csv_cell_over_the_limit_is_a_row_error_and_the_file_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(formats, "CSV_FIELD_LIMIT", 1000, raising=False)  # the old reader had no such constant
+    p = tmp_path / "in.csv"
+    p.write_text(f"id,prompt\na,hi\nb,{'x' * 5000}\nc,bye\n")
+    limit = csv.field_size_limit()
+    try:
+        ids, errors = _planned(tmp_path, p)
+    finally:
+        csv.field_size_limit(limit)
+    assert ids == {"a", "c"}
+    assert "field larger than field limit (1000)" in errors[3]["reason"]
+
+
+def test_csv_rows_with_wrong_field_counts_or_empty_prompts_are_row_errors(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_text("id,prompt,reference\na,hi,ref\nb,hi,ref,extra\nc,hi\nd,,ref\ne,\"  \",\nf,bye,\n")
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "f"}
+    assert {line: e["reason"] for line, e in errors.items()} == {
+        3: "1 more field(s) than the header has",
+        4: "1 field(s) fewer than the header has",
+        5: "empty prompt",
+        6: "empty prompt",
+    }
+    assert errors[3]["id"] is None and errors[5]["id"] == "d"
+
+
+def test_csv_without_a_prompt_column_is_one_error_naming_the_file_and_its_columns(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_text("id,text\na,hi\n")
+    with pytest.raises(ValueError, match=r"in\.csv.*'messages' or 'prompt'.*its columns: id, text"):
+        _plan(tmp_path, p)
+    with pytest.raises(ValueError, match=r"in\.csv.*template's column\(s\) 'lang'.*id, text"):
+        _plan(tmp_path, p, input__template="To {lang}: {text}")
+    assert _planned(tmp_path, p, input__template="Say: {text}") == ({"a"}, {})  # the template's columns suffice
+
+
+def test_csv_header_that_is_not_utf8_is_an_error_naming_the_file(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_bytes(b"id,pr\xf6mpt\na,hi\n")
+    with pytest.raises(ValueError, match=r"in\.csv: the header is not valid UTF-8 at byte 5"):
+        _plan(tmp_path, p)
+
+
+# ------------------------------------------------------------------------------------------------- Parquet
+def test_parquet_null_prompt_or_id_is_a_row_error(tmp_path):
+    p = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", None, "d"], "prompt": ["hi", None, "x", "bye"]}), p)
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "d"}
+    assert errors[2]["reason"] == "no prompt: 'prompt' is null" and errors[2]["id"] == "b"
+    assert errors[3]["reason"] == "missing id (column 'id')"
+
+
+def test_parquet_values_of_the_wrong_type_are_row_errors(tmp_path):
+    """An int or a list where text is expected, and a value Python cannot hold (a date past year 9999):
+    that row fails, not the batch it was read in."""
+    p = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": [1, 2]}), p)
+    ids, errors = _planned(tmp_path, p)
+    assert ids == set() and errors[1]["reason"] == "prompt must be a string, got int"
+    p = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": [["hi"], None]}), p)
+    ids, errors = _planned(tmp_path / "l", p)
+    assert ids == set() and errors[1]["reason"] == "prompt must be a string, got list"
+    p = tmp_path / "dates.parquet"
+    when = pa.array([0, 3_000_000, 20_000], type=pa.date32())  # day 3,000,000: year 10183
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["hi", "hi", "hi"], "when": when}), p)
+    ids, errors = _planned(tmp_path / "d", p)
+    assert ids == {"a", "c"} and errors[2]["reason"] == "column 'when': date value out of range"
+    rec = next(iter_jsonl(Location(str(tmp_path / "d" / "plan" / "records.jsonl")).path()))
+    assert rec["record"]["when"] == str(datetime.date(1970, 1, 1))
+
+
+def test_parquet_without_a_prompt_column_is_one_error_naming_the_file_and_its_columns(tmp_path):
+    p = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a"], "question": ["hi"]}), p)
+    with pytest.raises(ValueError, match=r"in\.parquet.*'messages' or 'prompt'.*its columns: id, question"):
+        _plan(tmp_path, p)
+    pq.write_table(pa.table({"key": ["a"], "prompt": ["hi"]}), p)
+    with pytest.raises(ValueError, match=r"in\.parquet.*the id column 'id'.*its columns: key, prompt"):
+        _plan(tmp_path, p)
+    assert _planned(tmp_path, p, input__id_column="key") == ({"a"}, {})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "middle"])
+def test_corrupt_parquet_is_an_error_naming_the_file(tmp_path, damage):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": f"r{i}", "prompt": f"hello {i} " * 20} for i in range(20_000)]),
+                   good, row_group_size=5000)
+    data = bytearray(good.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:  # the footer intact, a row group's compressed pages overwritten
+        third = len(data) // 3
+        data[third:third + 2000] = b"Z" * 2000
+    p = tmp_path / "in.parquet"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"in\.parquet: .*Parquet") as e:
+        _plan(tmp_path, p)
+    assert not isinstance(e.value, (pa.ArrowException, OSError))
