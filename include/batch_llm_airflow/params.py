@@ -1,13 +1,22 @@
 """Airflow Params: what a user may change per run in the trigger form, mapped onto config keys.
 
 Defaults come from the pipeline's YAML file, so an untouched form runs the pipeline as configured.
+
+Who may trigger a run may not thereby read any file of the worker: a local path in ``model_ref`` or
+``filter_lists`` must lie under an allowed root (after ``~``, ``..`` and symlinks are resolved). The roots: what
+the pipeline's YAML names itself (its local model folder, its model cache, its local word-list files) and the
+folders in ``$BATCH_LLM_ALLOWED_LOCAL_ROOTS`` or ``[batch_llm] allowed_local_roots`` (comma separated).
+ModelScope ids, object-storage URLs and ``builtin:`` lists are not local paths and pass.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from airflow.sdk import Param
-from batch_llm.config import PipelineConfig
+from batch_llm.config import ConfigError, PipelineConfig
+
+ALLOWED_ROOTS_ENV = "BATCH_LLM_ALLOWED_LOCAL_ROOTS"
 
 # param name -> (dotted config key, JSON-schema type, description)
 PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
@@ -62,6 +71,7 @@ def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
     over = {PARAM_KEYS[k][0]: v for k, v in params.items() if k in PARAM_KEYS}
     if isinstance(over.get("filter.lists"), list):
         over["filter.lists"] = [_word_list(item) for item in over["filter.lists"]]
+    check_local_paths(over, cfg)
     rps, ns = over.get("sharding.rows_per_shard"), over.get("sharding.num_shards")
     if rps and ns:
         if rps != cfg.sharding.rows_per_shard:
@@ -69,3 +79,69 @@ def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
         else:
             over["sharding.rows_per_shard"] = None
     return over
+
+
+def _as_local(path: str) -> str:
+    """The absolute path a local reference names, as fetch and the filter stage read it."""
+    return os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+
+
+def local_model_path(ref: Any) -> str | None:
+    """The local folder a model ref names; None for a ModelScope id or an object-storage prefix."""
+    from batch_llm.fetch import classify_ref
+
+    if not isinstance(ref, str):
+        return None
+    try:
+        kind = classify_ref(ref)
+    except ValueError:  # neither: fetch refuses it with its own message
+        return None
+    return _as_local(ref) if kind == "local" else None
+
+
+def local_word_list_path(item: Any) -> str | None:
+    """The local file a word list names; None for ``builtin:`` and object storage."""
+    path = item.get("path") if isinstance(item, dict) else None
+    if not isinstance(path, str) or path.startswith("builtin:"):
+        return None
+    return _as_local(path) if "://" not in path or path.startswith("file://") else None
+
+
+def allowed_local_roots(cfg: PipelineConfig) -> list[str]:
+    """The configured roots, then the local paths the pipeline's YAML names itself."""
+    configured = os.environ.get(ALLOWED_ROOTS_ENV)
+    if configured is None:
+        from airflow.sdk.configuration import conf
+
+        configured = conf.get("batch_llm", "allowed_local_roots", fallback="")
+    roots = [_as_local(r.strip()) for r in configured.split(",") if r.strip()]
+    own = [local_model_path(cfg.model.ref), cfg.model.resolved_cache_dir(),
+           *(local_word_list_path(wl.model_dump()) for wl in cfg.filter.lists)]
+    return roots + [_as_local(p) for p in own if p]
+
+
+def _is_under(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)  # ``..`` and symlinks resolved: the file that would be read
+    for root in roots:
+        base = os.path.realpath(root)
+        if real == base or os.path.commonpath([real, base]) == base:
+            return True
+    return False
+
+
+def check_local_paths(over: dict, cfg: PipelineConfig) -> None:
+    """ConfigError when the params' ``model_ref`` or a ``filter_lists`` entry names a local path outside the
+    allowed roots."""
+    named = [("model_ref", local_model_path(over.get("model.ref")))]
+    lists = over.get("filter.lists")
+    named += [("filter_lists", local_word_list_path(item)) for item in (lists if isinstance(lists, list) else [])]
+    named = [(param, path) for param, path in named if path]
+    if not named:
+        return
+    roots = allowed_local_roots(cfg)
+    for param, path in named:
+        if not _is_under(path, roots):
+            raise ConfigError(
+                f"params: {param} names the local path {path}, outside the folders a run's params may name "
+                f"({', '.join(roots) or 'none'}); name a ModelScope id or an object-storage URL, or ask an admin "
+                f"to add the folder to ${ALLOWED_ROOTS_ENV} or [batch_llm] allowed_local_roots")
