@@ -335,6 +335,11 @@ class EngineConfig(_Section):
         return self
 
 
+# torch's generators (vLLM's per-request seeds, the transformers engine) take 64-bit seeds; vLLM reads -1 as "no
+# seed". Non-negative int64 leaves room for output_retries' reseeding (seed + 1_000_003 per attempt).
+MAX_SEED = 2**63 - 1
+
+
 class SamplingConfig(_Section):
     """The default sampling of every request; a row may set its own (``row_params.py``)."""
 
@@ -343,7 +348,7 @@ class SamplingConfig(_Section):
                                        "(rows asking for more are capped and counted)")
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = 0
+    seed: int | None = Field(0, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128, description="Samples per row (vLLM): the row's ``outputs`` list holds them all, "
@@ -367,6 +372,14 @@ class SamplingConfig(_Section):
         if v is None:
             return None
         return check_schema(load_schema(v) if isinstance(v, str) else v)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        # every row would be refused for it (row_params): refused once, here
+        if any(not x for x in v):
+            raise ValueError(f"an empty stop string matches everywhere; remove it: {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> "SamplingConfig":
@@ -467,6 +480,8 @@ class PipelineConfig(_Section):
     def _dag_id_safe(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
             raise ValueError("use letters, digits, '_', '.' or '-' (it becomes the DAG id)")
+        if not v.strip("."):  # '.' or '..' as a folder under output.path would be that folder or its parent
+            raise ValueError(f"{v!r} is a path, not a name: use at least one letter, digit, '_' or '-'")
         return v
 
     @model_validator(mode="after")

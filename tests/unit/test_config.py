@@ -207,3 +207,22 @@ def test_multiprocessing_is_a_vllm_setting(tmp_path):
     assert demo_config(tmp_path, engine__multiprocessing=True).engine.multiprocessing is True
     with pytest.raises(ConfigError, match=r"engine.multiprocessing: vLLM's engine-core process"):
         demo_config(tmp_path, engine__kind="transformers", engine__multiprocessing=False)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("sampling.stop", ["###", ""], "sampling.stop"),           # refused per row before: refused at load now
+    ("sampling.seed", -1, "sampling.seed"),                     # vLLM reads -1 as "no seed"
+    ("sampling.seed", 2**63, "sampling.seed"),
+    ("name", "..", "name"),
+    ("name", ".", "name"),
+    ("name", "a/b", "name"),
+])
+def test_values_no_engine_or_path_can_take_are_refused_at_load(tmp_path, key, value, expected):
+    with pytest.raises(ConfigError) as ei:
+        demo_config(tmp_path, **{key.replace(".", "__"): value})
+    assert f": {expected}:" in str(ei.value), str(ei.value)
+
+
+def test_the_bounds_themselves_are_accepted(tmp_path):
+    cfg = demo_config(tmp_path, sampling__seed=2**63 - 1, sampling__stop=["\n\n"], name="daily.v2")
+    assert cfg.sampling.seed == 2**63 - 1 and demo_config(tmp_path, sampling__seed=None).sampling.seed is None
