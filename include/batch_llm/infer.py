@@ -447,8 +447,8 @@ class ShardRun:
             yield req
 
     def _first_requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
-        if spooled is not None:
-            yield from _spooled_requests(spooled)
+        if spooled is not None:  # rendered while the engine started: a back-off may have shortened the context since
+            yield from (req for req in _spooled_requests(spooled) if not self._too_long(req.key, req.prompt_token_ids))
         for r in rows:
             req = self._request_for(r)
             if req is not None:
@@ -469,12 +469,31 @@ class ShardRun:
         except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
             self._fail(rid, f"chat template failed: {e}")
             return None
-        max_len = self.cfg.engine.max_model_len
-        if max_len and len(ids) >= max_len:
-            self._fail(rid, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}", len(ids))
+        if self._too_long(rid, ids):
             return None
         return GenRequest(key=rid, prompt_token_ids=ids, prompt_text=text,
                           params=RowParams.from_json(_row_params(r)))
+
+    def _too_long(self, rid: str, ids: list[int]) -> bool:
+        """Fails the request's rows when its prompt leaves no room in the context the engine has: a row error
+        with its reason, where the engine would fail the shard."""
+        max_len = self._context_limit()
+        if not max_len or len(ids) < max_len:
+            return False
+        configured = self.cfg.engine.max_model_len
+        lowered = " (lowered from engine.max_model_len by memory back-off)" if configured and max_len < configured else ""
+        self._fail(rid, f"prompt is {len(ids)} tokens; the context (max_model_len) is {max_len}{lowered}", len(ids))
+        return True
+
+    def _context_limit(self) -> int | None:
+        """engine.max_model_len, or, once the engine started, the context it started with: a memory back-off
+        may have lowered it (the engine's own figure counts where it reports one)."""
+        limits = [self.cfg.engine.max_model_len]
+        if self.info is not None:
+            limits += [getattr(getattr(self.info, "config", None), "max_model_len", None),
+                       self.info.settings.get("max_model_len")]
+        known = [x for x in limits if isinstance(x, int) and x > 0]
+        return min(known) if known else None
 
     def _render(self, r: dict) -> tuple[str, list[int]]:
         if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
