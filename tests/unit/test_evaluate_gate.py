@@ -2,6 +2,8 @@
 config loads, and a gate whose metric is missing from the scores fails the stage instead of passing."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from batch_llm import stages
 from batch_llm.config import ConfigError
@@ -33,7 +35,8 @@ def _gate(tmp_path, manifest: EvaluateManifest, **overrides):
     cfg = demo_config(tmp_path, **overrides)
     layout = stages.RunLayout.for_run(cfg, run_id="manual__gate", ds="2026-01-01")
     manifest.write(layout.stage("evaluate").path())  # a committed evaluation: the gate alone runs
-    return stages.evaluate(cfg, layout, None, None)
+    filtered = SimpleNamespace(generation=getattr(manifest, "filter_generation", None))  # the pass it scored
+    return stages.evaluate(cfg, layout, None, filtered)
 
 
 def test_a_score_under_another_spelling_is_gated(tmp_path):
