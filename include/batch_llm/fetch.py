@@ -14,7 +14,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
+import uuid
 from pathlib import Path
 
 from batch_llm.config import ConfigError, ModelConfig
@@ -50,28 +52,43 @@ def _modelscope_snapshot(ref: str, revision: str, cache_dir: str) -> tuple[str, 
 
 
 def _sync_from_storage(ref: str, cache_dir: str, options: dict) -> tuple[str, bool]:
-    """Copies an object-storage prefix into the local cache (files whose size differs, only)."""
+    """Copies an object-storage prefix into the local cache: one snapshot folder per state of the prefix.
+
+    The folder is named by the prefix's fingerprint (every object's relative name, size and ETag / mtime), so
+    weights replaced in place (retrained, same shapes, same sizes) make a new snapshot instead of being served
+    from the old one; a snapshot is never changed once complete, so a shard still reading the previous one is
+    not disturbed. It is built under a name of its own and renamed into place: two fetches at once each build
+    their own and the first rename wins."""
+    from batch_llm.identity import file_fingerprint, stable_hash
+
     src = as_path(ref, options)
-    dest = Path(cache_dir) / "storage" / hashlib.sha256(ref.encode()).hexdigest()[:16]
-    hit = True
-    for obj in src.rglob("*"):
-        if obj.is_dir():
-            continue
-        rel = obj.relative_to(src) if hasattr(obj, "relative_to") else obj.name
-        target = dest / str(rel)
-        size = obj.stat().st_size
-        if target.exists() and target.stat().st_size == size:
-            continue
-        hit = False
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".part")
-        with obj.open("rb") as fin, open(tmp, "wb") as fout:
-            while block := fin.read(8 << 20):
-                fout.write(block)
-        os.replace(tmp, target)
-    if not dest.exists():
+    objects = sorted(((str(obj.relative_to(src)) if hasattr(obj, "relative_to") else obj.name, obj)
+                      for obj in src.rglob("*") if not obj.is_dir()), key=lambda t: t[0])
+    if not objects:
         raise FileNotFoundError(f"prefix {ref} is empty or missing")
-    return str(dest), hit
+    listing = [{**file_fingerprint(obj), "name": rel} for rel, obj in objects]
+    root = Path(cache_dir) / "storage" / hashlib.sha256(ref.encode()).hexdigest()[:16]
+    dest = root / stable_hash(listing)[:16]
+    if (dest / ".complete").is_file():
+        return str(dest), True
+    tmp = root / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
+    try:
+        for rel, obj in objects:
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with obj.open("rb") as fin, open(target, "wb") as fout:
+                while block := fin.read(8 << 20):
+                    fout.write(block)
+        (tmp / ".complete").write_text(json.dumps(listing))
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another fetch completed the same snapshot first: use it
+            if not (dest / ".complete").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("model %s copied into %s (%d files)", ref, dest, len(objects))
+    return str(dest), False
 
 
 class ModelFolderIncomplete(FileNotFoundError):
@@ -181,7 +198,8 @@ def check_model_folder(cfg: ModelConfig, local_dir: str, kind: str) -> str | Non
 
 
 def file_hashes(directory: str) -> list[dict]:
-    """Size and SHA-256 of every file; hashes are remembered by (size, mtime) so a re-fetch costs nothing."""
+    """Size and SHA-256 of every file; hashes are remembered by (size, mtime, ctime, inode) so a re-fetch costs
+    nothing while no file changed."""
     root = Path(directory)
     memo_path = Path(os.path.expanduser("~/.cache/batch_llm/hashes")) / (
         hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16] + ".json")
@@ -195,7 +213,9 @@ def file_hashes(directory: str) -> list[dict]:
             continue
         st = p.stat()
         rel = str(p.relative_to(root))
-        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        # ctime and inode too: a copy tool can carry an old mtime over to new content of the same size, but
+        # cannot set the ctime, and a file replaced by a rename has a new inode.
+        stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
         if memo.get(rel, {}).get("stamp") != stamp:
             h = hashlib.sha256()
             with open(p, "rb") as f:

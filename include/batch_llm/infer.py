@@ -575,6 +575,7 @@ class ShardRun:
     def _finish(self, t_start: float) -> ShardManifest:
         self.timeline.begin("merge")
         manifest = finish_shard(self.shard.index, self.shard_dir, self.chunks_dir, self.shard_path, self.n_rows)
+        manifest.plan_key = self.shard.plan_key
         self.timeline.end("merge")
         self.timeline.begin("commit")
         if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table

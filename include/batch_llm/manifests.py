@@ -7,9 +7,10 @@ small whatever the run's size (counts and locations, never rows): XCom carries t
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer, model_validator
 from upath import UPath
 
 from batch_llm.storage import MANIFEST, exists, read_json, write_json
@@ -130,6 +131,7 @@ class ShardSpec(Manifest):
     index: int
     rows: int
     url: str
+    plan_key: str | None = None        # the plan it belongs to (PlanManifest.input_key): stale chunks are not resumed
 
 
 class ShardMetrics(BaseModel):
@@ -195,6 +197,7 @@ class ShardResult(BaseModel):
     errors: str
     metrics: ShardMetrics
     engine: str | None = None          # the engine's kind
+    plan_key: str | None = None        # the plan the shard ran (ShardSpec.plan_key)
 
     @classmethod
     def of(cls, shard: "ShardResult | ShardManifest | dict") -> "ShardResult":
@@ -221,10 +224,11 @@ class ShardManifest(Manifest):
     cache_lookup: dict[str, Any] | None = None
     engine: EngineRecord | None = None
     phases: list[Phase] = Field(default_factory=list)
+    plan_key: str | None = None        # the plan the shard ran (ShardSpec.plan_key)
 
     def result(self) -> ShardResult:
         return ShardResult(shard=self.shard, outputs=self.outputs, errors=self.errors, metrics=self.metrics,
-                           engine=self.engine.kind if self.engine else None)
+                           engine=self.engine.kind if self.engine else None, plan_key=self.plan_key)
 
 
 class PlanManifest(Manifest):
@@ -243,6 +247,15 @@ class PlanManifest(Manifest):
     has_references: bool
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
+    input_key: str | None = Field(None, description="the input files' fingerprint and the settings the plan "
+                                  "used: a later plan of the run reuses this one only while it is the same")
+
+    @model_validator(mode="after")
+    def _shards_name_their_plan(self) -> "PlanManifest":
+        for s in self.shards:
+            if s.plan_key is None and self.input_key:
+                s.plan_key = self.input_key[:16]
+        return self
 
 
 class FilterSummary(BaseModel):
@@ -271,6 +284,9 @@ class FilterManifest(Manifest):
     inference_error_rows: int
     summary: FilterSummary
     skipped: str | None = None  # why the word lists were not applied (engine.task embed: no text)
+    plan_key: str | None = None  # the plan whose shards it merged
+    generation: str = Field(default_factory=lambda: uuid.uuid4().hex[:16],
+                            description="this pass of the filter: evaluate and publish record the one they used")
 
 
 class EvaluateManifest(Manifest):
@@ -284,6 +300,7 @@ class EvaluateManifest(Manifest):
     seconds: float | None = None
     report_json: str | None = None
     report_html: str | None = None
+    filter_generation: str | None = None  # the filter pass it scored (FilterManifest.generation)
 
     @property
     def sampled(self) -> bool:
@@ -321,6 +338,8 @@ class PublishManifest(Manifest):
     report: str | None = None
     usage: TokenUsage = Field(default_factory=TokenUsage)
     cache: dict[str, Any] | None = Field(None, description="result-cache maintenance done after publishing")
+    filter_generation: str | None = None  # the filter pass it published: a later publish of the same pass is a no-op
+    replaced: str | None = None           # the version that was current before this one
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -352,6 +371,33 @@ class RunManifests(BaseModel):
         return sorted(self.infer or [], key=lambda s: s.shard)
 
 
+class RowAccounting(BaseModel):
+    """Where every input line of a run went: published, or an error line with its stage (the planner's
+    invalid and duplicate rows, inference's failures, the rows the content filter dropped). ``balanced`` says
+    they add up to the lines read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    read: int
+    published: int
+    plan_errors: int
+    infer_errors: int
+    dropped: int
+    error_lines: int                   # the published errors file's lines (plan + infer + dropped)
+
+    @property
+    def balanced(self) -> bool:
+        errors = self.plan_errors + self.infer_errors + self.dropped
+        return self.read == self.published + errors and self.error_lines == errors
+
+    @classmethod
+    def of_run(cls, plan: PlanManifest, filtered: FilterManifest, *, published: int,
+               error_lines: int) -> "RowAccounting":
+        return cls(read=plan.rows_read, published=published, plan_errors=plan.invalid,
+                   infer_errors=filtered.inference_error_rows, dropped=filtered.summary.rows_dropped,
+                   error_lines=error_lines)
+
+
 class RunSummary(BaseModel):
     """A published version's ``summary.json``: what the run published and where, the configuration it ran with,
     every stage's manifest and the tokens it used. The doctor, the report and ``batch-llm report``/``doctor``
@@ -373,10 +419,18 @@ class RunSummary(BaseModel):
     published_at: dt.datetime
     usage: TokenUsage = Field(default_factory=TokenUsage)
     report: str | None = None          # report.html next to the summary
+    rows: RowAccounting | None = None  # where every input line went (summaries before it: None)
 
     @field_serializer("published_at")
     def _iso(self, value: dt.datetime) -> str:
         return value.isoformat()  # as written before the model: "+00:00", not pydantic's "Z"
+
+    @model_serializer(mode="wrap")
+    def _rows_only_when_counted(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("rows") is None:  # a summary from before the accounting reads and writes back the same
+            out.pop("rows", None)
+        return out
 
     def write(self, version_dir: UPath) -> UPath:
         path = version_dir / SUMMARY

@@ -273,7 +273,8 @@ def resolve_format(first_file, configured: str) -> str:
     return fmt
 
 
-def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location) -> PlanManifest:
+def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
+                input_key: str | None = None) -> PlanManifest:
     """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
     listed for mapping)."""
     t0 = time.perf_counter()
@@ -302,7 +303,7 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location)
         invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
         records=plan_dir.child("records.jsonl").url,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
-        peak_rss_mb=peak_rss_mb())
+        peak_rss_mb=peak_rss_mb(), input_key=input_key)
     manifest.write(plan_dir.path())
     return manifest
 

@@ -21,12 +21,14 @@ import logging
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
+from batch_llm.current_pointer import PointerState, switch_pointer
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import (
     FILE_SUFFIX,
@@ -48,6 +50,7 @@ from batch_llm.manifests import (
     PlanManifest,
     PublishManifest,
     QuantizeManifest,
+    RowAccounting,
     RunManifests,
     RunSummary,
     ShardManifest,
@@ -172,8 +175,50 @@ def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchMani
 
 
 def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
-    return PlanManifest.read_if_done(layout.stage("plan").path()) or _plan.plan_shards(
-        cfg, input_loc=layout.input, plan_dir=layout.stage("plan"))
+    """The run's plan: the committed one while the input files and the settings it was made from are unchanged
+    (a retry, a Clear), else a new one (a Clear after late files landed or a file was fixed); its shards carry
+    its key, so chunks committed for an earlier plan are not resumed."""
+    key = plan_input_key(cfg, layout.input)
+    done = PlanManifest.read_if_done(layout.stage("plan").path())
+    if done is not None and done.input_key == key:
+        return done
+    if done is not None:
+        logging.getLogger("batch_llm.plan").info("the input or the plan's settings changed since the run's last "
+                                                 "plan: planning again")
+    return _plan.plan_shards(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key)
+
+
+def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
+    """What a plan is made from: the input files' fingerprints and every setting the planner reads."""
+    from batch_llm.formats import input_files
+    from batch_llm.identity import files_key, stable_hash
+
+    settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
+    return stable_hash({"files": files_key(input_files(input_loc.path())), "settings": settings,
+                        "task": cfg.engine.task})
+
+
+def shard_input_key(cfg: PipelineConfig, ref: ModelRef, shard: ShardSpec) -> str:
+    """What a shard's committed chunks are made from: its plan, the model and what decides an output."""
+    from batch_llm.identity import stable_hash
+    from batch_llm.infer import sampling_identity
+
+    return stable_hash({"plan": shard.plan_key, "shard": shard.index, "rows": shard.rows, "model": ref.model_key,
+                        "lora": ref.lora_dir, "sampling": sampling_identity(cfg.sampling), "engine": cfg.engine.kind,
+                        "task": cfg.engine.task_identity(), "chat_template": cfg.model.chat_template})
+
+
+def _drop_stale_shard(shard_dir: Location, key: str) -> None:
+    """Removes what the shard folder holds when it was made from other inputs (the plan or the model changed
+    since), then records the inputs it is now for. Chunks of the same inputs are kept: the shard resumes."""
+    marker = shard_dir.child("inputs.json").path()
+    if exists(marker) and read_json(marker).get("key") == key:
+        return
+    if list_files(shard_dir.path()):
+        logging.getLogger("batch_llm.infer").info("%s was made from another plan or model: starting it over",
+                                                  shard_dir.url)
+        remove_tree(shard_dir.path())
+    write_json(marker, {"key": key})
 
 
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
@@ -186,7 +231,9 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
 
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
-    return run_shard(cfg, shard=shard, shard_dir=layout.stage("infer").child(f"shard-{shard.index:05d}"),
+    shard_dir = layout.stage("infer").child(f"shard-{shard.index:05d}")
+    _drop_stale_shard(shard_dir, shard_input_key(cfg, ref, shard))
+    return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed)
 
@@ -194,12 +241,14 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                    shards: list[ShardResult | ShardManifest | dict]) -> FilterManifest:
     """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
-    ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size."""
+    ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
+
+    Done again each time it runs (a retry or a Clear: the word lists may have changed); each pass is a new
+    ``generation``, which evaluate and publish go by."""
     out_dir = layout.stage("filter")
-    if m := FilterManifest.read_if_done(out_dir.path()):
-        return m
     opts = layout.output_root.options
     results = [ShardResult.of(s) for s in shards]
+    check_shards_of_plan(plan, results)
 
     def merged(key: str) -> Iterator[dict]:
         # Each shard's files are in input order: a streamed merge puts the run in input order.
@@ -219,25 +268,45 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
         n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), merged("outputs"))
         summary = FilterSummary(enabled=False, rows_scanned=n_kept)
     n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
-    m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept,
+    m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept, plan_key=plan.input_key,
                        inference_errors=out_dir.child("errors.jsonl").url, inference_error_rows=n_errors,
                        summary=summary, skipped=skipped)
     m.write(out_dir.path())
     return m
 
 
+def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult]) -> None:
+    """Every planned shard committed, for this plan (a plan made again after its shards ran has other rows)."""
+    got = {s.shard: s for s in shards}
+    missing = [s.index for s in plan.shards if s.index not in got]
+    stale = [s.shard for s in shards if s.plan_key and plan.input_key and s.plan_key != plan.input_key[:16]]
+    if missing or stale:
+        raise ValueError(f"the shards handed over do not match the run's plan ({len(plan.shards)} shards): "
+                         f"missing {missing or 'none'}, made for another plan {stale or 'none'}; clear the plan "
+                         f"task with its downstream tasks so that every shard runs on the current plan")
+
+
 def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest) -> EvaluateManifest:
     """Scores outputs against reference answers with EvalScope (a deterministic sample of
     ``evaluate.sample_rows`` rows); stores its report next to the run."""
     out_dir = layout.stage("evaluate")
-    if not (m := EvaluateManifest.read_if_done(out_dir.path())):
+    m = EvaluateManifest.read_if_done(out_dir.path())
+    if m is None or m.filter_generation != filtered.generation:  # scored on another pass of the filter
         m = _evaluate(cfg, layout, plan, filtered, out_dir)
-    score = m.metrics.get(cfg.evaluate.metric)
-    if cfg.evaluate.enabled and cfg.evaluate.min_score is not None and score is not None \
-            and score < cfg.evaluate.min_score:
+    ev = cfg.evaluate
+    if not ev.enabled or ev.min_score is None or m.skipped:  # a skipped evaluation names why in its manifest
+        return m
+    from batch_llm.evaluate import MetricNotScored, metric_score
+
+    score = metric_score(m.metrics, ev.metric)
+    if score is None:  # the gate fails closed: a metric it cannot find is not a pass
+        raise MetricNotScored(
+            f"evaluate.min_score = {ev.min_score} applies to {ev.metric}, which the scores do not hold "
+            f"(found: {', '.join(sorted(m.metrics)) or 'none'}; report: {m.report_json})")
+    if score < ev.min_score:
         of = f" of {m.rows_with_references} rows with references" if m.sampled else ""
         raise EvaluationBelowThreshold(
-            f"{cfg.evaluate.metric} = {score:.4f} is below evaluate.min_score = {cfg.evaluate.min_score} "
+            f"{ev.metric} = {score:.4f} is below evaluate.min_score = {ev.min_score} "
             f"({m.num_samples} samples{of}; report: {m.report_json})")
     return m
 
@@ -275,21 +344,22 @@ def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filter
                              rows_with_references=sample.population, sample_seed=cfg.evaluate.sample_seed,
                              evalscope_version=res.get("evalscope_version"), seconds=round(seconds, 2),
                              report_json=uploaded.get("report_json"), report_html=uploaded.get("report_html"))
+    m.filter_generation = filtered.generation
     m.write(out_dir.path())
     return m
 
 
 def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
-    """Every row that has no output, with its reason: the planner's (input order), then inference's. For
-    OpenAI Batch input, as the lines of an OpenAI Batch error file."""
+    """Every row that has no output, with its stage and reason: the planner's (input order), inference's, then
+    the rows the content filter dropped. For OpenAI Batch input, as the lines of an OpenAI Batch error file."""
     errors = _row_errors(plan, filtered, opts)
     if plan.format != "openai_batch":
         yield from errors
         return
+    codes = {"plan": "invalid_request", "infer": "generation_failed", "content_filter": "content_filter"}
     for e in errors:
         where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
-        yield openai_error_line(e.get("id"), e["reason"] + where,
-                                code="invalid_request" if e["stage"] == "plan" else "generation_failed")
+        yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]])
 
 
 def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
@@ -297,21 +367,38 @@ def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Ite
         yield {**e, "stage": "plan"}
     for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
         yield {"id": e["id"], "reason": e["error"], "stage": "infer"}
+    if filtered.summary.dropped:
+        for d in iter_jsonl(Location(filtered.summary.dropped, opts).path()):
+            words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
+            yield {"id": d["id"], "reason": f"dropped by the content filter: {words}", "stage": "content_filter"}
+
+
+def _version_name(run_id: str) -> str:
+    """A new version's folder: its UTC start to the microsecond (names sort by age), the run, and a random
+    tail (two publishes of one run never share a folder)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return f"v-{stamp}-{re.sub(r'[^A-Za-z0-9]', '', run_id)[-12:]}-{uuid.uuid4().hex[:6]}"
 
 
 def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
             scores: EvaluateManifest, extra_manifests: dict | None = None) -> PublishManifest:
-    """Writes the final dataset (input's format, streamed) and the run summary into a new version of the
-    partition, then switches the partition's ``_CURRENT.json`` pointer to it: readers see the old or the new
-    version, never a mix. Older versions but the previous one are removed. Last, the result cache's
-    maintenance (retention, compaction) runs for the namespaces this pipeline writes."""
+    """Writes the final dataset (input's format, streamed), its errors and the run summary into a new version
+    of the partition, then switches the partition's ``_CURRENT.json`` to it with a compare-and-swap
+    (``current_pointer``): readers see the old or the new version, never a mix, and of two runs of one day
+    publishing at once the last to finish is current. The version it replaced is kept; the one before that is
+    removed (never a version another run is still writing: only versions that were current once).
+
+    A publish of a filter pass already published (a retry after the switch) returns that publish. Last, the
+    result cache's maintenance runs; it never fails a run whose data is published."""
     out_dir = layout.stage("publish")
-    if m := PublishManifest.read_if_done(out_dir.path()):
-        return m
-    t0 = time.perf_counter()
     opts = layout.output_root.options
+    done = PublishManifest.read_if_done(out_dir.path())
+    if done is not None and done.filter_generation == filtered.generation \
+            and exists(Location(done.version, opts).child(SUMMARY).path()):
+        return done
+    t0 = time.perf_counter()
     fmt = plan.format
-    version = layout.published.child(f"v-{time.strftime('%Y%m%dT%H%M%S')}-{re.sub(r'[^A-Za-z0-9]', '', layout.run_id)[-12:]}")
+    version = layout.published.child(_version_name(layout.run_id))
     pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
                            iter_jsonl(Location(filtered.outputs, opts).path()))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
@@ -326,25 +413,47 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
         pipeline=cfg.name, run_id=layout.run_id, partition=layout.partition, rows_published=n, format=fmt,
         dataset=data.url, errors=version.child("errors.jsonl").url, config=cfg.model_dump(mode="json"),
         manifests=manifests, published_at=dt.datetime.now(dt.timezone.utc),
-        usage=TokenUsage.of_shards(manifests.shards), report=version.child("report.html").url)
+        usage=TokenUsage.of_shards(manifests.shards), report=version.child("report.html").url,
+        rows=RowAccounting.of_run(plan, filtered, published=n, error_lines=n_errors))
     summary.write(version.path())
     from batch_llm.report import write_run_report  # matplotlib loads only here, not when DAGs are parsed
 
     report_url = write_run_report(summary, version, layout.pipeline_root)
-    pointer = layout.published.child("_CURRENT.json")
-    previous = read_json(pointer.path()).get("version") if exists(pointer.path()) else None
-    write_json(pointer.path(), {"version": version.url, "dataset": data.url, "run_id": layout.run_id,
-                                "rows": n, "committed_at": summary.published_at.isoformat(), "report": report_url})
-    for old in list_files(layout.published.path()):
-        if old.name.startswith("v-") and old.name not in (version.url.rsplit("/", 1)[-1],
-                                                          (previous or "").rsplit("/", 1)[-1]):
-            remove_tree(old)
+
+    def new_pointer(replacing: PointerState) -> dict:
+        return {"version": version.url, "dataset": data.url, "run_id": layout.run_id, "rows": n,
+                "committed_at": summary.published_at.isoformat(), "report": report_url, "seq": replacing.seq + 1,
+                "history": [replacing.version] if replacing.version else []}
+
+    replaced, _ = switch_pointer(layout.published.child("_CURRENT.json").path(), new_pointer)
+    _retire_versions(replaced.history, opts)
     m = PublishManifest(partition=layout.published.url, version=version.url, dataset=data.url, rows=n,
                         summary=version.child(SUMMARY).url, errors=version.child("errors.jsonl").url,
-                        error_rows=n_errors, report=report_url, usage=summary.usage, cache=maintain_cache(cfg, layout),
+                        error_rows=n_errors, report=report_url, usage=summary.usage,
+                        filter_generation=filtered.generation, replaced=replaced.version,
                         seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
+    m.cache = _cache_maintenance_after_publish(cfg, layout)
     m.write(out_dir.path())
     return m
+
+
+def _retire_versions(urls: list[str], opts: dict) -> None:
+    """Removes versions two replacements old. A failure is logged, not raised: the data is published."""
+    for url in urls:
+        try:
+            remove_tree(Location(url, opts).path())
+        except Exception as e:  # noqa: BLE001 - retention is housekeeping
+            logging.getLogger("batch_llm.publish").warning("could not remove the retired version %s: %s", url, e)
+
+
+def _cache_maintenance_after_publish(cfg: PipelineConfig, layout: RunLayout) -> dict | None:
+    """The cache's maintenance, after the switch: a failure is recorded in the manifest, never raised (the
+    run's data is published; a retry must not publish it again)."""
+    try:
+        return maintain_cache(cfg, layout)
+    except Exception as e:  # noqa: BLE001 - housekeeping after the commit
+        logging.getLogger("batch_llm.publish").warning("result-cache maintenance failed: %s", e)
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dict) -> list | None:
@@ -388,12 +497,22 @@ def _class_types(cfg: PipelineConfig, plan: PlanManifest, filtered: FilterManife
 
 
 def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:
-    """Retention and compaction of the result cache, once per run (a CPU task, not a GPU one): every
-    namespace under the cache root, each cheap unless it is due (see ``result_cache.ResultCache.maintain``)."""
+    """Retention and compaction of the result cache, once per run (a CPU task, not a GPU one): records this
+    pipeline's cache settings in the namespaces its shards wrote, then maintains every namespace under the
+    cache root with the settings its own writers recorded (``result_cache.maintain_all``), each cheap unless it
+    is due. Never raises: a failure is returned as ``error`` (publish must not fail for its cache)."""
     if not cfg.cache.enabled:
         return None
-    from batch_llm.result_cache import maintain_all
+    try:
+        from batch_llm.result_cache import maintain_all, record_retention
 
-    return {"namespaces": maintain_all(layout.cache_root(cfg), max_age_days=cfg.cache.max_age_days,
-                                       compact_after_tables=cfg.cache.compact_after_tables,
-                                       max_runs=cfg.cache.max_runs)}
+        root, c = layout.cache_root(cfg), cfg.cache
+        written = sorted({ns for s in shard_manifests(layout) if (ns := (s.cache_lookup or {}).get("namespace"))})
+        for ns in written:
+            record_retention(root, ns, cfg.name, max_age_days=c.max_age_days,
+                             compact_after_tables=c.compact_after_tables, max_runs=c.max_runs)
+        return {"recorded": written,
+                "namespaces": maintain_all(root, compact_after_tables=c.compact_after_tables, max_runs=c.max_runs)}
+    except Exception as e:  # noqa: BLE001 - the published data is committed; its cache's upkeep can wait a run
+        logging.getLogger("batch_llm.result_cache").warning("result cache maintenance failed: %s", e, exc_info=True)
+        return {"error": f"{type(e).__name__}: {e}"}

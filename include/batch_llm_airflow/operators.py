@@ -70,11 +70,11 @@ class PipelineStageOperator(BaseOperator):
                                  source=f"params of {self.dag_id}")
         out = BatchLlmStorageHook(cfg.output.conn_id).location(cfg.output.path)
         inp = BatchLlmStorageHook(cfg.input.conn_id).location(cfg.input.path.format(ds=run_date(context)))
-        # A retry resumes in the same run folder; clearing the run in the UI starts a fresh one.
-        clears = getattr(context["dag_run"], "clear_number", 0) or 0
-        run_id = context["run_id"] + (f".clear{clears}" if clears else "")
+        # One run folder per DAG run, whatever its retries and Clears: a cleared task finds its upstream's
+        # committed manifests there, and a cleared shard its committed chunks. Whether a stage's committed work
+        # still holds is decided by the stage (plan by its input's fingerprint, a shard by its plan and model).
         layout = RunLayout(output_root=out, pipeline=cfg.name, partition=cfg.output.partition.format(
-            ds=run_date(context)), run_id=run_id, input=inp)
+            ds=run_date(context)), run_id=context["run_id"], input=inp)
         self._storage_targets = [StorageTarget(cfg.output.conn_id, out)] + (
             [StorageTarget(cfg.input.conn_id, inp, must_exist=True)] if self.reads_input else [])
         return cfg, layout

@@ -54,8 +54,10 @@ def test_invalid_pipeline_does_not_break_the_others(tmp_path, monkeypatch):
     assert [t.task_id for t in broken.tasks] == ["report_config_error"]
 
 
-def test_params_override_through_the_same_model(tmp_path):
+def test_params_override_through_the_same_model(tmp_path, monkeypatch):
     from batch_llm_airflow.params import overrides_from_params, params_for
+
+    monkeypatch.setenv("BATCH_LLM_ALLOWED_LOCAL_ROOTS", "/tmp")  # the form may name word lists under /tmp only
 
     cfg = load_config(DEMO_YAML)
     params = {k: p.value for k, p in params_for(cfg).items()}

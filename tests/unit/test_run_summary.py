@@ -25,6 +25,7 @@ from batch_llm.storage import Location, read_json, write_json, write_jsonl
 
 KEYS = ["pipeline", "run_id", "partition", "rows_published", "format", "dataset", "errors", "config", "manifests",
         "published_at", "usage", "report"]
+PUBLISHED_KEYS = [*KEYS, "rows"]  # publish also writes where every input line went
 
 
 def _manifests(tmp_path):
@@ -119,7 +120,7 @@ def test_publish_writes_the_summary_model(tmp_path):
     m = publish(cfg, layout, plan, filtered, scores,
                 extra_manifests={"fetch": fetched, "quantize": quantized, "infer": [shard]})
     written = read_json(Location(m.summary).path())
-    assert list(written) == KEYS
+    assert list(written) == PUBLISHED_KEYS
     assert list(written["manifests"]) == ["plan", "filter", "evaluate", "fetch", "quantize", "infer"]
     s = RunSummary.read(Location(m.summary).path())
     assert s.model_dump(mode="json") == written
