@@ -655,8 +655,8 @@ def valid_sample_rows() -> list[dict]:
 
 
 def write_test_pipeline(tmp: Path, *, name: str, days: list, rows_per_day: int, num_shards: int,
-                        schedule: str | None, start_date, evaluate: bool = True
-                        ) -> tuple[Path, Path, dict[str, list[str]]]:
+                        schedule: str | None, start_date, evaluate: bool = True, batch_size: int = 8,
+                        commit_every_rows: int = 8) -> tuple[Path, Path, dict[str, list[str]]]:
     """dags/pipelines/demo.yaml adjusted for a services test: daily input partitions
     <tmp>/in/dt=<ds>/prompts.jsonl (``rows_per_day`` valid sample rows each, no row in two days), output
     under <tmp>/out, the transformers engine. Returns (pipelines dir, output dir, input ids per day)."""
@@ -681,7 +681,8 @@ def write_test_pipeline(tmp: Path, *, name: str, days: list, rows_per_day: int, 
     cfg["sharding"] = {"num_shards": num_shards}
     # transformers: the engine starts in seconds, where vLLM's CPU engine takes a minute or more per task.
     # The vLLM path is covered end to end by tests/system/test_pipeline_e2e.py (dag.test on the demo pipeline).
-    cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": 8, "commit_every_rows": 8,
+    cfg["engine"] = {"kind": "transformers", "max_model_len": 1024, "batch_size": batch_size,
+                     "commit_every_rows": commit_every_rows,
                      "max_error_rate": 0.2}
     cfg["sampling"]["max_tokens"] = 32
     cfg["evaluate"]["enabled"] = evaluate

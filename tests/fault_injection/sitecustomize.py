@@ -1,8 +1,13 @@
 """Fault injection for the resume tests, loaded only into processes whose PYTHONPATH names this folder.
 
 The shard runner announces its checkpoints as audit events (``sys.audit(CHECKPOINT_EVENT, point)``), which
-cost nothing when nobody listens. Here a listener reads ``BATCH_LLM_FAULT="after_commit:2"`` and kills its
-own process with SIGKILL the 2nd time the shard reaches that checkpoint: a worker dying at the worst moment.
+cost nothing when nobody listens. Here a listener kills its own process with SIGKILL at a checkpoint: a worker
+dying at the worst moment. Two ways to ask for it:
+
+- ``BATCH_LLM_FAULT="after_commit:2"``: every process so started dies the 2nd time it reaches that checkpoint;
+- ``BATCH_LLM_FAULT_FILE=PATH``, the file holding ``after_commit 2``: the next 2 processes to reach that
+  checkpoint die there (each at its first), the count kept in the file; an absent file asks for nothing. For
+  services that start many workers, where only some should die (tests/system/test_rest_backfill.py).
 """
 import os
 import signal
@@ -11,6 +16,7 @@ import sys
 CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"  # the name in batch_llm/infer.py
 _spec = os.environ.get("BATCH_LLM_FAULT", "")
 _point, _, _nth = _spec.partition(":")
+_file = os.environ.get("BATCH_LLM_FAULT_FILE", "")
 _seen = 0
 
 
@@ -23,5 +29,22 @@ def _kill_at_the_nth_checkpoint(event: str, args: tuple) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _kill_while_the_file_counts(event: str, args: tuple) -> None:
+    if event != CHECKPOINT_EVENT:
+        return
+    try:
+        with open(_file) as fh:
+            point, count = fh.read().split()
+    except (OSError, ValueError):
+        return
+    if args[0] != point or int(count) <= 0:
+        return
+    with open(_file, "w") as fh:
+        fh.write(f"{point} {int(count) - 1}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 if _point:
     sys.addaudithook(_kill_at_the_nth_checkpoint)
+if _file:
+    sys.addaudithook(_kill_while_the_file_counts)

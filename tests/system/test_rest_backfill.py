@@ -1,6 +1,6 @@
 """A pipeline through real Airflow services (api-server, scheduler, dag-processor, LocalExecutor on SQLite),
-driven only through the REST API: a 3-day backfill (POST /api/v2/backfills) and a run triggered with
-``logical_date: null``.
+driven only through the REST API: a 3-day backfill (POST /api/v2/backfills), a run triggered with
+``logical_date: null``, and a failed run brought back by clearing its one failed task (the UI's *Clear*).
 
 Airflow behaviours this test works with:
 
@@ -23,22 +23,28 @@ from pathlib import Path
 import pytest
 from airflow_services import AirflowServices, print_on_failure, write_test_pipeline
 from batch_llm.storage import Location, iter_jsonl, read_json
+from helpers import FAULT_INJECTION
 
 pytestmark = pytest.mark.slow
 
 DAG_ID = "backfill_demo"
-ROWS_PER_DAY = 6
+ROWS_PER_DAY = 5
 TODAY = dt.datetime.now(dt.timezone.utc).date()
 DAYS = [TODAY - dt.timedelta(days=2), TODAY - dt.timedelta(days=1), TODAY]   # the backfill's three days
+CLEAR_DAY = TODAY - dt.timedelta(days=5)                                     # the Clear test's run
 
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory, demo_model_dir, request):
     tmp = tmp_path_factory.mktemp("rest_backfill")
-    pipelines, out, ids = write_test_pipeline(tmp, name=DAG_ID, days=DAYS, rows_per_day=ROWS_PER_DAY,
-                                              num_shards=1, schedule="@daily",
+    # Batches and commits of 2 rows: a shard of 5 commits 3 chunks, so a killed worker leaves some behind.
+    pipelines, out, ids = write_test_pipeline(tmp, name=DAG_ID, days=[*DAYS, CLEAR_DAY], rows_per_day=ROWS_PER_DAY,
+                                              num_shards=1, schedule="@daily", batch_size=2, commit_every_rows=2,
                                               start_date=TODAY - dt.timedelta(days=10))
-    svc = AirflowServices(tmp, pipelines_dir=pipelines)
+    # Shard workers die at a checkpoint only while the fault file asks for it (the Clear test writes it).
+    fault = {"PYTHONPATH": str(FAULT_INJECTION), "BATCH_LLM_FAULT_FILE": str(tmp / "fault")}
+    svc = AirflowServices(tmp, pipelines_dir=pipelines, extra_env=fault)
+    svc.fault_file = tmp / "fault"
     failed_before = request.session.testsfailed
     try:
         svc.start()
@@ -140,4 +146,40 @@ def test_trigger_without_logical_date_writes_run_after_partition(services):
     # previous one is kept (publish keeps the current and the previous version).
     assert len(versions(part)) == 2, versions(part)
     assert Path(Location(current["version"]).path()) in versions(part)
+    svc.assert_loopback_only()
+
+
+def test_clearing_a_failed_shard_resumes_it_and_the_run_succeeds(services):
+    """The shard's worker is killed after its first commit in both tries (retries: 1): the task fails and the
+    run with it. Clearing that one task with its downstream tasks (the UI's Clear on the failed task) re-runs it
+    in the same run folder: it resumes from the 4 rows its two tries committed, generates the last one, and
+    the tasks downstream publish all 5 rows once. Nothing upstream runs again."""
+    svc, out, ids = services
+    svc.fault_file.write_text("after_commit 2\n")
+    day = CLEAR_DAY.isoformat()
+    run = svc.trigger(DAG_ID, logical_date=midnight(CLEAR_DAY))
+    run_id = run["dag_run_id"]
+    with pytest.raises(AssertionError, match="is 'failed'"):
+        svc.wait_run(DAG_ID, run_id, timeout=900)
+    assert svc.fault_file.read_text().split() == ["after_commit", "0"], "both tries should have been killed"
+    before = {(t["task_id"], t["map_index"]): t for t in svc.task_instances(DAG_ID, run_id)}
+    (shard_key,) = [k for k, t in before.items() if k[0].endswith("batch_inference")]
+    assert before[shard_key]["state"] == "failed" and before[shard_key]["try_number"] == 2, before[shard_key]
+
+    cleared = svc.api("POST", f"dags/{DAG_ID}/clearTaskInstances", json={
+        "dry_run": False, "dag_run_id": run_id, "task_ids": [list(shard_key)], "only_failed": True,
+        "include_downstream": True, "reset_dag_runs": True})
+    assert shard_key[0] in {t["task_id"] for t in cleared["task_instances"]}, cleared
+    svc.wait_run(DAG_ID, run_id, timeout=900)
+
+    after = {(t["task_id"], t["map_index"]): t for t in svc.task_instances(DAG_ID, run_id)}
+    assert {t["state"] for t in after.values()} == {"success"}, after
+    assert after[shard_key]["try_number"] == 3
+    upstream = [k for k in before if k[0].split(".")[-1] in ("fetch_model", "awq_export", "plan_shards")]
+    assert len(upstream) == 3, sorted(before)
+    for k in upstream:   # ran once, in the first attempt of the run, and not again
+        assert after[k]["try_number"] == 1 and after[k]["end_date"] == before[k]["end_date"], (k, after[k])
+    log = svc.task_log_files(DAG_ID, run_id, shard_key[0], shard_key[1])[-1].read_text()
+    assert "resuming shard 0: 4 rows already committed" in log, log[-3000:]
+    check_partition(partition(out, day), run_id=run_id, expected_ids=ids[day])
     svc.assert_loopback_only()
