@@ -272,20 +272,18 @@ def _run_exporter(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> None:
                             f"last output:\n" + "\n".join(tail))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    import signal
+_STOP_GRACE_SECONDS = 10.0  # how long a stop waits for the exporter's group to end after SIGTERM, then SIGKILL
 
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ends the exporter's process group (SIGTERM, then SIGKILL, until no live member is left), then reaps it.
+
+    The group is named by the exporter's pid, which names it only until the exporter is reaped (then the pid
+    may be anyone's): ``WorkerHandle`` signals only an unreaped leader (a zombie still holds its pid) and reaps
+    it after the group is gone, so a child of the exporter is not left running either."""
+    from batch_llm.worker import WorkerHandle  # stdlib-only at import: no cycle
+
+    WorkerHandle(proc).stop(grace_seconds=_STOP_GRACE_SECONDS)
 
 
 # --------------------------------------------------------------------------------------------------------
