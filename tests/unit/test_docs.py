@@ -1,0 +1,103 @@
+"""The README stays short, the links of README.md and docs/*.md lead somewhere, and docs/configuration.md is what
+scripts/config_reference.py makes of include/batch_llm/config.py today."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README_MAX_LINES = 250
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HTML_ID = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"")
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code spans (a link there is not a link)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append(re.sub(r"`[^`]*`", "", line))
+    return "\n".join(out)
+
+
+def _slug(heading: str) -> str:
+    # GitHub's heading anchors: lower case, markup and punctuation dropped (but '-' and '_'), spaces to '-'
+    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = path.read_text(encoding="utf-8")
+    found: set[str] = set(_HTML_ID.findall(text))
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def _links(path: Path) -> list[str]:
+    return [t for t in _LINK.findall(_prose(path.read_text(encoding="utf-8")))
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", t, re.I)]  # http:, https:, mailto: ... are not checked
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, over {README_MAX_LINES}: move the detail into "
+                                       "a page under docs/ and link it")
+
+
+def test_readme_links_the_docs_pages():
+    linked = {(ROOT / t.split("#")[0]).resolve() for t in _links(ROOT / "README.md") if t.split("#")[0]}
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
+
+
+def test_readme_keeps_what_other_issues_need():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = text.index("## ")
+    assert text[first:].startswith("## Two commands"), "the README opens with the two commands"
+    assert "make demo" in text and "make test" in text
+    for heading in ("## Operating it", "## Stand-ins and limits (said plainly)"):
+        assert heading in text
+    # include/batch_llm_airflow/lineage.py names README.md#batchllmrunfacet as the run facet's schema URL
+    assert "batchllmrunfacet" in _anchors(ROOT / "README.md")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target in _links(page):
+        file_part, _, anchor = target.partition("#")
+        dest = (page.parent / file_part).resolve() if file_part else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading or anchor '{anchor}' in {dest.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_configuration_reference_is_current():
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    current = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert current == module.render(), ("docs/configuration.md is not what include/batch_llm/config.py gives "
+                                        f"today; regenerate it: {module.REGENERATE}")
