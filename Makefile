@@ -1,13 +1,11 @@
 # The two commands: `make demo` (set up everything, run the demo pipeline through Airflow) and `make test`.
-.PHONY: setup demo test test-all check bench lock
+.PHONY: setup demo test check bench lock
 setup:
 	bash scripts/setup.sh
 demo: setup
 	bash scripts/demo.sh
 test: setup
 	bash scripts/test.sh
-test-all: setup
-	TEST_ALL=1 bash scripts/test.sh
 check: setup
 	bash scripts/check.sh
 bench: setup

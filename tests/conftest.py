@@ -73,7 +73,8 @@ def s3(tmp_path_factory):
 # The longest modules (2-6 min each here) first: make test's two xdist workers (--dist loadfile, and
 # --no-loadscope-reorder, else xdist orders modules by their number of tests) take them at once and the many
 # short modules fill in behind, so both workers finish at about the same time.
-LONGEST_FIRST = ("test_resume.py", "test_engine_faults.py", "test_rest_backfill.py", "test_s3_pipeline.py",
+LONGEST_FIRST = ("test_celery_executor.py", "test_openai_batch.py", "test_quantize.py", "test_resume.py",
+                 "test_engine_faults.py", "test_rest_backfill.py", "test_s3_pipeline.py",
                  "test_pipeline_e2e.py", "test_structured_outputs.py")
 
 
