@@ -4,10 +4,10 @@
          SIGKILL), and measure how soon the GPU memory is back (nvidia-smi)
   resume kill the worker with SIGKILL after its 3rd committed chunk, retry, and check that the shard holds
          every row exactly once; report the time the retry needed and how much it skipped
-  leases (a worker with several GPUs) each shard task is a process of its own that leases a GPU as the
-         operator does (GpuLease → CUDA_VISIBLE_DEVICES → worker): first one task alone, then three at once
-         on two GPUs — two run side by side, the third waits for a free GPU. Reports which GPU each task
-         got, whether two tasks ever held one GPU, and throughput of two GPUs against one
+  leases (a worker with several GPUs) each shard task is a process of its own that runs its shard as the
+         operator does (run_shard_isolated: GpuLease → CUDA_VISIBLE_DEVICES → worker): first one task alone,
+         then three at once on two GPUs — two run side by side, the third waits for a free GPU. Reports which
+         GPU each task got, whether two tasks ever held one GPU, and throughput of two GPUs against one
 
     python bench/gpu_checks.py --model DIR --dummy stop|resume|leases
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_llm.config import parse_config  # noqa: E402
+from batch_llm.shard_process import IsolatedShard, worker_spec  # noqa: E402
 from batch_llm.stages import RunLayout  # noqa: E402
 from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl  # noqa: E402
 from batch_llm.worker import WorkerFailed, WorkerHandle  # noqa: E402
@@ -45,7 +46,8 @@ def gpu_used_mib() -> int:
     return sum(int(used) for idx, used in rows if mine is None or idx in mine.split(","))
 
 
-def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
+def make_shard(a, n: int, work: Path, seed: int = 0) -> tuple:
+    """(config, layout, model reference, shard) of one shard of ``n`` fixed-length rows under ``work``."""
     cfgjson = json.load(open(Path(a.model) / "config.json"))
     rows = make_dataset("fixed", n, 256, 256, min(cfgjson.get("vocab_size", 32000), 150000) - 1, 2048, seed=seed)
     shard_url = str(work / "shard-00000.jsonl")
@@ -58,9 +60,12 @@ def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
         "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0, "ignore_eos": True},
         "cache": {"enabled": False}}, "gpu check")
     layout = RunLayout.for_run(cfg, run_id="check", ds="2026-01-01")
-    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(),
-            "model": {"local_dir": a.model, "model_key": "check"}, "shard": {"index": 0, "rows": n, "url": shard_url}}
-    return spec, layout.stage("infer").child("shard-00000")
+    return cfg, layout, {"local_dir": a.model, "model_key": "check"}, {"index": 0, "rows": n, "url": shard_url}
+
+
+def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
+    cfg, layout, model, shard = make_shard(a, n, work, seed)
+    return worker_spec(cfg, layout, model, shard), layout.stage("infer").child("shard-00000")
 
 
 def check_stop(a) -> dict:
@@ -110,31 +115,24 @@ def check_resume(a) -> dict:
 
 
 def lease_task(a) -> None:
-    """One shard task, as BatchInferenceOperator.execute runs it: lease a GPU, start the worker pinned to it."""
-    from batch_llm.gpu_lease import GpuLease
-
-    spec, _ = make_spec(a, a.rows, Path(tempfile.mkdtemp()), seed=a.seed)
+    """One shard task, as BatchInferenceOperator.execute runs it (``batch_llm.shard_process``): lease a GPU, start the
+    worker pinned to it, wait for its manifest, release the lease."""
+    cfg, layout, model, shard = make_shard(a, a.rows, Path(tempfile.mkdtemp()), seed=a.seed)
+    run = IsolatedShard(cfg, layout, model, shard, holder=f"task-{a.seed}", lease_poll=0.5)
     t0 = time.time()
-    lease = GpuLease.acquire(1, holder=f"task-{a.seed}", poll=0.5)
-    t_lease = time.time()
     marks = {}
 
     def on_line(line: str) -> None:
         if " started in " in line and "gen_start" not in marks:
             marks["gen_start"] = time.time()
 
-    try:
-        h = WorkerHandle.start(spec, env={"CUDA_VISIBLE_DEVICES": lease.cuda_visible_devices})
-        lease.record_worker(h.pid)
-        m = h.wait(on_line=on_line)
-    finally:
-        t_end = time.time()
-        lease.release()
-    mt = m["metrics"]
-    print("TASK " + json.dumps(dict(task=a.seed, gpu=lease.cuda_visible_devices, rows=mt["rows"], asked_at=t0,
+    mt = run.run(on_line=on_line).metrics
+    t_end = time.time()
+    t_lease = t0 + run.lease_wait_seconds
+    print("TASK " + json.dumps(dict(task=a.seed, gpu=run.gpus, rows=mt.rows, asked_at=t0,
                                     leased_at=t_lease, gen_start=marks.get("gen_start", t_lease), end=t_end,
-                                    output_tokens=mt["output_tokens"], generate_s=mt["generate_seconds"],
-                                    engine_start_s=mt["engine_start_seconds"])), flush=True)
+                                    output_tokens=mt.output_tokens, generate_s=mt.generate_seconds,
+                                    engine_start_s=mt.engine_start_seconds)), flush=True)
 
 
 def run_tasks(a, rows: list[int], lease_dir: str) -> tuple[list[dict], list[dict]]:

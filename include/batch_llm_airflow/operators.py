@@ -7,8 +7,6 @@ only the stage's manifest (small); artifacts live in object storage.
 from __future__ import annotations
 
 import functools
-import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +14,8 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import stages
 from batch_llm.config import PipelineConfig, parse_config
-from batch_llm.manifests import ShardManifest, ShardSpec
+from batch_llm.manifests import ShardManifest
+from batch_llm.shard_process import IsolatedShard, ShardFailedNoRetry
 from batch_llm.stages import RunLayout
 
 from batch_llm_airflow.hooks import BatchLlmStorageHook
@@ -128,7 +127,8 @@ class PlanShardsOperator(PipelineStageOperator):
 
 
 class BatchInferenceOperator(PipelineStageOperator):
-    """Runs one shard on the configured engine in a spawned worker process of its own.
+    """Runs one shard on the configured engine in a spawned worker process of its own: one library call,
+    ``batch_llm.shard_process.IsolatedShard`` (lease, worker, wait, release; the benchmarks run the same).
 
     - The worker gets its own process group; ``on_kill`` (task marked failed, timeout, SIGTERM) ends the whole
       group and waits until it is gone, so the GPU is free before the task is reported finished.
@@ -145,54 +145,23 @@ class BatchInferenceOperator(PipelineStageOperator):
         super().__init__(**kwargs)
         self.shard = shard
         self.model = model
-        self._handle = None
-        self._lease = None
+        self._run: IsolatedShard | None = None
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
-        from batch_llm.gpu_lease import GpuLease, visible_gpus
-        from batch_llm.worker import WorkerFailed, WorkerHandle
-
         cfg, layout = self.resolve(context)
-        shard = ShardSpec.model_validate(self.shard)
-        env = {}
-        gpus = visible_gpus()
-        lease_wait = 0.0
-        if gpus:
-            t0 = time.monotonic()
-            self._lease = GpuLease.acquire(cfg.engine.tensor_parallel_size, gpus=gpus,
-                                           holder=f"{context['ti'].dag_id}.{context['ti'].task_id}")
-            lease_wait = time.monotonic() - t0
-            env["CUDA_VISIBLE_DEVICES"] = self._lease.cuda_visible_devices
-            self.log.info("leased GPU(s) %s after %.1fs", self._lease.cuda_visible_devices, lease_wait)
-        spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": self.model,
-                "shard": self.shard}
+        ti = context["ti"]
+        self._run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
         try:
-            self._handle = WorkerHandle.start(spec, python=cfg.engine.python or sys.executable, env=env)
-            if self._lease:
-                self._lease.record_worker(self._handle.pid)
-            self.log.info("shard %s (%s rows): worker pid %s", shard.index, shard.rows,
-                          self._handle.pid)
-            try:
-                manifest = ShardManifest.model_validate(self._handle.wait(on_line=self.log.info))
-            except WorkerFailed as e:
-                if not e.retryable:
-                    raise AirflowFailException(str(e)) from None
-                raise RuntimeError(f"shard {shard.index} worker failed (exit {e.returncode}): {e}") from None
-        finally:
-            if self._lease:
-                self._lease.release()
-                self._lease = None
-        emit_shard_metrics(cfg.name, manifest, gpu_lease_wait_seconds=lease_wait)
+            manifest = self._run.run(on_line=self.log.info)  # lease → worker → its manifest; lease released
+        except ShardFailedNoRetry as e:
+            raise AirflowFailException(str(e)) from None
+        emit_shard_metrics(cfg.name, manifest, gpu_lease_wait_seconds=self._run.lease_wait_seconds)
         return manifest.result().model_dump(mode="json")  # XCom: files and counts, not the phases or settings
 
     def on_kill(self) -> None:
-        t0 = time.monotonic()
-        if self._handle is not None:
-            self._handle.stop()
-            self.log.info("worker process group %s ended in %.1fs", self._handle.pid, time.monotonic() - t0)
-        if self._lease is not None:
-            self._lease.release()
+        if self._run is not None:
+            self._run.stop()  # the worker's whole process group, then the lease
 
 
 #: What emit_shard_metrics sends as ``batch_llm.shard.<name>`` (docker/observability maps them to Prometheus).

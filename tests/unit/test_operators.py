@@ -31,3 +31,78 @@ def test_fetch_of_a_folder_that_is_not_there_stays_retryable(tmp_path):
     op = FetchModelOperator(task_id="fetch_model", pipeline_config=cfg, retries=3)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         op.execute(_context())
+
+
+class _FakeShardRun:
+    """IsolatedShard stand-in: ``run`` returns a manifest or raises what the test gives it."""
+
+    made: list["_FakeShardRun"] = []
+
+    def __init__(self, cfg, layout, model, shard, *, holder, outcome=None):
+        self.args = (cfg, layout, model, shard, holder)
+        self.lease_wait_seconds = 1.5
+        self.stopped = False
+        _FakeShardRun.made.append(self)
+
+    def run(self, on_line):
+        from batch_llm.manifests import ShardManifest
+
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return ShardManifest.model_validate({"shard": 0, "outputs": "o", "errors": "e", "metrics": {"rows": 1},
+                                             "checksum": "c"})
+
+    def stop(self):
+        self.stopped = True
+
+
+def _inference_op(tmp_path, monkeypatch, outcome=None):
+    from batch_llm_airflow import operators
+
+    _FakeShardRun.made = []
+    monkeypatch.setattr(_FakeShardRun, "outcome", outcome, raising=False)
+    monkeypatch.setattr(operators, "IsolatedShard", _FakeShardRun)
+    emitted = []
+    monkeypatch.setattr(operators, "emit_shard_metrics", lambda *a, **k: emitted.append((a, k)))
+    cfg = demo_config(tmp_path).model_dump(mode="json")
+    op = operators.BatchInferenceOperator(task_id="batch_inference", pipeline_config=cfg, retries=3,
+                                          shard={"index": 0, "rows": 1, "url": "file:///s"}, model={"x": 1})
+    return op, emitted
+
+
+def _gpu_context() -> dict:
+    return {**_context(), "ti": SimpleNamespace(dag_id="d", task_id="batch_inference")}
+
+
+def test_the_gpu_operator_runs_its_shard_through_the_library_and_hands_on_the_result(tmp_path, monkeypatch):
+    op, emitted = _inference_op(tmp_path, monkeypatch)
+    out = op.execute(_gpu_context())
+    assert out["shard"] == 0 and out["metrics"]["rows"] == 1 and "checksum" not in out
+    (run,) = _FakeShardRun.made
+    cfg, layout, model, shard, holder = run.args
+    assert (model, shard, holder) == ({"x": 1}, op.shard, "d.batch_inference")
+    assert layout.run_id == "manual__t"  # the DAG run's run_id, unchanged
+    assert emitted[0][1] == {"gpu_lease_wait_seconds": 1.5}
+    op.on_kill()
+    assert run.stopped
+
+
+def test_the_gpu_operator_fails_without_retry_only_when_the_library_says_so(tmp_path, monkeypatch):
+    from batch_llm.shard_process import ShardFailedNoRetry, ShardWorkerFailed
+
+    op, _ = _inference_op(tmp_path, monkeypatch, ShardFailedNoRetry("too many error rows", 3))
+    with pytest.raises(AirflowFailException, match="too many error rows"):
+        op.execute(_gpu_context())
+    op, _ = _inference_op(tmp_path, monkeypatch, ShardWorkerFailed("shard 0 worker failed (exit -9): x", -9))
+    with pytest.raises(ShardWorkerFailed):
+        op.execute(_gpu_context())
+
+
+def test_the_gpu_operator_is_thin():
+    """Issue 36: the operator's execute is one library call (resolve, run, metrics, result)."""
+    import inspect
+
+    from batch_llm_airflow.operators import BatchInferenceOperator
+
+    src = inspect.getsource(BatchInferenceOperator.execute.__wrapped__)
+    assert len(src.strip().splitlines()) <= 15, src
