@@ -16,6 +16,11 @@ take a ``summary.json``, a published version, a partition (``_CURRENT.json``), a
 ``runs/`` or a pipeline's output folder (its latest partition).
 
 Long work shows a progress bar (rows, output tokens/s, ETA) on a terminal, and plain lines otherwise.
+
+``run`` and ``run-shard`` are quiet: the terminal shows the stages and the progress; what the engine libraries
+print (vLLM's and transformers' logs, warnings, their engine-core processes' output, C-level messages) goes to
+the run's log file, whose path is the first line printed (``<run folder>/logs/`` when the run folder is on this
+machine). ``--verbose`` leaves it all on the terminal, as before.
 """
 from __future__ import annotations
 
@@ -26,9 +31,12 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
 
 import yaml
 
@@ -36,6 +44,17 @@ from batch_llm.config import ConfigError, PipelineConfig, load_config
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
+# A line of a library's log rather than a stage's message, as a shard's worker process relays them all on one
+# stream (colours removed first): vLLM's "(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [file.py:12] ...", Python
+# logging's "2026-11-30 12:00:01,123 name ...", transformers' "[transformers] ...", tqdm's redrawn bars.
+ENGINE_LOG = re.compile(r"^(\([\w.-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d"
+                        r"|\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d|\[transformers\])|\r|\d+%\|")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def engine_line(msg: str) -> bool:
+    """Whether ``msg`` is a library's log line (``ENGINE_LOG``), not a stage's message."""
+    return ENGINE_LOG.search(ANSI.sub("", msg)) is not None
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -78,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the run's date: {ds} in paths and the partition (default: today)")
         sp.add_argument("--run-id", default=None, help="reuse a run's committed stages and shards under this id")
         sp.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+        sp.add_argument("-v", "--verbose", action="store_true", help="the engine libraries' own logs on the "
+                        "terminal too (default: in the run's log file, whose path is printed first)")
 
     r = sub.add_parser("run", help="run the whole pipeline locally, end to end")
     run_args(r)
@@ -110,11 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ progress
 class Reporter:
-    """Receives the stages' messages (``say``): a rich progress bar on a terminal, plain lines otherwise."""
+    """Receives the stages' messages (``say``): a rich progress bar on a terminal, plain lines otherwise.
 
-    def __init__(self, tty: bool | None = None, stream=None):
+    With a ``log`` (the run's log file, quiet mode), every message is written there too, and lines that are a
+    library's log rather than a stage's message (``engine_line``: what a worker process relays) go only there."""
+
+    def __init__(self, tty: bool | None = None, stream=None, log: TextIO | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
+        self.log = log
         self._progress = None
         self._task = None
         self._total = 0
@@ -149,6 +174,12 @@ class Reporter:
         self._task = None
 
     def say(self, msg: str) -> None:
+        if self.log is not None:
+            engine = engine_line(msg)
+            self.log.write(f"{msg}\n" if engine else f"[batch-llm {time.strftime('%H:%M:%S')}] {msg}\n")
+            self.log.flush()
+            if engine:
+                return
         m = PROGRESS.search(msg)
         if m and self._progress is not None and self._task is not None:
             done, total, tps, eta = int(m[1]), int(m[2]), m[3], m[4]
@@ -170,6 +201,74 @@ def _eta(seconds: str) -> str:
     if s != s or s == float("inf"):
         return "?"
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+# ------------------------------------------------------------------------------------------ engine logs
+def log_file_for(layout, name: str) -> Path:
+    """Where a command's engine logs go: ``<run folder>/logs/<name>-<time>.log`` when the run folder is on this
+    machine, else the same under the temporary folder (``batch-llm/<pipeline>/<run id>/``)."""
+    from batch_llm.storage import is_local
+
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    run_dir = layout.run_dir.path()
+    base = Path(run_dir.path) if is_local(run_dir) else \
+        Path(tempfile.gettempdir()) / "batch-llm" / layout.pipeline / re.sub(r"[^A-Za-z0-9_.-]", "_", layout.run_id)
+    return base / "logs" / f"{name}-{stamp}.log"
+
+
+@contextmanager
+def engine_logs(path: Path | None) -> Iterator[tuple[TextIO, TextIO | None]]:
+    """Sends everything written to file descriptors 1 and 2 to ``path`` while the block runs, and yields (a
+    stream to the terminal, the log file): vLLM's logger (on ``sys.stdout``), transformers' and Python's
+    warnings (``sys.stderr``), C-level messages, and the processes the engine starts (vLLM's engine core), which
+    inherit these descriptors and keep writing to the file after the block. ``path`` None: nothing is moved
+    (``--verbose``); so too where stdout or stderr is no file descriptor (an embedding application's)."""
+    if path is None:
+        yield sys.stdout, None
+        return
+    try:
+        fds = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        fds = None
+    if fds != (1, 2):
+        yield sys.stdout, None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a", encoding="utf-8", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    terminal = open(os.dup(1), "w", encoding=sys.stdout.encoding or "utf-8", errors="replace", buffering=1)
+    try:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        yield terminal, log
+    finally:
+        for stream in (sys.stdout, sys.stderr, terminal, log):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        terminal.close()
+        log.close()
+
+
+@contextmanager
+def quiet_run(args: argparse.Namespace, layout, name: str) -> Iterator[Reporter]:
+    """The Reporter of a ``run`` / ``run-shard``: the log file's path first, then the stages on the terminal
+    and the engine libraries' output in that file (everything on the terminal with ``--verbose``)."""
+    path = None if getattr(args, "verbose", False) else log_file_for(layout, name)
+    with engine_logs(path) as (terminal, log):
+        if log is not None:
+            args.log_file = str(path)
+            print(f"engine logs: {path} (--verbose: on this terminal)", file=terminal, flush=True)
+            log.write(f"[batch-llm {time.strftime('%Y-%m-%d %H:%M:%S')}] {shlex.join(['batch-llm', *args.argv])}\n")
+        with Reporter(tty=False if args.plain else None, stream=terminal, log=log) as rep:
+            yield rep
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -234,7 +333,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
-    with Reporter(tty=False if args.plain else None) as rep:
+    with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
         shards = [_shard(cfg, layout, model, s, rep) for s in plan.shards]
         filtered = stages.content_filter(cfg, layout, plan, shards)
@@ -263,14 +362,14 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ds = args.ds or dt.date.today().isoformat()
     layout = _layout(cfg, args, f"cli__{ds}")
-    with Reporter(tty=False if args.plain else None) as rep:
+    with quiet_run(args, layout, f"shard-{args.shard:05d}") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
         by_index = {s.index: s for s in plan.shards}
-        if args.shard not in by_index:
-            print(f"error: the plan of run {layout.run_id} has {len(by_index)} shard(s) "
-                  f"(0..{len(by_index) - 1}); no shard {args.shard}", file=sys.stderr)
-            return 1
-        m = _shard(cfg, layout, model, by_index[args.shard], rep)
+        m = _shard(cfg, layout, model, by_index[args.shard], rep) if args.shard in by_index else None
+    if m is None:
+        print(f"error: the plan of run {layout.run_id} has {len(by_index)} shard(s) "
+              f"(0..{len(by_index) - 1}); no shard {args.shard}", file=sys.stderr)
+        return 1
     mm = m.metrics
     print(f"shard {m.shard}: {mm.ok} ok, {mm.errors} errors, {mm.output_tokens} output tokens, "
           f"{mm.output_tokens_per_second} tok/s")
@@ -386,6 +485,16 @@ COMMANDS = {"validate": cmd_validate, "run": cmd_run, "run-shard": cmd_run_shard
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    rc = 1
+    try:
+        rc = _run_command(args)
+        return rc
+    finally:
+        if rc != 0 and getattr(args, "log_file", None):  # a failed or interrupted run: where the engine said why
+            print(f"engine logs: {args.log_file}", file=sys.stderr)
+
+
+def _run_command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
