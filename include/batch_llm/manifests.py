@@ -1,8 +1,21 @@
-"""Typed manifests: what each stage commits next to its outputs and hands to the stages after it.
+"""Typed manifests: what each stage commits next to its outputs, and the small references handed between tasks.
 
 A stage writes its manifest last (``manifest.json`` in its folder), so a reader that finds one knows the
 stage's outputs are complete; a retry that finds one returns it instead of redoing the stage. Manifests stay
-small whatever the run's size (counts and locations, never rows): XCom carries them between Airflow tasks.
+small whatever the run's size (counts and locations, never rows).
+
+The hand-off rule (``stages`` and the Airflow operators follow it):
+
+- A stage's manifest lives in the run folder in storage (``<run>/<stage>/manifest.json``, a shard's in
+  ``<run>/infer/shard-NNNNN/``) and is the record of what the stage did. A later stage that needs it reads it
+  from there (``stages.read_manifest_at``, ``stages.shard_manifests``), never from XCom.
+- XCom carries only a small typed reference, and only where Airflow needs one to wire the DAG or a step after
+  the pipeline needs a value: ``ModelRef`` (fetch and quantize → the shards), the ``ShardSpec`` list (plan → the
+  shard tasks mapped over it), ``ShardResult`` (each shard → the filter, which learns from it which mapped
+  shards ran), ``PublishedRef`` (publish → steps after the pipeline, the "Run report" link). The filter and
+  evaluate tasks return a few counts for the task's XCom tab; no task reads them.
+- Every operator builds the run's layout with ``stages.RunLayout.for_run`` (the DAG run's run_id as it is), so a
+  task, its retries and its Clears all find the same run folder.
 """
 from __future__ import annotations
 
@@ -63,7 +76,8 @@ class AdapterRecord(BaseModel):
 
 
 class ModelRef(BaseModel):
-    """The model a shard loads: what fetch and quantize hand the shards (through XCom, between tasks)."""
+    """The model a shard loads: the reference fetch and quantize hand the shards through XCom (their manifests
+    stay in the run folder)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -187,8 +201,8 @@ class Phase(BaseModel):
 
 
 class ShardResult(BaseModel):
-    """What a shard task hands on through XCom: where its files are and its counts (small, whatever the
-    shard's size)."""
+    """The reference a shard task hands the filter through XCom: where its files are and its counts (small,
+    whatever the shard's size); the shard's manifest stays in its folder."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -342,6 +356,24 @@ class PublishManifest(Manifest):
     replaced: str | None = None           # the version that was current before this one
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
+
+    def ref(self) -> "PublishedRef":
+        return PublishedRef.model_validate(self.model_dump(include=set(PublishedRef.model_fields)))
+
+
+class PublishedRef(BaseModel):
+    """The reference the publish task hands on through XCom: the published version, for steps after the
+    pipeline (a custom step reads ``dataset``; the "Run report" link opens ``report``). The manifest stays in
+    the run folder."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str
+    dataset: str                       # the published data file
+    rows: int
+    summary: str                       # its summary.json
+    errors: str                        # its errors.jsonl
+    report: str | None = None          # its report.html
 
 
 SUMMARY = "summary.json"

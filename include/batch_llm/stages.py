@@ -1,6 +1,6 @@
 """The stages, one function each: the public facade of the stage library.
 
-Each takes the pipeline config, the run's layout and the manifests of the stages before it, writes its
+Each takes the pipeline config, the run's layout and what it needs of the stages before it, writes its
 artifacts plus ``manifest.json`` under ``<run>/<stage>/``, and returns that manifest. The Airflow operators,
 the CLI, the benchmarks and the tests all call these same functions::
 
@@ -12,6 +12,12 @@ the CLI, the benchmarks and the tests all call these same functions::
     filtered = content_filter(cfg, layout, plan, shards)
     scores = evaluate(cfg, layout, plan, filtered)
     publish(cfg, layout, plan, filtered, scores)
+
+Hand-off between stages (the rule ``batch_llm.manifests`` states; the operators follow it): a stage's manifest
+lives in its run folder in storage and is the record of what it did; between Airflow tasks XCom carries only a
+small typed reference (``ModelRef``, the ``ShardSpec`` list, ``ShardResult``, ``PublishedRef``). A stage that
+needs more of an upstream stage than its reference reads the manifest from the run folder
+(``read_manifest_at``, ``shard_manifests``). Every caller builds the run's layout with ``RunLayout.for_run``.
 """
 from __future__ import annotations
 
@@ -91,11 +97,17 @@ class RunLayout:
 
     @classmethod
     def for_run(cls, cfg: PipelineConfig, *, run_id: str, ds: str | None = None,
-                output_options: dict | None = None, input_options: dict | None = None) -> "RunLayout":
+                output_options: dict | None = None, input_options: dict | None = None,
+                output_location: Location | None = None, input_location: Location | None = None) -> "RunLayout":
+        """The layout of one run of ``cfg``: the one place a pipeline run's layout is built (operators, CLI,
+        benchmarks, tests). ``ds`` fills ``{ds}`` of the partition and the input path (default: today).
+        ``output_location`` / ``input_location``: the locations already resolved (the operators' storage hook,
+        with the connection's credentials: ``cfg.output.path`` and ``cfg.input.path`` with ``{ds}`` filled);
+        otherwise they are made from the config's paths and ``*_options``."""
         ds = ds or dt.date.today().isoformat()
-        return cls(output_root=Location(cfg.output.path, output_options or {}), pipeline=cfg.name,
-                   partition=cfg.output.partition.format(ds=ds), run_id=run_id,
-                   input=Location(cfg.input.path.format(ds=ds), input_options or {}))
+        return cls(output_root=output_location or Location(cfg.output.path, output_options or {}),
+                   pipeline=cfg.name, partition=cfg.output.partition.format(ds=ds), run_id=run_id,
+                   input=input_location or Location(cfg.input.path.format(ds=ds), input_options or {}))
 
     @property
     def pipeline_root(self) -> Location:
@@ -132,7 +144,7 @@ STAGE_MANIFESTS = {"fetch": FetchManifest, "quantize": QuantizeManifest, "plan":
 
 
 def read_manifest_at(layout: RunLayout, stage: str):
-    """The manifest a stage of this run committed (stages downstream go by it, not by XCom)."""
+    """The manifest a stage of this run committed: what a later stage reads of it (XCom carries references)."""
     return STAGE_MANIFESTS[stage].read(layout.stage(stage).path())
 
 

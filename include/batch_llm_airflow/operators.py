@@ -1,8 +1,10 @@
 """Operators: one per stage, each a few lines over ``batch_llm.stages``.
 
 Every operator carries the pipeline's config (a dict, as parsed from YAML) and applies the run's Params on
-top, so what a user changes in the trigger form reaches the stage through the same typed model. XCom carries
-only the stage's manifest (small); artifacts live in object storage.
+top, so what a user changes in the trigger form reaches the stage through the same typed model. Hand-offs follow
+the rule in ``batch_llm.manifests``: manifests live in the run folder in storage (a task reads an upstream
+stage's manifest from there), XCom carries a small typed reference (``ModelRef``, the ``ShardSpec`` list,
+``ShardResult``, ``PublishedRef``), and every operator builds its layout with ``RunLayout.for_run``.
 """
 from __future__ import annotations
 
@@ -67,13 +69,13 @@ class PipelineStageOperator(BaseOperator):
         params = context.get("params") or {}
         cfg = cfg.with_overrides({**overrides_from_params(params, cfg), **self.config_overrides},
                                  source=f"params of {self.dag_id}")
+        ds = run_date(context)
         out = BatchLlmStorageHook(cfg.output.conn_id).location(cfg.output.path)
-        inp = BatchLlmStorageHook(cfg.input.conn_id).location(cfg.input.path.format(ds=run_date(context)))
+        inp = BatchLlmStorageHook(cfg.input.conn_id).location(cfg.input.path.format(ds=ds))
         # One run folder per DAG run, whatever its retries and Clears: a cleared task finds its upstream's
         # committed manifests there, and a cleared shard its committed chunks. Whether a stage's committed work
         # still holds is decided by the stage (plan by its input's fingerprint, a shard by its plan and model).
-        layout = RunLayout(output_root=out, pipeline=cfg.name, partition=cfg.output.partition.format(
-            ds=run_date(context)), run_id=context["run_id"], input=inp)
+        layout = RunLayout.for_run(cfg, run_id=context["run_id"], ds=ds, output_location=out, input_location=inp)
         self._storage_targets = [StorageTarget(cfg.output.conn_id, out)] + (
             [StorageTarget(cfg.input.conn_id, inp, must_exist=True)] if self.reads_input else [])
         return cfg, layout
@@ -198,7 +200,7 @@ class ContentFilterOperator(PipelineStageOperator):
         s = m.summary
         self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.rows_scanned,
                       s.rows_affected, s.rows_dropped, s.hits_per_list)
-        return m.model_dump(include={"outputs", "rows", "inference_error_rows"})
+        return m.model_dump(include={"outputs", "rows", "inference_error_rows"})  # XCom tab only
 
 
 class EvalScopeOperator(PipelineStageOperator):
@@ -212,7 +214,7 @@ class EvalScopeOperator(PipelineStageOperator):
             raise AirflowFailException(str(e)) from None
         self.log.info("evaluate: %s%s", m.skipped or m.metrics,
                       f" (a sample of {m.num_samples} of {m.rows_with_references} rows)" if m.sampled else "")
-        return m.model_dump(include={"metrics", "num_samples", "rows_with_references", "report_json", "skipped"})
+        return m.model_dump(include={"metrics", "num_samples", "rows_with_references", "report_json", "skipped"})  # XCom tab only
 
 
 class RunReportLink(BaseOperatorLink):
@@ -253,7 +255,7 @@ class PublishOperator(PipelineStageOperator):
         for outlet in self.outlets:
             context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m.dataset,
                                                       "rows": m.rows, "run_id": layout.run_id}
-        return m.model_dump(include={"partition", "dataset", "rows", "summary", "errors", "report"})
+        return m.ref().model_dump(mode="json")  # XCom: the published version; the manifest is in the run folder
 
     def get_openlineage_facets_on_complete(self, task_instance):
         """Called by the OpenLineage listener after ``execute``, in the same process."""

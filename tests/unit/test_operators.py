@@ -106,3 +106,43 @@ def test_the_gpu_operator_is_thin():
 
     src = inspect.getsource(BatchInferenceOperator.execute.__wrapped__)
     assert len(src.strip().splitlines()) <= 15, src
+
+
+def test_every_operator_builds_the_layout_as_the_library_does_with_the_run_id_unchanged(tmp_path):
+    """One way to build a run's layout (issue 36, item 4): the operators' resolve is RunLayout.for_run with the
+    locations their storage hook resolved; a cleared run (clear_number 2) keeps the DAG run's run_id."""
+    from batch_llm.stages import RunLayout
+
+    cfg = demo_config(tmp_path)
+    ctx = _context()
+    ctx["dag_run"].clear_number = 2
+    op = FetchModelOperator(task_id="fetch_model", pipeline_config=cfg.model_dump(mode="json"))
+    resolved, layout = op.resolve(ctx)
+    expected = RunLayout.for_run(resolved, run_id="manual__t", ds="2026-11-30")
+    assert (layout.run_dir.url, layout.input.url, layout.partition) == \
+        (expected.run_dir.url, expected.input.url, expected.partition)
+    assert layout.run_id == "manual__t" and layout.run_dir.url.endswith("/manual__t")
+
+
+def test_publish_hands_on_a_typed_reference_with_what_steps_after_it_read():
+    """XCom of publish: PublishedRef (dataset for custom steps, report for the Run report link), not the manifest."""
+    from batch_llm.manifests import PublishedRef, PublishManifest
+
+    m = PublishManifest(partition="dt=2026-11-30", version="v1", dataset="/o/data.jsonl", rows=2, summary="/o/s.json",
+                        errors="/o/e.jsonl", error_rows=0, report="/o/report.html", seconds=3.0)
+    ref = m.ref()
+    assert isinstance(ref, PublishedRef)
+    assert ref.model_dump(mode="json") == m.model_dump(include={"partition", "dataset", "rows", "summary", "errors",
+                                                                "report"})
+
+
+def test_for_run_takes_locations_already_resolved(tmp_path):
+    """The operators hand RunLayout.for_run the Locations of their storage hook (with the connection's options)."""
+    from batch_llm.stages import RunLayout
+    from batch_llm.storage import Location
+
+    cfg = demo_config(tmp_path)
+    out, inp = Location(str(tmp_path / "o"), {"key": "k"}), Location(str(tmp_path / "in.jsonl"), {"key": "i"})
+    layout = RunLayout.for_run(cfg, run_id="r", ds="2026-11-30", output_location=out, input_location=inp)
+    assert layout.output_root is out and layout.input is inp
+    assert layout.partition == cfg.output.partition.format(ds="2026-11-30")
