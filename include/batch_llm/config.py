@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from batch_llm.engines.capabilities import DEFAULT_KIND, EngineCapabilities, capabilities, engines_serving, who_can
+
 
 class ConfigError(ValueError):
     """A pipeline configuration that cannot be used; the message names the file and the key."""
@@ -219,10 +221,23 @@ class ClassifyConfig(_Section):
         return v
 
 
-class EngineConfig(_Section):
-    """The engine and its parameters; ``kind`` picks vLLM, LMDeploy or plain transformers."""
+# Keys of the engine section only some engines honor: (key, the capability that honors it, what it is). Set (not
+# at its default) for an engine whose row lacks the capability, the key is refused naming the engines that have it.
+_ENGINE_ONLY_KEYS = (
+    ("speculative", "speculative", "n-gram speculative decoding is a vLLM option (its speculative_config)"),
+    ("multiprocessing", "engine_core_process", "vLLM's engine-core process"),
+    ("torch_compile", "torch_compile", "vLLM's compilation mode"),
+    ("compile_cache", "compile_cache", "vLLM's compilation cache"),
+    ("tensor_parallel_size", "tensor_parallel", "the model split over that many GPUs"),
+)
 
-    kind: Literal["vllm", "transformers", "lmdeploy"] = "vllm"
+
+class EngineConfig(_Section):
+    """The engine and its parameters; ``kind`` picks a row of the engine capability table
+    (``engines/capabilities.py``: vLLM, LMDeploy, plain transformers), which decides what the section may set."""
+
+    kind: str = Field(DEFAULT_KIND, description="The engine: a kind of the engine capability table "
+                      "(batch_llm.engines.capabilities.ENGINES)")
     # Under engine, not top level: it is the runner the engine starts with (vLLM's runner/convert), so it
     # reaches the engine with its section through every start (memory back-off copies included).
     task: Literal["generate", "embed", "classify"] = Field(
@@ -278,17 +293,29 @@ class EngineConfig(_Section):
     dedupe_prompts: bool = Field(True, description="Generate identical prompts once per shard (greedy or seeded)")
     memory_backoff: MemoryBackoffConfig = Field(default_factory=MemoryBackoffConfig)
 
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        capabilities(v)  # ValueError: unknown engine kind 'x' (known: ...)
+        return v
+
+    @property
+    def caps(self) -> EngineCapabilities:
+        """What this section's engine serves (its row of the capability table)."""
+        return capabilities(self.kind)
+
     @model_validator(mode="after")
     def _probe_needs_vllm(self) -> "EngineConfig":
-        if self.memory_backoff.probe and self.kind != "vllm":
-            raise ValueError(f"memory_backoff.probe sizes vLLM's batch from its KV cache; engine.kind is {self.kind!r}")
+        if self.memory_backoff.probe and not self.caps.memory_probe:
+            raise ValueError(f"memory_backoff.probe sizes vLLM's batch from its KV cache; engine.kind is {self.kind!r} "
+                             f"({who_can('memory_probe')})")
         return self
 
     @model_validator(mode="after")
     def _pooling_tasks_need_vllm(self) -> "EngineConfig":
-        if self.task != "generate" and self.kind != "vllm":
+        if self.task != "generate" and self.task not in self.caps.pooling_tasks:
             raise ValueError(f"task: {self.task} runs on vLLM's pooling runner; engine.kind is {self.kind!r}: set "
-                             "engine.kind: vllm")
+                             f"engine.kind: {engines_serving(lambda c: self.task in c.pooling_tasks)}")
         for task, settings, default in (("embed", self.embed, EmbedConfig()),
                                         ("classify", self.classify, ClassifyConfig())):
             if self.task != task and settings != default:  # not fields_set: with_overrides dumps all
@@ -310,26 +337,15 @@ class EngineConfig(_Section):
         """A key the engine would not honor is refused here, naming it, never dropped at start."""
         if "trust_remote_code" in self.extra:
             raise ValueError("engine.extra.trust_remote_code: set model.trust_remote_code instead")
-        problems = []
-        if self.speculative is not None and self.kind != "vllm":
-            problems.append(f"engine.speculative: n-gram speculative decoding is a vLLM option (its "
-                            f"speculative_config); engine.kind is {self.kind!r}: remove engine.speculative")
+        caps = self.caps
+        defaults = type(self).model_fields
+        problems = [f"engine.{key}: {what}; engine.kind is {self.kind!r} ({who_can(feature)}): remove engine.{key}"
+                    for key, feature, what in _ENGINE_ONLY_KEYS
+                    if getattr(self, key) != defaults[key].default and not getattr(caps, feature)]
         if self.speculative is not None and "speculative_config" in self.extra:
             problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
                             "speculative_config, not both")
-        if self.multiprocessing is not None and self.kind != "vllm":
-            problems.append(f"engine.multiprocessing: vLLM's engine-core process; engine.kind is {self.kind!r}: "
-                            "remove engine.multiprocessing")
-        if self.torch_compile is not None and self.kind != "vllm":
-            problems.append(f"engine.torch_compile: vLLM's compilation mode; engine.kind is {self.kind!r}: remove "
-                            "engine.torch_compile")
-        if self.compile_cache is not None and self.kind != "vllm":
-            problems.append(f"engine.compile_cache: vLLM's compilation cache; engine.kind is {self.kind!r}: remove "
-                            "engine.compile_cache")
-        if self.kind == "lmdeploy":
-            from batch_llm.engines.lmdeploy_config import lmdeploy_problems
-
-            problems += lmdeploy_problems(self)
+        problems += caps.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -487,19 +503,21 @@ class PipelineConfig(_Section):
     @model_validator(mode="after")
     def _guided_decoding_needs_vllm(self) -> "PipelineConfig":
         s = self.sampling
-        if s.output_schema is not None and s.guided_decoding and self.engine.kind != "vllm":
+        if s.output_schema is not None and s.guided_decoding and not self.engine.caps.guided_decoding:
             raise ValueError(f"sampling.output_schema: engine {self.engine.kind} cannot decode under a schema "
-                             "(vllm can); set sampling.guided_decoding: false to only check the outputs")
+                             f"({who_can('guided_decoding')}); set sampling.guided_decoding: false to only check "
+                             "the outputs")
         return self
 
     @model_validator(mode="after")
     def _samples_need_vllm(self) -> "PipelineConfig":
         s = self.sampling
         asked = [k for k, on in (("n", s.n > 1), ("logprobs", s.logprobs is not None)) if on]
-        if asked and self.engine.kind != "vllm":
+        if asked and not self.engine.caps.samples_and_logprobs:
             raise ValueError(f"sampling.{' and sampling.'.join(asked)}: engine {self.engine.kind} returns one "
-                             "sample without log-probabilities (vllm can); remove "
-                             f"{' and '.join('sampling.' + k for k in asked)} or set engine.kind: vllm")
+                             f"sample without log-probabilities ({who_can('samples_and_logprobs')}); remove "
+                             f"{' and '.join('sampling.' + k for k in asked)} or set engine.kind: "
+                             f"{engines_serving('samples_and_logprobs')}")
         return self
 
     @model_validator(mode="after")
@@ -525,9 +543,10 @@ class PipelineConfig(_Section):
     @model_validator(mode="after")
     def _served_adapter_needs_vllm(self) -> "PipelineConfig":
         lora = self.model.lora
-        if lora is not None and not lora.merge and self.engine.kind != "vllm":
+        if lora is not None and not lora.merge and not self.engine.caps.lora_served:
             raise ValueError(f"model.lora.merge: false serves the adapter unmerged, which engine {self.engine.kind} "
-                             "cannot (vllm can); set model.lora.merge: true to merge it into the model at fetch")
+                             f"cannot ({who_can('lora_served')}); set model.lora.merge: true to merge it into the "
+                             "model at fetch")
         return self
 
     def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":

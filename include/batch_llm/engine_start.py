@@ -29,7 +29,7 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
 
 def _prepare_compile_cache(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], lora_dir: str | None,
                            storage_options: dict | None) -> compile_cache.CompileCache | None:
-    if cfg.engine.compile_cache is None or cfg.engine.kind != "vllm":
+    if cfg.engine.compile_cache is None or not cfg.engine.caps.compile_cache:
         return None
     rank = None
     if lora_dir is not None:

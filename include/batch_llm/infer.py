@@ -390,7 +390,7 @@ class ShardRun:
     def _generate(self) -> None:
         starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir,
                                  storage_options=self.shard_dir.options)
-        if OVERLAP_ENGINE_START and self.cfg.engine.kind != "lmdeploy":  # LMDeploy binds its thread's loop
+        if OVERLAP_ENGINE_START and self.cfg.engine.caps.overlap_engine_start:  # LMDeploy binds its thread's loop
             starter.start()
         else:
             starter.run()

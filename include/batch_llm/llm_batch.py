@@ -58,6 +58,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.engines.capabilities import DEFAULT_KIND, serving
 from batch_llm.formats import read_rows
 from batch_llm.manifests import Manifest, PlanManifest
 from batch_llm.output_schema import INVALID_OUTPUT, check_schema
@@ -264,10 +265,10 @@ def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int,
     if base is None or "max_error_rate" not in base.engine.model_fields_set:
         engine["max_error_rate"] = 1.0
     overrides = dict(overrides or {})
-    kind = overrides.get("engine.kind", engine.get("kind", "vllm"))
+    kind = overrides.get("engine.kind", engine.get("kind", DEFAULT_KIND))
     data["sampling"] = {**data.get("sampling", {}), "max_tokens": max_tokens, "output_schema": output.json_schema}
     if "sampling.guided_decoding" not in overrides and output.structured:
-        data["sampling"]["guided_decoding"] = kind == "vllm"
+        data["sampling"]["guided_decoding"] = kind in serving("guided_decoding")
     cfg = parse_config(data, f"batch {name!r}")
     return cfg.with_overrides(overrides, source=f"batch {name!r}: config_overrides") if overrides else cfg
 

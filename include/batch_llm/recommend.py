@@ -637,7 +637,7 @@ def fetch_fit_warning(cfg, model_dir: str, gpu_memory_gib: list[float] | None = 
     """The fetch stage's check: on a worker with GPUs, why the model cannot start at the configured
     ``engine.tensor_parallel_size`` on them (None when it can, on a CPU worker, or for a config this module
     cannot read). ``gpu_memory_gib``: the GPUs' sizes (default: this worker's, from nvidia-smi)."""
-    if cfg.engine.kind == "transformers":
+    if not cfg.engine.caps.kv_cache_pool:  # the memory plan is of an engine sizing a KV-cache pool
         return None
     gpus = worker_gpu_memory_gib() if gpu_memory_gib is None else gpu_memory_gib
     if not gpus:

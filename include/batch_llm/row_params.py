@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from batch_llm.config import SamplingConfig
+from batch_llm.engines.capabilities import ENGINES, who_can
 
 # Body fields that change what is generated and that this pipeline does not do: refused per row (with the
 # value that would be ignored), not dropped. Fields absent or at these neutral values are accepted.
@@ -21,13 +22,8 @@ _NEUTRAL = {"best_of": (None, 1), "stream": (None, False), "echo": (None, False)
             "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
             "suffix": (None, ""), "response_format": (None, {"type": "text"})}
 
-# Per-row parameters each engine applies; any other set parameter is a row error on that engine.
-ENGINE_PARAMS = {
-    "vllm": {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
-             "logprobs"},
-    "transformers": {"max_tokens", "temperature", "top_p", "stop", "seed"},
-    "lmdeploy": {"max_tokens", "temperature", "top_p", "stop", "seed"},
-}
+# The per-row parameters each engine applies come from its row of the capability table (``row_params``); any
+# other set parameter is a row error on that engine.
 
 # Table columns that may carry per-row parameters (``input.sampling_columns`` picks which are read).
 COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
@@ -154,10 +150,11 @@ def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
     """Why the engine cannot honor this row's parameters, or None."""
     if p is None:
         return None
-    missing = sorted(p.set_names() - ENGINE_PARAMS.get(engine_kind, set()))
+    caps = ENGINES.get(engine_kind)
+    missing = sorted(p.set_names() - (caps.row_params if caps else frozenset()))
     if not missing:
         return None
-    return f"engine {engine_kind} cannot apply per-row {', '.join(missing)} (vllm can)"
+    return f"engine {engine_kind} cannot apply per-row {', '.join(missing)} ({who_can(lambda c: c.row_params >= set(missing))})"
 
 
 def _check(name: str, v):

@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow.sdk import Param
 from batch_llm.config import ConfigError, PipelineConfig
+from batch_llm.engines.capabilities import engine_kinds
 
 ALLOWED_ROOTS_ENV = "BATCH_LLM_ALLOWED_LOCAL_ROOTS"
 
@@ -22,7 +23,7 @@ ALLOWED_ROOTS_ENV = "BATCH_LLM_ALLOWED_LOCAL_ROOTS"
 PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
     "model_ref": ("model.ref", "string", "ModelScope id, local directory or object-storage prefix of the model"),
     "model_revision": ("model.revision", "string", "Model revision (ModelScope branch or tag)"),
-    "engine": ("engine.kind", "string", "Inference engine: vllm, lmdeploy or transformers"),
+    "engine": ("engine.kind", "string", "Inference engine"),  # the choices: the capability table's kinds
     "max_tokens": ("sampling.max_tokens", "integer", "Most tokens generated per row"),
     "temperature": ("sampling.temperature", "number", "Sampling temperature; 0 is greedy"),
     "top_p": ("sampling.top_p", "number", "Nucleus sampling probability mass"),
@@ -35,7 +36,6 @@ PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
     "min_score": ("evaluate.min_score", ["number", "null"], "Fail the run below this score (evaluate.metric)"),
     "use_cache": ("cache.enabled", "boolean", "Reuse cached results for unchanged prompts"),
 }
-ENGINES = ["vllm", "lmdeploy", "transformers"]
 
 
 def _get(cfg: PipelineConfig, dotted: str) -> Any:
@@ -48,7 +48,10 @@ def _get(cfg: PipelineConfig, dotted: str) -> Any:
 def params_for(cfg: PipelineConfig) -> dict[str, Param]:
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
-        extra = {"enum": ENGINES} if name == "engine" else {}
+        extra = {}
+        if name == "engine":  # every kind of the capability table, read when the DAG is parsed
+            extra = {"enum": engine_kinds()}
+            desc = f"{desc}: {', '.join(engine_kinds())}"
         default = _get(cfg, key)
         if name == "filter_lists":  # the trigger form edits lists of strings well, lists of objects not at all
             default = [f"{wl['action']} {wl['name']} {wl['path']}" for wl in default]

@@ -51,7 +51,6 @@ OFFLINE_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16), *ran
 @register_engine
 class VllmEngine(Engine):
     kind = "vllm"
-    serves_lora = True
 
     def _constructor_args(self) -> dict:
         c = self.cfg

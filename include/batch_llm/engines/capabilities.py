@@ -1,0 +1,129 @@
+"""What each engine serves: one row per ``engine.kind``, importable without any engine library.
+
+Config validation, the trigger form's engine choices, the per-row parameter check, the shard runner and the
+registry's module lookup all read this table; nothing else names an engine kind to decide what it can do. Adding
+an engine is its module (a class decorated with :func:`~batch_llm.engines.registry.register_engine`) plus one
+row: a line in :data:`ENGINES` for a built-in one, or :func:`register_capabilities` from the module that brings
+it (before configs naming it are loaded).
+
+    caps = capabilities(cfg.engine.kind)        # ValueError naming the known kinds
+    if not caps.speculative: ...
+    serving("speculative")                      # ['vllm']: the kinds a message tells the user to switch to
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: ``engine.kind`` when a config sets none.
+DEFAULT_KIND = "vllm"
+
+#: Per-row sampling parameters every engine applies (``row_params.py``).
+BASE_ROW_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
+PENALTY_PARAMS = frozenset({"presence_penalty", "frequency_penalty"})
+SAMPLE_PARAMS = frozenset({"n", "logprobs"})
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """One engine kind: where its class lives and what it serves. A feature left out is refused for that kind
+    (by config validation or per row), naming the kinds that serve it; the defaults serve nothing beyond plain
+    generation."""
+
+    kind: str
+    module: str                    # imported on first use; registers the engine class of ``kind``
+    title: str = ""                # how the trigger form and messages describe it
+    guided_decoding: bool = False  # decodes under sampling.output_schema (structured outputs)
+    samples_and_logprobs: bool = False  # sampling.n > 1 and sampling.logprobs, per pipeline and per row
+    penalties: bool = False        # presence/frequency penalties per row
+    lora_served: bool = False      # an unmerged adapter (model.lora.merge: false) served beside the model
+    speculative: bool = False      # engine.speculative (n-gram speculative decoding)
+    pooling_tasks: frozenset[str] = frozenset()  # engine.task values besides generate (embed, classify)
+    tensor_parallel: bool = False  # engine.tensor_parallel_size > 1 splits the model over that many GPUs
+    kv_cache_pool: bool = False    # sizes a KV-cache pool from gpu_memory_utilization at start (recommend's plan)
+    memory_probe: bool = False     # engine.memory_backoff.probe (batch sized from the KV cache it reports)
+    engine_core_process: bool = False  # engine.multiprocessing
+    torch_compile: bool = False    # engine.torch_compile
+    compile_cache: bool = False    # engine.compile_cache
+    overlap_engine_start: bool = False  # may start in a background thread while the shard tokenizes
+    config_check: str | None = None  # "module:function": the engine section's own problems (list of str)
+    extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
+
+    @property
+    def row_params(self) -> frozenset[str]:
+        """The per-row sampling parameters this engine applies; any other set one is a row error."""
+        return (BASE_ROW_PARAMS | (PENALTY_PARAMS if self.penalties else frozenset())
+                | (SAMPLE_PARAMS if self.samples_and_logprobs else frozenset()) | self.extra_row_params)
+
+    def problems(self, engine_cfg: object) -> list[str]:
+        """What the engine's own ``config_check`` refuses in an engine section (imports only that module)."""
+        if self.config_check is None:
+            return []
+        import importlib
+
+        module, _, func = self.config_check.partition(":")
+        return list(getattr(importlib.import_module(module), func)(engine_cfg))
+
+
+#: The engine kinds, in the order the trigger form offers them.
+ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
+    EngineCapabilities(
+        "vllm", "batch_llm.engines.vllm_engine", title="vLLM", guided_decoding=True, samples_and_logprobs=True,
+        penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
+        tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
+        compile_cache=True, overlap_engine_start=True),
+    EngineCapabilities(
+        "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
+        kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
+        config_check="batch_llm.engines.lmdeploy_config:lmdeploy_problems"),
+    EngineCapabilities(
+        "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
+        overlap_engine_start=True),  # one device: .to(cuda or cpu)
+)}
+
+
+def register_capabilities(caps: EngineCapabilities, *, replace: bool = False) -> EngineCapabilities:
+    """Adds the row of a new engine kind (its module registers the class). A kind already in the table is
+    refused unless ``replace``."""
+    if caps.kind in ENGINES and not replace and ENGINES[caps.kind] != caps:
+        raise ValueError(f"engine kind {caps.kind!r} is already in the capability table")
+    ENGINES[caps.kind] = caps
+    return caps
+
+
+def unregister_capabilities(kind: str) -> None:
+    """Removes a kind's row (tests registering a toy engine clean up with it)."""
+    ENGINES.pop(kind, None)
+
+
+def engine_kinds() -> list[str]:
+    """The known ``engine.kind`` values, in table order."""
+    return list(ENGINES)
+
+
+def capabilities(kind: str) -> EngineCapabilities:
+    """The row of ``kind``; ValueError naming the known kinds for any other."""
+    try:
+        return ENGINES[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown engine kind {kind!r} (known: {', '.join(sorted(ENGINES))})") from None
+
+
+def serving(feature: str | Callable[[EngineCapabilities], object]) -> list[str]:
+    """The kinds that serve ``feature``: a field name of :class:`EngineCapabilities` or a test of a row."""
+    test = feature if callable(feature) else (lambda c: getattr(c, feature))
+    return [kind for kind, caps in ENGINES.items() if test(caps)]
+
+
+def who_can(feature: str | Callable[[EngineCapabilities], object]) -> str:
+    """"vllm can" / "vllm and sglang can" / "no engine can": the tail of a refusal naming who serves it."""
+    kinds = serving(feature)
+    if not kinds:
+        return "no engine can"
+    head = ", ".join(kinds[:-1])
+    return f"{head} and {kinds[-1]} can" if head else f"{kinds[-1]} can"
+
+
+def engines_serving(feature: str | Callable[[EngineCapabilities], object]) -> str:
+    """"vllm" / "vllm or sglang": for "set engine.kind: ..." advice."""
+    return " or ".join(serving(feature)) or "(none)"
