@@ -438,7 +438,7 @@ class EvaluateConfig(_Section):
     @classmethod
     def _known_metric(cls, v: str) -> str:
         # A name the gate would not find makes min_score a silent no-op: refused here, spelled as EvalScope does.
-        from batch_llm.evaluate import canonical_metric
+        from batch_llm.metric_names import canonical_metric
 
         return canonical_metric(v)
 

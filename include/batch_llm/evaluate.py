@@ -24,12 +24,14 @@ import heapq
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from batch_llm.metric_names import METRICS, canonical_metric  # noqa: F401 - re-exported
+from batch_llm.metric_names import metric_key as _metric_key
 
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
 MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/
@@ -41,30 +43,8 @@ _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS
 _PUNKT = "tokenizers/punkt_tab/english/"
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
 
-# EvalScope's general_qa score names (METRIC_SCORE_KEYS of evalscope.benchmarks.general_qa_vqa_metrics), spelled
-# out so that a config is checked where EvalScope is not installed (the scheduler, the DAG parser); a unit test
-# compares them with EvalScope's own.
-METRICS = ("Rouge-1-R", "Rouge-1-P", "Rouge-1-F", "Rouge-2-R", "Rouge-2-P", "Rouge-2-F",
-           "Rouge-L-R", "Rouge-L-P", "Rouge-L-F", "bleu-1", "bleu-2", "bleu-3", "bleu-4")
-
-
 class MetricNotScored(RuntimeError):
     """``evaluate.min_score`` is set but the scores hold no value of ``evaluate.metric``: the gate cannot pass."""
-
-
-def _metric_key(name: str) -> str:
-    """A name without case, separators ('-', '_', spaces) or the report's ``mean_`` prefix."""
-    return re.sub(r"[\s_-]+", "", name.strip().lower()).removeprefix("mean")
-
-
-def canonical_metric(name: str, known: Iterable[str] = METRICS) -> str:
-    """EvalScope's spelling of a metric given in any case and with any separators; ValueError, listing the
-    known names, for anything else."""
-    key = _metric_key(name)
-    for known_name in known:
-        if _metric_key(known_name) == key:
-            return known_name
-    raise ValueError(f"unknown metric {name!r}; EvalScope's general_qa reports {', '.join(known)}")
 
 
 def metric_score(metrics: dict[str, float], name: str) -> float | None:

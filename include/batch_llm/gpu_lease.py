@@ -23,12 +23,13 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import stat
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from batch_llm.gpus import visible_gpus  # moved to the leaf gpus; still importable from here
+from batch_llm.procgroup import live_group_members, process_group_alive, stop_process_group
 
 LEASE_DIR_ENV = "BATCH_LLM_LEASE_DIR"
 
@@ -93,8 +94,6 @@ def open_lease_file(dir_fd: int, name: str, ldir: Path):
 def group_is_mine(pgid: int) -> bool:
     """Whether every live process of group ``pgid`` runs as this user: a worker we started does; a group of
     someone else's is never ours to end (root's killpg would reach it)."""
-    from batch_llm.worker import live_group_members
-
     me = os.getuid()
     for pid in live_group_members(pgid):
         try:
@@ -103,21 +102,6 @@ def group_is_mine(pgid: int) -> bool:
         except FileNotFoundError:
             continue
     return True
-
-
-def visible_gpus() -> list[str]:
-    """GPU ids this worker may hand out: $BATCH_LLM_GPUS ("0,1"), else what nvidia-smi lists, else none."""
-    env = os.environ.get("BATCH_LLM_GPUS")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip()]
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -226,8 +210,6 @@ class GpuLease:
                 return
 
     def _reclaim_and_record(self, holder: str) -> None:
-        from batch_llm.worker import process_group_alive, stop_process_group
-
         for f in self._files:
             f.seek(0)
             try:

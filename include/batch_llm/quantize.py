@@ -281,9 +281,9 @@ def _stop(proc: subprocess.Popen) -> None:
     The group is named by the exporter's pid, which names it only until the exporter is reaped (then the pid
     may be anyone's): ``WorkerHandle`` signals only an unreaped leader (a zombie still holds its pid) and reaps
     it after the group is gone, so a child of the exporter is not left running either."""
-    from batch_llm.worker import WorkerHandle  # stdlib-only at import: no cycle
+    from batch_llm.procgroup import GroupLeader  # WorkerHandle's group ending; worker itself sits above stages
 
-    WorkerHandle(proc).stop(grace_seconds=_STOP_GRACE_SECONDS)
+    GroupLeader(proc).stop(grace_seconds=_STOP_GRACE_SECONDS)
 
 
 # --------------------------------------------------------------------------------------------------------

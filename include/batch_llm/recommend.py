@@ -613,7 +613,7 @@ def worker_gpu_memory_gib() -> list[float]:
     import shutil
     import subprocess
 
-    from batch_llm.gpu_lease import visible_gpus
+    from batch_llm.gpus import visible_gpus
 
     ids = visible_gpus()
     if not ids or not shutil.which("nvidia-smi"):

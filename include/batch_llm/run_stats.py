@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batch_llm.gpu_lease import visible_gpus
+from batch_llm.gpus import visible_gpus
 from batch_llm.manifests import (
     EngineRecord,
     EvaluateManifest,

@@ -28,6 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from batch_llm.procgroup import (  # noqa: F401 - re-exported: worker's API before procgroup
+    GroupLeader,
+    live_group_members,
+    process_group_alive,
+    stop_process_group,
+)
+
 RESULT_PREFIX = "BATCH_LLM_RESULT "
 EXIT_SHARD_FAILED = 3      # too many error rows, or an engine that cannot run the model here: no retry
 EXIT_ERROR = 1
@@ -40,7 +47,7 @@ class WorkerFailed(RuntimeError):
         self.retryable = retryable
 
 
-class WorkerHandle:
+class WorkerHandle(GroupLeader):
     """A worker process in a session (process group) of its own, and the folder vLLM puts its sockets in.
 
     vLLM's ``ipc://`` socket files go to ``VLLM_RPC_BASE_PATH``; a worker that ends with SIGKILL (its fast end, a
@@ -48,14 +55,9 @@ class WorkerHandle:
     made here unless the caller chose one, removed once the worker's group is gone."""
 
     def __init__(self, proc: subprocess.Popen, ipc_dir: str | None = None):
-        self.proc = proc
+        super().__init__(proc)  # the group's leader, signalled only while unreaped (procgroup.GroupLeader)
         self.ipc_dir = ipc_dir
         self.tail: list[str] = []
-        # The group is signalled by the leader's pid, which names the group only until the leader is reaped
-        # (then the pid may be reused): the handle reaps it only after signalling, under this lock. Reentrant:
-        # stop() runs from on_kill, Airflow's SIGTERM handler, possibly in the middle of wait()'s own end.
-        self._group_lock = threading.RLock()
-        self._reaping = False
 
     @classmethod
     def start(cls, spec: dict, *, python: str | None = None, env: dict | None = None) -> "WorkerHandle":
@@ -74,10 +76,6 @@ class WorkerHandle:
     def _remove_ipc_dir(self) -> None:
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def wait(self, on_line: Callable[[str], None] = print) -> dict:
         """Streams the worker's lines to ``on_line`` until it exits; returns its result or raises."""
@@ -124,50 +122,6 @@ class WorkerHandle:
         self._end_group(grace_seconds)
         self._remove_ipc_dir()
 
-    def _leader_exited(self) -> bool:
-        """Whether the worker has exited, without reaping it (WNOWAIT): a zombie still holds its pid."""
-        if self.proc.returncode is not None:
-            return True
-        try:
-            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:  # reaped already
-            return True
-
-    def _wait_leader_exit(self) -> None:
-        """Blocks until the worker exits, leaving it unreaped (Popen.wait would reap it)."""
-        if self.proc.returncode is None:
-            try:
-                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
-            except ChildProcessError:
-                pass
-
-    def _signal_group(self, sig: int) -> bool:
-        """Sends ``sig`` to the worker's group while the leader is unreaped; False once there is no group to
-        signal: after the reap the pid may name someone else's group."""
-        if self.proc.returncode is not None or self._reaping:
-            return False
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def _end_group(self, grace_seconds: float) -> None:
-        """SIGTERM, then SIGKILL, to the group until no live member is left, then reaps the leader."""
-        with self._group_lock:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if not self._signal_group(sig) or _wait_group_gone(self.proc.pid, grace_seconds):
-                    break
-            if self._reaping:  # re-entered (on_kill during wait's end): the outer call reaps
-                return
-            self._reaping = True
-            try:
-                self.proc.wait(timeout=grace_seconds)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                self._reaping = False
-
 
 class _WorkerOutput:
     """What the parent keeps of a worker's stdout: the result line, and the last lines for an error message."""
@@ -190,54 +144,6 @@ class _WorkerOutput:
         if rc < 0:
             msg = f"worker killed by signal {-rc}; {msg}"
         return WorkerFailed(msg, rc, retryable=rc != EXIT_SHARD_FAILED)
-
-
-def stop_process_group(pgid: int, grace_seconds: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL, to group ``pgid``. The caller makes sure ``pgid`` is still the group it means
-    (``WorkerHandle`` keeps the leader unreaped; a GPU lease checks the leader's start time)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        if _wait_group_gone(pgid, grace_seconds):
-            return
-
-
-def _wait_group_gone(pgid: int, grace_seconds: float) -> bool:
-    """Whether group ``pgid`` has no live member left within ``grace_seconds``."""
-    deadline = time.monotonic() + grace_seconds
-    while time.monotonic() < deadline:
-        if not live_group_members(pgid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return bool(live_group_members(pgid))  # zombies still count for killpg
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """The pids of a process group's live (not zombie) members, from /proc (Linux). A zombie has released its
-    memory and its GPU context already."""
-    members = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    members.append(int(pid))
-            except (OSError, IndexError, ValueError):
-                continue
-    return members
 
 
 class _FastEnd:
