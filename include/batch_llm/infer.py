@@ -64,8 +64,9 @@ class ShardFailed(RuntimeError):
 CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"
 
 
-def checkpoint(point: str) -> None:
-    sys.audit(CHECKPOINT_EVENT, point)
+def checkpoint(point: str, where: str = "") -> None:
+    """``where``: the shard's folder, so that a listener can pick one run's shards among a service's many."""
+    sys.audit(CHECKPOINT_EVENT, point, where)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -562,7 +563,7 @@ class ShardRun:
         if not self.pending or not (force or len(self.pending) >= e.commit_every_rows or
                                     time.perf_counter() - self.last_commit >= e.commit_every_seconds):
             return
-        checkpoint("before_commit")
+        checkpoint("before_commit", self.shard_dir.url)
         # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
         self.pending.sort(key=lambda r: r["idx"])
         write_jsonl(self.chunks_dir.child(f"chunk-{self.chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(),
@@ -570,7 +571,7 @@ class ShardRun:
         self.chunk_seq += 1
         self.pending = []
         self.last_commit = time.perf_counter()
-        checkpoint("after_commit")
+        checkpoint("after_commit", self.shard_dir.url)
 
     def _finish(self, t_start: float) -> ShardManifest:
         self.timeline.begin("merge")
@@ -597,7 +598,7 @@ class ShardRun:
         self.timeline.end("commit")
         # the manifest write itself is the last few ms of commit
         manifest.phases = [Phase(**p) for p in self.timeline.to_list()]
-        checkpoint("before_manifest")
+        checkpoint("before_manifest", self.shard_dir.url)
         manifest.write(self.shard_dir.path())
         m = manifest.metrics
         self.say(f"shard {self.shard.index} done: {m.rows} rows, {m.errors} errors, "

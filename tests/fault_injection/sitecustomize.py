@@ -5,9 +5,10 @@ cost nothing when nobody listens. Here a listener kills its own process with SIG
 dying at the worst moment. Two ways to ask for it:
 
 - ``BATCH_LLM_FAULT="after_commit:2"``: every process so started dies the 2nd time it reaches that checkpoint;
-- ``BATCH_LLM_FAULT_FILE=PATH``, the file holding ``after_commit 2``: the next 2 processes to reach that
-  checkpoint die there (each at its first), the count kept in the file; an absent file asks for nothing. For
-  services that start many workers, where only some should die (tests/system/test_rest_backfill.py).
+- ``BATCH_LLM_FAULT_FILE=PATH``, the file holding ``after_commit 2 dt=2026-11-28``: the next 2 processes to
+  reach that checkpoint in a shard folder whose URL contains the third word (optional) die there (each at its
+  first), the count kept in the file; an absent file asks for nothing. For services that start many workers,
+  where only one run's should die (tests/system/test_rest_backfill.py).
 """
 import os
 import signal
@@ -34,13 +35,14 @@ def _kill_while_the_file_counts(event: str, args: tuple) -> None:
         return
     try:
         with open(_file) as fh:
-            point, count = fh.read().split()
+            point, count, *where = fh.read().split()
     except (OSError, ValueError):
         return
-    if args[0] != point or int(count) <= 0:
+    shard_dir = args[1] if len(args) > 1 else ""
+    if args[0] != point or int(count) <= 0 or (where and where[0] not in shard_dir):
         return
     with open(_file, "w") as fh:
-        fh.write(f"{point} {int(count) - 1}\n")
+        fh.write(" ".join([point, str(int(count) - 1), *where]) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
