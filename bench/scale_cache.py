@@ -66,7 +66,7 @@ def measure(cache: ResultCache, keys: list[str], expect_hits: int) -> dict:
     return s
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901
     d = CacheConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000000,30000000", help="cache entries, comma-separated")

@@ -230,7 +230,7 @@ class ProcessGroup:
         self.services.remove(svc)
         return found
 
-    def stop(self, grace: float = 20.0) -> list[int]:
+    def stop(self, grace: float = 20.0) -> list[int]:  # noqa: C901
         """Ends the services tier by tier (highest first): each group gets its stop signal (SIGTERM; SIGINT,
         fast shutdown, for PostgreSQL), up to ``grace`` seconds, then SIGKILL. Every process that was under
         the services when stop() began, or carries the marker, and is still alive then gets SIGKILL too.

@@ -41,7 +41,7 @@ from typing import Any, TextIO
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
-from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest
+from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 # A line of a library's log rather than a stage's message, as a shard's worker process relays them all on one
@@ -140,8 +140,8 @@ class Reporter:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.log = log
-        self._progress = None
-        self._task = None
+        self._progress: Any = None  # rich.progress.Progress on a terminal
+        self._task: Any = None
         self._total = 0
 
     def __enter__(self) -> "Reporter":
@@ -305,10 +305,10 @@ def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[Q
 
     say(f"run {layout.run_id}: artifacts under {layout.run_dir.url}")
     t0 = time.perf_counter()
-    model = stages.fetch(cfg, layout)
-    say(f"model {model.id} ({'cache hit' if model.cache_hit else 'fetched'}, "
-        f"{model.total_bytes / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
-    model = stages.quantize(cfg, layout, model)
+    fetched = stages.fetch(cfg, layout)
+    say(f"model {fetched.id} ({'cache hit' if fetched.cache_hit else 'fetched'}, "
+        f"{fetched.total_bytes / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
+    model = stages.quantize(cfg, layout, fetched)
     if model.quantized:
         say(f"quantized: {model.local_dir}")
     plan = stages.plan_shards(cfg, layout)
@@ -335,7 +335,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
-        shards = [_shard(cfg, layout, model, s, rep) for s in plan.shards]
+        shards: list[ShardResult | ShardManifest | dict] = [_shard(cfg, layout, model, s, rep) for s in plan.shards]
         filtered = stages.content_filter(cfg, layout, plan, shards)
         fs = filtered.summary
         rep.say(f"content filter: {fs.rows_scanned} rows scanned, {fs.rows_affected} affected, "

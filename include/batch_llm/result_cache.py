@@ -780,7 +780,7 @@ class Lookup:
             reader.close()
             self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - t, 4)
 
-    def _wave(self, reader: _Reader, metas: list[_Meta], gone: set[str], a: int, b: int) -> Iterator[dict]:
+    def _wave(self, reader: _Reader, metas: list[_Meta], gone: set[str], a: int, b: int) -> Iterator[dict]:  # noqa: C901
         """Looks up wanted keys [a, b) in every table: key pages, then offsets of candidates, then values."""
         gap = self.cache.gap_bytes
         todo = np.flatnonzero(~self._found[a:b]) + a

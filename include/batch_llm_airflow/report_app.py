@@ -165,7 +165,7 @@ class Resolved:
     dag_id: str
 
 
-def resolve(path: str, roots: list[Root] | None = None) -> Resolved:
+def resolve(path: str, roots: list[Root] | None = None) -> Resolved:  # noqa: C901
     """The root that ``path`` lies under and the DAG it belongs to; ReportError(403) when there is none."""
     if not path:
         raise ReportError(400, "query parameter 'path' is required")

@@ -76,7 +76,7 @@ def _default(cfg: Any, key: str) -> Any:
     return type(cfg).model_fields[key].default
 
 
-def lmdeploy_problems(cfg: Any) -> list[str]:
+def lmdeploy_problems(cfg: Any) -> list[str]:  # noqa: C901
     """Why an ``EngineConfig`` cannot run as configured on LMDeploy: one message per key, naming it. Empty
     when every key is honored."""
     out: list[str] = []

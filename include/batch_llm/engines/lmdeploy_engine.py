@@ -69,7 +69,7 @@ class LmdeployEngine(Engine):
                                 do_sample=s.temperature > 0, random_seed=s.seed, stop_words=list(s.stop) or None,
                                 ignore_eos=s.ignore_eos)
 
-    def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+    def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:  # noqa: C901
         engine = self.pipe.async_engine
         loop = self.pipe.internal_thread.loop
         done: queue.Queue[GenResult | BaseException] = queue.Queue()
