@@ -89,7 +89,7 @@ def _run(tmp, *sets, rows_limit=None):
     pq.write_table(pa.Table.from_pylist(rows), src)
     out = tmp / "out"
     args = [sys.executable, "-m", "batch_llm", "run", str(YAML), "--input", str(src), "--output", str(out),
-            "--ds", "2026-11-10", "--plain", "--set", "cache.enabled=false"]
+            "--ds", "2026-11-10", "--plain", "--verbose", "--set", "cache.enabled=false"]  # vLLM's lines on stdout
     for s in sets:
         args += ["--set", s]
     run = subprocess.run(args, capture_output=True, text=True, timeout=900)
