@@ -9,7 +9,7 @@
          then three at once on two GPUs — two run side by side, the third waits for a free GPU. Reports which
          GPU each task got, whether two tasks ever held one GPU, and throughput of two GPUs against one
 
-    python bench/gpu_checks.py --model DIR --dummy stop|resume|leases
+    python -m bench gpu-checks --model DIR --dummy stop|resume|leases
 """
 from __future__ import annotations
 
@@ -18,23 +18,22 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from batch_llm.config import parse_config  # noqa: E402
-from batch_llm.shard_process import IsolatedShard, worker_spec  # noqa: E402
-from batch_llm.stages import RunLayout  # noqa: E402
-from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl  # noqa: E402
-from batch_llm.worker import WorkerFailed, WorkerHandle  # noqa: E402
-from bench_inference import make_dataset  # noqa: E402
+from batch_llm.shard_process import IsolatedShard, worker_spec
+from batch_llm.stages import RunLayout
+from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl
+from batch_llm.worker import WorkerFailed, WorkerHandle
+
+from bench.inference import make_dataset
+from bench.runners import ROOT, bench_command, bench_config, child_env, model_vocab, print_result
 
 # the worker kills itself after its 3rd commit (the listener in tests/fault_injection)
 FAULT_ENV = {"BATCH_LLM_FAULT": "after_commit:3", "PYTHONPATH": os.pathsep.join(
-    [str(Path(__file__).resolve().parents[1] / "tests" / "fault_injection"), os.environ.get("PYTHONPATH", "")])}
+    [str(ROOT / "tests" / "fault_injection"), os.environ.get("PYTHONPATH", "")])}
 
 
 def gpu_used_mib() -> int:
@@ -48,17 +47,13 @@ def gpu_used_mib() -> int:
 
 def make_shard(a, n: int, work: Path, seed: int = 0) -> tuple:
     """(config, layout, model reference, shard) of one shard of ``n`` fixed-length rows under ``work``."""
-    cfgjson = json.load(open(Path(a.model) / "config.json"))
-    rows = make_dataset("fixed", n, 256, 256, min(cfgjson.get("vocab_size", 32000), 150000) - 1, 2048, seed=seed)
+    rows = make_dataset("fixed", n, 256, 256, model_vocab(a.model) - 1, 2048, seed=seed)
     shard_url = str(work / "shard-00000.jsonl")
     write_jsonl(Location(shard_url).path(), ({**r, "idx": i, "messages": []} for i, r in enumerate(rows)))
-    extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
-    cfg = parse_config({
-        "name": "gpucheck", "model": {"ref": a.model}, "input": {"path": shard_url}, "output": {"path": str(work)},
-        "engine": {"kind": "vllm", "max_model_len": 2048, "gpu_memory_utilization": 0.9, "dtype": "bfloat16",
-                   "extra": extra, "commit_every_rows": 200, "progress_every_seconds": 5},
-        "sampling": {"max_tokens": 256, "temperature": 0.0, "seed": 0, "ignore_eos": True},
-        "cache": {"enabled": False}}, "gpu check")
+    cfg = bench_config(a.model, name="gpucheck", label="gpu check", input=shard_url, output=str(work), max_tokens=256,
+                       dummy=a.dummy, engine={"max_model_len": 2048, "gpu_memory_utilization": 0.9, "dtype": "bfloat16",
+                                              "commit_every_rows": 200, "progress_every_seconds": 5},
+                       evaluate={}, filter={})  # their defaults, as before
     layout = RunLayout.for_run(cfg, run_id="check", ds="2026-01-01")
     return cfg, layout, {"local_dir": a.model, "model_key": "check"}, {"index": 0, "rows": n, "url": shard_url}
 
@@ -73,8 +68,6 @@ def check_stop(a) -> dict:
     idle = gpu_used_mib()
     h = WorkerHandle.start(spec)
     lines: list[str] = []
-    import threading
-
     threading.Thread(target=lambda: [lines.append(x) for x in h.proc.stdout], daemon=True).start()
     while not any("progress:" in x for x in lines):
         if h.proc.poll() is not None:
@@ -129,20 +122,19 @@ def lease_task(a) -> None:
     mt = run.run(on_line=on_line).metrics
     t_end = time.time()
     t_lease = t0 + run.lease_wait_seconds
-    print("TASK " + json.dumps(dict(task=a.seed, gpu=run.gpus, rows=mt.rows, asked_at=t0,
-                                    leased_at=t_lease, gen_start=marks.get("gen_start", t_lease), end=t_end,
-                                    output_tokens=mt.output_tokens, generate_s=mt.generate_seconds,
-                                    engine_start_s=mt.engine_start_seconds)), flush=True)
+    print_result(dict(task=a.seed, gpu=run.gpus, rows=mt.rows, asked_at=t0, leased_at=t_lease,
+                      gen_start=marks.get("gen_start", t_lease), end=t_end, output_tokens=mt.output_tokens,
+                      generate_s=mt.generate_seconds, engine_start_s=mt.engine_start_seconds), "TASK ")
 
 
 def run_tasks(a, rows: list[int], lease_dir: str) -> tuple[list[dict], list[dict]]:
     """Starts one task process per entry of ``rows``, 2 s apart (so the lease order is the list's order)."""
-    env = {**os.environ, "BATCH_LLM_LEASE_DIR": lease_dir}
+    env = child_env(BATCH_LLM_LEASE_DIR=lease_dir)
     procs = []
     for i, n in enumerate(rows):
-        procs.append(subprocess.Popen([sys.executable, __file__, "--model", a.model, *(["--dummy"] if a.dummy else []),
-                                       "--rows", str(n), "--seed", str(i), "lease-task"], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=env))
+        cmd = bench_command("gpu-checks", "--model", a.model, *(["--dummy"] if a.dummy else []), "--rows", n, "--seed", i,
+                            "lease-task")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
         time.sleep(2)
     samples: list[dict] = []  # which worker processes hold memory on which GPU, sampled every 0.5 s
     stop = threading.Event()
@@ -204,17 +196,15 @@ def check_leases(a) -> dict:
                 start_offset_s=round(abs(first_two[0]["gen_start"] - first_two[1]["gen_start"]), 1))
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--dummy", action="store_true")
     p.add_argument("--rows", type=int, default=3000, help="rows per shard task (leases)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("checks", nargs="+", choices=["stop", "resume", "leases", "lease-task"])
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.checks == ["lease-task"]:
-        lease_task(a)
-        sys.exit(0)
+        return lease_task(a)
     for c in a.checks:
-        print("RESULT " + json.dumps({"stop": check_stop, "resume": check_resume, "leases": check_leases}[c](a)),
-              flush=True)
+        print_result({"stop": check_stop, "resume": check_resume, "leases": check_leases}[c](a))

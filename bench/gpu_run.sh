@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import
-#   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (bench/gpu_telemetry.py; TELEMETRY=0:
+#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import  (python3 -m bench gpu MODE)
+#   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0:
 #    not) and summarized per run phase at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
 #    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
@@ -11,7 +11,7 @@
 # and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
 # Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
 # Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
-# bench_h200_features.py (one process per engine, each under its own timeout):
+# python3 -m bench h200 (one process per engine, each under its own timeout):
 #   guided  carry .gpu-stage/tok (a small real tokenizer: the demo model's tokenizer files), made here with
 #           mkdir -p .gpu-stage/tok && cp "$(.venv/bin/python -m batch_llm.demo_model)"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu-stage/tok/
 #           GUIDED_ARGS=--compact-json: no free whitespace in the grammar; TAG names the log
@@ -27,11 +27,11 @@ vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
 }
-telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OUT, for gpu_telemetry.py by-run
+telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OUT, for `telemetry by-run`
   [ "${TELEMETRY:-1}" = 1 ] || return 0
-  python3 bench/gpu_telemetry.py record --out $OUT/gpu_telemetry.jsonl & TELEMETRY_PID=$!
+  python3 -m bench telemetry record --out $OUT/gpu_telemetry.jsonl & TELEMETRY_PID=$!
   trap 'kill $TELEMETRY_PID 2>/dev/null; wait $TELEMETRY_PID 2>/dev/null
-        python3 bench/gpu_telemetry.py by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $OUT/gpu.jsonl \
+        python3 -m bench telemetry by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $OUT/gpu.jsonl \
           > $OUT/gpu_telemetry_by_run.jsonl && cat $OUT/gpu_telemetry_by_run.jsonl' EXIT
 }
 h200_summary() {  # the lines of a log that matter, short
@@ -41,35 +41,35 @@ h200_summary() {  # the lines of a log that matter, short
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
-  fixed) vllm_env; telemetry_on; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+  fixed) vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset fixed --n 1000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs ;;
-  mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 bench/bench_inference.py --model $M --dummy --dataset mix --n 2000 \
+  mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
-  hf)    vllm_env; timeout 540 python3 bench/bench_inference.py --model $M --dummy --dataset fixed --n 1000 \
+  hf)    vllm_env; timeout 540 python3 -m bench inference --model $M --dummy --dataset fixed --n 1000 \
            --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
-  checks) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy stop resume | tee $OUT/checks.txt ;;
-  resume|leases) vllm_env; timeout 540 python3 bench/gpu_checks.py --model $M --dummy "$1" | tee $OUT/$1.txt ;;
+  checks) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy stop resume | tee $OUT/checks.txt ;;
+  resume|leases) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy "$1" | tee $OUT/$1.txt ;;
   guided) vllm_env
-    timeout -k 10 ${T:-540} python3 bench/bench_h200_features.py guided --model $M --tokenizer .gpu-stage/tok ${GUIDED_ARGS:-} \
+    timeout -k 10 ${T:-540} python3 -m bench h200 guided --model $M --tokenizer .gpu-stage/tok ${GUIDED_ARGS:-} \
       --out $OUT/h200_guided.jsonl >$OUT/guided${TAG:-}.log 2>&1; echo "guided rc=$?"; h200_summary $OUT/guided${TAG:-}.log ;;
   spec) vllm_env
     python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/numba/*.whl 2>&1 | grep -v WARNING
     python3 -c "import numba; print('numba', numba.__version__)" >$OUT/numba_import.txt 2>&1; tail -2 $OUT/numba_import.txt
     for m in ${METHODS:-plain ngram ngram_gpu}; do
-      timeout -k 10 ${T:-180} python3 bench/bench_h200_features.py spec --model $M --method $m \
+      timeout -k 10 ${T:-180} python3 -m bench h200 spec --model $M --method $m \
         --out $OUT/h200_spec.jsonl >$OUT/spec_$m.log 2>&1; echo "spec $m rc=$?"; h200_summary $OUT/spec_$m.log
     done ;;
   fp8) vllm_env; export VLLM_DISABLE_COMPILE_CACHE=1
     for v in ${VARIANTS:-bf16 fp8 fp8kv}; do
-      timeout -k 10 ${T:-185} python3 bench/bench_h200_features.py fp8 --model $M --variant $v \
+      timeout -k 10 ${T:-185} python3 -m bench h200 fp8 --model $M --variant $v \
         --out $OUT/h200_fp8.jsonl >$OUT/fp8_$v.log 2>&1; echo "fp8 $v rc=$?"; h200_summary $OUT/fp8_$v.log
     done ;;
   compile_cache) vllm_env  # engine.compile_cache cold vs warm, a fresh process per engine start (file:// store)
-    timeout 565 python3 bench/bench_compile_cache.py --model $M --dummy --pairs ${PAIRS:-3} --timeout ${T:-140} \
+    timeout 565 python3 -m bench compile-cache --model $M --dummy --pairs ${PAIRS:-3} --timeout ${T:-140} \
       --out $OUT/compile_cache.jsonl 2>&1 | tee $OUT/compile_cache.log ;;
-  gc_import) vllm_env  # the engine start with the collector paused over vLLM's import against without (bench_gc_import.py)
-    timeout ${T:-565} python3 bench/bench_gc_import.py --model $M --dummy --pairs ${PAIRS:-3} --timeout 150 \
+  gc_import) vllm_env  # the engine start with the collector paused over vLLM's import against without (bench/gc_import.py)
+    timeout ${T:-565} python3 -m bench gc-import --model $M --dummy --pairs ${PAIRS:-3} --timeout 150 \
       --out $OUT/gc_import.jsonl 2>&1 | tee $OUT/gc_import.log ;;
   lmdeploy-stage)
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
@@ -82,16 +82,16 @@ case "${1:-fixed}" in
     modes=${MODES:-raw,stage}
     for mode in ${modes//,/ }; do
       BENCH_T0=$(date +%s.%N) timeout -k 10 ${T:-300} /root/pyspy/bin/py-spy record --nonblocking --subprocesses --idle \
-        --threads -r ${RATE:-50} -f raw -o /tmp/profile_$mode.txt -- python3 bench/bench_inference.py --model $M --dummy \
+        --threads -r ${RATE:-50} -f raw -o /tmp/profile_$mode.txt -- python3 -m bench inference --model $M --dummy \
         --dataset ${DATASET:-mix} --n ${N:-2000} --child $mode > $OUT/profile_$mode.log 2>&1
       echo "profile $mode rc=$?"; grep -E "^RESULT" $OUT/profile_$mode.log | cut -c1-400
-      python3 bench/profile_summary.py /tmp/profile_$mode.txt > $OUT/profile_${mode}_summary.txt
+      python3 -m bench profile-summary /tmp/profile_$mode.txt > $OUT/profile_${mode}_summary.txt
       gzip -c /tmp/profile_$mode.txt > $OUT/profile_$mode.txt.gz
     done ;;
   lmdeploy|lmdeploy-mix)  # raw gets the same token ids as the stage; REPEATS runs of each mode, alternating
     python3 -m pip install -q --no-index --no-deps --target /root/lmd .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
     export PYTHONPATH=/root/lmd:$PWD/include TOKENIZERS_PARALLELISM=false
     if [ "$1" = lmdeploy ]; then data=(--dataset fixed --n 1000); else data=(--dataset mix --n 2000); fi
-    timeout ${T:-540} python3 bench/bench_inference.py --engine lmdeploy --model /root/q7 --vocab 32000 "${data[@]}" \
+    timeout ${T:-540} python3 -m bench inference --engine lmdeploy --model /root/q7 --vocab 32000 "${data[@]}" \
       --modes raw,stage --repeats ${REPEATS:-3} --out $OUT/gpu_lmdeploy.jsonl ;;
 esac

@@ -3,12 +3,12 @@ phases: to tell a run that was slower because its GPU ran slower (an H200 at its
 from one whose GPU waited. On the mix the stage's generation was two-valued; this found the GPU waiting 3-6 s
 mid-generation on decode steps with no CUDA graph, not its clocks (docs/benchmarks.md, the tenth lease).
 
-    python bench/gpu_telemetry.py record --out telemetry.jsonl [--interval 0.2]     # until killed
-    python bench/gpu_telemetry.py by-run --telemetry telemetry.jsonl --runs gpu.jsonl [--strip]
+    python -m bench telemetry record --out telemetry.jsonl [--interval 0.2]     # until killed
+    python -m bench telemetry by-run --telemetry telemetry.jsonl --runs gpu.jsonl [--strip]
 
 ``record`` samples NVML (pynvml, or the copy vLLM ships in vllm/third_party) every --interval seconds: the
 wall clock, SM and memory clocks (MHz), power (W), temperature (°C), utilization (%) and the active clock
-throttle reasons (NVML's bit mask). ``by-run`` reads bench_inference.py's ``{"run": ...}`` lines (each run's
+throttle reasons (NVML's bit mask). ``by-run`` reads ``bench/inference.py``'s ``{"run": ...}`` lines (each run's
 ``started_epoch`` and, for the stage, its timeline) and prints per run the means of clock, power, temperature and
 utilization, and the share of samples held at the power cap or slowed for heat, over its generation and, for the
 stage, over its first-token phase and the rest. ``--strip`` adds the utilization of each sample from 1 s before
@@ -107,7 +107,7 @@ def by_run(telemetry: str, runs: str, *, strip: bool = False) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record")
@@ -117,7 +117,7 @@ def main() -> None:
     b.add_argument("--telemetry", required=True)
     b.add_argument("--runs", required=True)
     b.add_argument("--strip", action="store_true", help="each run's utilization, one digit per sample")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.cmd == "record":
         record(a.out, a.interval)
     else:
@@ -125,6 +125,3 @@ def main() -> None:
             json.dump(row, sys.stdout)
             sys.stdout.write("\n")
 
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ generation the functions with the most samples inclusive and as the leaf (``Cond
 client's thread: waiting for the engine core's outputs). Used by ``bench/gpu_run.sh profile`` on the device,
 where the raw profile is too large to bring back.
 
-    python bench/profile_summary.py profile_stage.txt [--within NAME ...] [--top 25]
+    python -m bench profile-summary profile_stage.txt [--within NAME ...] [--top 25]
 """
 from __future__ import annotations
 
@@ -74,15 +74,12 @@ def summarize(path: str, within: list[str], top: int) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profile")
     p.add_argument("--within", nargs="*", default=["LLM.generate llm.py", "stream_requests base.py",
                                                    "EngineCoreProc.run_busy_loop core.py"])
     p.add_argument("--top", type=int, default=25)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     print(summarize(a.profile, a.within, a.top))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,20 +1,21 @@
 """Fits the calibration constants of ``batch_llm/recommend.py`` to this project's measurements and prints them
 with the model's error at every measured point (fitted and held out). No GPU needed::
 
-    .venv/bin/python bench/recommend_calibration.py
+    .venv/bin/python -m bench recommend-calibration
 
 Each point: (what, model config, GPU, Job, measured output tok/s of ``LLM.generate``, source). The constants in
 recommend.py are this script's output, rounded; ``tests/test_recommend.py`` checks that they still reproduce it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
-from pathlib import Path
 
 from batch_llm import recommend as R
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.runners import ROOT
+
 Q7 = R.load_model_shape(ROOT / "tests" / "data" / "qwen2.5-7b-config.json")
 SMOL = R.ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, name="SmolLM2-135M")
@@ -83,7 +84,8 @@ CHECKS = [  # (what, shape, device, job, measured output tok/s, source) -- not u
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     consts = fit()
     for k, v in consts.items():
         print(f"{k} = {v:.4g}")
@@ -97,6 +99,3 @@ def main() -> None:
           f"fp8 {Q7.weight_bytes('fp8') / R.GIB:.2f} GiB (8.17), KV {plan.kv_tokens:,} tokens (2,043,840), "
           f"activation {plan.activation_gib:.2f} GiB (2.15)")
 
-
-if __name__ == "__main__":
-    main()

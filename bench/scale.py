@@ -1,12 +1,12 @@
 """Scale benchmark: plan, content filter, evaluate and publish at 100k, 1M and 10M rows (seconds, peak RSS).
 
-Each stage runs in a fresh process of its own (``python bench/scale.py stage NAME ...``), so its peak RSS is
+Each stage runs in a fresh process of its own (``python bench/scale.py stage NAME DIR``), so its peak RSS is
 its own and not the benchmark's. The input is synthesized chat rows of ~280 bytes (ids, a user message, a
-reference answer). The engine's speed is measured elsewhere (bench_inference.py): here the shards'
+reference answer). The engine's speed is measured elsewhere (``python -m bench inference``): here the shards'
 outputs are **synthesized** (a ~200-character answer per row, written in input order as the shard runner
-writes them), so the stages around the engine are measured alone. The result cache: bench/scale_cache.py.
+writes them), so the stages around the engine are measured alone. The result cache: ``python -m bench scale-cache``.
 
-    .venv/bin/python bench/scale.py --sizes 100000,1000000,10000000 --out bench/results/scale.json
+    .venv/bin/python -m bench scale --sizes 100000,1000000,10000000 --out bench/results/scale.json
 
 Needs about 3 KB of disk per row at the largest size (input, plan spool, shards, outputs, dataset), freed
 after each size.
@@ -137,9 +137,10 @@ def bench_size(rows: int, base: Path, fmt: str, evaluate: bool) -> dict:
     return res
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "stage":
-        print(json.dumps(run_stage(sys.argv[2], Path(sys.argv[3]))))
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stage"]:
+        print(json.dumps(run_stage(argv[1], Path(argv[2]))))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100000,1000000,10000000")
@@ -147,7 +148,7 @@ def main() -> int:
     ap.add_argument("--format", default="jsonl")
     ap.add_argument("--no-evaluate", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale.json"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     base = Path(a.dir or tempfile.mkdtemp(prefix="batch_llm_scale_"))
     results = []
     for n in (int(x) for x in a.sizes.split(",")):

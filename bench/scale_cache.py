@@ -15,8 +15,8 @@ Sizes are built incrementally (the 30M cache is the 1M one plus 29 more days). `
 cache into one run afterwards and measures again. Local caches are read through the OS page cache (the
 tables were just written), so local seconds are mostly CPU; ``--s3`` runs against SeaweedFS on loopback.
 
-    .venv/bin/python bench/scale_cache.py                         # 1M and 30M entries (~17 GB of disk)
-    .venv/bin/python bench/scale_cache.py --sizes 100000,1000000 --run-rows 100000
+    .venv/bin/python -m bench scale-cache                         # 1M and 30M entries (~17 GB of disk)
+    .venv/bin/python -m bench scale-cache --sizes 100000,1000000 --run-rows 100000
 
 Prints a markdown table; writes JSON to bench/results/scale_cache-<time>.json.
 """
@@ -34,12 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # s3_server, for --s3 (batch_llm itself: the installed package)
+from batch_llm.config import CacheConfig
+from batch_llm.result_cache import ResultCache
+from batch_llm.storage import Location
 
-from batch_llm.config import CacheConfig  # noqa: E402
-from batch_llm.result_cache import ResultCache  # noqa: E402
-from batch_llm.storage import Location  # noqa: E402
+from bench.runners import RESULTS, ROOT
 
 DAY = 86400.0
 T0 = 1_800_000_000.0
@@ -66,7 +65,7 @@ def measure(cache: ResultCache, keys: list[str], expect_hits: int) -> dict:
     return s
 
 
-def main() -> None:  # noqa: C901
+def main(argv: list[str] | None = None) -> None:  # noqa: C901
     d = CacheConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000000,30000000", help="cache entries, comma-separated")
@@ -79,14 +78,15 @@ def main() -> None:  # noqa: C901
     ap.add_argument("--also-compacted", action="store_true", help="then merge into one run and measure again")
     ap.add_argument("--root", help="cache folder (default: a temporary one, removed at the end)")
     ap.add_argument("--s3", action="store_true", help="against SeaweedFS on loopback (tests/s3_server.py)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"scale_cache-{time.strftime('%Y%m%dT%H%M%S')}.json"))
+    ap.add_argument("--out", default=str(RESULTS / f"scale_cache-{time.strftime('%Y%m%dT%H%M%S')}.json"))
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = sorted(int(x) for x in args.sizes.split(","))
 
     tmp = tempfile.mkdtemp(prefix="scale_cache_")
     server = None
     if args.s3:
+        sys.path.insert(0, str(ROOT / "tests"))  # s3_server (batch_llm itself: the installed package)
         from s3_server import S3Server
 
         server = S3Server(Path(tmp) / "s3", bucket="scale-cache").start()
@@ -165,6 +165,3 @@ def main() -> None:  # noqa: C901
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Throughput of the inference stage against the raw engine: the same work, on one clock, repeated.
 
-    python bench/bench_inference.py --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256 \
+    python -m bench inference --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256 \
         --repeats 3
-    python bench/bench_inference.py --engine lmdeploy --model DIR --vocab 32000 --modes raw,stage   # GPU only
+    python -m bench inference --engine lmdeploy --model DIR --vocab 32000 --modes raw,stage   # GPU only
 
 Modes, each run in a fresh process (so GPU memory is free between them):
   raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call), then the
@@ -49,13 +49,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.runners import (
+    DUMMY,
+    alternating,
+    append_jsonl,
+    bench_command,
+    bench_config,
+    child_env,
+    model_vocab,
+    print_result,
+    run,
+    spread,
+)
 
 
 def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_model_len: int, seed: int = 0):
@@ -165,7 +175,6 @@ def run_raw_lmdeploy(a, rows) -> dict:
 def run_stage(a, rows, mode: str = "stage") -> dict:
     """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
-    from batch_llm.config import parse_config
     from batch_llm.plan import plan_shards
     from batch_llm.stages import RunLayout
     from batch_llm.storage import Location, write_jsonl
@@ -174,22 +183,16 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
     input_url = str(work / "input.jsonl")
     write_jsonl(Location(input_url).path(), rows)
-    extra = {"load_format": "dummy", "skip_tokenizer_init": True} if a.dummy else {}
-    if a.engine == "lmdeploy":
-        extra = {}
-    if mode == "stage-x":
-        extra.update(json.loads(a.stage_extra or "{}"))
-    cfg = parse_config({
-        "name": "bench", "model": {"ref": a.model}, "input": {"path": input_url}, "output": {"path": str(work)},
-        "sharding": {"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
-        "engine": {"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
-                   "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
-                   "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
-                   **({"multiprocessing": False} if mode == "stage-inproc" else {}),
-                   **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
-                   **({"torch_compile": True} if mode == "stage-compile" else {})},
-        "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": True},
-        "cache": {"enabled": False}, "evaluate": {"enabled": False}, "filter": {"enabled": False}}, "bench")
+    extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
+    cfg = bench_config(
+        a.model, input=input_url, output=str(work), max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
+        sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
+        engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
+                "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
+                "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
+                **({"multiprocessing": False} if mode == "stage-inproc" else {}),
+                **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
+                **({"torch_compile": True} if mode == "stage-compile" else {})})
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
     plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
     assert plan.valid == len(rows) and len(plan.shards) == 1, plan
@@ -263,13 +266,12 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.model, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_util, dtype=a.dtype,
               enforce_eager=a.enforce_eager, seed=0)
     if a.dummy:
-        kw.update(load_format="dummy", skip_tokenizer_init=True)
+        kw.update(DUMMY)
     return kw
 
 
 def child(a) -> None:
-    cfg = json.load(open(Path(a.model) / "config.json"))
-    vocab = a.vocab or min(cfg.get("vocab_size", 32000), 150000)
+    vocab = a.vocab or model_vocab(a.model)
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
     modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True)}
     res = run_stage(a, rows, a.child) if a.child.startswith("stage") else modes[a.child](a, rows)
@@ -278,19 +280,7 @@ def child(a) -> None:
     import resource
 
     res["process_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    print("RESULT " + json.dumps(res), flush=True)
-
-
-def alternating(modes: list[str], repeats: int) -> list[str]:
-    """raw, stage | stage, raw | raw, stage ...: each mode's runs spread evenly over the session."""
-    return [m for rep in range(repeats) for m in (modes if rep % 2 == 0 else modes[::-1])]
-
-
-def spread(values: list[float]) -> dict:
-    import statistics
-
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3),
-            "n": len(values)}
+    print_result(res)
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
@@ -314,7 +304,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--engine", choices=["vllm", "lmdeploy"], default="vllm")
@@ -339,47 +329,34 @@ def main() -> None:
     p.add_argument("--out", help="append results as JSON lines to this file: each run as it ends, then the "
                    "summary (earlier files carry the runs inside the summary line instead)")
     p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
-    a = p.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
-    schedule = alternating(a.modes.split(","), a.repeats)
+    schedule = [m for _, m in alternating(a.modes.split(","), a.repeats)]
     # A first run on a fresh machine also fills vLLM's compile cache (~/.cache/vllm), which every later run
     # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
     for i, mode in enumerate(([schedule[0]] * a.warmup) + schedule):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", mode]
-        t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", "BENCH_T0": repr(t0)})
-        wall = time.time() - t0
+        proc = run(bench_command("inference", *argv, "--child", mode), env=child_env(), merge_stderr=False)
         if a.logs:
             Path(a.logs).mkdir(parents=True, exist_ok=True)
-            (Path(a.logs) / f"{i:02d}-{mode}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if not line:
-            print(f"{mode} FAILED rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}", flush=True)
+            (Path(a.logs) / f"{i:02d}-{mode}.log").write_text(proc.out + "\n--- stderr\n" + proc.err)
+        res = proc.result()
+        if res is None:
+            print(f"{mode} FAILED rc={proc.rc}\n{proc.out[-2000:]}\n{proc.err[-3000:]}", flush=True)
             continue
-        res = {**json.loads(line[7:]), "wall_s": round(wall, 2), "started_epoch": round(t0, 3)}
+        res.update(wall_s=round(proc.wall_s, 2), started_epoch=round(proc.started, 3))
         if a.warmup and not runs.get("_warmup"):
             runs["_warmup"] = [res]
             print(f"warm-up ({mode}, not counted): wall {res['wall_s']} s", flush=True)
             continue
         runs.setdefault(mode, []).append(res)
         print(f"{mode}: " + json.dumps({k: v for k, v in res.items() if k != "phases"}), flush=True)
-        if a.out:  # as it ends: a call cut short by its time limit keeps the runs it finished
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            with open(a.out, "a") as f:
-                f.write(json.dumps({"run": res}) + "\n")
+        append_jsonl(a.out, {"run": res})  # as it ends: a call cut short by its time limit keeps the runs it finished
     warm = runs.pop("_warmup", None)
     summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset,
                "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy, "model": a.model,
-               "repeats": a.repeats, "order": alternating(a.modes.split(","), a.repeats), **summarize(runs)}
-    print("SUMMARY " + json.dumps(summary), flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "a") as f:
-            f.write(json.dumps({"summary": summary}) + "\n")  # its runs are the {"run": ...} lines above it
-
-
-if __name__ == "__main__":
-    main()
+               "repeats": a.repeats, "order": schedule, **summarize(runs)}
+    print_result(summary, "SUMMARY ")
+    append_jsonl(a.out, {"summary": summary})  # its runs are the {"run": ...} lines above it

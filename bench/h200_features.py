@@ -1,8 +1,8 @@
 """Three engine features on the lent H200, each measured inside one vLLM process per engine configuration.
 
-    python bench/bench_h200_features.py guided --model DIR --tokenizer TOKDIR [--rows 512] [--repeats 3]
-    python bench/bench_h200_features.py spec --model DIR --method plain|ngram|ngram_gpu [--repeats 3]
-    python bench/bench_h200_features.py fp8 --model DIR --variant bf16|fp8|fp8kv [--repeats 2]
+    python -m bench h200 guided --model DIR --tokenizer TOKDIR [--rows 512] [--repeats 3]
+    python -m bench h200 spec --model DIR --method plain|ngram|ngram_gpu [--repeats 3]
+    python -m bench h200 fp8 --model DIR --variant bf16|fp8|fp8kv [--repeats 2]
 
 ``bench/gpu_run.sh guided|spec|fp8`` runs them (one process per engine, each under its own timeout). The model is
 a random-weight (``load_format="dummy"``) Qwen2.5-7B-shaped config: outputs are meaningless, the work is real.
@@ -29,7 +29,7 @@ spec    One engine per ``--method`` (plain: no speculation; ngram: vLLM's CPU n-
 fp8     One engine per ``--variant``: bf16, ``quantization="fp8"`` (online FP8 weights), ``kv_cache_dtype="fp8"``.
         Engine start (process start → vLLM imported, then ``LLM(...)``), the KV cache it got
         (``num_gpu_blocks × block_size`` tokens), then
-        ``--repeats`` runs of the ``fixed`` dataset of bench_inference.py (1000 prompts × 256 random tokens → 256,
+        ``--repeats`` runs of the ``fixed`` dataset of ``bench/inference.py`` (1000 prompts × 256 random tokens → 256,
         greedy, ignore_eos; a new seed per run so that no prompt is cached from the run before).
 """
 from __future__ import annotations
@@ -37,59 +37,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import traceback
-from datetime import datetime, timezone
-from pathlib import Path
 
-T_PROCESS = time.time()
-ROOT = Path(__file__).resolve().parents[1]
+from bench.inference import make_dataset
+from bench.runners import ROOT, alternating, model_vocab, spread, start_vllm
+from bench.runners import emit as emit_to
+
 SYSTEM = "从商品评论中提取一个方面、情感和原文证据，只输出 JSON。"
 
 
 def emit(a, rec: dict) -> None:
-    rec = {"bench": a.cmd, "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **rec}
-    print("RESULT " + json.dumps(rec, ensure_ascii=False), flush=True)
-    with open(a.out, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-
-
-def start_engine(a, **extra) -> tuple[object, dict]:
-    """Imports vLLM and builds the engine; returns it with what it got (start seconds, KV cache, settings)."""
-    import torch
-    import vllm
-    from vllm import LLM
-
-    imported = time.time()
-    kw = dict(model=a.model, load_format="dummy", max_model_len=2048, gpu_memory_utilization=0.9, dtype="bfloat16",
-              seed=0, **extra)
-    llm = LLM(**kw)
-    built = time.time()
-    vc = llm.llm_engine.vllm_config
-    blocks = vc.cache_config.num_gpu_blocks
-    info = dict(vllm=vllm.__version__, gpu=torch.cuda.get_device_name(0),
-                engine_kwargs={k: v for k, v in kw.items() if k != "model"},
-                import_s=round(imported - T_PROCESS, 1), construct_s=round(built - imported, 1),
-                process_to_ready_s=round(built - T_PROCESS, 1),
-                num_gpu_blocks=blocks, block_size=vc.cache_config.block_size,
-                kv_cache_tokens=blocks * vc.cache_config.block_size if blocks else None,
-                kv_cache_dtype=str(vc.cache_config.cache_dtype), quantization=vc.model_config.quantization,
-                max_num_seqs=vc.scheduler_config.max_num_seqs,
-                max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
-                async_scheduling=getattr(vc.scheduler_config, "async_scheduling", None),
-                structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")))
-    return llm, info
+    emit_to(a.out, a.cmd, rec, ensure_ascii=False)
 
 
 def generate(llm, prompts, params) -> tuple[float, list]:
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t, outs
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
 # ------------------------------------------------------------------------------------------------- guided
@@ -131,7 +96,7 @@ def cmd_guided(a) -> None:
     schema = json.loads((ROOT / "dags" / "pipelines" / "schemas" / "review_opinion.json").read_text())
     prompts = guided_prompts(a)
     extra = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}} if a.compact_json else {}
-    llm, info = start_engine(a, tokenizer=a.tokenizer, **extra)
+    llm, info = start_vllm(a.model, tokenizer=a.tokenizer, **extra)
     emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, **info,
              "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts)})
     guided = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
@@ -146,17 +111,15 @@ def cmd_guided(a) -> None:
     emit(a, {"phase": "warmup", "mode": "plain", "seconds": round(seconds, 2),
              "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
     rates: dict[str, list[float]] = {"plain": [], "guided": []}
-    for rep in range(a.repeats):
-        for mode in (("plain", "guided") if rep % 2 == 0 else ("guided", "plain")):
-            seconds, outs = generate(llm, prompts, guided if mode == "guided" else plain)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rates[mode].append(tokens / seconds)
-            rec = {"phase": "timed", "mode": mode, "compact_json": a.compact_json, "repeat": rep, "rows": len(prompts),
-                   "seconds": round(seconds, 3),
-                   "tokens": tokens, "tok_s": round(tokens / seconds, 1)}
-            if mode == "guided":
-                rec.update({k: v for k, v in guided_check(outs, schema).items() if k != "example"})
-            emit(a, rec)
+    for rep, mode in alternating(("plain", "guided"), a.repeats):
+        seconds, outs = generate(llm, prompts, guided if mode == "guided" else plain)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rates[mode].append(tokens / seconds)
+        rec = {"phase": "timed", "mode": mode, "compact_json": a.compact_json, "repeat": rep, "rows": len(prompts),
+               "seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1)}
+        if mode == "guided":
+            rec.update({k: v for k, v in guided_check(outs, schema).items() if k != "example"})
+        emit(a, rec)
     ratios = [g / p for g, p in zip(rates["guided"], rates["plain"])]
     emit(a, {"phase": "summary", "compact_json": a.compact_json, "plain_tok_s": spread(rates["plain"]),
              "guided_tok_s": spread(rates["guided"]),
@@ -197,7 +160,7 @@ def cmd_spec(a) -> None:
     spec = None if a.method == "plain" else {"method": a.method, "num_speculative_tokens": 4,
                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     try:
-        llm, info = start_engine(a, skip_tokenizer_init=True, disable_log_stats=False, speculative_config=spec)
+        llm, info = start_vllm(a.model, skip_tokenizer_init=True, disable_log_stats=False, speculative_config=spec)
     except Exception as e:  # noqa: BLE001 - recorded: the measurement is the failure
         emit(a, {"phase": "engine", "method": a.method, "speculative_config": spec, "error": f"{type(e).__name__}: {e}",
                  "traceback_tail": traceback.format_exc()[-1500:]})
@@ -230,18 +193,15 @@ def cmd_fp8(a) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_inference import make_dataset
-
     extra = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8kv": {"kv_cache_dtype": "fp8"}}[a.variant]
     try:
-        llm, info = start_engine(a, skip_tokenizer_init=True, **extra)
+        llm, info = start_vllm(a.model, skip_tokenizer_init=True, **extra)
     except Exception as e:  # noqa: BLE001 - recorded: the measurement is the failure
         emit(a, {"phase": "engine", "variant": a.variant, "error": f"{type(e).__name__}: {e}",
                  "traceback_tail": traceback.format_exc()[-1500:]})
         raise
     emit(a, {"phase": "engine", "variant": a.variant, **info})
-    vocab = min(json.load(open(Path(a.model) / "config.json"))["vocab_size"], 150000)
+    vocab = model_vocab(a.model)
     warm = make_dataset("fixed", 32, 256, 16, vocab - 1, 2048, seed=99)
     generate(llm, [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in warm],
              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False))
@@ -256,7 +216,7 @@ def cmd_fp8(a) -> None:
                  "total_tok_s": round((tokens + 256 * len(rows)) / seconds, 1)})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("guided", "spec", "fp8"):
@@ -278,9 +238,6 @@ def main() -> None:
     f = sub.choices["fp8"]
     f.add_argument("--variant", choices=("bf16", "fp8", "fp8kv"), required=True)
     f.add_argument("--n", type=int, default=1000)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     {"guided": cmd_guided, "spec": cmd_spec, "fp8": cmd_fp8}[a.cmd](a)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The recommend model (``batch_llm/recommend.py``) against a fresh run on the lent H200.
 
-    python bench/bench_recommend_check.py predict --out docs/bench-results/h200-recommend-check.jsonl   # here, before
-    python bench/bench_recommend_check.py run --util 0.9 --workloads A,A,C,D --out $OUT/check.jsonl     # on the device
+    python -m bench recommend-check predict --out docs/bench-results/h200-recommend-check.jsonl   # here, before
+    python -m bench recommend-check run --util 0.9 --workloads A,A,C,D --out $OUT/check.jsonl     # on the device
 
 ``predict`` writes the model's predictions (phase "prediction") for the workloads below, before any run. ``run``
 starts one vLLM engine (random-weight Qwen2.5-7B shape, ``load_format="dummy"``, bf16, max_model_len 2048, the
@@ -23,12 +23,11 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-T_PROCESS = time.time()
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "include"))
+from bench.runners import ROOT, T0, emit, start_vllm
+
+sys.path.insert(0, str(ROOT / "include"))  # a python3 without the project installed
 from batch_llm import recommend as R  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "qwen2.5-7b-config.json"
@@ -47,24 +46,15 @@ def prediction(name: str) -> dict:
             "predicted_kv_cache_tokens": plan.kv_tokens, "predicted_in_flight": c}
 
 
-def emit(out: str, rec: dict) -> None:
-    rec = {"bench": "recommend_check", "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **rec}
-    print("RESULT " + json.dumps(rec), flush=True)
-    with open(out, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
 def cmd_predict(a) -> None:
     consts = {k: getattr(R, k) for k in ("ETA_MEMORY", "ETA_COMPUTE", "FP8_COMPUTE", "STAGE_RATE")}
     for name in WORKLOADS:
-        emit(a.out, {"phase": "prediction", **prediction(name), "constants": consts})
+        emit(a.out, "recommend_check", {"phase": "prediction", **prediction(name), "constants": consts})
 
 
 def cmd_run(a) -> None:
     import numpy as np
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     committed = {}
@@ -73,24 +63,19 @@ def cmd_run(a) -> None:
             r = json.loads(line)
             if r.get("phase") == "prediction":
                 committed[r["workload"]] = r
-    imported = time.time()
-    llm = LLM(model=a.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
-              gpu_memory_utilization=a.util, dtype="bfloat16", seed=0)
-    built = time.time()
-    vc = llm.llm_engine.vllm_config
-    kv = vc.cache_config.num_gpu_blocks * vc.cache_config.block_size
-    emit(a.out, {"phase": "engine", "vllm": vllm.__version__, "gpu": torch.cuda.get_device_name(0),
-                 "gpu_memory_utilization": a.util, "import_s": round(imported - T_PROCESS, 1),
-                 "construct_s": round(built - imported, 1), "kv_cache_tokens": kv,
-                 "max_num_seqs": vc.scheduler_config.max_num_seqs,
-                 "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens})
+    llm, info = start_vllm(a.model, skip_tokenizer_init=True, gpu_memory_utilization=a.util)
+    kv = info["kv_cache_tokens"]
+    emit(a.out, "recommend_check", {"phase": "engine", **{k: info[k] for k in ("vllm", "gpu")},
+                                    "gpu_memory_utilization": a.util,
+                                    **{k: info[k] for k in ("import_s", "construct_s", "kv_cache_tokens", "max_num_seqs",
+                                                            "max_num_batched_tokens")}})
     rng = np.random.default_rng(1234)
     greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=rng.integers(0, 150000, 64).tolist()) for _ in range(16)],
                  SamplingParams(max_tokens=16, **greedy), use_tqdm=False)
     for i, name in enumerate(a.workloads.split(",")):
-        if time.time() - T_PROCESS > a.budget_s:
-            emit(a.out, {"phase": "skipped", "workload": name, "why": f"past --budget-s {a.budget_s}"})
+        if time.time() - T0 > a.budget_s:
+            emit(a.out, "recommend_check", {"phase": "skipped", "workload": name, "why": f"past --budget-s {a.budget_s}"})
             continue
         rows, p, t, util = WORKLOADS[name]
         if util != a.util:
@@ -103,13 +88,13 @@ def cmd_run(a) -> None:
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rate = tokens / seconds
-        emit(a.out, {"phase": "measured", "run": i, **pred, "prediction_as_committed": same,
+        emit(a.out, "recommend_check", {"phase": "measured", "run": i, **pred, "prediction_as_committed": same,
                      "seconds": round(seconds, 3), "generated_tokens": tokens, "output_tok_s": round(rate, 1),
                      "kv_cache_tokens": kv, "error": round(pred["predicted_output_tok_s"] / rate - 1, 4),
                      "kv_error": round(pred["predicted_kv_cache_tokens"] / kv - 1, 4)})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("predict")
@@ -121,9 +106,6 @@ def main() -> None:
     r.add_argument("--predictions", default=str(ROOT / "docs" / "bench-results" / "h200-recommend-check.jsonl"))
     r.add_argument("--budget-s", type=float, default=400.0, help="skip workloads once the process is this old")
     r.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     {"predict": cmd_predict, "run": cmd_run}[a.cmd](a)
 
-
-if __name__ == "__main__":
-    main()

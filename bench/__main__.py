@@ -1,0 +1,61 @@
+"""python -m bench COMMAND [ARGS ...]: each command is a module of this package (its ``main(argv)``);
+``python -m bench COMMAND --help`` shows its options."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from bench.runners import ROOT
+
+COMMANDS = {  # command: (module, what it measures)
+    "inference": ("inference", "the raw engine against the inference stage, one clock, alternating (CPU or GPU)"),
+    "swift": ("swift", "ms-swift's `swift infer` against `batch-llm run` and the DAG, on this CPU"),
+    "guided": ("guided", "guided decoding's cost in the whole pipeline (`batch-llm run` processes)"),
+    "guided-engine": ("guided_engine", "guided decoding's cost inside one vLLM engine"),
+    "gc-import": ("gc_import", "the engine start with the collector paused over vLLM's import, and without"),
+    "compile-cache": ("compile_cache", "engine.compile_cache: the engine start cold against warm"),
+    "scale": ("scale", "plan, filter, evaluate, publish at 100k-10M rows (seconds, peak RSS)"),
+    "scale-cache": ("scale_cache", "the result cache's lookup as its history grows"),
+    "h200": ("h200_features", "guided | spec | fp8: engine features on the lent H200"),
+    "gpu-checks": ("gpu_checks", "stop | resume | leases: the GPU operator's worker on a real GPU"),
+    "telemetry": ("gpu_telemetry", "record | by-run: the GPU's clocks, power and temperature per run phase"),
+    "profile-summary": ("profile_summary", "a py-spy profile summarized per process and thread"),
+    "recommend-check": ("recommend_check", "predict | run: the recommend model against a fresh H200 run"),
+    "recommend-calibration": ("recommend_calibration", "fits recommend.py's constants to the measurements"),
+}
+SCRIPTS = {  # command: (shell script, what it runs)
+    "cpu": ("run_cpu.sh", "the CPU benchmark (`make bench`): inference on the demo model, fixed and mix"),
+    "gpu": ("gpu_run.sh", "MODE: a GPU benchmark on the lent H200 (fixed, mix, checks, guided, ...)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, [*COMMANDS, *SCRIPTS]))
+    lines = [__doc__.strip(), "", "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {what} (bash bench/{script})" for name, (script, what) in SCRIPTS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, args = argv[0], argv[1:]
+    if name in SCRIPTS:
+        script = ROOT / "bench" / SCRIPTS[name][0]
+        if args[:1] in (["-h"], ["--help"]):  # the script's opening comment
+            head = script.read_text().splitlines()[1:]
+            print("\n".join(x[2:] for x in head[:next(i for i, x in enumerate(head) if not x.startswith("#"))]))
+            return 0
+        os.execvp("bash", ["bash", str(script), *args])
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    sys.argv = [f"python -m bench {name}", *args]  # the module's --help names the command
+    return importlib.import_module(f"bench.{COMMANDS[name][0]}").main(args) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
