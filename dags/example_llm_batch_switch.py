@@ -8,6 +8,10 @@ what differs is the operator (or decorator) and the arguments only it has:
     LLMBatchOperator(**CLASSIFY, llm_conn_id="pydanticai_default", model_id="openai:gpt-5-mini", deferrable=True)
     GPULLMBatchOperator(**CLASSIFY, model_id="HuggingFaceTB/SmolLM2-135M-Instruct", config=DEMO_YAML)
 
+``build_summary_requests`` is defined once and used twice: called (one batch) and mapped
+(``.override(task_id=...).expand(reviews=[...])``: one batch per group of reviews, each with its own result file),
+the same code under either decorator; only the line choosing ``batch_task`` differs.
+
 The reader downstream (``summarize_manifest``, common-ai's own ``howto_operator_llm_batch_read_results``) is the
 same code for both: the manifest and the rows have the same keys.
 
@@ -63,6 +67,14 @@ def summarize_manifest(manifest: dict) -> dict[str, int]:
     return {**by_label, **{f"status:{k}": v for k, v in manifest["counts"].items() if v}}
 
 
+@task
+def count_mapped(manifests: list[dict]) -> dict:
+    """A mapped batch's XCom is the list of its manifests (one per map index), with either provider."""
+    manifests = list(manifests)
+    return {"batches": len(manifests), "requests": sum(m["request_count"] for m in manifests),
+            "result_uris": [m["result_uri"] for m in manifests]}
+
+
 def build_dag(backend: str = BACKEND, *, dag_id: str = "example_llm_batch_switch", result_root: str = RESULT_ROOT,
               gpu_overrides: dict | None = None) -> DAG:
     """The DAG for one backend. ``gpu_overrides`` are config keys for the GPU batch (the tests run it on the
@@ -96,6 +108,9 @@ def build_dag(backend: str = BACKEND, *, dag_id: str = "example_llm_batch_switch
 
         summarize_manifest(classify.output)
         summarize_manifest.override(task_id="summarize_summaries")(build_summary_requests(REVIEWS))
+        # The same task mapped: one batch per group of reviews (common-ai's .expand(), on either provider).
+        count_mapped(build_summary_requests.override(task_id="summaries_by_group").expand(
+            reviews=[REVIEWS[:2], REVIEWS[2:]]))
     return dag
 
 

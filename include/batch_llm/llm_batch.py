@@ -27,6 +27,8 @@ What differs, and why:
 - Outputs are checked against ``output_type``'s own JSON Schema; common-ai wraps a non-object root (``int``,
   ``list[str]``) as ``{"response": ...}`` because hosted APIs need an object, vLLM does not. ``output`` is the
   unwrapped value either way.
+- Errors carry common-ai's class names and bases (``LLMBatchInputError``, ``LLMBatchPartialFailureError``, ...);
+  a request the engine failed is ``provider_error`` / ``stage: provider``, common-ai's for a failed request.
 - No ``expired`` / ``cancelled`` rows (there is no provider deadline); the buckets are there, at 0.
 - Rows are written in index order (``ordered: true``); common-ai writes them as the provider streams them.
 - State: where common-ai keeps one JSON file per task instance under ``_airflow_batch_state/``, a batch here keeps
@@ -83,8 +85,45 @@ METADATA_PARAMS = ("user", "metadata")
 MANAGED_PARAMS = ("model", "messages", "max_tokens", "max_completion_tokens", "response_format")
 
 
-class BatchInputError(ValueError):
-    """The batch as a whole cannot run (not a list, an unknown request key, another model): fix the task."""
+# Errors: common-ai's names and bases (``airflow.providers.common.ai.exceptions``, 1.0.0) where the meaning is the
+# same. They are plain exceptions, so Airflow retries them by the task's ``retries``, as it does common-ai's. The
+# Airflow layer (``batch_llm_airflow.llm_batch``) raises subclasses that are also common-ai's own classes when that
+# provider is installed, so ``except LLMBatchPartialFailureError`` catches either provider's.
+class LLMBatchInputError(ValueError):
+    """The batch as a whole cannot run (not a list, an empty list, a parameter no engine applies): fix the task.
+    common-ai: "errors detected before a batch is submitted"."""
+
+
+class LLMBatchModelMismatchError(LLMBatchInputError):
+    """A request's ``model`` is not the batch's ``model_id`` (one model serves a batch, as on OpenAI's)."""
+
+
+class UnsupportedBatchProviderError(LLMBatchInputError):
+    """``model_id`` names a hosted model (``"<provider>:<model>"``): nothing here serves it."""
+
+
+class LLMBatchOutputTypeError(LLMBatchInputError):
+    """``output_type`` (or ``request_params["response_format"]``) gives no JSON Schema."""
+
+
+class LLMBatchJobError(RuntimeError):
+    """The batch ran, and something after planning failed (a shard that never committed, counts that do not
+    reconcile). common-ai: "errors detected after a batch is submitted"."""
+
+
+class LLMBatchPartialFailureError(LLMBatchJobError):
+    """``fail_on_partial_error=True`` and a request has no valid result (the manifest's ``counts`` say which).
+    Retryable, as common-ai's: the landed results stay, a retry lands the same ones and raises again."""
+
+
+class LLMBatchStateReadError(LLMBatchJobError):
+    """The batch's state (its prepared run folder) exists but cannot be read: retryable, as common-ai's."""
+
+
+BatchInputError = LLMBatchInputError  # the earlier name
+# Parents first: the Airflow layer builds its common-ai subclasses in this order.
+COMMON_AI_ERRORS = (LLMBatchInputError, LLMBatchModelMismatchError, UnsupportedBatchProviderError,
+                    LLMBatchOutputTypeError, LLMBatchJobError, LLMBatchPartialFailureError, LLMBatchStateReadError)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -101,21 +140,21 @@ class BatchRequest(BaseModel):
 
 
 def normalize_requests(requests: Any) -> list[BatchRequest]:
-    """A list of strings or request objects as ``BatchRequest``s; ``BatchInputError`` names the bad item.
+    """A list of strings or request objects as ``BatchRequest``s; ``LLMBatchInputError`` names the bad item.
 
     A bare string is refused rather than iterated (a decorated function returning ``"summarize this"``
     would otherwise be one request per character), as common-ai refuses it."""
     if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
-        raise BatchInputError(f"requests must be a list of prompt strings or of {{'prompt': ...}} objects, got "
+        raise LLMBatchInputError(f"requests must be a list of prompt strings or of {{'prompt': ...}} objects, got "
                               f"{type(requests).__name__}; a decorated function must return the whole list")
     out = []
     for i, item in enumerate(requests):
         try:
             out.append(BatchRequest(prompt=item) if isinstance(item, str) else BatchRequest.model_validate(item))
         except ValidationError as e:
-            raise BatchInputError(f"request {i}: {_first_error(e)}") from None
+            raise LLMBatchInputError(f"request {i}: {_first_error(e)}") from None
     if not out:
-        raise BatchInputError("a batch needs at least one request; got an empty list")
+        raise LLMBatchInputError("a batch needs at least one request; got an empty list")
     return out
 
 
@@ -163,6 +202,29 @@ def request_params_problem(params: Mapping[str, Any]) -> str | None:
             f"(it applies {', '.join(SAMPLING_PARAMS)})")
 
 
+def response_format_schema(response_format: Any) -> dict | None:
+    """The JSON Schema an OpenAI ``response_format`` asks for, or None for plain text: ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}`` its schema (``name`` and ``strict`` are the API's own), ``{"type":
+    "json_object"}`` any object, ``{"type": "text"}`` (or none) plain text. It becomes ``sampling.output_schema``:
+    vLLM decodes under it, the other engines check every output against it (``invalid_output`` rows)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, Mapping):
+        raise LLMBatchOutputTypeError(
+            f"response_format {response_format!r}: expected {{'type': 'json_schema', 'json_schema': {{'schema': "
+            "{...}}}}, {'type': 'json_object'} or {'type': 'text'}")
+    try:
+        return check_schema(dict(schema))
+    except ValueError as e:
+        raise LLMBatchOutputTypeError(f"response_format: not a JSON Schema ({e})") from None
+
+
 def request_line(req: BatchRequest, index: int, *, prefix: str, system_prompt: str, max_tokens: int,
                  request_params: Mapping[str, Any]) -> dict:
     """One request as an OpenAI Batch line (the planner's drop-in input): the batch's system prompt and token
@@ -200,7 +262,7 @@ class OutputType:
             adapter = TypeAdapter(output_type)
             adapter.json_schema()
         except Exception as e:  # noqa: BLE001 - pydantic raises several kinds; the message says which
-            raise BatchInputError(f"output_type={output_type!r} has no JSON Schema ({e}); use a pydantic "
+            raise LLMBatchOutputTypeError(f"output_type={output_type!r} has no JSON Schema ({e}); use a pydantic "
                                   "BaseModel subclass or a type TypeAdapter supports (int, list[str], ...)") from None
         return cls(output_type, adapter)
 
@@ -244,15 +306,20 @@ def _truncate(message: str) -> str:
 
 # ------------------------------------------------------------------------------------------ the config
 def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int, output: OutputType,
-                 base: PipelineConfig | None = None, overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
+                 base: PipelineConfig | None = None, overrides: Mapping[str, Any] | None = None,
+                 response_format: Any = None) -> PipelineConfig:
     """The pipeline config of a batch: ``base`` (or the defaults) with the batch's model, token cap and output
     schema, the filter and scoring off (a batch lands raw results), then ``overrides`` (dotted keys).
+
+    The output schema is ``output``'s; with ``output_type=str``, ``response_format`` (``request_params``' own,
+    OpenAI's shape) gives it (``response_format_schema``). A structured ``output_type`` wins over a
+    ``response_format``, as common-ai's adapters put its directive after the request parameters.
 
     Two defaults differ from a pipeline's, for common-ai's meaning: ``engine.max_error_rate`` is 1.0 (failed
     rows are outcomes in the manifest; ``fail_on_partial_error`` decides), and ``sampling.guided_decoding``
     follows the engine (vLLM decodes under the schema; the others only check, as they cannot guide)."""
     if re.match(r"^[A-Za-z][\w.+-]*:(?!//)", model_id):
-        raise BatchInputError(f"model_id {model_id!r} names a hosted model ('<provider>:<model>'); the GPU batch "
+        raise UnsupportedBatchProviderError(f"model_id {model_id!r} names a hosted model ('<provider>:<model>'); the GPU batch "
                               "loads a checkpoint: a ModelScope id, a local folder or an object-storage prefix")
     data = base.model_dump(mode="json") if base is not None else {}
     # The batch's own input (its requests) and output (result_path): nothing of a base pipeline's input section
@@ -266,8 +333,9 @@ def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int,
         engine["max_error_rate"] = 1.0
     overrides = dict(overrides or {})
     kind = overrides.get("engine.kind", engine.get("kind", DEFAULT_KIND))
-    data["sampling"] = {**data.get("sampling", {}), "max_tokens": max_tokens, "output_schema": output.json_schema}
-    if "sampling.guided_decoding" not in overrides and output.structured:
+    schema = output.json_schema if output.structured else response_format_schema(response_format)
+    data["sampling"] = {**data.get("sampling", {}), "max_tokens": max_tokens, "output_schema": schema}
+    if "sampling.guided_decoding" not in overrides and schema is not None:
         data["sampling"]["guided_decoding"] = kind in serving("guided_decoding")
     cfg = parse_config(data, f"batch {name!r}")
     return cfg.with_overrides(overrides, source=f"batch {name!r}: config_overrides") if overrides else cfg
@@ -314,8 +382,11 @@ def batch_layout(state_root: Location, key16: str, fingerprint: str) -> RunLayou
 def read_batch(state_root: Location, key16: str, fingerprint: str) -> Batch:
     """A batch ``prepare`` committed (what the tasks after it run on)."""
     layout = batch_layout(state_root, key16, fingerprint)
-    manifest = PreparedBatch.read(layout.stage("batch").path())
-    cfg = parse_config(read_json(Location(manifest.config, state_root.options).path()), manifest.config)
+    try:
+        manifest = PreparedBatch.read(layout.stage("batch").path())
+        cfg = parse_config(read_json(Location(manifest.config, state_root.options).path()), manifest.config)
+    except (OSError, ValueError) as e:  # missing, unreadable or not what prepare wrote
+        raise LLMBatchStateReadError(f"cannot read the batch's state in {layout.stage('batch').url}: {e}") from e
     return Batch(cfg, layout, manifest, reattached=True)
 
 
@@ -327,7 +398,7 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
     Streamed: requests go to a local file while they are hashed (the fingerprint names the folder), then up."""
     request_params = dict(request_params or {})
     if why := request_params_problem(request_params):
-        raise BatchInputError(f"request_params: {why}")
+        raise LLMBatchInputError(f"request_params: {why}")
     key16 = key[:16]
     with tempfile.TemporaryDirectory(prefix="batch_llm_requests_") as tmp:
         lines, refused = Path(tmp, "requests.jsonl"), Path(tmp, "refused.jsonl")
@@ -336,7 +407,7 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
         with open(lines, "wb") as ok, open(refused, "wb") as bad:
             for i, req in enumerate(requests):
                 n += 1
-                why = req if isinstance(req, str) else _request_problem(req, cfg.model.ref)
+                why = req if isinstance(req, str) else _request_problem(req, cfg.model.ref, cfg.sampling.output_schema)
                 if why:
                     line = json_bytes({"index": i, "reason": why}) + b"\n"
                     bad.write(line)
@@ -348,7 +419,7 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
                     ok.write(line)
                 digest.update(line)
         if n == 0:
-            raise BatchInputError("a batch needs at least one request; the input has none")
+            raise LLMBatchInputError("a batch needs at least one request; the input has none")
         fingerprint = digest.hexdigest()[:16]
         layout = batch_layout(state_root, key16, fingerprint)
         state = layout.stage("batch")
@@ -368,10 +439,18 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
     return Batch(cfg, layout, manifest, reattached=False)
 
 
-def _request_problem(req: BatchRequest, model_id: str) -> str | None:
+def _request_problem(req: BatchRequest, model_id: str, schema: dict | None = None) -> str | None:
     if req.model is not None and req.model != model_id:
-        raise BatchInputError(f"a request sets model={req.model!r}; one model serves a batch here ({model_id!r}), "
-                              "as on OpenAI's batch API")
+        raise LLMBatchModelMismatchError(f"a request sets model={req.model!r}; one model serves a batch here "
+                                         f"({model_id!r}), as on OpenAI's batch API")
+    if "response_format" in req.params:  # one schema decodes a batch: a request may only repeat it
+        try:
+            own = response_format_schema(req.params["response_format"])
+        except LLMBatchInputError as e:
+            return f"params {e}"
+        if own != schema:
+            return ("params 'response_format' asks for another schema than the batch's; one schema serves a batch "
+                    "here: give it as request_params['response_format'] or output_type")
     return request_params_problem(req.params)
 
 
@@ -486,7 +565,8 @@ def _inference_row(r: _ShardRow, index: int, prefix: str, output: OutputType, mo
     usage = Usage(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens)
     common = dict(model=model, usage=usage, finish_reason=r.finish_reason)
     if r.error and r.error_kind != INVALID_OUTPUT:
-        return _row(index, prefix, "error", error=RowError(type="engine_error", message=r.error, stage="inference"),
+        # common-ai's type and stage for a request the model backend failed ("provider_error", "provider")
+        return _row(index, prefix, "error", error=RowError(type="provider_error", message=r.error, stage="provider"),
                     **common)
     value, reason = (None, r.error.removeprefix(f"{INVALID_OUTPUT}: ")) if r.error else output.validate(r.output)
     if reason is None:
@@ -557,7 +637,7 @@ def land(cfg: PipelineConfig, layout: RunLayout, batch: PreparedBatch, output: O
     for s in plan.shards:
         shard_dir = layout.stage("infer").child(f"shard-{s.index:05d}")
         if not exists(shard_dir.child("manifest.json").path()):
-            raise RuntimeError(f"shard {s.index} has not committed (no manifest in {shard_dir.url}); "
+            raise LLMBatchJobError(f"shard {s.index} has not committed (no manifest in {shard_dir.url}); "
                                "run its batch_inference task first")
         for name in ("outputs.jsonl", "errors.jsonl"):
             sources.append(_shard_rows(shard_dir.child(name), prefix, output, model))
@@ -565,7 +645,7 @@ def land(cfg: PipelineConfig, layout: RunLayout, batch: PreparedBatch, output: O
     write_jsonl(result.path(), merged.rows(heapq.merge(*sources, key=lambda x: x[0])))
     c = LLMBatchCounts(**merged.counts)
     if c.total() != batch.request_count:  # every request in exactly one bucket, as common-ai checks
-        raise RuntimeError(f"result counts ({c.total()}) do not reconcile with request_count "
+        raise LLMBatchJobError(f"result counts ({c.total()}) do not reconcile with request_count "
                            f"({batch.request_count}): {c.model_dump()}")
     manifest = LLMBatchManifest(
         batch_id=f"{prefix}-{batch.fingerprint}", model_id=model, output_type_ref=output.ref,

@@ -25,22 +25,23 @@ The stage logic is ``batch_llm.llm_batch`` (no Airflow); here are only the tasks
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-from airflow.sdk import Context, TaskGroup, TriggerRule
-from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, get_unique_task_id
+from airflow.sdk import BaseOperator, Context, TaskGroup, TriggerRule
+from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, get_unique_task_id, task_decorator_factory
 from airflow.sdk.definitions._internal.mixins import DependencyMixin
 from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
-from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import llm_batch, stages
 from batch_llm.config import PipelineConfig, load_config
-from batch_llm.llm_batch import STATE_DIR, BatchInputError, OutputType
+from batch_llm.llm_batch import STATE_DIR, OutputType
 from pydantic import BaseModel
 
 from batch_llm_airflow.hooks import BatchLlmStorageHook
@@ -59,6 +60,51 @@ HOSTED_ONLY = {
     "on_orphaned_intent": "there is no submission to lose: a retry resumes from committed chunks",
     "completion_window": "no provider deadline",
 }
+
+
+def common_ai_errors(module: types.ModuleType | None) -> dict[type, type]:
+    """For each of the stage library's common-ai-named errors (``llm_batch.COMMON_AI_ERRORS``), a subclass that is
+    also common-ai's own class of that name in ``module`` (``airflow.providers.common.ai.exceptions``), and of
+    the subclass made for its parent: ``except`` on either provider's class, or the stage library's, catches it."""
+    made: dict[type, type] = {}
+    for ours in llm_batch.COMMON_AI_ERRORS:
+        theirs = getattr(module, ours.__name__, None)
+        if not isinstance(theirs, type):
+            continue
+        parents = tuple(made[b] for b in ours.__bases__ if b in made)
+        made[ours] = type(ours.__name__, (ours, *parents, theirs), {"__module__": __name__, "__doc__": ours.__doc__})
+    return made
+
+
+try:  # common-ai installed beside this provider: raise its classes (subclassed), else the same-named ones
+    from airflow.providers.common.ai import exceptions as _common_ai_exceptions
+except ImportError:
+    _common_ai_exceptions = None
+COMMON_AI_ERRORS = common_ai_errors(_common_ai_exceptions)
+LLMBatchInputError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchInputError, llm_batch.LLMBatchInputError)
+LLMBatchModelMismatchError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchModelMismatchError,
+                                                  llm_batch.LLMBatchModelMismatchError)
+UnsupportedBatchProviderError = COMMON_AI_ERRORS.get(llm_batch.UnsupportedBatchProviderError,
+                                                     llm_batch.UnsupportedBatchProviderError)
+LLMBatchOutputTypeError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchOutputTypeError, llm_batch.LLMBatchOutputTypeError)
+LLMBatchJobError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchJobError, llm_batch.LLMBatchJobError)
+LLMBatchPartialFailureError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchPartialFailureError,
+                                                   llm_batch.LLMBatchPartialFailureError)
+LLMBatchStateReadError = COMMON_AI_ERRORS.get(llm_batch.LLMBatchStateReadError, llm_batch.LLMBatchStateReadError)
+
+
+@contextlib.contextmanager
+def as_common_ai(errors: Mapping[type, type] | None = None):
+    """Re-raises the stage library's common-ai-named errors as their common-ai subclasses (``errors``, default
+    ``COMMON_AI_ERRORS``; nothing to do when common-ai is not installed)."""
+    errors = COMMON_AI_ERRORS if errors is None else errors
+    try:
+        yield
+    except tuple(errors) as e:
+        if isinstance(e, tuple(errors.values())):
+            raise
+        cls = next(errors[c] for c in type(e).__mro__ if c in errors)
+        raise cls(*e.args).with_traceback(e.__traceback__) from e.__cause__
 
 
 def _target(url: str, *, must_exist: bool = False) -> StorageTarget:
@@ -83,7 +129,10 @@ class GPUBatchPlanOperator(PipelineStageOperator):
     it is named by their fingerprint under the task instance's key, and nothing planned there is planned again.
     Requests that cannot run (an unknown request key, a parameter the engine cannot apply) are refused per
     request and land as ``error`` rows; a batch that cannot run at all (not a list, an empty list, another
-    model) fails the task without retries."""
+    model) raises ``LLMBatchInputError`` (common-ai's; retried by the task's ``retries``, as common-ai's is).
+
+    In a mapped batch (``.partial().expand()``) each map index is a batch of its own (the identity key has the
+    map index, as common-ai's), and the task returns ``{**BatchRef, "shards": [...]}``."""
 
     template_fields: Sequence[str] = ("requests", "input_path", "result_path", "system_prompt", "model_id",
                                       "request_params")
@@ -94,8 +143,9 @@ class GPUBatchPlanOperator(PipelineStageOperator):
                  input_path: str | None = None, input_format: str = "auto", system_prompt: str = "",
                  output_type: Any = str, max_tokens: int = 1024, request_params: dict | None = None,
                  base_config: PipelineConfig | None = None, config_overrides: Mapping[str, Any] | None = None,
-                 **kwargs: Any):
+                 batch_mapped: bool = False, **kwargs: Any):
         super().__init__(pipeline_config={}, **kwargs)
+        self.batch_mapped = batch_mapped
         self.batch_task_id = batch_task_id
         self.requests, self.input_path, self.input_format = requests, input_path, input_format
         self.result_path, self.model_id, self.system_prompt = result_path, model_id, system_prompt
@@ -103,24 +153,27 @@ class GPUBatchPlanOperator(PipelineStageOperator):
         self.base_config, self.batch_overrides = base_config, dict(config_overrides or {})
 
     @names_storage_errors
-    def execute(self, context: Context) -> list[dict]:
+    def execute(self, context: Context) -> list[dict] | dict:
+        with as_common_ai():
+            return self._plan(context)
+
+    def _plan(self, context: Context) -> list[dict] | dict:
         self._storage_targets = [_target(self.result_path)]
         if self.input_path:
             self._storage_targets.append(_target(self.input_path, must_exist=True))
         root = self._storage_targets[0].location
         ti = context["ti"]
-        try:
-            cfg = llm_batch.batch_config(name=self.batch_task_id, model_id=self.model_id, result_path=self.result_path,
-                                         max_tokens=self.max_tokens, output=OutputType.of(self.output_type),
-                                         base=self.base_config, overrides=self.batch_overrides)
-            requests = llm_batch.requests_from_file(self._storage_targets[1].location, self.input_format) \
-                if self.input_path else llm_batch.normalize_requests(self.requests)
-            batch = llm_batch.prepare(
-                cfg, root.child(STATE_DIR), requests=requests, system_prompt=self.system_prompt or "",
-                request_params=self.request_params, key=llm_batch.identity_key(
-                    dag_id=ti.dag_id, task_id=self.batch_task_id, run_id=ti.run_id, map_index=-1))
-        except BatchInputError as e:
-            raise AirflowFailException(str(e)) from None  # the same input fails the same way on every retry
+        map_index = ti.map_index if ti.map_index is not None else -1
+        cfg = llm_batch.batch_config(name=self.batch_task_id, model_id=self.model_id, result_path=self.result_path,
+                                     max_tokens=self.max_tokens, output=OutputType.of(self.output_type),
+                                     base=self.base_config, overrides=self.batch_overrides,
+                                     response_format=(self.request_params or {}).get("response_format"))
+        requests = llm_batch.requests_from_file(self._storage_targets[1].location, self.input_format) \
+            if self.input_path else llm_batch.normalize_requests(self.requests)
+        batch = llm_batch.prepare(
+            cfg, root.child(STATE_DIR), requests=requests, system_prompt=self.system_prompt or "",
+            request_params=self.request_params, key=llm_batch.identity_key(
+                dag_id=ti.dag_id, task_id=self.batch_task_id, run_id=ti.run_id, map_index=map_index))
         m = batch.manifest
         self.log.info("%s batch %s-%s: %d requests (%d refused before planning) in %s", "re-attached to" if
                       batch.reattached else "prepared", m.key16, m.fingerprint, m.request_count, m.refused_count,
@@ -128,9 +181,13 @@ class GPUBatchPlanOperator(PipelineStageOperator):
         plan = stages.plan_shards(batch.config, batch.layout)
         self.log.info("plan: %d requests valid, %d refused by the planner, %d shards", plan.valid, plan.invalid,
                       len(plan.shards))
-        ti.xcom_push(key="batch", value=BatchRef(result_path=self.result_path, key16=m.key16,
-                                                 fingerprint=m.fingerprint, reattached=batch.reattached).model_dump())
-        return [s.model_dump() for s in plan.shards]
+        ref = BatchRef(result_path=self.result_path, key16=m.key16, fingerprint=m.fingerprint,
+                       reattached=batch.reattached).model_dump()
+        shards = [s.model_dump() for s in plan.shards]
+        if self.batch_mapped:  # one of many batches: the later tasks map over these values
+            return {**ref, "shards": shards}
+        ti.xcom_push(key="batch", value=ref)
+        return shards
 
 
 class _GPUBatchDecoratedPlanOperator(DecoratedOperator, GPUBatchPlanOperator):
@@ -147,7 +204,7 @@ class _GPUBatchDecoratedPlanOperator(DecoratedOperator, GPUBatchPlanOperator):
         super().__init__(python_callable=python_callable, op_args=op_args, op_kwargs=op_kwargs,
                          requests=SET_DURING_EXECUTION, **kwargs)
 
-    def execute(self, context: Context) -> list[dict]:
+    def execute(self, context: Context) -> list[dict] | dict:
         context_merge(context, self.op_kwargs)
         self.requests = self.python_callable(*self.op_args, **determine_kwargs(self.python_callable, self.op_args,
                                                                                context))
@@ -165,7 +222,8 @@ class _BatchStage(PipelineStageOperator):
         ref = BatchRef.model_validate(self.batch)
         self._storage_targets = [_target(ref.result_path)]
         root = self._storage_targets[0].location
-        self._batch = llm_batch.read_batch(root.child(STATE_DIR), ref.key16, ref.fingerprint)
+        with as_common_ai():
+            self._batch = llm_batch.read_batch(root.child(STATE_DIR), ref.key16, ref.fingerprint)
         self._ref = ref
         return self._batch.config, self._batch.layout
 
@@ -194,8 +252,9 @@ class GPUBatchInferenceOperator(_BatchStage, BatchInferenceOperator):
 
 class GPUBatchLandOperator(_BatchStage):
     """Lands the batch: ``<result_path>/<key16>.jsonl`` with one row per request and the manifest (the XCom
-    value), validated against ``output_type`` with pydantic. ``fail_on_partial_error`` fails the task (without
-    retries: the same results would land again) when a request has no usable result."""
+    value), validated against ``output_type`` with pydantic. ``fail_on_partial_error`` fails the task with
+    ``LLMBatchPartialFailureError`` when a request has no usable result; as common-ai's, that is retried by the
+    task's ``retries``, and a retry lands the same results again (nothing is run again) and raises again."""
 
     template_fields: Sequence[str] = ("batch",)
     ui_color = "#d5f5e3"
@@ -209,18 +268,40 @@ class GPUBatchLandOperator(_BatchStage):
         cfg, layout = self.resolve(context)
         ref = self._ref
         result_uri = f"{ref.result_path.rstrip('/')}/{ref.key16}.jsonl"
-        m = llm_batch.land(cfg, layout, self._batch.manifest, OutputType.of(self.output_type),
-                           result=BatchLlmStorageHook(None).location(result_uri), result_uri=result_uri,
-                           reattached=ref.reattached)
+        with as_common_ai():
+            m = llm_batch.land(cfg, layout, self._batch.manifest, OutputType.of(self.output_type),
+                               result=BatchLlmStorageHook(None).location(result_uri), result_uri=result_uri,
+                               reattached=ref.reattached)
         counts = ", ".join(f"{k}={v}" for k, v in m.counts.model_dump().items() if v)
         self.log.info("Landed %d results for batch %s at %s (%s; terminal_reason=%s)", m.request_count, m.batch_id,
                       m.result_uri, counts or "no results", m.terminal_reason)
         if self.fail_on_partial_error and (partial := m.partial_buckets()):
-            raise AirflowFailException(
-                f"batch {m.batch_id!r} has no valid result for every request "
+            raise LLMBatchPartialFailureError(
+                f"Batch {m.batch_id!r} did not produce a valid result for every request "
                 f"({', '.join(f'{k}={v}' for k, v in partial.items())}); fail_on_partial_error=True. Results are at "
-                f"{m.result_uri}; a clear lands the same results again without running the shards")
+                f"{m.result_uri}; the batch's state is kept, so a retry lands the same results without running "
+                "the shards")
         return m.model_dump(mode="json")
+
+
+class GPUBatchShardsOperator(BaseOperator):
+    """The shards of every batch of a mapped GPU batch as one list (``{"batch", "shard", "model"}`` each), what
+    ``batch_inference`` is mapped over: the shards of all the batches spread over the GPU workers together."""
+
+    template_fields: Sequence[str] = ("batches", "models")
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, batches: Any, models: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.batches, self.models = batches, models
+
+    def execute(self, context: Context) -> list[dict]:
+        out = []
+        for planned, model in zip(self.batches, self.models, strict=True):
+            ref = BatchRef.model_validate(planned).model_dump()
+            out.extend({"batch": ref, "shard": shard, "model": model} for shard in planned["shards"])
+        self.log.info("%d shards over %d batches", len(out), len(self.batches))
+        return out
 
 
 @attrs.define
@@ -261,8 +342,12 @@ class GPULLMBatchOperator(DependencyMixin):
     :param max_tokens: the output token cap of every request that sets none (common-ai's default, 1024).
     :param request_params: merged into every request under its own ``params``: ``temperature``, ``top_p``,
         ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty`` (what the engine applies per request;
-        ``user``/``metadata`` are dropped, anything else fails the task naming it). Templated.
-    :param fail_on_partial_error: fail the landing task when a request has no usable result.
+        ``user``/``metadata`` are dropped, anything else fails the task naming it), and ``response_format``
+        (OpenAI's ``json_schema`` shape: ``sampling.output_schema`` where ``output_type`` is ``str``). Templated.
+    :param fail_on_partial_error: fail the landing task (``LLMBatchPartialFailureError``, retried by ``retries``
+        as common-ai's) when a request has no usable result.
+
+    ``GPULLMBatchOperator.partial(...).expand(...)`` maps it as common-ai's: one batch per map index.
 
     Only here:
 
@@ -285,43 +370,79 @@ class GPULLMBatchOperator(DependencyMixin):
                  fail_on_partial_error: bool = False, config: PipelineConfig | str | os.PathLike | None = None,
                  config_overrides: Mapping[str, Any] | None = None, python_callable: Callable | None = None,
                  op_args: Sequence | None = None, op_kwargs: Mapping[str, Any] | None = None, **task_kwargs: Any):
-        if hosted := sorted(set(task_kwargs) & set(HOSTED_ONLY)):
-            raise TypeError("GPULLMBatchOperator: " + "; ".join(f"{k}: {HOSTED_ONLY[k]}" for k in hosted))
         if python_callable is None and (requests is None) == (input_path is None):
             raise TypeError("GPULLMBatchOperator: give requests or input_path (one of them)")
+        plan_args = dict(result_path=result_path, model_id=model_id, requests=requests, input_path=input_path,
+                         input_format=input_format, system_prompt=system_prompt, max_tokens=max_tokens,
+                         request_params=request_params)
+        if python_callable is not None:  # @task.gpu_llm_batch: the function returns the requests
+            plan_args.pop("requests")
+
+            def make_plan(**kw: Any) -> BaseOperator:
+                return _GPUBatchDecoratedPlanOperator(python_callable=python_callable, op_args=op_args,
+                                                      op_kwargs=op_kwargs, **kw)
+        else:
+            make_plan = GPUBatchPlanOperator
+        self._build(task_id, plan_args, make_plan, mapped=False, output_type=output_type,
+                    fail_on_partial_error=fail_on_partial_error, config=config, config_overrides=config_overrides,
+                    task_kwargs=task_kwargs)
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> GPULLMBatchPartial:
+        """Mapping, as ``LLMBatchOperator.partial(...).expand(...)``: one batch per map index, each with its own
+        result file (the identity key has the map index, as common-ai's). ``.expand()`` / ``.expand_kwargs()``
+        take the per-batch arguments (``EXPANDABLE``); ``.output`` is then the list of manifests."""
+        return GPULLMBatchPartial(cls, kwargs)
+
+    def _build(self, task_id: str, plan_args: dict, make_plan: Callable[..., Any], *, mapped: bool,
+               output_type: Any = str, fail_on_partial_error: bool = False,
+               config: PipelineConfig | str | os.PathLike | None = None,
+               config_overrides: Mapping[str, Any] | None = None, task_kwargs: Mapping[str, Any]) -> None:
+        """The batch's tasks. ``make_plan(**plan task arguments)`` makes the plan task (``mapped``: a mapped one,
+        whose expanded arguments ``plan_args`` lacks)."""
+        task_kwargs = dict(task_kwargs)
+        if hosted := sorted(set(task_kwargs) & set(HOSTED_ONLY)):
+            raise TypeError("GPULLMBatchOperator: " + "; ".join(f"{k}: {HOSTED_ONLY[k]}" for k in hosted))
         base = load_config(config) if isinstance(config, (str, os.PathLike)) else config
-        output = OutputType.of(output_type)  # at parse time: an output_type without a schema is a DAG error
-        # The config as far as it is known when the DAG is parsed (templated values are not rendered): it is
-        # validated now, and gives the shard tasks their pool, queue and slots.
-        cfg = llm_batch.batch_config(name=task_id, model_id=model_id, result_path=result_path, max_tokens=max_tokens,
-                                     output=output, base=base, overrides=config_overrides)
+        # The config as far as it is known when the DAG is parsed (templated and expanded values are not known):
+        # it is validated now, and gives the shard tasks their pool, queue and slots.
+        params = plan_args.get("request_params")
+        with as_common_ai():
+            output = OutputType.of(output_type)  # at parse time: an output_type without a schema is a DAG error
+            cfg = llm_batch.batch_config(
+                name=task_id, model_id=plan_args.get("model_id", "(mapped)"),
+                result_path=plan_args.get("result_path", "(mapped)"), max_tokens=plan_args.get("max_tokens", 1024),
+                output=output, base=base, overrides=config_overrides,
+                response_format=params.get("response_format") if isinstance(params, Mapping) else None)
         with TaskGroup(group_id=f"{task_id}_gpu_batch", prefix_group_id=False,
                        tooltip=f"GPU batch {task_id}: plan, model, shards, landing") as self.group:
             parent = self.group.parent_group
             full_id = parent.child_id(task_id) if parent is not None else task_id
-            plan_args = dict(task_id=f"{full_id}.plan_shards", batch_task_id=full_id, result_path=result_path,
-                             model_id=model_id, requests=requests, input_path=input_path, input_format=input_format,
-                             system_prompt=system_prompt, output_type=output_type, max_tokens=max_tokens,
-                             request_params=request_params, base_config=base, config_overrides=config_overrides,
-                             **task_kwargs)
-            if python_callable is not None:  # @task.gpu_llm_batch: the function returns the requests
-                plan_args.pop("requests")
-                plan = _GPUBatchDecoratedPlanOperator(python_callable=python_callable, op_args=op_args,
-                                                      op_kwargs=op_kwargs, **plan_args)
-            else:
-                plan = GPUBatchPlanOperator(**plan_args)
-            batch = XComArg(plan, key="batch")
-            common = dict(pipeline_config=cfg.model_dump(mode="json"), batch=batch, **task_kwargs)
-            model = GPUBatchModelOperator(task_id=f"{full_id}.fetch_model", **common)
+            plan = make_plan(task_id=f"{full_id}.plan_shards", batch_task_id=full_id, output_type=output_type,
+                             base_config=base, config_overrides=config_overrides, batch_mapped=mapped,
+                             **plan_args, **task_kwargs)
+            common = dict(pipeline_config=cfg.model_dump(mode="json"), **task_kwargs)
             gpu = {**common, "pool": cfg.airflow.gpu_pool, "queue": cfg.airflow.gpu_queue,
                    "pool_slots": cfg.engine.tensor_parallel_size}
-            shards = GPUBatchInferenceOperator.partial(task_id=f"{full_id}.batch_inference", model=model.output,
-                                                       **gpu).expand(shard=plan.output)
-            # none_failed: a batch whose every request was refused has no shard to run, and still lands.
-            self.operator = GPUBatchLandOperator(task_id=full_id, output_type=output_type,
-                                                 fail_on_partial_error=fail_on_partial_error,
-                                                 trigger_rule=TriggerRule.NONE_FAILED, **common)
-            plan >> model >> shards >> self.operator
+            land = dict(task_id=full_id, output_type=output_type, fail_on_partial_error=fail_on_partial_error,
+                        # none_failed: a batch whose every request was refused has no shard to run, and still lands.
+                        trigger_rule=TriggerRule.NONE_FAILED, **common)
+            if not mapped:
+                batch = XComArg(plan, key="batch")
+                model = GPUBatchModelOperator(task_id=f"{full_id}.fetch_model", batch=batch, **common)
+                shards = GPUBatchInferenceOperator.partial(task_id=f"{full_id}.batch_inference", model=model.output,
+                                                           batch=batch, **gpu).expand(shard=plan.output)
+                self.operator = GPUBatchLandOperator(batch=batch, **land)
+                plan >> model >> shards >> self.operator
+            else:  # one batch per map index: plan, model and landing per batch, the shards of all of them together
+                model = GPUBatchModelOperator.partial(task_id=f"{full_id}.fetch_model", **common).expand(
+                    batch=XComArg(plan))
+                collect = GPUBatchShardsOperator(task_id=f"{full_id}.shards", batches=XComArg(plan),
+                                                 models=XComArg(model), **task_kwargs)
+                shards = GPUBatchInferenceOperator.partial(task_id=f"{full_id}.batch_inference", **gpu) \
+                    .expand_kwargs(XComArg(collect))
+                self.operator = GPUBatchLandOperator.partial(**land).expand(batch=XComArg(plan))
+                plan >> model >> collect >> shards >> self.operator
         self.plan = plan
 
     @property
@@ -348,20 +469,98 @@ class GPULLMBatchOperator(DependencyMixin):
         self.operator.set_downstream(other, edge_modifier)
 
 
-class _GPULLMBatchDecorator:
-    """What ``@task.gpu_llm_batch`` makes of a function: calling it adds the batch and returns the manifest."""
+# The arguments a mapped batch may expand: those of the plan task, which makes each batch. The rest (output_type,
+# fail_on_partial_error, config, config_overrides, task arguments) is the same for every batch: .partial() only.
+EXPANDABLE = ("requests", "input_path", "input_format", "result_path", "model_id", "system_prompt", "max_tokens",
+              "request_params")
 
-    def __init__(self, function: Callable, kwargs: dict):
-        self.function, self.kwargs = function, kwargs
+
+def _check_expanded(names: Sequence[str], partial: Mapping[str, Any]) -> None:
+    if other := sorted(set(names) - set(EXPANDABLE)):
+        raise TypeError(f"GPULLMBatchOperator: cannot expand {', '.join(other)}: a mapped GPU batch expands "
+                        f"{', '.join(EXPANDABLE)}; the rest is the same for every batch (give it to .partial())")
+    if twice := sorted(set(names) & set(partial)):
+        raise TypeError(f"GPULLMBatchOperator: {', '.join(twice)} given to .partial() and expanded")
+
+
+class GPULLMBatchPartial:
+    """``GPULLMBatchOperator.partial(...)``: ``.expand(**lists)`` or ``.expand_kwargs(list of dicts)`` makes the
+    mapped batch (a ``GPULLMBatchOperator``: ``.output``, ``>>`` as the unmapped one)."""
+
+    def __init__(self, operator_class: type[GPULLMBatchOperator], kwargs: dict):
+        self.operator_class, self.kwargs = operator_class, dict(kwargs)
+
+    def expand(self, **mapped: Any) -> GPULLMBatchOperator:
+        if not mapped:
+            raise TypeError("no arguments to expand against")
+        _check_expanded(list(mapped), self.kwargs)
+        return self._mapped(set(mapped), lambda **kw: GPUBatchPlanOperator.partial(**kw).expand(**mapped))
+
+    def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> GPULLMBatchOperator:
+        names = {k for item in kwargs for k in item} if isinstance(kwargs, Sequence) and all(
+            isinstance(item, Mapping) for item in kwargs) else set()  # an XComArg: checked when the plan runs
+        _check_expanded(sorted(names), self.kwargs)
+        return self._mapped(names, lambda **kw: GPUBatchPlanOperator.partial(**kw).expand_kwargs(kwargs, strict=strict))
+
+    def _mapped(self, names: set[str], make_plan: Callable[..., Any]) -> GPULLMBatchOperator:
+        kw = dict(self.kwargs)
+        task_id = kw.pop("task_id")
+        if "python_callable" in kw:
+            raise TypeError("GPULLMBatchOperator.partial: map a decorated batch with @task.gpu_llm_batch's own "
+                            ".partial()/.expand()")
+        plan_args = {k: kw.pop(k) for k in EXPANDABLE if k in kw}
+        if names and not (names | set(plan_args)) & {"requests", "input_path"}:  # names: empty for an XComArg
+            raise TypeError("GPULLMBatchOperator: give requests or input_path (one of them)")
+        op = self.operator_class.__new__(self.operator_class)
+        known = {k: kw.pop(k) for k in ("output_type", "fail_on_partial_error", "config", "config_overrides")
+                 if k in kw}
+        op._build(task_id, plan_args, make_plan, mapped=True, task_kwargs=kw, **known)
+        return op
+
+
+class _GPULLMBatchDecorator:
+    """What ``@task.gpu_llm_batch`` makes of a function: calling it adds the batch and returns the manifest;
+    ``.partial(**fn_kwargs).expand(**fn_lists)`` / ``.expand_kwargs(...)`` add one batch per map index (the
+    function's arguments are mapped, as with any ``@task``) and return the manifests."""
+
+    def __init__(self, function: Callable, kwargs: dict, partial_kwargs: dict | None = None):
+        self.function, self.kwargs, self.partial_kwargs = function, kwargs, dict(partial_kwargs or {})
         functools.update_wrapper(self, function)
 
     def override(self, **kwargs: Any) -> _GPULLMBatchDecorator:
-        return _GPULLMBatchDecorator(self.function, {**self.kwargs, **kwargs})
+        return _GPULLMBatchDecorator(self.function, {**self.kwargs, **kwargs}, self.partial_kwargs)
+
+    def partial(self, **kwargs: Any) -> _GPULLMBatchDecorator:
+        if twice := sorted(set(kwargs) & set(self.partial_kwargs)):
+            raise TypeError(f"duplicate partial: {', '.join(twice)}")
+        return _GPULLMBatchDecorator(self.function, self.kwargs, {**self.partial_kwargs, **kwargs})
 
     def __call__(self, *args: Any, **kwargs: Any) -> BatchXComArg:
         task_id = get_unique_task_id(self.kwargs.get("task_id") or self.function.__name__)
         return GPULLMBatchOperator(**{**self.kwargs, "task_id": task_id}, python_callable=self.function,
-                                   op_args=args, op_kwargs=kwargs).output
+                                   op_args=args, op_kwargs={**self.partial_kwargs, **kwargs}).output
+
+    def expand(self, **map_kwargs: Any) -> BatchXComArg:
+        return self._mapped(lambda deco: deco.expand(**map_kwargs))
+
+    def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> BatchXComArg:
+        return self._mapped(lambda deco: deco.expand_kwargs(kwargs, strict=strict))
+
+    def _mapped(self, expand: Callable[[Any], XComArg]) -> BatchXComArg:
+        kw = dict(self.kwargs)
+        task_id = get_unique_task_id(kw.pop("task_id", None) or self.function.__name__)
+        plan_args = {k: kw.pop(k) for k in EXPANDABLE if k in kw and k != "requests"}
+
+        def make_plan(**plan_kwargs: Any) -> Any:  # Airflow's own @task mapping, on the plan task
+            deco = task_decorator_factory(python_callable=self.function, multiple_outputs=False,
+                                          decorated_operator_class=_GPUBatchDecoratedPlanOperator, **plan_kwargs)
+            return expand(deco.partial(**self.partial_kwargs) if self.partial_kwargs else deco).operator
+
+        known = {k: kw.pop(k) for k in ("output_type", "fail_on_partial_error", "config", "config_overrides")
+                 if k in kw}
+        op = GPULLMBatchOperator.__new__(GPULLMBatchOperator)
+        op._build(task_id, plan_args, make_plan, mapped=True, task_kwargs=kw, **known)
+        return op.output
 
 
 def gpu_llm_batch_task(python_callable: Callable | None = None, **kwargs: Any):

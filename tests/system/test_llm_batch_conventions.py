@@ -51,7 +51,7 @@ def _rows(path: str) -> list[dict]:
 def _manifests(dr) -> dict[str, dict]:
     tis = {ti.task_id: ti for ti in dr.get_task_instances()}
     return {t: tis[t].xcom_pull(task_ids=t) for t in ("classify_reviews", "build_summary_requests",
-                                                        "summarize_manifest", "summarize_summaries")}
+                                                        "summarize_manifest", "summarize_summaries", "count_mapped")}
 
 
 # ------------------------------------------------------------------------------------------ the real run
@@ -93,6 +93,18 @@ def test_example_dag_lands_like_common_ai_and_a_rerun_reattaches(tmp_path, airfl
     assert m["summarize_summaries"] == {"text": 4, "status:succeeded": 4}
     assert classify["batch_llm"]["engine"] == "transformers" and not classify["batch_llm"]["reattached"]
 
+    # The same decorated task mapped (.override(task_id=...).expand(reviews=[2 groups])): one batch per map index,
+    # each named by common-ai's identity of that task instance (its map index in the key), its own result file.
+    groups = _mapped_manifests(dr, "summaries_by_group")
+    assert [g["request_count"] for g in groups] == [2, 2]
+    for i, g in enumerate(groups):
+        key16 = common_ai_key16(dag.dag_id, "summaries_by_group", dr.run_id, i)
+        assert set(g) == COMMON_AI_MANIFEST_KEYS | {"batch_llm"} and g["custom_id_prefix"] == key16
+        assert g["result_uri"].endswith(f"/{key16}.jsonl") and g["counts"]["succeeded"] == 2
+        assert [r["custom_id"] for r in _rows(g["result_uri"])] == [f"{key16}-0", f"{key16}-1"]
+    mapped_counts = m["count_mapped"]
+    assert mapped_counts == {"batches": 2, "requests": 4, "result_uris": [g["result_uri"] for g in groups]}
+
     # A clear of the run: the shard's merged results and the landing are lost, its committed chunks are not.
     first_rows = _rows(classify["result_uri"])
     run_dir = Path(classify["batch_llm"]["run_dir"])
@@ -111,6 +123,12 @@ def test_example_dag_lands_like_common_ai_and_a_rerun_reattaches(tmp_path, airfl
     assert resumed["output_tokens_this_attempt"] == 0, resumed       # resumed from the chunks: nothing generated
     assert sorted(p.name for p in (shard / "chunks").iterdir()) == chunks
     assert m2["build_summary_requests"] == summaries  # landed before: returned as it was (same completed_at)
+    assert m2["count_mapped"] == mapped_counts
+
+
+def _mapped_manifests(dr, task_id: str) -> list[dict]:
+    tis = sorted((ti for ti in dr.get_task_instances() if ti.task_id == task_id), key=lambda ti: ti.map_index)
+    return [ti.xcom_pull(task_ids=task_id, map_indexes=ti.map_index) for ti in tis]
 
 
 # ------------------------------------------------------------------------------------------ no engine
@@ -196,8 +214,8 @@ def test_every_bucket_lands_in_index_order_over_shards(tmp_path):
     assert by[1]["status"] == "invalid_output" and "score must be in [0, 1]" in by[1]["error"]["message"]
     assert by[1]["raw_output"] == '{"label": "negative", "score": 7}'
     assert by[2]["status"] == "invalid_output" and by[2]["error"]["message"] == "not JSON"
-    assert by[3]["error"] == {"type": "engine_error", "message": "request refused by the engine",
-                              "provider_code": None, "stage": "inference"}
+    assert by[3]["error"] == {"type": "provider_error", "message": "request refused by the engine",  # common-ai's
+                              "provider_code": None, "stage": "provider"}
     assert by[4]["error"]["stage"] == "plan" and "presence_penalty" in by[4]["error"]["message"]
     assert by[5]["error"]["stage"] == "prepare" and "reasoning_effort" in by[5]["error"]["message"]
     assert by[6]["status"] == "missing" and by[6]["custom_id"] == f"{p}-6"
@@ -205,9 +223,9 @@ def test_every_bucket_lands_in_index_order_over_shards(tmp_path):
     # landed once: a retry gets the same manifest back
     assert llm_batch.land(batch.config, batch.layout, batch.manifest, out, result=result, result_uri=result.url) == m
 
-    # the landing task: the manifest is its return value; fail_on_partial_error fails it (no retry), naming the buckets
-    from airflow.sdk.exceptions import AirflowFailException
-    from batch_llm_airflow.llm_batch import BatchRef, GPUBatchLandOperator
+    # the landing task: the manifest is its return value; fail_on_partial_error fails it with common-ai's
+    # LLMBatchPartialFailureError (retryable, as common-ai's: a retry lands the same results and raises again)
+    from batch_llm_airflow.llm_batch import BatchRef, GPUBatchLandOperator, LLMBatchPartialFailureError
 
     ref = BatchRef(result_path=str(tmp_path / "res"), key16=p, fingerprint=batch.manifest.fingerprint,
                    reattached=False).model_dump()
@@ -215,8 +233,10 @@ def test_every_bucket_lands_in_index_order_over_shards(tmp_path):
     assert lenient.execute({}) == m.model_dump(mode="json")
     strict = GPUBatchLandOperator(task_id="strict", batch=ref, output_type=Opinion, fail_on_partial_error=True,
                                   pipeline_config={})
-    with pytest.raises(AirflowFailException, match="errored=3, invalid_output=2, missing=1"):
-        strict.execute({})
+    for _attempt in range(2):
+        with pytest.raises(LLMBatchPartialFailureError, match="errored=3, invalid_output=2, missing=1"):
+            strict.execute({})
+    assert issubclass(LLMBatchPartialFailureError, RuntimeError)  # not AirflowFailException: retries apply
 
 
 def test_requests_from_a_file_are_streamed_and_bad_rows_land_as_errors(tmp_path):
