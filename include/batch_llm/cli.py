@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--model-config", metavar="PATH", help="the model's config.json (default: the pipeline's model "
                     "folder where it is on this machine)")
     rc.add_argument("--json", action="store_true", help="print JSON")
+    from batch_llm.swift_args import add_infer_parser  # `batch-llm infer`: ms-swift's `swift infer` flags
+    add_infer_parser(sub, COMMANDS, run=cmd_run)
     return p
 
 

@@ -1,0 +1,211 @@
+"""``batch-llm infer``'s ms-swift flags (include/batch_llm/swift_args.py): each flag's YAML key, refusals and
+warnings, the rows swift reads, the result line's shape, and docs/ms-swift.md's table against ``FLAGS``. No engine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from batch_llm import swift_args as sa
+from batch_llm.cli import build_parser
+from batch_llm.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+# the `swift infer` command of a real run on this project's CPU machines (ms-swift 4.6.0, vLLM backend)
+SWIFT_RUN = ("--model_type llama --template chatml --template_backend jinja --infer_backend vllm --val_dataset "
+             "rows.jsonl --stream false --temperature 0 --max_new_tokens 128 --vllm_enforce_eager true "
+             "--vllm_max_model_len 2048 --result_path out.jsonl").split()
+
+
+def _plan(*words: str) -> sa.InferPlan:
+    return sa.plan_invocation(sa.parse_swift_args(["--model", "m", "--val_dataset", "rows.jsonl",
+                                                   "--result_path", "out.jsonl", *words]))
+
+
+def test_the_swift_run_maps_onto_yaml_keys(tmp_path):
+    inv = sa.parse_swift_args(["--model", str(tmp_path), *SWIFT_RUN])
+    plan = sa.plan_invocation(inv)
+    assert plan.overrides == {"engine.kind": "vllm", "model.ref": str(tmp_path), "sampling.temperature": 0.0,
+                              "sampling.max_tokens": 128, "engine.enforce_eager": True, "engine.max_model_len": 2048}
+    assert plan.warnings == []
+    assert {n.split(":")[0] for n in plan.notes} == {"--model_type", "--template", "--template_backend", "--stream"}
+    cfg = sa.build_config(plan, tmp_path / "work")
+    assert (cfg.engine.kind, cfg.engine.enforce_eager, cfg.engine.max_model_len) == ("vllm", True, 2048)
+    assert (cfg.sampling.max_tokens, cfg.sampling.temperature, cfg.sharding.num_shards) == (128, 0.0, 1)
+    assert not cfg.filter.enabled and not cfg.evaluate.enabled
+    assert cfg.input.path == str(tmp_path / "work" / "rows.jsonl")
+    assert plan.result_path == str(Path("out.jsonl").resolve())
+
+
+@pytest.mark.parametrize("words, key, value", [
+    (["--infer_backend", "pt", "--max_batch_size", "4"], "engine.batch_size", 4),
+    (["--infer_backend", "transformers", "--top_p", "0.9"], "sampling.top_p", 0.9),
+    (["--infer_backend", "vllm", "--vllm_gpu_memory_utilization", "0.8"], "engine.gpu_memory_utilization", 0.8),
+    (["--infer_backend", "vllm", "--vllm_tensor_parallel_size", "2"], "engine.tensor_parallel_size", 2),
+    (["--infer_backend", "vllm", "--vllm_max_num_seqs", "64"], "engine.max_num_seqs", 64),
+    (["--infer_backend", "vllm", "--vllm_enable_prefix_caching", "false"], "engine.enable_prefix_caching", False),
+    (["--infer_backend", "vllm", "--vllm_enforce_eager"], "engine.enforce_eager", True),  # a bare bool is true
+    (["--infer_backend", "vllm", "--vllm_max_model_len=4096"], "engine.max_model_len", 4096),
+    (["--infer_backend", "vllm", "--gpu_memory_utilization", "0.7"], "engine.gpu_memory_utilization", 0.7),
+    (["--infer_backend", "vllm", "--vllm_engine_kwargs", '{"swap_space": 1}'], "engine.extra.swap_space", 1),
+    (["--infer_backend", "lmdeploy", "--lmdeploy_tp", "2"], "engine.tensor_parallel_size", 2),
+    (["--infer_backend", "lmdeploy", "--lmdeploy_session_len", "4096"], "engine.max_model_len", 4096),
+    (["--infer_backend", "lmdeploy", "--lmdeploy_cache_max_entry_count", "0.5"], "engine.gpu_memory_utilization",
+     0.5),
+    (["--infer_backend", "lmdeploy", "--lmdeploy_quant_policy", "8"], "engine.kv_cache_dtype", "int8"),
+    (["--stop_words", "###", "END"], "sampling.stop", ["###", "END"]),
+    (["--infer_backend", "vllm", "--logprobs", "true", "--top_logprobs", "3"], "sampling.logprobs", 3),
+    (["--system", "Be brief."], "input.system_prompt", "Be brief."),
+    (["--seed", "7"], "sampling.seed", 7),
+    (["--torch_dtype", "float32"], "engine.dtype", "float32"),
+])
+def test_flag_sets_its_key(words, key, value, tmp_path):
+    plan = _plan(*words)
+    assert plan.overrides[key] == value
+    sa.build_config(plan, tmp_path)  # the config model takes it
+
+
+def test_pt_is_the_transformers_engine():
+    assert _plan("--infer_backend", "pt").overrides["engine.kind"] == "transformers"
+    assert _plan().overrides["engine.kind"] == "transformers"  # swift 4.x's default backend
+
+
+@pytest.mark.parametrize("words, named", [
+    (["--frobnicate", "1"], "--frobnicate"),
+    (["--vllm_swap_space", "4"], "--vllm_swap_space"),
+    (["--top_k", "20"], "--top_k 20"),
+    (["--repetition_penalty", "1.1"], "--repetition_penalty 1.1"),
+    (["--num_beams", "4"], "--num_beams 4"),
+    (["--infer_backend", "sglang"], "--infer_backend sglang"),
+    (["--infer_backend", "vllm", "--vllm_pipeline_parallel_size", "2"], "--vllm_pipeline_parallel_size 2"),
+    (["--dataset", "AI-ModelScope/alpaca-gpt4-data-zh"], "--dataset"),
+    (["--max_new_tokens"], "--max_new_tokens: expected a value"),
+    (["--max_new_tokens", "lots"], "--max_new_tokens"),
+    (["--temperature", "0", "1"], "--temperature: expected one value"),
+    (["--vllm_enforce_eager", "maybe"], "--vllm_enforce_eager"),
+    (["--adapters", "a", "b"], "--adapters a b"),
+    (["--top_logprobs", "2"], "--top_logprobs: needs --logprobs true"),
+    (["stray"], "--result_path: expected one value, got 2: out.jsonl stray"),
+])
+def test_unknown_or_refused_flag_is_an_error_naming_it(words, named):
+    with pytest.raises(ConfigError) as e:
+        _plan(*words)
+    assert named in str(e.value)
+
+
+def test_refused_flags_at_neutral_values_pass():
+    plan = _plan("--top_k", "-1", "--repetition_penalty", "1.0", "--num_beams", "1", "--use_hf", "false")
+    assert plan.warnings == []
+
+
+def test_required_flags():
+    for missing in ("--model", "--val_dataset", "--result_path"):
+        words = ["--model", "m", "--val_dataset", "r.jsonl", "--result_path", "o.jsonl"]
+        i = words.index(missing)
+        with pytest.raises(ConfigError, match=missing):
+            sa.plan_invocation(sa.parse_swift_args(words[:i] + words[i + 2:]))
+
+
+def test_harmless_flags_warn_and_other_backends_flags_are_ignored():
+    plan = _plan("--infer_backend", "pt", "--vllm_max_model_len", "1024", "--metric", "rouge", "--template_backend",
+                 "swift", "--write_batch_size", "1000")
+    assert "engine.max_model_len" not in plan.overrides
+    said = "\n".join(plan.warnings)
+    assert "--vllm_max_model_len: ignored" in said and "--metric rouge" in said and "--template_backend swift" in said
+    assert any(n.startswith("--write_batch_size") for n in plan.notes)
+    assert "engine.batch_size" not in _plan("--infer_backend", "vllm", "--max_batch_size", "8").overrides
+
+
+def test_a_config_refusal_names_the_key(tmp_path):
+    # LMDeploy refuses enforce_eager under TurboMind etc.; here: tensor_parallel_size > 1 on transformers
+    plan = _plan("--infer_backend", "pt", "--max_batch_size", "2", "--torch_dtype", "float32")
+    plan.overrides["engine.tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
+        sa.build_config(plan, tmp_path)
+
+
+def test_own_options_and_the_infer_subcommand():
+    inv = sa.parse_swift_args(["--model", "m", "--plain", "--work-dir", "w", "-v", "--print-config"])
+    assert (inv.plain, inv.verbose, inv.print_config, inv.work_dir) == (True, True, True, "w")
+    args = build_parser().parse_args(["infer", "--model", "m", "--val_dataset", "a.jsonl", "b.jsonl", "-v"])
+    assert args.command == "infer" and args.swift_args == ["--model", "m", "--val_dataset", "a.jsonl", "b.jsonl", "-v"]
+    assert sa.parse_swift_args(args.swift_args).values["val_dataset"] == ["a.jsonl", "b.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------ rows and results
+ROWS = [
+    {"id": 7, "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]},
+    {"messages": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "gold"}], "label": 1},
+    {"query": "Q3", "response": "R3", "system": "S3", "history": [["h", "hr"]]},
+]
+
+
+def _write_rows(tmp_path: Path) -> Path:
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return f
+
+
+def test_rows_in_order_with_samples(tmp_path):
+    f = _write_rows(tmp_path)
+    assert [r.get("query") for r in sa.read_swift_rows([str(f), f"{f}#1"], None)] == [None, None, "Q3", None]
+    assert len(sa.read_swift_rows([str(f)], 2)) == 2
+    pipeline_rows = sa.input_rows(sa.read_swift_rows([str(f)], None))
+    assert [r["id"] for r in pipeline_rows] == ["r000000000", "r000000001", "r000000002"]
+    assert pipeline_rows[1]["messages"] == [{"role": "user", "content": "Q2"}]  # the label is not prompted
+    assert pipeline_rows[2]["messages"] == [{"role": "system", "content": "S3"}, {"role": "user", "content": "h"},
+                                            {"role": "assistant", "content": "hr"}, {"role": "user", "content": "Q3"}]
+    with pytest.raises(ConfigError, match="no such file"):
+        sa.read_swift_rows([str(tmp_path / "missing.jsonl")], None)
+
+
+@pytest.mark.parametrize("row, why", [({"text": "x"}, "needs 'messages'"),
+                                      ({"messages": [{"role": "user", "content": "x"}], "images": ["a.png"]},
+                                       "'images'"),
+                                      ({"messages": [{"role": "assistant", "content": "x"}]}, "no prompt")])
+def test_rows_swift_would_read_differently_are_refused(row, why):
+    with pytest.raises(ConfigError, match=why):
+        sa.split_row({"_where": "f: line 1", **row})
+
+
+def test_result_lines_have_swifts_shape(tmp_path):
+    rows = sa.read_swift_rows([str(_write_rows(tmp_path))], None)
+    tokens = [{"token": "A", "logprob": -0.1, "top": [{"token": "A", "logprob": -0.1}]}]
+    outputs = {"r000000000": {"id": "r000000000", "output": "A1", "logprobs": tokens, "finish_reason": "stop"},
+               "r000000002": {"id": "r000000002", "output": "A3"}}
+    lines = sa.result_lines(rows, outputs, {"r000000001": "prompt too long"})
+    assert sa.swift_logprobs([{"token": "é", "logprob": -1.0, "top": []}]) == \
+        {"content": [{"token": "é", "logprob": -1.0, "bytes": [195, 169]}]}  # no candidates asked: no top_logprobs
+    assert lines[0] == {"response": "A1", "labels": None,
+                        "logprobs": {"content": [{"token": "A", "logprob": -0.1, "bytes": [65],
+                                                  "top_logprobs": [{"token": "A", "logprob": -0.1, "bytes": [65]}]}]},
+                        "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                                     {"role": "assistant", "content": "A1"}]}
+    assert list(lines[0]) == ["response", "labels", "logprobs", "messages"]  # swift's key order
+    assert lines[1] == {"response": None, "labels": "gold", "logprobs": None,
+                        "messages": [{"role": "user", "content": "Q2"}], "label": 1, "error": "prompt too long"}
+    assert lines[2]["labels"] == "R3" and lines[2]["messages"][-1] == {"role": "assistant", "content": "A3"}
+    out = tmp_path / "out.jsonl"
+    sa.append_jsonl(str(out), lines[:1])
+    sa.append_jsonl(str(out), lines[1:])  # appended, as swift's JsonlWriter does
+    assert [json.loads(x)["response"] for x in out.read_text().splitlines()] == ["A1", None, "A3"]
+
+
+# ------------------------------------------------------------------------------------------ the docs
+def test_docs_table_is_the_flag_table():
+    text = (ROOT / "docs" / "ms-swift.md").read_text(encoding="utf-8")
+    block = text.split("<!-- swift-flags:start -->\n", 1)[1].split("\n<!-- swift-flags:end -->", 1)[0]
+    assert block == sa.markdown_table(), "docs/ms-swift.md: regenerate the table with python -m batch_llm.swift_args"
+    for f in sa.FLAGS:
+        assert f"`--{f.name}`" in block
+    assert "[docs/ms-swift.md](docs/ms-swift.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_mapped_key_is_a_config_key():
+    from batch_llm.config import PipelineConfig
+
+    for f in sa.FLAGS:
+        if f.action == sa.MAP and f.key and not f.key.startswith("engine.extra"):
+            section, *rest = f.key.split(".")
+            model = PipelineConfig.model_fields[section].annotation
+            assert rest[0] in model.model_fields, f.key
