@@ -10,7 +10,10 @@ operator and the report app resolve connections here::
     BatchLlmStorageHook(None).location("s3://lake@bucket/prefix")   # the path names its connection
 
 Connections are the amazon provider's ``aws`` ones (login/password, ``role_arn``, ``profile_name``, endpoint
-and region extras): this hook reads them through ``S3Hook`` and defines no connection type of its own.
+and region extras): this hook reads them through ``S3Hook`` and defines no connection type of its own. The amazon
+provider is the ``s3`` extra (``pip install "batch-llm[s3]"``), imported only when a connection's credentials are
+read: a location that is not ``s3://`` never reads one, so DAGs, local paths and a deployment without the extra
+need no amazon provider, and a connection used without it fails naming the extra.
 
 Static keys become ``key``/``secret`` options as they are. Credentials that botocore can refresh (an assumed
 role, web identity, a ``credential_process`` or instance profile behind the connection) would expire during a
@@ -71,6 +74,8 @@ class BatchLlmStorageHook(BaseHook):
         """A ``Location`` for ``url``; a connection named in the URL (``s3://conn@bucket/key``) wins over this
         hook's, as it does for Airflow's ObjectStoragePath."""
         url, named = split_conn(url)
+        if not _is_s3(url):  # an aws connection serves s3:// only: nothing to read (and no amazon provider needed)
+            return Location(url, {})
         if named and named != self.storage_conn_id:
             return BatchLlmStorageHook(named).location(url)
         return Location(url, self.storage_options())
@@ -81,9 +86,7 @@ class BatchLlmStorageHook(BaseHook):
         conn_id = self.storage_conn_id
         if not conn_id:
             return {}
-        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-        from botocore.credentials import RefreshableCredentials
-
+        S3Hook, RefreshableCredentials = _amazon(conn_id)
         s3 = S3Hook(aws_conn_id=conn_id)
         try:
             creds = s3.get_session().get_credentials()
@@ -109,6 +112,24 @@ class BatchLlmStorageHook(BaseHook):
             mask_secret(frozen.token)
             opts["token"] = frozen.token
         return opts
+
+
+S3_EXTRA_HINT = 'the amazon provider is not installed: pip install "batch-llm[s3]" (apache-airflow-providers-amazon[s3fs])'
+
+
+def _is_s3(url: str) -> bool:
+    return "://" in url and url.split("://", 1)[0].lower() in ("s3", "s3a")
+
+
+def _amazon(conn_id: str) -> tuple[Any, Any]:
+    """``(S3Hook, RefreshableCredentials)``: the amazon provider (the ``s3`` extra), imported only here, when a
+    connection's credentials are read."""
+    try:
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+        from botocore.credentials import RefreshableCredentials
+    except ImportError as e:
+        raise ImportError(f"storage connection {conn_id!r}: {S3_EXTRA_HINT} ({e})") from e
+    return S3Hook, RefreshableCredentials
 
 
 # ------------------------------------------------------------------------------------------ refreshable

