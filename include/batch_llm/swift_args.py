@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.engines.capabilities import engine_kinds
 
 PIPELINE_NAME = "swift_infer"
 MAP, OWN, NOTE, WARN, REFUSE = "map", "own", "note", "warn", "refuse"
@@ -201,7 +202,8 @@ FLAGS: tuple[SwiftFlag, ...] = (
     # ---- batch-llm's own options (spelled with '-')
 )
 BY_NAME = {f.name: f for f in FLAGS}
-BACKENDS = {"vllm": "vllm", "lmdeploy": "lmdeploy", "transformers": "transformers", "pt": "transformers"}
+# swift's backend names that are this project's engine kinds, and swift 3.x's "pt" for the transformers engine
+BACKENDS = {**{kind: kind for kind in engine_kinds()}, "pt": "transformers"}
 KV_POLICY = {0: "auto", 4: "int4", 8: "int8"}
 #: ms-swift's standard row keys that a result line carries over (RowPreprocessor.standard_keys, text only).
 PASSED_KEYS = ("label", "channel", "margin")
@@ -565,7 +567,7 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
     if inv.values.get("max_batch_size", 1) <= 0 and plan.backend == "transformers":
         plan.overrides["engine.batch_size"] = len(rows)
     keep = inv.work_dir is not None
-    work = Path(os.path.abspath(os.path.expanduser(inv.work_dir))) if keep else \
+    work = Path(os.path.abspath(os.path.expanduser(inv.work_dir))) if inv.work_dir is not None else \
         Path(tempfile.mkdtemp(prefix="batch-llm-infer-"))
     try:
         work.mkdir(parents=True, exist_ok=True)

@@ -69,8 +69,11 @@ class WorkerHandle(GroupLeader):
         proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, text=True, bufsize=1)
-        proc.stdin.write(json.dumps(spec))
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps(spec))
+            proc.stdin.close()
+        except BrokenPipeError:  # the child died before reading its spec: wait() reports its exit and output
+            pass
         return cls(proc, ipc_dir)
 
     def _remove_ipc_dir(self) -> None:

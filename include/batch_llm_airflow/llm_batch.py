@@ -98,9 +98,10 @@ def as_common_ai(errors: Mapping[type, type] | None = None):
     """Re-raises the stage library's common-ai-named errors as their common-ai subclasses (``errors``, default
     ``COMMON_AI_ERRORS``; nothing to do when common-ai is not installed)."""
     errors = COMMON_AI_ERRORS if errors is None else errors
+    caught: tuple[type[BaseException], ...] = tuple(errors)
     try:
         yield
-    except tuple(errors) as e:
+    except caught as e:
         if isinstance(e, tuple(errors.values())):
             raise
         cls = next(errors[c] for c in type(e).__mro__ if c in errors)
@@ -296,7 +297,7 @@ class GPUBatchShardsOperator(BaseOperator):
         self.batches, self.models = batches, models
 
     def execute(self, context: Context) -> list[dict]:
-        out = []
+        out: list[dict] = []
         for planned, model in zip(self.batches, self.models, strict=True):
             ref = BatchRef.model_validate(planned).model_dump()
             out.extend({"batch": ref, "shard": shard, "model": model} for shard in planned["shards"])
@@ -554,7 +555,9 @@ class _GPULLMBatchDecorator:
         def make_plan(**plan_kwargs: Any) -> Any:  # Airflow's own @task mapping, on the plan task
             deco = task_decorator_factory(python_callable=self.function, multiple_outputs=False,
                                           decorated_operator_class=_GPUBatchDecoratedPlanOperator, **plan_kwargs)
-            return expand(deco.partial(**self.partial_kwargs) if self.partial_kwargs else deco).operator
+            # (mypy: partial() is added to the decorator at run time; the XComArg of a mapped call is a PlainXComArg)
+            return expand(deco.partial(**self.partial_kwargs)  # type: ignore[attr-defined]
+                          if self.partial_kwargs else deco).operator  # type: ignore[attr-defined]
 
         known = {k: kw.pop(k) for k in ("output_type", "fail_on_partial_error", "config", "config_overrides")
                  if k in kw}
