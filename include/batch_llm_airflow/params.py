@@ -49,9 +49,8 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
         extra = {}
-        if name == "engine":  # every kind of the capability table, read when the DAG is parsed
+        if name == "engine":  # every kind of the capability table, read when the DAG is parsed (a dropdown)
             extra = {"enum": engine_kinds()}
-            desc = f"{desc}: {', '.join(engine_kinds())}"
         default = _get(cfg, key)
         if name == "filter_lists":  # the trigger form edits lists of strings well, lists of objects not at all
             default = [f"{wl['action']} {wl['name']} {wl['path']}" for wl in default]
