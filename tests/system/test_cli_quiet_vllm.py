@@ -33,7 +33,7 @@ def test_vllm_run_logs_go_to_the_log_file(tmp_path, demo_model_dir):
     first = run.stdout.splitlines()[0]
     assert first.startswith("engine logs: ")
     log = Path(first.removeprefix("engine logs: ").split(" (--verbose")[0]).read_text()
-    assert VLLM_LINE.search(log) and "EngineCore" in log  # the engine core process's lines too
+    assert VLLM_LINE.search(log)  # vLLM's own lines (on CPU its engine core runs in this process: no EngineCore)
     assert "] progress:" in log  # the stages' messages, in order with the engine's
 
 
