@@ -455,10 +455,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     import json
 
     from batch_llm import recommend as rec
+    from batch_llm.sizing_inputs import find_model_config
 
     cfg = _config(args)
     try:
-        path = rec.Path(args.model_config) if args.model_config else rec.find_model_config(cfg)
+        path = rec.Path(args.model_config) if args.model_config else find_model_config(cfg)
         shape = rec.load_model_shape(path)
         shape = shape if args.model_config else rec.replace(shape, name=cfg.model.ref)
         config = json.loads((path / "config.json" if path.is_dir() else path).read_text(encoding="utf-8"))

@@ -323,7 +323,7 @@ def model_limit_of(summary: RunSummary, settings: dict) -> int | None:
     v = settings.get("model_context_limit")
     if isinstance(v, int) and v > 0:
         return v
-    from batch_llm.engines.base import model_context_limit
+    from batch_llm.engines.probes import model_context_limit
 
     m = summary.manifests
     for d in (m.quantize.local_dir if m.quantize else None, m.fetch.local_dir if m.fetch else None,

@@ -65,7 +65,7 @@ from batch_llm.manifests import (
     TokenUsage,
 )
 from batch_llm.output_schema import OutputSchema
-from batch_llm.recommend import fetch_fit_warning
+from batch_llm.sizing_inputs import fetch_fit_warning
 from batch_llm.storage import (
     Location,
     atomic_writer,

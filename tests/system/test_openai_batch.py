@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from batch_llm import plan as plan_mod
-from batch_llm.engines.base import cpu_dtype
+from batch_llm.engines.probes import cpu_dtype
 from batch_llm.formats import PromptRow, RawRow, to_prompt_row
 from batch_llm.row_params import RowParams, engine_refusal, resolve
 from batch_llm.storage import Location, iter_jsonl, read_json

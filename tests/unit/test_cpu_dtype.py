@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from batch_llm.engines import base
+from batch_llm.engines import probes
 
 
 def _cpuinfo(tmp_path, flags: str) -> str:
@@ -14,10 +14,10 @@ def _cpuinfo(tmp_path, flags: str) -> str:
 
 
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
-    assert not base.cpu_has_native_bf16(_cpuinfo(tmp_path, "fpu sse2 avx avx2 fma f16c"))
-    assert base.cpu_has_native_bf16(_cpuinfo(tmp_path, "avx2 avx512f avx512_bf16"))
-    assert base.cpu_has_native_bf16(_cpuinfo(tmp_path, "avx2 amx_bf16 amx_tile"))
-    assert base.cpu_has_native_bf16(str(tmp_path / "missing"))  # unknown: leave the checkpoint's dtype alone
+    assert not probes.cpu_has_native_bf16(_cpuinfo(tmp_path, "fpu sse2 avx avx2 fma f16c"))
+    assert probes.cpu_has_native_bf16(_cpuinfo(tmp_path, "avx2 avx512f avx512_bf16"))
+    assert probes.cpu_has_native_bf16(_cpuinfo(tmp_path, "avx2 amx_bf16 amx_tile"))
+    assert probes.cpu_has_native_bf16(str(tmp_path / "missing"))  # unknown: leave the checkpoint's dtype alone
 
 
 @pytest.mark.parametrize("native, dtype, quantized, on_gpu, expected", [
@@ -28,12 +28,12 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     (True, "auto", False, False, "auto"),          # AVX-512 BF16 / AMX CPUs too
 ])
 def test_cpu_dtype(tmp_path, monkeypatch, native, dtype, quantized, on_gpu, expected):
-    monkeypatch.setattr(base, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(probes, "cpu_has_native_bf16", lambda: native)
     config = {"torch_dtype": "bfloat16"}
     if quantized:
         config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert base.cpu_dtype(dtype, str(tmp_path), on_gpu=on_gpu) == expected
+    assert probes.cpu_dtype(dtype, str(tmp_path), on_gpu=on_gpu) == expected
 
 
 def _ct(weights: dict, acts: dict | None) -> dict:
@@ -45,9 +45,9 @@ def test_fp8_channel_weights_are_told_from_int_and_other_fp8_layouts():
     """What the vLLM engine refuses on a CPU without AMX-FP8: FP8_DYNAMIC's per-channel float-8 weights."""
     fp8_dynamic = _ct({"type": "float", "num_bits": 8, "strategy": "channel"},
                       {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True})
-    assert base.is_fp8_channel_weights(fp8_dynamic) and not base.is_int_weight_only(fp8_dynamic)
+    assert probes.is_fp8_channel_weights(fp8_dynamic) and not probes.is_int_weight_only(fp8_dynamic)
     w4a16 = _ct({"type": "int", "num_bits": 4, "strategy": "group"}, None)
-    assert base.is_int_weight_only(w4a16) and not base.is_fp8_channel_weights(w4a16)
+    assert probes.is_int_weight_only(w4a16) and not probes.is_fp8_channel_weights(w4a16)
     per_tensor = _ct({"type": "float", "num_bits": 8, "strategy": "tensor"}, {"type": "float", "num_bits": 8})
-    assert not base.is_fp8_channel_weights(per_tensor)  # vLLM's CPU has an AMX kernel for it without AMX-FP8
-    assert not base.is_fp8_channel_weights({"quant_method": "awq", "bits": 4}) and not base.is_fp8_channel_weights({})
+    assert not probes.is_fp8_channel_weights(per_tensor)  # vLLM's CPU has an AMX kernel for it without AMX-FP8
+    assert not probes.is_fp8_channel_weights({"quant_method": "awq", "bits": 4}) and not probes.is_fp8_channel_weights({})

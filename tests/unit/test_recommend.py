@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from batch_llm import recommend as R
+from batch_llm import sizing_inputs as S
 from batch_llm.cli import main
 from batch_llm.config import load_config
 from batch_llm.doctor import diagnose
@@ -206,20 +207,20 @@ def test_cli_recommend_finds_the_demo_models_config(demo_model_dir, capsys):
 def test_fetch_warning_names_the_numbers_and_stays_quiet_where_it_fits(tmp_path):
     (tmp_path / "config.json").write_text((DATA / "qwen2.5-7b-config.json").read_text())
     cfg = load_config(DEMO).with_overrides({"model.ref": str(tmp_path), "engine.max_model_len": 4096})
-    w = R.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[16.0])    # a 16 GB GPU
+    w = S.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[16.0])    # a 16 GB GPU
     assert w and "14.2 GiB of weights" in w and "16.0 GiB" in w and "will not start" in w
-    assert R.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[22.0]) is None      # an A10 holds it, tightly
-    assert R.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[139.8]) is None
-    assert R.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[]) is None           # a CPU worker
+    assert S.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[22.0]) is None      # an A10 holds it, tightly
+    assert S.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[139.8]) is None
+    assert S.fetch_fit_warning(cfg, str(tmp_path), gpu_memory_gib=[]) is None           # a CPU worker
     tp4 = cfg.with_overrides({"engine.tensor_parallel_size": 4})
-    assert "4 but this worker has 2 GPU" in R.fetch_fit_warning(tp4, str(tmp_path), gpu_memory_gib=[80.0, 80.0])
+    assert "4 but this worker has 2 GPU" in S.fetch_fit_warning(tp4, str(tmp_path), gpu_memory_gib=[80.0, 80.0])
     fp8 = cfg.with_overrides({"engine.quantization": "fp8"})
-    assert R.fetch_fit_warning(fp8, str(tmp_path), gpu_memory_gib=[16.0]) is None       # 8.1 GiB of FP8 weights fit
+    assert S.fetch_fit_warning(fp8, str(tmp_path), gpu_memory_gib=[16.0]) is None       # 8.1 GiB of FP8 weights fit
 
 
 def test_worker_without_gpus_reports_none(monkeypatch):
     monkeypatch.setenv("BATCH_LLM_GPUS", "")
-    assert R.worker_gpu_memory_gib() == []
+    assert S.worker_gpu_memory_gib() == []
 
 
 # ------------------------------------------------------------------------------------------ doctor
@@ -256,7 +257,7 @@ def test_fetch_stage_logs_the_warning(demo_model_dir, tmp_path, monkeypatch, cap
     from batch_llm import stages
 
     cfg = load_config(DEMO).with_overrides({"output.path": str(tmp_path)})
-    monkeypatch.setattr(R, "worker_gpu_memory_gib", lambda: [0.3])
+    monkeypatch.setattr(S, "worker_gpu_memory_gib", lambda: [0.3])
     with caplog.at_level(logging.WARNING, logger="batch_llm.fetch"):
         stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="r", ds="2026-12-01"))
     warned = [r.getMessage() for r in caplog.records if "will not start" in r.getMessage()]

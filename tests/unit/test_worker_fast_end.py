@@ -1,4 +1,4 @@
-"""The worker's end once its shard is committed (``batch_llm.worker._FastEnd``), on real processes.
+"""The worker's end once its shard is committed (``batch_llm.worker_main._FastEnd``), on real processes.
 
 A worker leading its own process group, with a child standing in for vLLM's engine-core process (the kill is
 what is tested, not the engine: tests/system/test_engine_faults.py runs the real worker with a real engine
@@ -24,7 +24,7 @@ INCLUDE = str(Path(__file__).resolve().parents[2] / "include")
 WORKER = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from types import SimpleNamespace
-    from batch_llm.worker import _FastEnd
+    from batch_llm.worker_main import _FastEnd
 
     tp = int(sys.argv[1])
     fast_end = _FastEnd(SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=tp)))

@@ -7,17 +7,24 @@ error row before it reaches the engine.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import sys
-import threading
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from batch_llm.config import EngineConfig, SamplingConfig
+from batch_llm.engines.output_capture import OutputTail  # noqa: F401 - re-exported
+from batch_llm.engines.probes import (  # noqa: F401 - re-exported
+    cpu_dtype,
+    cpu_has_native_bf16,
+    is_fp8_channel_weights,
+    is_int_weight_only,
+    model_config_json,
+    model_context_limit,
+    model_quantization,
+)
 from batch_llm.row_params import RowParams, Sampling, resolve
 
 
@@ -123,53 +130,6 @@ def classify_start_failure(text: str) -> tuple[bool, int | None]:
     return bool(_MEMORY_PATTERNS.search(text)), int(m.group(1)) if m else None
 
 
-class OutputTail:
-    """Tees this process's stdout and stderr (and so the engine processes it starts) through a pipe, keeping
-    the last lines. vLLM's engine core reports why it failed on its own output, and the exception the caller
-    gets only says "see root cause above": the memory back-off needs that cause."""
-
-    def __init__(self, lines: int = 300):
-        self.lines: deque[str] = deque(maxlen=lines)
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def capture(self):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        r, w = os.pipe()
-        os.dup2(w, 1)
-        os.dup2(w, 2)
-        os.close(w)
-        self._thread = threading.Thread(target=self._pump, args=(r, os.dup(saved[0])), daemon=True)
-        self._thread.start()
-        try:
-            yield self
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-    def _pump(self, r: int, out: int) -> None:
-        # Runs until every writer is gone: engine processes started under capture() keep writing here.
-        with os.fdopen(r, "rb") as f:
-            for raw in f:
-                self.lines.append(raw.decode("utf-8", "replace"))
-                try:
-                    os.write(out, raw)
-                except OSError:
-                    pass
-
-    def text(self, settle_seconds: float = 5.0) -> str:
-        """The captured tail, after waiting briefly for a failed engine's last words."""
-        if self._thread is not None:
-            self._thread.join(timeout=settle_seconds)
-        return "".join(self.lines)
-
-
 @contextmanager
 def gc_paused_import(module: str) -> Iterator[None]:
     """Imports an engine's library (``module``) with Python's cyclic garbage collector paused, then freezes what
@@ -254,73 +214,3 @@ def stream_requests(requests: Iterable[GenRequest], *, window: int,
         for res in collect():
             inflight -= 1
             yield res
-
-
-def model_config_json(model_dir: str) -> dict:
-    """The model folder's config.json as a dict ({} when it is missing, unreadable or not an object)."""
-    import json
-
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def model_context_limit(model_dir: str) -> int | None:
-    """The longest context the model was built for (``max_position_embeddings`` in its config.json, or its
-    text config's), when the folder says; None otherwise."""
-    config = model_config_json(model_dir)
-    for c in (config, config.get("text_config") or {}):
-        v = c.get("max_position_embeddings") if isinstance(c, dict) else None
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def model_quantization(model_dir: str) -> dict:
-    """The ``quantization_config`` of the model's config.json ({} when unquantized or unreadable)."""
-    qc = model_config_json(model_dir).get("quantization_config")
-    return qc if isinstance(qc, dict) else {}
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); True where it cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return True
-    return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cpu_dtype(dtype: str, model_dir: str, *, on_gpu: bool) -> str:
-    """``engine.dtype`` as the engine gets it: ``auto`` on a CPU without native bfloat16 becomes float32 for an
-    unquantized model. There a bf16 checkpoint's ``auto`` runs emulated bf16 kernels: on this project's CI
-    CPU (AVX2) 128 chat rows took 570 s of generation in bf16 and 119 s in float32 (bench/swift.py).
-    Quantized checkpoints keep their own dtype (their kernels want 16-bit activations)."""
-    if dtype != "auto" or on_gpu or model_quantization(model_dir) or cpu_has_native_bf16():
-        return dtype
-    return "float32"
-
-
-def is_fp8_channel_weights(qc: dict) -> bool:
-    """True for compressed-tensors 8-bit float weights scaled per output channel (quantize.scheme FP8_DYNAMIC)."""
-    if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
-        return False
-    groups = (qc.get("config_groups") or {}).values()
-    return any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
-               and (g.get("weights") or {}).get("strategy") == "channel" for g in groups if isinstance(g, dict))
-
-
-def is_int_weight_only(qc: dict) -> bool:
-    """True for integer weights with 16-bit activations (AWQ, GPTQ, compressed-tensors W4A16/W8A16)."""
-    method = str(qc.get("quant_method", "")).lower()
-    if method in ("awq", "gptq"):
-        return True
-    if method != "compressed-tensors":
-        return False
-    groups = (qc.get("config_groups") or {}).values()
-    return any((g.get("weights") or {}).get("type") == "int" and g.get("input_activations") is None
-               for g in groups if isinstance(g, dict))

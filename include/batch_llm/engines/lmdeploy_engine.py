@@ -23,10 +23,10 @@ from batch_llm.engines.base import (
     GenResult,
     classify_start_failure,
     gc_paused_import,
-    model_context_limit,
     stream_requests,
 )
 from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
+from batch_llm.engines.probes import model_context_limit
 from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
 

@@ -16,10 +16,9 @@ from batch_llm.engines.base import (
     GenRequest,
     GenResult,
     classify_start_failure,
-    cpu_dtype,
     gc_paused_import,
-    model_context_limit,
 )
+from batch_llm.engines.probes import cpu_dtype, model_context_limit
 from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
 

@@ -23,18 +23,20 @@ from batch_llm.engines.base import (
     EngineStartError,
     GenRequest,
     GenResult,
-    OutputTail,
     Sample,
     TokenLogprob,
     TopLogprob,
     classify_start_failure,
-    cpu_dtype,
     gc_paused_import,
+    stream_requests,
+)
+from batch_llm.engines.output_capture import OutputTail
+from batch_llm.engines.probes import (
+    cpu_dtype,
     is_fp8_channel_weights,
     is_int_weight_only,
     model_context_limit,
     model_quantization,
-    stream_requests,
 )
 from batch_llm.engines.registry import register_engine
 
