@@ -65,20 +65,17 @@ def _is_s3(path: UPath) -> bool:
 
 
 def read_pointer(path: UPath) -> PointerState:
-    if is_local(path):
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return PointerState(None, None)
-        return PointerState(json.loads(data), hashlib.sha256(data).hexdigest())
-    if not exists(path):
-        return PointerState(None, None)
     if _is_s3(path):
+        if not exists(path):
+            return PointerState(None, None)
         # The ETag first, then the body: should the pointer change in between, the body is the newer one and
         # the conditional PUT on the older ETag fails, so a value built from a stale body is never written.
         etag = path.fs.info(path.path, refresh=True).get("ETag")
         return PointerState(json.loads(path.fs.cat_file(path.path)), etag)
-    data = path.read_bytes()
+    try:  # a local file (or another store): the token is the content's hash
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return PointerState(None, None)
     return PointerState(json.loads(data), hashlib.sha256(data).hexdigest())
 
 

@@ -157,8 +157,7 @@ def gc_paused_import(module: str) -> Iterator[None]:
 
 
 class Engine(ABC):
-    kind: str = ""
-    serves_lora: bool = False  # takes a LoRA adapter beside the model (lora_dir), applied to every request
+    kind: str = ""  # whether it serves a LoRA adapter (lora_dir) and every other feature: engines/capabilities.py
 
     def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
                  trust_remote_code: bool = False, lora_dir: str | None = None):
