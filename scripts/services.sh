@@ -7,6 +7,9 @@
 #   scripts/services.sh check    # exit 0 when both are installed, 1 otherwise; installs nothing
 #   scripts/services.sh browser  # apt-get install chromium (/usr/bin/chromium) when missing, for the UI test
 #                                # (tests/system/test_ui_browser.py drives it with Playwright; no browser download)
+#   scripts/services.sh prometheus  # Debian's prometheus and prometheus-pushgateway, unpacked (no root, no install)
+#                                # into .cache/prometheus; prints the folder of their binaries
+#                                # (tests/system/test_prometheus_pushgateway.py runs both on loopback)
 #
 # Installing does not leave a system-wide server running: Debian's postinst starts one only where an init
 # system runs (not in containers / CI jobs); the test never uses a system instance either way.
@@ -27,7 +30,38 @@ missing() {
   echo "${pkgs[@]:-}"
 }
 
+# prometheus: `apt-get download` of the two packages (the apt lists refreshed first when they lack them, which
+# needs root) and `dpkg -x` of each into .cache/prometheus/root: the binaries in usr/bin, the web assets in
+# usr/share/prometheus. Their dependencies are web assets and init-system helpers the binaries do not need.
+PROM_PKGS="prometheus prometheus-pushgateway"
+PROM_DIR=$(cd "$(dirname "$0")/.." && pwd)/.cache/prometheus
+prometheus_ready() { [ -x "$PROM_DIR/root/usr/bin/prometheus" ] && [ -x "$PROM_DIR/root/usr/bin/prometheus-pushgateway" ]; }
+
 case "${1:-ensure}" in
+  prometheus)
+    if prometheus_ready; then echo "$PROM_DIR/root/usr/bin"; exit 0; fi
+    mkdir -p "$PROM_DIR/debs"
+    for p in $PROM_PKGS; do
+      if ! apt-cache policy "$p" 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+        [ "$(id -u)" = 0 ] || { echo "services: apt knows no package $p; run 'apt-get update' as root" >&2; exit 1; }
+        apt-get update -qq
+        break
+      fi
+    done
+    echo "services: downloading $PROM_PKGS (apt-get download) into $PROM_DIR/debs" >&2
+    # apt's sandbox user cannot write into a folder of ours: say nothing about it (the download runs as us)
+    (cd "$PROM_DIR/debs" && rm -f ./*.deb && apt-get download -q=2 $PROM_PKGS 2>&1 | grep -v "unsandboxed" >&2 || true)
+    rm -rf "$PROM_DIR/root.tmp"
+    debs=("$PROM_DIR"/debs/*.deb)
+    [ -e "${debs[0]}" ] || { echo "services: apt-get download of $PROM_PKGS failed (see above)" >&2; exit 1; }
+    for deb in "${debs[@]}"; do dpkg -x "$deb" "$PROM_DIR/root.tmp"; done
+    if [ ! -x "$PROM_DIR/root.tmp/usr/bin/prometheus" ] || [ ! -x "$PROM_DIR/root.tmp/usr/bin/prometheus-pushgateway" ]; then
+      echo "services: apt-get download of $PROM_PKGS gave no binaries (see above)" >&2; exit 1
+    fi
+    rm -rf "$PROM_DIR/root" && mv "$PROM_DIR/root.tmp" "$PROM_DIR/root"
+    echo "services: unpacked $(ls "$PROM_DIR/debs" | tr '\n' ' ')" >&2
+    echo "$PROM_DIR/root/usr/bin"
+    ;;
   ensure)
     want=$(missing)
     if [ -z "$want" ]; then
@@ -74,7 +108,7 @@ case "${1:-ensure}" in
     [ -z "$(missing)" ]
     ;;
   *)
-    echo "usage: $0 ensure|check|browser" >&2
+    echo "usage: $0 ensure|check|browser|prometheus" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
-from batch_llm import stages
+from batch_llm import metrics_push, stages
 from batch_llm.config import PipelineConfig, parse_config
 from batch_llm.manifests import ShardManifest
 from batch_llm.shard_process import IsolatedShard, ShardFailedNoRetry
@@ -166,23 +166,28 @@ class BatchInferenceOperator(PipelineStageOperator):
             self._run.stop()  # the worker's whole process group, then the lease
 
 
-#: What emit_shard_metrics sends as ``batch_llm.shard.<name>`` (docker/observability maps them to Prometheus).
-SHARD_COUNTERS = ("rows", "errors", "input_tokens", "output_tokens", "cached_rows")
-SHARD_GAUGES = ("output_tokens_per_second", "engine_start_seconds", "generate_seconds", "seconds",
-                "gpu_lease_wait_seconds")
+#: What emit_shard_metrics pushes (batch_llm.metrics_push: counters ``batch_llm_shard_<name>_total``, gauges
+#: ``batch_llm_shard_<name>``; docker/observability's Prometheus scrapes the Pushgateway, Grafana queries them).
+SHARD_COUNTERS = tuple(metrics_push.COUNTERS)
+SHARD_GAUGES = tuple(metrics_push.GAUGES)
 
 
-def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait_seconds: float = 0.0) -> None:
-    """StatsD / OpenTelemetry metrics through Airflow's own Stats (configured by [metrics]), tagged with the
-    pipeline and the shard: the shard's counts and timings, and how long it waited for its GPUs."""
-    from airflow.sdk.observability.stats import Stats
+def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait_seconds: float = 0.0,
+                       run_id: str | None = None) -> bool:
+    """Pushes the finished shard's counts and timings, and how long it waited for its GPUs, to the Prometheus
+    Pushgateway named by ``BATCH_LLM_PUSHGATEWAY_URL`` (none: nothing is pushed), grouped by pipeline, run and
+    shard. A failed push is a warning, never the task's failure. ``run_id``: the DAG run's (default: the running
+    task's context). Not StatsD: Airflow's Stats carries Airflow's own metrics, the Pushgateway the shards'."""
+    url = metrics_push.configured_url()
+    if not url:
+        return False
+    if run_id is None:
+        from airflow.sdk import get_current_context
 
+        run_id = str(get_current_context()["run_id"])
     m = {**manifest.metrics.model_dump(), "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
-    tags = {"pipeline": pipeline, "shard": str(manifest.shard)}
-    for name in SHARD_COUNTERS:
-        Stats.incr(f"batch_llm.shard.{name}", m[name], tags=tags)
-    for name in SHARD_GAUGES:
-        Stats.gauge(f"batch_llm.shard.{name}", m[name], tags=tags)
+    return metrics_push.push_shard_metrics(pipeline, run_id, manifest.shard,
+                                           {k: m[k] for k in (*SHARD_COUNTERS, *SHARD_GAUGES)}, url=url)
 
 
 class ContentFilterOperator(PipelineStageOperator):

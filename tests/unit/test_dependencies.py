@@ -41,7 +41,7 @@ DIST = {
     "jsonschema": "jsonschema", "llmcompressor": "llmcompressor", "lmdeploy": "lmdeploy", "markupsafe": "markupsafe",
     "matplotlib": "matplotlib", "modelscope": "modelscope", "msgspec": "msgspec", "nltk": "nltk", "numpy": "numpy",
     "openlineage": "apache-airflow-providers-openlineage",  # openlineage-python, through the provider it serves
-    "peft": "peft", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
+    "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
     "torch": "torch", "transformers": "transformers", "upath": "universal-pathlib", "vllm": "vllm", "yaml": "pyyaml",
 }

@@ -1,96 +1,158 @@
-"""Shard metrics as they leave a task: Airflow's own StatsD client (as a task process initializes it) sending
-UDP to a socket here, in the InfluxDB tag format the compose file configures; and the observability files
-(statsd_exporter mapping, Grafana dashboard) agreeing with what is sent.
+"""Shard metrics as they leave a task: a push to the Prometheus Pushgateway (batch_llm.metrics_push), caught here by
+an HTTP server on loopback that reads what a Pushgateway would (method, grouping key in the path, text format);
+nothing without BATCH_LLM_PUSHGATEWAY_URL; a refused, rejected or hanging gateway is a warning, never a failure;
+and the observability files (Prometheus scrape config, Grafana dashboard) agreeing with what is pushed.
 
-Not run here: the StatsD exporter, Prometheus and Grafana themselves (no package registry this machine reaches
-ships statsd_exporter; docker/compose.yaml runs the official images). The compose file is validated by
-tests/system/test_docker_static.py."""
+The real Pushgateway and Prometheus, scraped and queried panel by panel after a real shard:
+tests/system/test_prometheus_pushgateway.py."""
 from __future__ import annotations
 
-import fnmatch
+import base64
 import json
-import os
+import logging
 import re
-import socket
-import subprocess
-import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 import yaml
-from batch_llm_airflow.operators import SHARD_COUNTERS, SHARD_GAUGES
+from batch_llm import metrics_push
+from batch_llm.manifests import ShardManifest
+from batch_llm_airflow.operators import SHARD_COUNTERS, SHARD_GAUGES, emit_shard_metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 OBS = ROOT / "docker" / "observability"
-
-EMIT = """
-from airflow.sdk._shared.observability.metrics import stats
-from airflow.sdk.observability.metrics import stats_utils
-from batch_llm.manifests import ShardManifest
-from batch_llm_airflow.operators import emit_shard_metrics
-
-stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)  # as the task runner does
-emit_shard_metrics("demo", ShardManifest(shard=3, outputs="o", errors="e", checksum="c", metrics={
-                   "rows": 10, "errors": 1, "input_tokens": 100, "output_tokens": 50, "cached_rows": 2,
-                   "output_tokens_per_second": 12.5, "engine_start_seconds": 40.1, "generate_seconds": 4.0,
-                   "seconds": 50.0}), gpu_lease_wait_seconds=7.25)
-"""
+RUN_ID = "scheduled__2026-11-30T00:00:00+00:00"
+MANIFEST = ShardManifest(shard=3, outputs="o", errors="e", checksum="c", metrics={
+    "rows": 10, "errors": 1, "input_tokens": 100, "output_tokens": 50, "cached_rows": 2,
+    "output_tokens_per_second": 12.5, "engine_start_seconds": 40.1, "generate_seconds": 4.0, "seconds": 50.0})
 
 
-def _sent_lines() -> list[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    env = dict(os.environ, AIRFLOW__METRICS__STATSD_ON="True", AIRFLOW__METRICS__STATSD_HOST="127.0.0.1",
-               AIRFLOW__METRICS__STATSD_PORT=str(sock.getsockname()[1]), AIRFLOW__METRICS__STATSD_PREFIX="airflow",
-               AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED="True")
-    proc = subprocess.run([sys.executable, "-c", EMIT], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "NoStatsLogger" not in proc.stderr, proc.stderr[-3000:]  # e.g. the statsd package missing
-    sock.settimeout(2.0)
-    lines = []
-    try:
-        while True:
-            lines += sock.recv(65535).decode().splitlines()
-    except socket.timeout:
+class _Gateway(BaseHTTPRequestHandler):
+    """Records each request; answers with the server's ``status`` after ``delay`` seconds."""
+
+    def _record(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        self.server.requests.append((self.command, self.path, body))  # type: ignore[attr-defined]
+        time.sleep(self.server.delay)  # type: ignore[attr-defined]
+        self.send_response(self.server.status)  # type: ignore[attr-defined]
+        self.end_headers()
+
+    do_PUT = do_POST = _record
+
+    def log_message(self, *args) -> None:
         pass
+
+
+@pytest.fixture
+def gateway(monkeypatch):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
+    server.requests, server.status, server.delay = [], 200, 0.0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv(metrics_push.ENV_URL, f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        yield server
     finally:
-        sock.close()
-    return [x for x in lines if "batch_llm" in x]
+        server.shutdown()
+        server.server_close()
 
 
-def test_a_shard_sends_its_counters_and_gauges_tagged_by_pipeline_and_shard():
+def grouping_key(path: str) -> dict[str, str]:
+    """The Pushgateway's reading of ``/metrics/job/<job>{/<label>/<value>}`` (``<label>@base64``: URL-safe base64)."""
+    parts = path.split("/")
+    assert parts[:2] == ["", "metrics"], path
+    key = {}
+    for name, value in zip(parts[2::2], parts[3::2]):
+        if name.endswith("@base64"):
+            name, value = name[:-7], base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).decode()
+        else:
+            value = urllib.parse.unquote_plus(value)
+        key[name] = value
+    return key
+
+
+def test_a_shard_pushes_its_counters_and_gauges_as_one_group_per_pipeline_run_and_shard(gateway):
+    before = time.time()
+    assert emit_shard_metrics("demo", MANIFEST, gpu_lease_wait_seconds=7.25, run_id=RUN_ID) is True
+    ((method, path, body),) = gateway.requests
+    assert method == "PUT"  # replaces the group: a retried shard's push replaces its earlier attempt's
+    assert grouping_key(path) == {"job": "batch_llm", "pipeline": "demo", "run_id": RUN_ID, "shard": "3"}
     got = {}
-    for line in _sent_lines():
-        m = re.fullmatch(r"airflow\.batch_llm\.shard\.(\w+),pipeline=demo,shard=3:([\d.]+)\|(c|g)", line)
-        assert m, line
-        got[m[1]] = (float(m[2]), m[3])
-    assert got == {"rows": (10, "c"), "errors": (1, "c"), "input_tokens": (100, "c"), "output_tokens": (50, "c"),
-                   "cached_rows": (2, "c"), "output_tokens_per_second": (12.5, "g"),
-                   "engine_start_seconds": (40.1, "g"), "generate_seconds": (4.0, "g"), "seconds": (50.0, "g"),
-                   "gpu_lease_wait_seconds": (7.25, "g")}
+    for family in text_string_to_metric_families(body):
+        (sample,) = family.samples
+        assert sample.labels == {}, sample  # the grouping key labels every series
+        got[sample.name] = (family.type, sample.value)
+    stamp = got.pop("batch_llm_shard_last_success_timestamp_seconds")
+    assert stamp[0] == "gauge" and before <= stamp[1] <= time.time()
+    assert got == {
+        "batch_llm_shard_rows_total": ("counter", 10), "batch_llm_shard_errors_total": ("counter", 1),
+        "batch_llm_shard_input_tokens_total": ("counter", 100), "batch_llm_shard_output_tokens_total": ("counter", 50),
+        "batch_llm_shard_cached_rows_total": ("counter", 2),
+        "batch_llm_shard_output_tokens_per_second": ("gauge", 12.5),
+        "batch_llm_shard_engine_start_seconds": ("gauge", 40.1), "batch_llm_shard_generate_seconds": ("gauge", 4.0),
+        "batch_llm_shard_seconds": ("gauge", 50.0), "batch_llm_shard_gpu_lease_wait_seconds": ("gauge", 7.25)}
+    assert set(got) | {"batch_llm_shard_last_success_timestamp_seconds"} == metrics_push.series_names()
+    assert (SHARD_COUNTERS, SHARD_GAUGES) == (tuple(metrics_push.COUNTERS), tuple(metrics_push.GAUGES))
 
 
-def _mapped_names() -> set[str]:
-    """The Prometheus names the exporter's mapping gives each metric the operator sends (first match wins)."""
+def test_a_run_id_with_a_slash_or_nothing_in_it_stays_one_group(gateway):
+    for run_id in ("backfill/2026-11-30", ""):
+        assert metrics_push.push_shard_metrics("demo", run_id, 0, {**MANIFEST.metrics.model_dump(),
+                                                                   "gpu_lease_wait_seconds": 0.0})
+        assert grouping_key(gateway.requests[-1][1])["run_id"] == run_id
+
+
+def test_nothing_is_pushed_without_a_gateway(monkeypatch, gateway):
+    monkeypatch.delenv(metrics_push.ENV_URL)
+    assert emit_shard_metrics("demo", MANIFEST) is False  # not even the run id is asked for (no task context here)
+    monkeypatch.setenv(metrics_push.ENV_URL, "  ")
+    assert emit_shard_metrics("demo", MANIFEST) is False
+    assert gateway.requests == []
+
+
+def test_a_failed_push_is_a_warning_never_the_shards_failure(gateway, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="batch_llm.metrics_push")
+    gateway.status = 400  # what a Pushgateway answers to an inconsistent push
+    assert emit_shard_metrics("demo", MANIFEST, run_id=RUN_ID) is False
+    assert "not pushed to the Pushgateway" in caplog.text and "HTTP Error 400" in caplog.text
+    assert "'run_id': 'scheduled__2026-11-30T00:00:00+00:00'" in caplog.text  # says which group was lost
+    caplog.clear()
+    monkeypatch.setenv(metrics_push.ENV_URL, "http://127.0.0.1:9")  # nothing listens (discard port)
+    assert emit_shard_metrics("demo", MANIFEST, run_id=RUN_ID) is False
+    assert "Connection refused" in caplog.text
+    caplog.clear()
+    gateway.status, gateway.delay = 200, 3.0  # a gateway that does not answer in time: bounded
+    values = {**MANIFEST.metrics.model_dump(), "gpu_lease_wait_seconds": 0.0}
+    start = time.monotonic()
+    url = f"http://127.0.0.1:{gateway.server_address[1]}"
+    assert metrics_push.push_shard_metrics("demo", RUN_ID, 3, values, url=url, timeout=0.5) is False
+    assert time.monotonic() - start < 2.5 and "timed out" in caplog.text
+    assert metrics_push.TIMEOUT_SECONDS <= 10
+
+
+def test_prometheus_scrapes_the_pushgateway_with_its_labels():
+    cfg = yaml.safe_load((OBS / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    push = jobs["pushgateway"]
+    assert push["honor_labels"] is True  # else the pushed job becomes exported_job and the gateway's instance sticks
+    assert push["static_configs"][0]["targets"] == ["pushgateway:9091"]
+    assert "statsd-exporter" in jobs  # Airflow's own metrics still come as StatsD
     rules = yaml.safe_load((OBS / "statsd-mapping.yml").read_text())["mappings"]
-    names = set()
-    for kind, metrics in (("counter", SHARD_COUNTERS), ("gauge", SHARD_GAUGES)):
-        for metric in metrics:
-            statsd = f"airflow.batch_llm.shard.{metric}"
-            rule = next(r for r in rules if r.get("match_metric_type", kind) == kind and
-                        r.get("match_type", "glob") == "glob" and fnmatch.fnmatchcase(statsd, r["match"]))
-            names.add(rule["name"].replace("${1}", metric))
-    return names
+    assert not [r for r in rules if "batch_llm" in str(r)]  # one way in for the shard metrics: no duplicates
 
 
-def test_the_dashboard_queries_only_series_the_mapping_produces():
-    names = _mapped_names()
-    assert {"batch_llm_shard_rows_total", "batch_llm_shard_output_tokens_per_second",
-            "batch_llm_shard_gpu_lease_wait_seconds"} <= names
+def test_the_dashboard_queries_only_series_a_push_produces():
     dash = json.loads((OBS / "grafana" / "dashboards" / "batch-llm.json").read_text())
-    queried = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"batch_llm_\w+", t["expr"])}
-    assert queried and queried <= names, queried - names
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    queried = {n for e in exprs for n in re.findall(r"\b(?:batch_llm_shard_\w+|push_time_seconds)\b", e)}
+    assert queried and queried <= metrics_push.series_names() | {"push_time_seconds"}, queried
+    assert all('{job="batch_llm"}' in e for e in exprs), exprs
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for what in ("tokens/s", "rows done", "errors", "engine start", "gpu-lease wait"):
+    for what in ("tokens/s", "rows done", "errors", "engine start", "gpu-lease wait", "per run", "last successful"):
         assert what in titles, what
     ds = yaml.safe_load((OBS / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert {p["datasource"]["uid"] for p in dash["panels"]} == {d["uid"] for d in ds["datasources"]}
