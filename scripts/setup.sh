@@ -6,7 +6,9 @@
 #   .venv-quantize  requirements-quantize.lock  llm-compressor, for the AWQ export
 # Not done here: the demo model is built offline by scripts/demo.sh and scripts/test.sh
 # (python -m batch_llm.demo_model); the Debian packages of the service tests (redis-server, postgresql,
-# chromium) are apt-installed as root by scripts/services.sh when those tests run.
+# chromium) are apt-installed as root by scripts/services.sh when those tests run, and Debian's prometheus and
+# prometheus-pushgateway downloaded and unpacked into .cache/prometheus (no install, no root) by
+# `scripts/services.sh prometheus` when tests/system/test_prometheus_pushgateway.py runs.
 #
 # Decided first, each said in one line:
 #   python  $PYTHON when set; else the interpreter .venv was made with; else the first of python3.11,
