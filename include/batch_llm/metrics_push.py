@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 
@@ -94,6 +95,11 @@ def configured_url() -> str:
     return os.environ.get(ENV_URL, "").strip()
 
 
+def _shown(url: str) -> str:
+    """The URL as logged: without a ``user:password@`` part."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
 def push_shard_metrics(pipeline: str, run_id: str, shard: int, values: Mapping[str, float], *,
                        url: str | None = None, timeout: float = TIMEOUT_SECONDS) -> bool:
     """Pushes one finished shard's metrics to the Pushgateway at ``url`` (default: ``$BATCH_LLM_PUSHGATEWAY_URL``).
@@ -108,8 +114,8 @@ def push_shard_metrics(pipeline: str, run_id: str, shard: int, values: Mapping[s
     try:
         push_to_gateway(url, job=JOB, registry=registry, grouping_key=key, timeout=timeout)
     except Exception as e:  # refused, unreachable, timed out, rejected (HTTP 400): never the shard's failure
-        log.warning("shard metrics not pushed to the Pushgateway %s (job=%s, group %s): %s: %s", url, JOB, key,
-                    type(e).__name__, e)
+        log.warning("shard metrics not pushed to the Pushgateway %s (job=%s, group %s): %s: %s", _shown(url), JOB,
+                    key, type(e).__name__, e)
         return False
-    log.info("shard metrics pushed to the Pushgateway %s (job=%s, group %s)", url, JOB, key)
+    log.info("shard metrics pushed to the Pushgateway %s (job=%s, group %s)", _shown(url), JOB, key)
     return True

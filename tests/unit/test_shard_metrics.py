@@ -125,6 +125,10 @@ def test_a_failed_push_is_a_warning_never_the_shards_failure(gateway, monkeypatc
     assert emit_shard_metrics("demo", MANIFEST, run_id=RUN_ID) is False
     assert "Connection refused" in caplog.text
     caplog.clear()
+    monkeypatch.setenv(metrics_push.ENV_URL, "http://user:s3cret@127.0.0.1:9")  # a password is never logged
+    assert emit_shard_metrics("demo", MANIFEST, run_id=RUN_ID) is False
+    assert "not pushed to the Pushgateway http://127.0.0.1:9 " in caplog.text and "s3cret" not in caplog.text
+    caplog.clear()
     gateway.status, gateway.delay = 200, 3.0  # a gateway that does not answer in time: bounded
     values = {**MANIFEST.metrics.model_dump(), "gpu_lease_wait_seconds": 0.0}
     start = time.monotonic()
