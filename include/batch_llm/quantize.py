@@ -443,6 +443,8 @@ def export_checkpoint(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> di
         info["quantize_seconds"] = round(quantized_at - started, 1)
         info["seconds"] = round(time.monotonic() - started, 1)
         info["size_bytes"] = _dir_size(tmp)
+        # where llm-compressor ran the calibration (it onloads layers to the GPU when there is one)
+        info["accelerator"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
         try:
             os.rename(tmp, out_dir)

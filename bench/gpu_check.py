@@ -1,0 +1,331 @@
+"""The production path on one GPU with the real demo weights (SmolLM2-135M-Instruct, built offline as the demo
+builds them): each item is a ``batch-llm run`` process, as a user runs it (fetch → quantize → plan → infer →
+filter → publish; evaluate off: EvalScope is not part of what is checked here), checked on what it published.
+
+    python -m bench gpu-check --out DIR [--items bf16,fp32,...] [--rows 512]     # on a machine with a GPU
+    python -m bench gpu-check --reference FILE                                   # on a CPU: the greedy reference
+
+Items (each passes or fails with the reason; a missing part is a failure that says what is missing):
+  bf16      the demo pipeline, bf16, the GPU defaults (offline CUDA graphs); greedy outputs against the CPU reference
+  fp32      the same in float32 (what the CPU runs here): greedy outputs against the CPU reference
+  fp8       quantize FP8_DYNAMIC (llm-compressor, on the GPU), served by vLLM; published rows all valid
+  awq       quantize W4A16 with AWQ calibration (llm-compressor, on the GPU), served by vLLM's 4-bit kernels
+  lora      an adapter (made here with peft, seeded random lora_B) served (merge: false) and merged (merge: true):
+            greedy outputs equal between the two, and different from the base model's
+  guided    dags/pipelines/review_extraction.yaml (JSON-schema guided decoding): share of valid outputs
+  samples   n = 3 at temperature 0.8 with logprobs 2: three samples per row, log-probabilities per token
+  embed     engine.task embed: one L2-normalized vector per row of the model's hidden size
+  spec      n-gram speculative decoding through the stage: greedy outputs equal to bf16's (the check's own run)
+  lmdeploy  the LMDeploy engine (PyTorch backend) on the same rows (``--lmdeploy-python``: its interpreter)
+
+Every item runs eager (no CUDA graphs) except bf16, fp32 and spec, to keep engine starts short; what it ran
+with is in its result. Rows: ``--rows`` prompts, the demo's 20 valid prompts numbered (``(#i)``) so that no two
+are equal; the first 64 are the reference rows. Results: one JSON line per item in ``DIR/gpu_check.jsonl``, a
+table on stdout, each run's log and published rows under ``DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from bench.runners import ROOT, append_jsonl, run
+
+DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
+REVIEW_YAML = ROOT / "dags" / "pipelines" / "review_extraction.yaml"
+DEMO_PROMPTS = ROOT / "include" / "sample_data" / "demo_prompts.jsonl"
+REVIEWS = ROOT / "include" / "sample_data" / "reviews_zh.jsonl"
+REFERENCE = ROOT / "docs" / "bench-results" / "gpu-check-cpu-reference.jsonl"
+REFERENCE_ROWS = 64
+MAX_TOKENS = 64
+DS = "2026-12-03"
+ITEMS = ("bf16", "fp32", "fp8", "awq", "lora", "guided", "samples", "embed", "spec", "lmdeploy")
+COMMON = ["sharding.num_shards=1", "evaluate.enabled=false", "cache.enabled=false", "engine.max_error_rate=0.5",
+          f"sampling.max_tokens={MAX_TOKENS}", "engine.commit_every_rows=256"]
+
+
+def make_rows(n: int) -> list[dict]:
+    """``n`` chat rows: the demo's valid prompts, numbered so that no two are equal (no folding of duplicates)."""
+    base = []
+    for line in DEMO_PROMPTS.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # the demo's deliberately malformed lines
+        if not isinstance(r, dict):
+            continue
+        text = r.get("prompt") or (r.get("messages") or [{}])[-1].get("content")
+        if isinstance(text, str) and text.strip() and len(text) < 2000:
+            base.append(text.strip())
+    return [{"id": f"g{i:05d}", "prompt": f"{base[i % len(base)]} (#{i})"} for i in range(n)]
+
+
+def review_rows(n: int) -> list[dict]:
+    base = [json.loads(x) for x in REVIEWS.read_text(encoding="utf-8").splitlines()]
+    return [{**base[i % len(base)], "id": f"r{i:05d}", "prompt": f"{base[i % len(base)]['prompt']}（{i}）"}
+            for i in range(n)]
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+class Check:
+    """One check session: where runs go, the model, and how a run of the CLI is made and read back."""
+
+    def __init__(self, out: Path, model: str, rows: int, timeout: float, env: dict[str, str]):
+        self.out, self.model, self.timeout, self.env = out, model, timeout, env
+        self.input = write_rows(out / "rows.jsonl", make_rows(rows))
+        self.rows = rows
+
+    def run(self, name: str, sets: list[str], *, yaml: Path = DEMO_YAML, src: Path | None = None,
+            env: dict | None = None) -> dict:
+        """One ``batch-llm run``; returns its published rows by id, the summary, the shard manifest, the wall."""
+        dest = self.out / name
+        shutil.rmtree(dest, ignore_errors=True)
+        args = [sys.executable, "-m", "batch_llm", "run", str(yaml), "--input", str(src or self.input),
+                "--output", str(dest), "--ds", DS, "--run-id", name, "--plain", "--set", f"model.ref={self.model}"]
+        for s in [*COMMON, *sets]:
+            args += ["--set", s]
+        proc = run(args, env={**self.env, **(env or {})}, timeout=self.timeout, log=self.out / f"{name}.log")
+        if proc.rc != 0:
+            tail = " | ".join(x for x in proc.out.splitlines()[-6:] if x.strip())
+            raise CheckFailed(f"run exited {proc.rc}: {tail[-900:]}")
+        current = json.loads(next(dest.glob("*/dt=*/_CURRENT.json")).read_text())
+        summary = json.loads((Path(_path(current["version"])) / "summary.json").read_text())
+        (manifest,) = summary["manifests"]["infer"]
+        return {"rows": {r["id"]: r for r in _read_rows(_path(current["dataset"]))}, "summary": summary,
+                "manifest": manifest, "wall_s": round(proc.wall_s, 1)}
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def _path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def _read_rows(path: str) -> list[dict]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def figures(r: dict) -> dict:
+    """The shard's own clock: engine start, generation, generated tokens per second of generation."""
+    m = r["manifest"]["metrics"]
+    gen = m.get("generate_seconds") or 0.0
+    return {"wall_s": r["wall_s"], "engine_start_s": m.get("engine_start_seconds"), "generate_s": gen,
+            "rows_published": r["summary"].get("rows_published"), "output_tokens": m.get("output_tokens"),
+            "gen_tok_s": round(m["output_tokens"] / gen, 1) if gen else None,
+            "engine": _engine(r)}
+
+
+def _engine(r: dict) -> dict:
+    """The engine the shard ran, as its manifest records it (kind, version, the settings that matter here)."""
+    e = r["manifest"].get("engine") or {}
+    st = e.get("settings") or {}
+    return {"kind": e.get("kind"), "version": e.get("version"),
+            **{k: st.get(k) for k in ("dtype", "enforce_eager", "quantization", "speculative_config") if k in st}}
+
+
+def compare(rows: dict, reference: dict[str, str]) -> dict:
+    """Greedy outputs against the reference: how many equal, and for the others where they part (in characters)."""
+    same, differ = 0, []
+    for rid, want in reference.items():
+        got = rows.get(rid, {}).get("output")
+        if got == want:
+            same += 1
+        else:
+            at = next((i for i, (a, b) in enumerate(zip(got or "", want)) if a != b), min(len(got or ""), len(want)))
+            differ.append({"id": rid, "parts_at_char": at, "got": (got or "")[:80], "want": want[:80]})
+    return {"equal": same, "of": len(reference), "first_differences": differ[:5]}
+
+
+def item_bf16(c: Check, ref: dict) -> dict:
+    r = c.run("bf16", ["engine.dtype=bfloat16"])
+    cmp = compare(r["rows"], ref)
+    c.greedy_bf16 = {k: v["output"] for k, v in r["rows"].items()}
+    ok = r["summary"]["rows_published"] == c.rows
+    return {"ok": ok, **figures(r), "vs_cpu_float32": cmp}
+
+
+def item_fp32(c: Check, ref: dict) -> dict:
+    r = c.run("fp32", ["engine.dtype=float32"])
+    cmp = compare(r["rows"], ref)
+    return {"ok": r["summary"]["rows_published"] == c.rows, **figures(r), "vs_cpu_float32": cmp}
+
+
+def _quantized(c: Check, name: str, sets: list[str]) -> dict:
+    r = c.run(name, ["quantize.enabled=true", "engine.enforce_eager=true", *sets])
+    q = (r["summary"]["manifests"].get("quantize") or {}).get("quantization") or {}
+    empty = sum(1 for v in r["rows"].values() if not (v.get("output") or "").strip())
+    ok = r["summary"]["rows_published"] == c.rows and empty < c.rows // 10
+    return {"ok": ok, **figures(r), "empty_outputs": empty, "export": q,
+        "sample": next(iter(r["rows"].values()))["output"][:120]}
+
+
+def item_fp8(c: Check, ref: dict) -> dict:
+    return _quantized(c, "fp8", ["quantize.scheme=FP8_DYNAMIC"])
+
+
+def item_awq(c: Check, ref: dict) -> dict:
+    return _quantized(c, "awq", ["quantize.scheme=W4A16", "quantize.method=awq", "quantize.group_size=64",
+                                 "quantize.calibration_samples=32", "quantize.calibration_seq_len=256"])
+
+
+def make_adapter(model: str, dest: Path) -> Path:
+    """A rank-8 LoRA adapter on the attention projections, lora_B seeded random (peft starts it at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_obj = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    peft_model = get_peft_model(model_obj, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    gen = torch.Generator().manual_seed(0)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.02
+    peft_model.save_pretrained(dest)
+    return dest
+
+
+def item_lora(c: Check, ref: dict) -> dict:
+    adapter = make_adapter(c.model, c.out / "adapter")
+    base = getattr(c, "greedy_bf16", None)
+    served = c.run("lora-served", ["engine.enforce_eager=true", "engine.dtype=bfloat16",
+                                   f"model.lora={{ref: {adapter}, merge: false}}"])
+    merged = c.run("lora-merged", ["engine.enforce_eager=true", "engine.dtype=bfloat16",
+                                   f"model.lora={{ref: {adapter}, merge: true}}"])
+    a = {k: v["output"] for k, v in served["rows"].items()}
+    b = {k: v["output"] for k, v in merged["rows"].items()}
+    equal = sum(1 for k in a if a[k] == b.get(k))
+    changed = None if base is None else sum(1 for k in a if a[k] != base.get(k))
+    ok = equal >= 0.9 * len(a) and (changed is None or changed > 0)
+    return {"ok": ok, "served": figures(served), "merged": figures(merged), "served_equal_merged": equal,
+            "of": len(a), "served_differs_from_base": changed,
+            "note": "bf16: a merged folder rounds W + BA once, a served adapter adds BA to bf16 W; a near tie in "
+                    "greedy decoding may go either way (the CPU test compares in float32)"}
+
+
+def item_guided(c: Check, ref: dict) -> dict:
+    src = write_rows(c.out / "reviews.jsonl", review_rows(c.rows))
+    r = c.run("guided", ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false"],
+              yaml=REVIEW_YAML, src=src)
+    m = r["manifest"]["metrics"]
+    valid = r["summary"]["rows_published"]
+    return {"ok": valid >= 0.9 * c.rows, **figures(r), "valid_outputs": valid, "of": c.rows,
+            "invalid_outputs": m.get("invalid_outputs"), "sample": next(iter(r["rows"].values()))}
+
+
+def item_samples(c: Check, ref: dict) -> dict:
+    r = c.run("samples", ["engine.enforce_eager=true", "sampling.n=3", "sampling.temperature=0.8",
+                          "sampling.logprobs=2", "sampling.max_tokens=16"])
+    rows = list(r["rows"].values())
+    three = sum(1 for x in rows if len(x.get("outputs") or []) == 3)
+    lp = sum(1 for x in rows if x.get("logprobs") and all(len(t["top"]) == 2 for t in x["logprobs"]))
+    varied = sum(1 for x in rows if len(set(x.get("outputs") or [])) > 1)
+    ok = three == len(rows) == c.rows and lp == len(rows) and varied > len(rows) // 2
+    return {"ok": ok, **figures(r), "rows_with_3_samples": three, "rows_with_logprobs": lp,
+            "rows_whose_samples_differ": varied, "of": c.rows}
+
+
+def item_embed(c: Check, ref: dict) -> dict:
+    r = c.run("embed", ["engine.enforce_eager=true", "engine.task=embed", "filter.enabled=false"])
+    hidden = json.loads((Path(c.model) / "config.json").read_text())["hidden_size"]
+    vecs = [x["embedding"] for x in r["rows"].values()]
+    right = sum(1 for v in vecs if len(v) == hidden and math.isclose(math.sqrt(sum(t * t for t in v)), 1.0,
+                                                                       abs_tol=1e-3))
+    return {"ok": right == len(vecs) == c.rows, **figures(r), "unit_vectors_of_hidden_size": right, "of": c.rows,
+            "hidden_size": hidden}
+
+
+def item_spec(c: Check, ref: dict) -> dict:
+    r = c.run("spec", ["engine.dtype=bfloat16", "engine.speculative={num_speculative_tokens: 4}"])
+    base = getattr(c, "greedy_bf16", None)
+    equal = None if base is None else sum(1 for k, v in r["rows"].items() if v["output"] == base.get(k))
+    ok = r["summary"]["rows_published"] == c.rows and (equal is None or equal >= 0.9 * c.rows)
+    return {"ok": ok, **figures(r), "equal_to_bf16_greedy": equal, "of": c.rows,
+}
+
+
+def item_lmdeploy(c: Check, ref: dict) -> dict:
+    py = os.environ.get("BATCH_LLM_LMDEPLOY_PYTHON")
+    if not py:
+        raise CheckFailed("no LMDeploy interpreter: set BATCH_LLM_LMDEPLOY_PYTHON (or --lmdeploy-python)")
+    r = c.run("lmdeploy", ["engine.kind=lmdeploy", f"engine.python={py}", "engine.dtype=bfloat16"])
+    base = getattr(c, "greedy_bf16", None)
+    equal = None if base is None else sum(1 for k, v in r["rows"].items() if v["output"] == base.get(k))
+    return {"ok": r["summary"]["rows_published"] == c.rows, **figures(r), "equal_to_vllm_bf16_greedy": equal,
+            "of": c.rows}
+
+
+def make_reference(dest: Path, env: dict) -> None:
+    """The CPU's greedy outputs (float32, vLLM CPU) of the reference rows, written to ``dest`` as JSON lines."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_ref_") as tmp:
+        c = Check(Path(tmp), _demo_model(), REFERENCE_ROWS, 1800, env)
+        r = c.run("cpu-reference", ["engine.dtype=float32"])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(json.dumps({"id": k, "output": v["output"]}, ensure_ascii=False) + "\n"
+                            for k, v in sorted(r["rows"].items())), encoding="utf-8")
+    print(f"{len(r['rows'])} reference outputs → {dest} ({figures(r)})")
+
+
+def _demo_model() -> str:
+    from batch_llm.demo_model import build_demo_model
+
+    return str(build_demo_model())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "var" / "gpu-check"))
+    ap.add_argument("--items", default=",".join(ITEMS))
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--model", help="the model folder (default: the demo model, built if missing)")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per run")
+    ap.add_argument("--lmdeploy-python", help="interpreter with LMDeploy (BATCH_LLM_LMDEPLOY_PYTHON)")
+    ap.add_argument("--reference", help="write the CPU reference here instead of checking")
+    a = ap.parse_args(argv)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if a.reference:
+        make_reference(Path(a.reference), env)
+        return 0
+    if a.lmdeploy_python:
+        os.environ["BATCH_LLM_LMDEPLOY_PYTHON"] = a.lmdeploy_python
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ref = {}
+    if REFERENCE.exists():
+        ref = {r["id"]: r["output"] for r in map(json.loads, REFERENCE.read_text(encoding="utf-8").splitlines())}
+    c = Check(out, a.model or _demo_model(), a.rows, a.timeout, env)
+    failed = 0
+    for name in a.items.split(","):
+        t0 = time.time()
+        try:
+            rec = globals()[f"item_{name}"](c, ref)
+        except CheckFailed as e:
+            rec = {"ok": False, "why": str(e)}
+        rec = {"item": name, **rec, "item_s": round(time.time() - t0, 1)}
+        failed += not rec["ok"]
+        append_jsonl(out / "gpu_check.jsonl", rec, ensure_ascii=False)
+        print(("PASS " if rec["ok"] else "FAIL ") + json.dumps(rec, ensure_ascii=False)[:1500], flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
