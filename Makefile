@@ -1,5 +1,5 @@
 # The two commands: `make demo` (set up everything, run the demo pipeline through Airflow) and `make test`.
-.PHONY: setup demo test check bench lock
+.PHONY: setup demo test check bench gpu-check lock
 setup:
 	bash scripts/setup.sh
 demo: setup
@@ -10,5 +10,10 @@ check: setup
 	bash scripts/check.sh
 bench: setup
 	bash bench/run_cpu.sh
+# On a machine with one GPU, in an environment with the GPU vLLM (`pip install -e ".[vllm,quantize]"` or the GPU image):
+# every feature through `batch-llm run` on the real demo weights (docs/benchmarks.md, "GPU check").
+PYTHON ?= .venv/bin/python
+gpu-check:
+	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) -m bench gpu-check --out var/gpu-check
 lock:
 	bash .ci/lock.sh
