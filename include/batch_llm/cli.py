@@ -329,6 +329,20 @@ def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Rep
         rep.end()
 
 
+def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: list, rep: Reporter) -> list:
+    """One inference task's shards (``stages.shard_tasks``): one shard as ``_shard``; several in turn on one
+    engine (``sharding.shards_per_task``), as the Airflow task runs them."""
+    from batch_llm import stages
+
+    if len(shards) == 1:
+        return [_shard(cfg, layout, model, shards[0], rep)]
+    rep.begin(f"shards {shards[0].index}-{shards[-1].index}", sum(s.rows for s in shards))
+    try:
+        return stages.infer_shards(cfg, layout, model, shards, say=rep.say)
+    finally:
+        rep.end()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from batch_llm import stages
     from batch_llm.doctor import diagnose, format_findings
@@ -337,7 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
-        shards: list[ShardResult | ShardManifest | dict] = [_shard(cfg, layout, model, s, rep) for s in plan.shards]
+        shards: list[ShardResult | ShardManifest | dict] = [
+            m for task in stages.shard_tasks(cfg, plan) for m in _shard_task(cfg, layout, model, task, rep)]
         filtered = stages.content_filter(cfg, layout, plan, shards)
         fs = filtered.summary
         rep.say(f"content filter: {fs.rows_scanned} rows scanned, {fs.rows_affected} affected, "

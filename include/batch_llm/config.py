@@ -144,6 +144,11 @@ class ShardingConfig(_Section):
     num_shards: int | None = Field(None, gt=0)
     sort_by_length: bool = Field(True, description="Inside a shard, rows with the largest output budget first, "
                                    "then by prompt length (plan.shard_order); false: input order")
+    shards_per_task: int = Field(1, ge=1, description="Consecutive shards one inference task runs in turn on "
+                                 "one engine (one worker, one GPU lease): the engine starts once per task, not once "
+                                 "per shard. Each shard keeps its own folder, chunk commits, manifest and "
+                                 "exactly-once resume; the mapped task count is ceil(shards / shards_per_task). "
+                                 "Not part of the plan: changing it does not re-plan or redo committed shards")
     # With neither set, shards are sized so that engine start stays under max_engine_start_share of a shard's
     # time, from these two expectations (defaults: measured on one H200, Qwen2.5-7B shape; docs/benchmarks.md).
     max_engine_start_share: float = Field(0.1, gt=0, lt=1)

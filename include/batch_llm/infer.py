@@ -266,6 +266,43 @@ class _EngineStarter(threading.Thread):
         return self.engine, self.info
 
 
+class SharedEngine:
+    """One engine for the consecutive shards one task runs in turn (``sharding.shards_per_task``): started by
+    the first shard that needs one (its timeline gets the ``engine`` phase, its manifest the start's seconds),
+    used as it is by the later ones (their ``engine_start_seconds`` is 0 and ``engine_shared_from`` names the
+    shard that paid), closed by the caller once the last shard is done (``stages.infer_shards``). A shard that
+    is already committed, or served whole from the result cache, starts nothing: the next one that generates
+    pays the start."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.info: EngineInfo | None = None
+        self.started_by: int | None = None   # the shard whose start it was
+        self.starts = 0
+
+    def get(self, run: "ShardRun") -> tuple[Engine, EngineInfo]:
+        if self.engine is None:
+            starter = _EngineStarter(run.model_dir, run.cfg, run.say, run.timeline, lora_dir=run.lora_dir,
+                                     storage_options=run.shard_dir.options)
+            starter.run()  # in this thread: the shard's rows are rendered as the engine takes them
+            self.engine, self.info = starter.result()
+            self.started_by, self.starts = run.shard.index, self.starts + 1
+            run.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
+                    f"{self.info.settings}")
+        else:
+            run.say(f"shard {run.shard.index}: the engine shard {self.started_by} started serves it too")
+        assert self.info is not None
+        return self.engine, self.info
+
+    def paid_by(self, index: int) -> bool:
+        return self.started_by == index
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+
 # ------------------------------------------------------------------------------------------ the shard
 class ShardRun:
     """One shard, run to completion or resumed; ``run()`` returns its manifest.
@@ -273,14 +310,18 @@ class ShardRun:
     ``shard`` is the planner's entry (``ShardSpec``: index, rows, the shard file's url). ``started`` carries the
     worker's own clock (``spawned_at``, ``worker_started_at``, epoch seconds) for the timeline. ``on_committed``
     is called with the manifest once it is durable and the shard passed its error-rate check, before the engine
-    is shut down: the worker reports there and ends its engine's processes itself (``batch_llm.worker``)."""
+    is shut down: the worker reports there and ends its engine's processes itself (``batch_llm.worker``).
+    ``shared_engine``: the engine of the task's shards (``SharedEngine``), which the shard neither starts when
+    another did nor closes."""
 
     def __init__(self, cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
                  started: dict | None = None, lora_dir: str | None = None,
-                 on_committed: Callable[[ShardManifest], None] | None = None):
+                 on_committed: Callable[[ShardManifest], None] | None = None,
+                 shared_engine: SharedEngine | None = None):
         self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
         self.on_committed = on_committed
+        self.shared = shared_engine
         self.engine: Engine | None = None
         self.model_dir, self.model_key, self.lora_dir = model_dir, model_key, lora_dir
         self.shard_path = Location(shard.url, shard_dir.options).path()
@@ -389,20 +430,27 @@ class ShardRun:
         self._commit()
 
     def _generate(self) -> None:
-        starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir,
-                                 storage_options=self.shard_dir.options)
-        if OVERLAP_ENGINE_START and self.cfg.engine.caps.overlap_engine_start:  # LMDeploy binds its thread's loop
-            starter.start()
-        else:
-            starter.run()
+        starter = None
+        if self.shared is None:
+            starter = _EngineStarter(self.model_dir, self.cfg, self.say, self.timeline, lora_dir=self.lora_dir,
+                                     storage_options=self.shard_dir.options)
+            if OVERLAP_ENGINE_START and self.cfg.engine.caps.overlap_engine_start:  # LMDeploy binds its thread's loop
+                starter.start()
+            else:
+                starter.run()
         rows = iter_jsonl(self.shard_path)
         with tempfile.TemporaryDirectory(prefix="batch_llm_requests_") as tmp:
             self.retry = _RequestSpool(Path(tmp) / "retry-0.jsonl")
-            spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
-            engine, self.info = starter.result()
-            self.engine = engine  # closed by run(), once the manifest is written
-            self.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
-                     f"{self.info.settings}")
+            spooled = None
+            if starter is not None:
+                spooled = self._tokenize_while(starter.is_alive, rows, Path(tmp) / "requests.jsonl")
+                engine, self.info = starter.result()
+                self.engine = engine  # closed by run(), once the manifest is written
+                self.say(f"engine {self.info.kind} {self.info.version} started in {self.info.start_seconds:.1f}s: "
+                         f"{self.info.settings}")
+            else:
+                assert self.shared is not None
+                engine, self.info = self.shared.get(self)  # closed by its owner, after the task's last shard
             t_gen, t0 = time.perf_counter(), time.time()
             self.progress.t0 = self.progress.last = t_gen  # rates and ETA count generation, not engine start
             first = None
@@ -586,15 +634,18 @@ class ShardRun:
                                            if not r["cached"] and r.get("key"))
             self.say(f"cache: wrote {table}")
         info = self.info
+        paid = info is not None and (self.shared is None or self.shared.paid_by(self.shard.index))
         manifest.metrics = manifest.metrics.model_copy(update=dict(
-            engine_start_seconds=round(info.start_seconds, 2) if info else 0.0,
+            engine_start_seconds=round(info.start_seconds, 2) if info and paid else 0.0,
+            engine_shared_from=self.shared.started_by if info and self.shared and not paid else None,
             generate_seconds=round(self.gen_seconds, 2), cached_rows=self.n_cached,
             seconds=round(time.perf_counter() - t_start, 2), output_tokens_this_attempt=self.gen_tokens,
             output_tokens_per_second=round(self.gen_tokens / self.gen_seconds, 1) if self.gen_seconds else 0.0,
             unique_prompts=self.n_prompts, peak_rss_mb=peak_rss_mb(), outputs_asked_again=self.n_retried))
         manifest.cache_lookup = self.lookup.stats if self.lookup is not None else None
         manifest.engine = EngineRecord(kind=self.cfg.engine.kind, version=info.version if info else None,
-                                       settings=info.settings if info else {}, attempts=info.attempts if info else [])
+                                       settings=info.settings if info else {},
+                                       attempts=info.attempts if info and paid else [])
         self.timeline.end("commit")
         # the manifest write itself is the last few ms of commit
         manifest.phases = [Phase(**p) for p in self.timeline.to_list()]
@@ -610,12 +661,13 @@ class ShardRun:
 def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
               cache_root: Location | None = None, say: Callable[[str], None] = print,
               started: dict | None = None, lora_dir: str | None = None,
-              on_committed: Callable[[ShardManifest], None] | None = None) -> ShardManifest:
+              on_committed: Callable[[ShardManifest], None] | None = None,
+              shared_engine: SharedEngine | None = None) -> ShardManifest:
     """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``); ``lora_dir``:
-    a LoRA adapter the engine serves on every request."""
+    a LoRA adapter the engine serves on every request; ``shared_engine``: the engine of the task's shards."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
                     cache_root=cache_root, say=say, started=started, lora_dir=lora_dir,
-                    on_committed=on_committed).run()
+                    on_committed=on_committed, shared_engine=shared_engine).run()
 
 
 def sampling_identity(s: SamplingConfig) -> dict:

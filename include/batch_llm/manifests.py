@@ -11,9 +11,10 @@ The hand-off rule (``stages`` and the Airflow operators follow it):
   from there (``stages.read_manifest_at``, ``stages.shard_manifests``), never from XCom.
 - XCom carries only a small typed reference, and only where Airflow needs one to wire the DAG or a step after
   the pipeline needs a value: ``ModelRef`` (fetch and quantize → the shards), the ``ShardSpec`` list (plan → the
-  shard tasks mapped over it), ``ShardResult`` (each shard → the filter, which learns from it which mapped
-  shards ran), ``PublishedRef`` (publish → steps after the pipeline, the "Run report" link). The filter and
-  evaluate tasks return a few counts for the task's XCom tab; no task reads them.
+  shard tasks mapped over it; with ``sharding.shards_per_task`` > 1 a list of such lists, one per task),
+  ``ShardResult`` (each shard → the filter, which learns from it which mapped shards ran; a task of several
+  shards returns its shards' results as a list), ``PublishedRef`` (publish → steps after the pipeline, the
+  "Run report" link). The filter and evaluate tasks return a few counts for the task's XCom tab; no task reads them.
 - Every operator builds the run's layout with ``stages.RunLayout.for_run`` (the DAG run's run_id as it is), so a
   task, its retries and its Clears all find the same run folder.
 """
@@ -163,7 +164,8 @@ class ShardMetrics(BaseModel):
     cached_prompt_tokens: int = 0      # prompt tokens served from the engine's prefix cache
     output_tokens: int = 0             # completion tokens of the usable rows
     chunks: int = 0
-    engine_start_seconds: float = 0.0
+    engine_start_seconds: float = 0.0  # 0 where the shard started no engine or shared another shard's start
+    engine_shared_from: int | None = None  # sharding.shards_per_task: the shard of its task whose engine it used
     generate_seconds: float = 0.0
     cached_rows: int = 0               # served from the result cache, not generated
     seconds: float = 0.0

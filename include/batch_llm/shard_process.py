@@ -10,6 +10,9 @@ through here, so the sequence is written once::
     manifest = shard.run(on_line=log.info)     # blocks; streams the worker's log lines
     shard.stop()                               # from another thread or a signal handler (on_kill)
 
+A list of shards (a task of ``sharding.shards_per_task`` consecutive shards) runs in one worker on one engine,
+in turn, each shard committed as it would be alone: ``run_all`` returns their manifests (``run`` the first's).
+
 ``run_shard_isolated(...)`` is the same for a caller that does not need to stop it. A worker that fails so that
 a retry would fail the same way (too many error rows, an engine that cannot run the model here) raises
 ``ShardFailedNoRetry``; any other failure ``ShardWorkerFailed`` (a ``RuntimeError``: retry it). No Airflow here.
@@ -50,10 +53,14 @@ def _json(x: Any) -> Any:
     return x.model_dump(mode="json") if isinstance(x, BaseModel) else x
 
 
-def worker_spec(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict, shard: ShardSpec | dict) -> dict:
-    """What ``python -m batch_llm.worker`` reads from stdin: config, layout, model reference, shard."""
-    return {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": _json(model),
-            "shard": _json(shard)}
+def worker_spec(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict,
+                shard: ShardSpec | dict | list[ShardSpec | dict]) -> dict:
+    """What ``python -m batch_llm.worker`` reads from stdin: config, layout, model reference, shard (or
+    ``shards``: a task's shards, run in turn on one engine)."""
+    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": _json(model)}
+    if isinstance(shard, list):
+        return {**spec, "shards": [_json(s) for s in shard]}
+    return {**spec, "shard": _json(shard)}
 
 
 class IsolatedShard:
@@ -62,11 +69,16 @@ class IsolatedShard:
     ``run`` releases the lease whatever the outcome; ``stop`` (on_kill) ends the worker's whole process group,
     waits until it is gone, then releases the lease, so the GPU is free when it returns."""
 
-    def __init__(self, cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict, shard: ShardSpec | dict, *,
+    def __init__(self, cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict,
+                 shard: ShardSpec | dict | list[ShardSpec | dict], *,
                  holder: str, python: str | None = None, lease_poll: float = 2.0):
         self.cfg, self.layout, self.model, self.holder = cfg, layout, model, holder
-        self.shard = ShardSpec.model_validate(_json(shard))
-        self._shard_json = _json(shard)
+        self.group = isinstance(shard, list)  # a task's shards, run in turn on one engine
+        self._shard_json: Any = [_json(s) for s in shard] if isinstance(shard, list) else _json(shard)
+        self.shards = [ShardSpec.model_validate(s) for s in (self._shard_json if self.group else [self._shard_json])]
+        if not self.shards:
+            raise ValueError("no shard to run")
+        self.shard = self.shards[0]
         self.python = python or cfg.engine.python or sys.executable
         self.lease_poll = lease_poll
         self.lease: GpuLease | None = None
@@ -90,6 +102,10 @@ class IsolatedShard:
 
     def run(self, on_line: Callable[[str], None] = print) -> ShardManifest:
         """Leases, spawns, records the worker in the lease, waits for its manifest; releases the lease."""
+        return self.run_all(on_line)[0]
+
+    def run_all(self, on_line: Callable[[str], None] = print) -> list[ShardManifest]:
+        """``run`` for every shard given: their manifests, in order (one for a single shard)."""
         self._say = on_line
         try:
             env = self._lease()
@@ -97,13 +113,19 @@ class IsolatedShard:
             self.worker = WorkerHandle.start(spec, python=self.python, env=env)
             if self.lease is not None:
                 self.lease.record_worker(self.worker.pid)
-            on_line(f"shard {self.shard.index} ({self.shard.rows} rows): worker pid {self.worker.pid}")
+            what = ", ".join(f"shard {s.index} ({s.rows} rows)" for s in self.shards)
+            on_line(f"{what}: worker pid {self.worker.pid}")
             try:
-                return ShardManifest.model_validate(self.worker.wait(on_line=on_line))
+                result = self.worker.wait(on_line=on_line)
+                if self.group:
+                    return [ShardManifest.model_validate(m) for m in result["shards"]]
+                return [ShardManifest.model_validate(result)]
             except WorkerFailed as e:
                 if not e.retryable:
                     raise ShardFailedNoRetry(str(e), e.returncode) from None
-                raise ShardWorkerFailed(f"shard {self.shard.index} worker failed (exit {e.returncode}): {e}",
+                name = f"shard {self.shard.index}" if not self.group else \
+                    "shards " + ",".join(str(s.index) for s in self.shards)
+                raise ShardWorkerFailed(f"{name} worker failed (exit {e.returncode}): {e}",
                                         e.returncode) from None
         finally:
             self.release()

@@ -9,13 +9,17 @@ the CLI, the benchmarks and the tests all call these same functions::
     model = quantize(cfg, layout, model)
     plan = plan_shards(cfg, layout)
     shards = [infer_shard(cfg, layout, model, s) for s in plan.shards]
+    # or, one engine for k consecutive shards (sharding.shards_per_task):
+    shards = [m for group in shard_tasks(cfg, plan) for m in infer_shards(cfg, layout, model, group)]
     filtered = content_filter(cfg, layout, plan, shards)
     scores = evaluate(cfg, layout, plan, filtered)
     publish(cfg, layout, plan, filtered, scores)
 
 Hand-off between stages (the rule ``batch_llm.manifests`` states; the operators follow it): a stage's manifest
 lives in its run folder in storage and is the record of what it did; between Airflow tasks XCom carries only a
-small typed reference (``ModelRef``, the ``ShardSpec`` list, ``ShardResult``, ``PublishedRef``). A stage that
+small typed reference (``ModelRef``, the ``ShardSpec`` list (or, with ``sharding.shards_per_task`` > 1, one
+list of ``ShardSpec`` per task: ``shard_tasks``), ``ShardResult`` (a list of them from a task of several
+shards), ``PublishedRef``). A stage that
 needs more of an upstream stage than its reference reads the manifest from the run folder
 (``read_manifest_at``, ``shard_manifests``). Every caller builds the run's layout with ``RunLayout.for_run``.
 """
@@ -31,6 +35,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
@@ -79,6 +84,9 @@ from batch_llm.storage import (
     write_json,
     write_jsonl,
 )
+
+if TYPE_CHECKING:
+    from batch_llm.infer import SharedEngine
 
 
 class EvaluationBelowThreshold(RuntimeError):
@@ -206,6 +214,7 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
     from batch_llm.identity import files_key, stable_hash
 
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
+    settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
     return stable_hash({"files": files_key(input_files(input_loc.path())), "settings": settings,
                         "task": cfg.engine.task})
 
@@ -233,12 +242,51 @@ def _drop_stale_shard(shard_dir: Location, key: str) -> None:
     write_json(marker, {"key": key})
 
 
+def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]]:
+    """The plan's shards as the inference tasks run them: ``sharding.shards_per_task`` consecutive shards a
+    task (the last task may have fewer), each task one engine (``infer_shards``)."""
+    k = cfg.sharding.shards_per_task
+    return [plan.shards[i:i + k] for i in range(0, len(plan.shards), k)]
+
+
+def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
+                 shards: list[ShardSpec | dict], say: Callable[[str], None] = print, started: dict | None = None,
+                 on_committed: Callable[[list[ShardManifest]], None] | None = None) -> list[ShardManifest]:
+    """Runs one task's shards in turn on one engine (``infer.SharedEngine``): the first shard that generates
+    starts it, the others use it, and it is closed after the last. Each shard keeps its own folder, chunk
+    commits and manifest, so a retry skips the shards already committed and resumes the one that was cut
+    short. ``on_committed`` is called with every shard's manifest once the last one is durable (the worker
+    reports there and ends the engine's processes itself); ``started`` (the worker's clock) goes to the
+    first shard's timeline. One shard: ``infer_shard`` as it is."""
+    from batch_llm.infer import SharedEngine
+
+    specs = [ShardSpec.model_validate(s) for s in shards]
+    if len(specs) == 1:
+        last = (lambda m: on_committed([m])) if on_committed is not None else None
+        return [infer_shard(cfg, layout, model, specs[0], say=say, started=started, on_committed=last)]
+    engine = SharedEngine()
+    done: list[ShardManifest] = []
+    try:
+        for i, spec in enumerate(specs):
+            last = None
+            if on_committed is not None and i == len(specs) - 1:
+                last = lambda m: on_committed([*done, m])  # noqa: E731
+            done.append(infer_shard(cfg, layout, model, spec, say=say, started=started if i == 0 else None,
+                                    on_committed=last, shared_engine=engine))
+    finally:
+        engine.close()
+    say(f"{len(specs)} shards on one engine: started {engine.starts} time(s)")
+    return done
+
+
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                 shard: ShardSpec | dict,
                 say: Callable[[str], None] = print, started: dict | None = None,
-                on_committed: Callable[[ShardManifest], None] | None = None) -> ShardManifest:
+                on_committed: Callable[[ShardManifest], None] | None = None,
+                shared_engine: "SharedEngine | None" = None) -> ShardManifest:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
-    own start times as ``started`` and reports from ``on_committed``, before the engine's shutdown)."""
+    own start times as ``started`` and reports from ``on_committed``, before the engine's shutdown).
+    ``shared_engine``: the ``infer.SharedEngine`` of the task's shards (``infer_shards``)."""
     from batch_llm.infer import run_shard
 
     shard = ShardSpec.model_validate(shard)
@@ -247,19 +295,21 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
     _drop_stale_shard(shard_dir, shard_input_key(cfg, ref, shard))
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
-                     cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed)
+                     cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed,
+                     shared_engine=shared_engine)
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
-                   shards: list[ShardResult | ShardManifest | dict]) -> FilterManifest:
+                   shards: list[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
     """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
     ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
 
     Done again each time it runs (a retry or a Clear: the word lists may have changed); each pass is a new
-    ``generation``, which evaluate and publish go by."""
+    ``generation``, which evaluate and publish go by. ``shards``: one result per shard, or, from tasks of
+    several shards (``sharding.shards_per_task``), one list of results per task."""
     out_dir = layout.stage("filter")
     opts = layout.output_root.options
-    results = [ShardResult.of(s) for s in shards]
+    results = [ShardResult.of(s) for t in shards for s in (t if isinstance(t, (list, tuple)) else [t])]
     check_shards_of_plan(plan, results)
 
     def merged(key: str) -> Iterator[dict]:

@@ -1,7 +1,8 @@
 """The engine worker's child side: what ``python -m batch_llm.worker`` runs (``main``) in the process
-``batch_llm.worker.WorkerHandle`` starts. Reads its spec from stdin, runs the shard, and reports its manifest as
-the last ``BATCH_LLM_RESULT {json}`` line of stdout, or ``WORKER_ERROR ...`` and an exit code the parent maps to
-a retry or not. The protocol's constants live here, with the side that speaks it; ``batch_llm.worker`` (the
+``batch_llm.worker.WorkerHandle`` starts. Reads its spec from stdin, runs the shard (or, with ``shards`` in the
+spec, a task's shards in turn on one engine), and reports its manifest (``{"shards": [...]}``) as the last
+``BATCH_LLM_RESULT {json}`` line of stdout, or ``WORKER_ERROR ...`` and an exit code the parent maps to a retry
+or not. The protocol's constants live here, with the side that speaks it; ``batch_llm.worker`` (the
 parent) imports them, never the other way.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from batch_llm.procgroup import live_group_members
 
@@ -21,7 +23,8 @@ EXIT_ERROR = 1
 
 
 class _FastEnd:
-    """Reports a committed shard and exits at once, ending the engine's processes with SIGKILL, as a stop does.
+    """Reports a committed shard (or a task's committed shards, once the last is durable) and exits at once,
+    ending the engine's processes with SIGKILL, as a stop does.
 
     Once the manifest is durable, vLLM's graceful shutdown and the interpreter's teardown buy nothing; they took
     1.2–1.5 s (between the last result and the merge) and ~2.5 s (after the manifest) of every H200 shard, and
@@ -48,7 +51,11 @@ class _FastEnd:
 
 
 def report_result(manifest) -> None:
-    """The one line ``WorkerHandle`` reads the shard's manifest from."""
+    """The one line ``WorkerHandle`` reads the shard's manifest from; for a task of several shards (a list),
+    ``{"shards": [manifest, ...]}``."""
+    if isinstance(manifest, list):
+        print(RESULT_PREFIX + json.dumps({"shards": [m.model_dump(mode="json") for m in manifest]}), flush=True)
+        return
     print(RESULT_PREFIX + manifest.model_dump_json(), flush=True)
 
 
@@ -72,15 +79,20 @@ def main() -> int:
     from batch_llm.config import parse_config
     from batch_llm.engines.base import EngineCannotRun
     from batch_llm.infer import ShardFailed
-    from batch_llm.stages import RunLayout, infer_shard
+    from batch_llm.stages import RunLayout, infer_shard, infer_shards
 
     cfg = parse_config(spec["config"], "worker spec")
     layout = RunLayout.from_dict(spec["layout"])
     fast_end = _FastEnd(cfg)
     try:
-        result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=lambda m: print(m, flush=True),
-                             started={"spawned_at": spec.get("spawned_at"), "worker_started_at": started},
-                             on_committed=fast_end if fast_end.enabled else None)
+        say, clock = (lambda m: print(m, flush=True)), {"spawned_at": spec.get("spawned_at"), "worker_started_at": started}
+        on_committed = fast_end if fast_end.enabled else None
+        if "shards" in spec:  # a task of several shards: one engine serves them in turn
+            result: Any = infer_shards(cfg, layout, spec["model"], spec["shards"], say=say, started=clock,
+                                       on_committed=on_committed)
+        else:
+            result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=say, started=clock,
+                                 on_committed=on_committed)
     except (ShardFailed, EngineCannotRun) as e:
         print(f"WORKER_ERROR {e}", flush=True)
         return EXIT_SHARD_FAILED

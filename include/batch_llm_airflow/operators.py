@@ -119,18 +119,24 @@ class PlanShardsOperator(PipelineStageOperator):
     reads_input = True
 
     @names_storage_errors
-    def execute(self, context: Context) -> list[dict]:
-        """Returns the shard list (index, rows, url): the batch inference task is mapped over it."""
+    def execute(self, context: Context) -> list:
+        """Returns the shard list (index, rows, url): the batch inference task is mapped over it; with
+        ``sharding.shards_per_task`` > 1, one list of consecutive shards per task (``stages.shard_tasks``)."""
         cfg, layout = self.resolve(context)
         m = stages.plan_shards(cfg, layout)
-        self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs", m.rows_read, m.valid,
-                      m.invalid, m.errors, len(m.shards), m.seconds)
-        return [s.model_dump() for s in m.shards]
+        tasks = stages.shard_tasks(cfg, m)
+        self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs, %d inference task(s)",
+                      m.rows_read, m.valid, m.invalid, m.errors, len(m.shards), m.seconds, len(tasks))
+        if cfg.sharding.shards_per_task == 1:
+            return [s.model_dump() for s in m.shards]
+        return [[s.model_dump() for s in t] for t in tasks]
 
 
 class BatchInferenceOperator(PipelineStageOperator):
     """Runs one shard on the configured engine in a spawned worker process of its own: one library call,
     ``batch_llm.shard_process.IsolatedShard`` (lease, worker, wait, release; the benchmarks run the same).
+    ``shard`` a list (``sharding.shards_per_task`` > 1): the worker runs those shards in turn on one engine,
+    and the task returns the list of their results.
 
     - The worker gets its own process group; ``on_kill`` (task marked failed, timeout, SIGTERM) ends the whole
       group and waits until it is gone, so the GPU is free before the task is reported finished.
@@ -150,16 +156,18 @@ class BatchInferenceOperator(PipelineStageOperator):
         self._run: IsolatedShard | None = None
 
     @names_storage_errors
-    def execute(self, context: Context) -> dict:
+    def execute(self, context: Context) -> dict | list[dict]:
         cfg, layout = self.resolve(context)
         ti = context["ti"]
         self._run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
         try:
-            manifest = self._run.run(on_line=self.log.info)  # lease → worker → its manifest; lease released
+            manifests = self._run.run_all(on_line=self.log.info)  # lease → worker → manifests; lease released
         except ShardFailedNoRetry as e:
             raise AirflowFailException(str(e)) from None
-        emit_shard_metrics(cfg.name, manifest, gpu_lease_wait_seconds=self._run.lease_wait_seconds)
-        return manifest.result().model_dump(mode="json")  # XCom: files and counts, not the phases or settings
+        for i, m in enumerate(manifests):  # the task's one lease wait counts once
+            emit_shard_metrics(cfg.name, m, gpu_lease_wait_seconds=0.0 if i else self._run.lease_wait_seconds)
+        results = [m.result().model_dump(mode="json") for m in manifests]  # XCom: files and counts
+        return results if self._run.group else results[0]
 
     def on_kill(self) -> None:
         if self._run is not None:

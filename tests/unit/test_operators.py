@@ -44,13 +44,18 @@ class _FakeShardRun:
         self.stopped = False
         _FakeShardRun.made.append(self)
 
-    def run(self, on_line):
+    def run_all(self, on_line):
         from batch_llm.manifests import ShardManifest
 
         if isinstance(self.outcome, Exception):
             raise self.outcome
-        return ShardManifest.model_validate({"shard": 0, "outputs": "o", "errors": "e", "metrics": {"rows": 1},
-                                             "checksum": "c"})
+        shards = self.args[3] if self.group else [self.args[3]]
+        return [ShardManifest.model_validate({"shard": s["index"], "outputs": "o", "errors": "e",
+                                              "metrics": {"rows": 1}, "checksum": "c"}) for s in shards]
+
+    @property
+    def group(self):
+        return isinstance(self.args[3], list)
 
     def stop(self):
         self.stopped = True
@@ -85,6 +90,19 @@ def test_the_gpu_operator_runs_its_shard_through_the_library_and_hands_on_the_re
     assert emitted[0][1] == {"gpu_lease_wait_seconds": 1.5}
     op.on_kill()
     assert run.stopped
+
+
+def test_a_gpu_task_of_several_shards_returns_each_shards_result_and_pushes_each_shards_metrics(tmp_path, monkeypatch):
+    """sharding.shards_per_task: the mapped argument is a list of shards; one library call runs them all (one
+    worker, one lease) and the task hands on one result per shard; the lease wait counts once."""
+    op, emitted = _inference_op(tmp_path, monkeypatch)
+    op.shard = [{"index": 2, "rows": 1, "url": "file:///s2"}, {"index": 3, "rows": 1, "url": "file:///s3"}]
+    out = op.execute(_gpu_context())
+    assert [r["shard"] for r in out] == [2, 3] and all("checksum" not in r for r in out)
+    (run,) = _FakeShardRun.made
+    assert run.args[3] == op.shard
+    assert [e[0][1].shard for e in emitted] == [2, 3]
+    assert [e[1] for e in emitted] == [{"gpu_lease_wait_seconds": 1.5}, {"gpu_lease_wait_seconds": 0.0}]
 
 
 def test_the_gpu_operator_fails_without_retry_only_when_the_library_says_so(tmp_path, monkeypatch):

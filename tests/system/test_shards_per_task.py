@@ -1,0 +1,139 @@
+"""sharding.shards_per_task with a real engine (CPU): one worker and one engine serve a task's consecutive shards
+in turn, the engine starts once per task, and each shard keeps its own commits, manifest and exactly-once resume.
+
+- ``batch-llm run`` (transformers): 4 shards two to a task publish what 4 tasks of one shard publish, with two
+  engine starts (manifests and log), the two other shards naming the start they shared;
+- the worker killed after a commit in a task's second shard: the retry leaves the first shard's committed
+  manifest as it was, resumes the second from its chunks, and every row is committed once (transformers);
+- the DAG through ``dag.test()`` on the demo's own engine (vLLM): ceil(4 / 2) = 2 mapped inference tasks, every
+  valid row published once in input order, two engine starts.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+
+import pytest
+from batch_llm import stages
+from batch_llm.storage import Location, iter_jsonl, list_files, read_json
+from batch_llm.worker import WorkerFailed, WorkerHandle
+from helpers import FAULT_INJECTION, ROOT, demo_config, run_demo_cli
+
+DS = "2026-11-06"
+FAST = ["engine.kind=transformers", "engine.batch_size=1", "sampling.max_tokens=12", "evaluate.enabled=false",
+        "cache.enabled=false", "sharding.num_shards=4"]
+DEMO_INPUT = ROOT / "include" / "sample_data" / "demo_prompts.jsonl"
+
+
+def _published(current: dict) -> dict[str, str]:
+    return {r["id"]: r["output"] for r in iter_jsonl(Location(current["dataset"]).path())}
+
+
+def test_two_shards_a_task_publish_the_same_rows_with_one_engine_start_per_task(tmp_path, demo_model_dir):
+    cur1, sum1, _ = run_demo_cli(DEMO_INPUT, tmp_path / "one", ds=DS, run_id="k1", sets=FAST)
+    cur2, sum2, out2 = run_demo_cli(DEMO_INPUT, tmp_path / "two", ds=DS, run_id="k2",
+                                    sets=[*FAST, "sharding.shards_per_task=2"])
+    assert len(_published(cur1)) == 20
+    assert list(_published(cur2).items()) == list(_published(cur1).items())  # same rows, same order, same text
+    m1 = [s["metrics"] for s in sum1["manifests"]["infer"]]
+    m2 = [s["metrics"] for s in sum2["manifests"]["infer"]]
+    assert [s["shard"] for s in sum2["manifests"]["infer"]] == [0, 1, 2, 3]
+    assert sum(m["engine_start_seconds"] > 0 for m in m1) == 4
+    assert [m["engine_start_seconds"] > 0 for m in m2] == [True, False, True, False]
+    assert [m["engine_shared_from"] for m in m2] == [None, 0, None, 2]
+    assert out2.count("engine transformers") == 2 and "started 1 time(s)" in out2, out2[-3000:]
+    starts = sum(m["engine_start_seconds"] for m in m2)
+    print(f"engine start: {sum(m['engine_start_seconds'] for m in m1):.1f}s over 4 tasks, {starts:.1f}s over 2")
+
+
+# ------------------------------------------------------------------------------ a kill in a task's second shard
+WORKER_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=1, engine__commit_every_rows=2,
+                        sharding__num_shards=2, sharding__shards_per_task=2, sampling__max_tokens=12,
+                        cache__enabled=False)
+
+
+def _spec(tmp, run_id):
+    cfg = demo_config(tmp, **WORKER_OVERRIDES)
+    layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds=DS)
+    model = stages.fetch(cfg, layout)
+    plan = stages.plan_shards(cfg, layout)
+    (task,) = stages.shard_tasks(cfg, plan)
+    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model.ref().model_dump(),
+            "shards": [s.model_dump() for s in task]}
+    return layout, plan, spec
+
+
+def _shard_dir(layout, i):
+    return layout.stage("infer").child(f"shard-{i:05d}").path()
+
+
+def _chunk_ids(layout, i) -> list[str]:
+    return [r["id"] for f in list_files(_shard_dir(layout, i) / "chunks", ".jsonl") for r in iter_jsonl(f)]
+
+
+def _outputs(layout) -> dict[str, str]:
+    return {r["id"]: r["output"] for i in (0, 1) for r in iter_jsonl(_shard_dir(layout, i) / "outputs.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_model_dir):
+    layout, _, spec = _spec(tmp_path_factory.mktemp("whole"), "whole")
+    result = WorkerHandle.start(spec).wait(on_line=lambda _: None)
+    assert [m["shard"] for m in result["shards"]] == [0, 1]
+    return _outputs(layout)
+
+
+def test_a_worker_killed_in_a_tasks_second_shard_resumes_it_and_does_not_redo_the_first(tmp_path, uninterrupted):
+    layout, plan, spec = _spec(tmp_path, "killed")
+    fault = tmp_path / "fault"
+    fault.write_text("after_commit 1 shard-00001\n")  # the first commit in the second shard's folder
+    env = {"BATCH_LLM_FAULT_FILE": str(fault),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(FAULT_INJECTION), os.environ.get("PYTHONPATH")) if p)}
+    with pytest.raises(WorkerFailed, match="killed by signal 9"):
+        WorkerHandle.start(spec, env=env).wait(on_line=lambda _: None)
+    first = _shard_dir(layout, 0) / "manifest.json"
+    assert first.exists() and not (_shard_dir(layout, 1) / "manifest.json").exists()
+    before = (first.read_bytes(), first.stat().st_mtime_ns, sorted(list_files(_shard_dir(layout, 0) / "chunks")))
+    cut = set(_chunk_ids(layout, 1))
+    assert 0 < len(cut) < plan.shards[1].rows, cut
+
+    lines: list[str] = []
+    result = WorkerHandle.start(spec).wait(on_line=lines.append)  # the retry, same spec
+    assert any("shard 0 already committed" in line for line in lines), lines[-10:]
+    assert any(f"resuming shard 1: {len(cut)} rows already committed" in line for line in lines), lines[-10:]
+    assert (first.read_bytes(), first.stat().st_mtime_ns,
+            sorted(list_files(_shard_dir(layout, 0) / "chunks"))) == before  # not redone, not rewritten
+    m0, m1 = result["shards"]
+    assert m0 == json.loads(before[0]) and m1["metrics"]["engine_start_seconds"] > 0  # the retry's one start
+    for i, s in enumerate(plan.shards):
+        ids = _chunk_ids(layout, i)
+        assert len(ids) == len(set(ids)) == s.rows, "a row was committed twice or lost"
+    assert _outputs(layout) == uninterrupted  # greedy: the same text as a run never killed
+
+
+# ------------------------------------------------------------------------------ the DAG (the demo's vLLM engine)
+def test_the_dag_maps_ceil_shards_over_k_tasks_and_publishes_every_row_once(tmp_path, airflow_db, demo_model_dir,
+                                                                          demo_config_path):
+    from batch_llm.config import load_config
+    from batch_llm_airflow.dag_factory import pipeline_dag
+
+    cfg = load_config(demo_config_path).with_overrides({
+        "output.path": str(tmp_path / "out"), "sharding.num_shards": 4, "sharding.shards_per_task": 2,
+        "evaluate.enabled": False, "sampling.max_tokens": 8, "cache.enabled": False})
+    dr = pipeline_dag(cfg, source="demo.yaml (shards_per_task)").test(
+        logical_date=dt.datetime.fromisoformat(DS).replace(tzinfo=dt.timezone.utc))
+    assert str(dr.state).endswith("success"), dr.state
+    infer = [ti for ti in dr.get_task_instances() if ti.task_id == "pipeline.batch_inference"]
+    assert sorted(ti.map_index for ti in infer) == [0, 1]  # ceil(4 / 2) mapped tasks
+    assert all(str(ti.state).endswith("success") for ti in infer)
+    current = read_json(Location(str(tmp_path / "out")).child(cfg.name, f"dt={DS}", "_CURRENT.json").path())
+    rows = list(iter_jsonl(Location(current["dataset"]).path()))
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == 20 and all(r["output"].strip() for r in rows)
+    summary = read_json(Location(current["version"]).child("summary.json").path())
+    shards = summary["manifests"]["infer"]
+    assert [s["shard"] for s in shards] == [0, 1, 2, 3]
+    assert [s["metrics"]["engine_start_seconds"] > 0 for s in shards] == [True, False, True, False]
+    assert [s["metrics"]["engine_shared_from"] for s in shards] == [None, 0, None, 2]
+    assert summary["rows"]["published"] == 20
