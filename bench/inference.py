@@ -19,6 +19,14 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          the compile is worth at engine start and costs in generation
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
+  raw-tuned  the same raw script with the stage's engine settings: the strongest baseline a user could write in
+         ~10 lines (run_raw_tuned's docstring shows them). vLLM imported with the collector paused (the stage's
+         gc_paused_import); the engine's constructor arguments and process layout taken from the stage's own
+         engine object (VllmEngine: _constructor_args, _multiprocessing, the CPU KV cache variable), so they
+         cannot drift: on a GPU decode-only full CUDA graphs at the offline sizes up to 1,024 sequences and no
+         torch.compile, the engine core in its own process; on a CPU the engine core in-process
+         (VLLM_ENABLE_V1_MULTIPROCESSING=0), the dtype the stage resolves, enforce_eager as the stage, the same
+         VLLM_CPU_KVCACHE_SPACE. Only the raw loop differs: one LLM.generate call in input order
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
   raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start
@@ -172,6 +180,84 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), outputs_s=_since_start())
 
 
+def stage_config(a, mode: str = "stage", **paths):
+    """The pipeline config a stage mode runs under (``paths``: input and output); raw-tuned takes its engine
+    settings from the plain ``stage``'s."""
+    extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
+    return bench_config(
+        a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
+        sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
+        engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
+                "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
+                "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
+                **({"multiprocessing": False} if mode == "stage-inproc" else {}),
+                **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
+                **({"torch_compile": True} if mode == "stage-compile" else {})}, **paths)
+
+
+def tuned_settings(a) -> tuple[dict, dict]:
+    """The stage's engine settings for this run, from the stage's own engine object (nothing copied): vLLM's
+    constructor arguments (``VllmEngine._constructor_args``: the compilation_config of engine.cuda_graphs /
+    engine.torch_compile, the dtype ``cpu_dtype`` resolves, enforce_eager, the seed, the same max_model_len and
+    memory share) and the environment its ``start`` sets (VLLM_ENABLE_V1_MULTIPROCESSING from
+    ``_multiprocessing``, VLLM_CPU_KVCACHE_SPACE). Call it after vLLM is imported (``_multiprocessing`` asks
+    vLLM's platform)."""
+    from batch_llm.engines.vllm_engine import VllmEngine
+
+    cfg = stage_config(a)
+    eng = VllmEngine(a.model, cfg.engine, cfg.sampling)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if eng._multiprocessing() else "0"}
+    if "kv_cache_memory_bytes" not in cfg.engine.extra:
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(cfg.engine.cpu_kv_cache_gib)
+    return eng._constructor_args(), env
+
+
+def run_raw_tuned(a, rows) -> dict:
+    """``raw`` with the stage's engine settings. What a user would write, on a GPU::
+
+        import gc; gc.collect(); gc.disable()
+        from vllm import LLM, SamplingParams; from vllm.inputs import TokensPrompt
+        gc.freeze(); gc.enable()
+        sizes = [1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16), *range(544, 1025, 32)]
+        llm = LLM(model, max_model_len=2048, dtype="bfloat16", seed=0, compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes, "mode": 0})
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                            [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in limits])
+        write(outs)
+
+    and on a CPU ``VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=2`` and ``enforce_eager=True``
+    (the bench's --enforce-eager) instead of the compilation_config. Here the settings come from
+    ``tuned_settings`` (the stage's engine object), so they are the stage's by construction."""
+    from batch_llm.engines.base import gc_paused_import
+
+    with gc_paused_import("vllm"):  # as VllmEngine.start imports it
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    kwargs, env = tuned_settings(a)
+    os.environ.update(env)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    construct = time.perf_counter() - t0
+    ready = _since_start()
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
+              for r in rows]
+    t1, gen_start = time.perf_counter(), _since_start()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    el = time.perf_counter() - t1
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
+    n_out = sum(map(len, toks))
+    vc = llm.llm_engine.vllm_config
+    settings = dict(env, dtype=str(vc.model_config.dtype).removeprefix("torch."),
+                    enforce_eager=vc.model_config.enforce_eager,
+                    compilation_config=kwargs.get("compilation_config"),
+                    max_num_seqs=vc.scheduler_config.max_num_seqs, num_kv_blocks=vc.cache_config.num_gpu_blocks)
+    return dict(mode="raw-tuned", engine="vllm", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
+                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), generate_start_s=gen_start,
+                outputs_s=_since_start(), tuned_settings=settings)
+
+
 def run_stage(a, rows, mode: str = "stage") -> dict:
     """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
@@ -183,16 +269,7 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
     input_url = str(work / "input.jsonl")
     write_jsonl(Location(input_url).path(), rows)
-    extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
-    cfg = bench_config(
-        a.model, input=input_url, output=str(work), max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
-        sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
-        engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
-                "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
-                "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
-                **({"multiprocessing": False} if mode == "stage-inproc" else {}),
-                **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
-                **({"torch_compile": True} if mode == "stage-compile" else {})})
+    cfg = stage_config(a, mode, input=input_url, output=str(work))
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
     plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
     assert plan.valid == len(rows) and len(plan.shards) == 1, plan
@@ -273,7 +350,8 @@ def engine_kwargs(a) -> dict:
 def child(a) -> None:
     vocab = a.vocab or model_vocab(a.model)
     rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
-    modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True)}
+    modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
+             "raw-tuned": run_raw_tuned}
     res = run_stage(a, rows, a.child) if a.child.startswith("stage") else modes[a.child](a, rows)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
@@ -291,16 +369,18 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
-    for mode in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order", "stage-inproc",
-                 "raw-inproc"):
-        if "raw" in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", ...
-            out[f"{mode}_over_raw"] = {
-                "whole_process": round(out["raw"]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
-                **({"to_outputs_on_disk": round(out["raw"]["outputs_s"]["median"] / out[mode]["outputs_s"]["median"], 3)}
-                   if "outputs_s" in out["raw"] and "outputs_s" in out[mode] else {}),
+    pairs = [(m, "raw") for m in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order",
+                                  "stage-inproc", "raw-inproc", "raw-tuned")]
+    pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc")]
+    for mode, base in pairs:
+        if base in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", "stage_over_raw-tuned", ...
+            out[f"{mode}_over_{base}"] = {
+                "whole_process": round(out[base]["wall_s"]["median"] / out[mode]["wall_s"]["median"], 3),
+                **({"to_outputs_on_disk": round(out[base]["outputs_s"]["median"] / out[mode]["outputs_s"]["median"], 3)}
+                   if "outputs_s" in out[base] and "outputs_s" in out[mode] else {}),
                 "generated_tok_s_in_generation": round(out[mode]["generated_tok_s"]["median"]
-                                                       / out["raw"]["generated_tok_s"]["median"], 3),
-                "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs["raw"], runs[mode])]}
+                                                       / out[base]["generated_tok_s"]["median"], 3),
+                "whole_process_pairs": [round(r["wall_s"] / s["wall_s"], 3) for r, s in zip(runs[base], runs[mode])]}
     return out
 
 
@@ -331,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    if a.engine != "vllm" and "raw-tuned" in a.modes.split(","):
+        p.error("raw-tuned takes the stage's vLLM engine settings: --engine vllm only")
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
