@@ -24,6 +24,7 @@ COMMANDS = {  # command: (module, what it measures)
     "profile-summary": ("profile_summary", "a py-spy profile summarized per process and thread"),
     "recommend-check": ("recommend_check", "predict | run: the recommend model against a fresh H200 run"),
     "recommend-calibration": ("recommend_calibration", "fits recommend.py's constants to the measurements"),
+    "shards-per-task": ("shards_per_task", "sharding.shards_per_task: one engine start per shard against per task"),
 }
 SCRIPTS = {  # command: (shell script, what it runs)
     "cpu": ("run_cpu.sh", "the CPU benchmark (`make bench`): inference on the demo model, fixed and mix"),

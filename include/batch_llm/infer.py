@@ -13,7 +13,9 @@ How a shard is run (``ShardRun``, one method per step)::
               finish
     merge     committed chunks ─> outputs.jsonl / errors.jsonl (``shard_merge``) ─> cache table ─> manifest
 
-Committed chunks are immutable files under ``<shard>/chunks/``; a retry reads them, skips every committed
+A task of several shards (``sharding.shards_per_task``) runs them in turn on one engine (``SharedEngine``):
+the first that generates starts it, the others find it started. Committed chunks are immutable files under
+``<shard>/chunks/``; a retry reads them, skips every committed
 row id and generates only the rest. ``manifest.json`` is written last. Each phase's wall-clock interval goes
 into the manifest (``phases``, see ``timeline.py``): the report draws them, the doctor names the largest.
 """
