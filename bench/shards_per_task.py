@@ -63,6 +63,7 @@ def run(a: argparse.Namespace) -> list[dict]:
     from batch_llm.storage import Location, iter_jsonl
 
     tmp = Path(a.workdir or tempfile.mkdtemp(prefix="bench_spt_"))
+    tmp.mkdir(parents=True, exist_ok=True)
     src = tmp / "input.jsonl"
     _input(src, a.rows)
     records, first_rows = [], None

@@ -32,7 +32,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -300,7 +300,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
-                   shards: list[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
+                   shards: Sequence[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
     """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
     ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
 
