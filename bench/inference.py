@@ -73,6 +73,7 @@ from bench.runners import (
     print_result,
     run,
     spread,
+    wait_quiet,
 )
 
 
@@ -408,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help="append results as JSON lines to this file: each run as it ends, then the "
                    "summary (earlier files carry the runs inside the summary line instead)")
+    p.add_argument("--wait-quiet", type=float, default=0, help="before each run, wait up to this many seconds "
+                   "for the machine to be quiet (>= 85 %% idle over 3 s; a shared machine); the wait is recorded")
     p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
@@ -420,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     # A first run on a fresh machine also fills vLLM's compile cache (~/.cache/vllm), which every later run
     # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
     for i, mode in enumerate(([schedule[0]] * a.warmup) + schedule):
+        waited = wait_quiet(limit_s=a.wait_quiet) if a.wait_quiet else None
         proc = run(bench_command("inference", *argv, "--child", mode), env=child_env(), merge_stderr=False)
         if a.logs:
             Path(a.logs).mkdir(parents=True, exist_ok=True)
@@ -428,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         if res is None:
             print(f"{mode} FAILED rc={proc.rc}\n{proc.out[-2000:]}\n{proc.err[-3000:]}", flush=True)
             continue
-        res.update(wall_s=round(proc.wall_s, 2), started_epoch=round(proc.started, 3))
+        res.update(wall_s=round(proc.wall_s, 2), started_epoch=round(proc.started, 3),
+                   **({"waited_quiet_s": waited} if waited is not None else {}))
         if a.warmup and not runs.get("_warmup"):
             runs["_warmup"] = [res]
             print(f"warm-up ({mode}, not counted): wall {res['wall_s']} s", flush=True)

@@ -123,6 +123,23 @@ def _sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
+def wait_quiet(idle: float = 0.85, sample_s: float = 3.0, limit_s: float = 600.0) -> float:
+    """Waits until this machine is quiet (at least ``idle`` of its CPU time idle over ``sample_s``), at most
+    ``limit_s``; returns the seconds waited (``limit_s`` or more: it never got quiet). A shared machine's other
+    work, started before a run, would otherwise land on one mode's clock."""
+    def busy_total() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v)
+
+    t0 = time.time()
+    while True:
+        b0, a0 = busy_total()
+        time.sleep(sample_s)
+        b1, a1 = busy_total()
+        if (b1 - b0) <= (1 - idle) * max(a1 - a0, 1) or time.time() - t0 >= limit_s:
+            return round(time.time() - t0, 1)
+
+
 # ------------------------------------------------------------------------------------ schedule, figures
 def alternating(modes, repeats: int, start: int = 0) -> list[tuple[int, str]]:
     """(repeat, mode) in alternating order, a, b | b, a | a, b ...: each mode's runs spread evenly over the
