@@ -118,18 +118,13 @@ def _write_outputs(path: Path, rows, token_lists) -> None:
         os.fsync(f.fileno())
 
 
-def run_raw(a, rows, *, in_process: bool = False) -> dict:
-    if a.engine == "lmdeploy":
-        return run_raw_lmdeploy(a, rows)
-    if in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
+    """What both raw scripts do once their engine is up: one ``llm.generate`` over every row in input order
+    (greedy, ``ignore_eos``, each row's max_tokens), then the completions written to a JSONL file. Returns the
+    generate call's seconds, its start on the one clock, and the tokens generated."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(a))
-    construct = time.perf_counter() - t0
-    ready = _since_start()
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
               for r in rows]
@@ -138,7 +133,21 @@ def run_raw(a, rows, *, in_process: bool = False) -> dict:
     el = time.perf_counter() - t1
     toks = [list(o.outputs[0].token_ids) for o in outs]
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
-    n_out = sum(map(len, toks))
+    return el, gen_start, sum(map(len, toks))
+
+
+def run_raw(a, rows, *, in_process: bool = False) -> dict:
+    if a.engine == "lmdeploy":
+        return run_raw_lmdeploy(a, rows)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(a))
+    construct = time.perf_counter() - t0
+    ready = _since_start()
+    el, gen_start, n_out = _generate_and_write(llm, rows, a)
     return dict(mode="raw-inproc" if in_process else "raw", engine="vllm", generate_s=el, generated_tokens=n_out,
                 delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows),
                 generate_start_s=gen_start, outputs_s=_since_start())
@@ -232,23 +241,14 @@ def run_raw_tuned(a, rows) -> dict:
     from batch_llm.engines.base import gc_paused_import
 
     with gc_paused_import("vllm"):  # as VllmEngine.start imports it
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM
     kwargs, env = tuned_settings(a)
     os.environ.update(env)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     construct = time.perf_counter() - t0
     ready = _since_start()
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
-              for r in rows]
-    t1, gen_start = time.perf_counter(), _since_start()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    el = time.perf_counter() - t1
-    toks = [list(o.outputs[0].token_ids) for o in outs]
-    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
-    n_out = sum(map(len, toks))
+    el, gen_start, n_out = _generate_and_write(llm, rows, a)
     vc = llm.llm_engine.vllm_config
     settings = dict(env, dtype=str(vc.model_config.dtype).removeprefix("torch."),
                     enforce_eager=vc.model_config.enforce_eager,
