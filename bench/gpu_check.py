@@ -11,7 +11,8 @@ Items (each passes or fails with the reason; a missing part is a failure that sa
   fp8       quantize FP8_DYNAMIC (llm-compressor, on the GPU), served by vLLM; published rows all valid
   awq       quantize W4A16 with AWQ calibration (llm-compressor, on the GPU), served by vLLM's 4-bit kernels
   lora      an adapter (made here with peft, seeded random lora_B) served (merge: false) and merged (merge: true),
-            float32 as the CPU test: greedy outputs equal between the two, and different from the base model's
+            float16 (vLLM's GPU LoRA kernels take no float32): greedy outputs equal between the two or parting at a
+            near tie (the merged model's top-2 log-probabilities there), and different from the base model's
   guided    dags/pipelines/review_extraction.yaml (JSON-schema guided decoding): share of valid outputs
   samples   n = 3 at temperature 0.8 with logprobs 2: three samples per row, log-probabilities per token
   embed     engine.task embed: one L2-normalized vector per row of the model's hidden size
@@ -202,24 +203,69 @@ def make_adapter(model: str, dest: Path) -> Path:
     return dest
 
 
+LORA_DTYPE = "float16"  # the most precise dtype vLLM's GPU LoRA kernels take (float16, bfloat16: lora_shrink_op)
+NEAR_TIE = 0.25  # nats between the merged model's first and second choice: a tie at float16's rounding
+
+
+def parting(a: list[dict], b: list[dict]) -> int | None:
+    """The first token position where two greedy runs of one prompt part (by token), None where they do not."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x["token"] != y["token"]:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def explain_parts(served: dict, merged: dict) -> dict:
+    """Where served and merged greedy outputs part, was it a near tie? At the first token where they differ both
+    runs have read the same context, so the merged model's top-2 log-probabilities there say how close its first
+    and second choices were; a served adapter that was wrong (dropped, mis-scaled) parts from merged on tokens the
+    merged model was sure of. Counts the rows that part at a near tie (gap <= NEAR_TIE nats, the served token being
+    the merged model's runner-up) and gives the gaps there against the median gap over all merged tokens."""
+    gaps_all = sorted(t["top"][0]["logprob"] - t["top"][1]["logprob"]
+                      for r in merged.values() for t in r.get("logprobs") or [] if len(t.get("top") or []) >= 2)
+    parts = []
+    for rid, m in merged.items():
+        s = served.get(rid)
+        if s is None or s["output"] == m["output"]:
+            continue
+        i = parting(s.get("logprobs") or [], m.get("logprobs") or [])
+        if i is None or i >= len(m["logprobs"]) or i >= len(s["logprobs"]):
+            parts.append({"id": rid, "at_token": i, "gap": None, "runner_up": False})  # parts in text only
+            continue
+        top = m["logprobs"][i]["top"]
+        gap = top[0]["logprob"] - top[1]["logprob"] if len(top) >= 2 else None
+        parts.append({"id": rid, "at_token": i, "gap": None if gap is None else round(gap, 4),
+                      "runner_up": len(top) >= 2 and s["logprobs"][i]["token"] == top[1]["token"]})
+    tie = [p for p in parts if p["gap"] is not None and p["gap"] <= NEAR_TIE and p["runner_up"]]
+    gaps = sorted(p["gap"] for p in parts if p["gap"] is not None)
+    return {"rows_parting": len(parts), "parting_at_near_tie": len(tie),
+            "gap_at_parting_max": gaps[-1] if gaps else None,
+            "gap_at_parting_median": gaps[len(gaps) // 2] if gaps else None,
+            "gap_median_all_tokens": round(gaps_all[len(gaps_all) // 2], 4) if gaps_all else None,
+            "not_at_near_tie": [p for p in parts if p not in tie][:5]}
+
+
 def item_lora(c: Check, ref: dict) -> dict:
+    """Served (merge: false) against merged (merge: true) and the base, each in float16 with top-2 logprobs.
+    float32, which the CPU test compares in, is not served on a GPU: vLLM's GPU LoRA kernels take float16 and
+    bfloat16 only (the engine refuses float32 with a served adapter on a GPU, before starting). In 16 bits a
+    merged folder rounds W + BA once where a served adapter adds BA to W at run time, so a near tie in greedy
+    decoding may go either way: the check passes where every row either equals or parts at a near tie."""
     adapter = make_adapter(c.model, c.out / "adapter")
-    base = getattr(c, "greedy_bf16", None)
-    # float32, as the CPU test: in bf16 a merged folder rounds W + BA once where a served adapter adds BA to
-    # bf16 W, and near ties in greedy decoding then go either way (bf16 on the H200: 289 of 512 equal)
-    served = c.run("lora-served", ["engine.enforce_eager=true", "engine.dtype=float32",
-                                   f"model.lora={{ref: {adapter}, merge: false}}"])
-    merged = c.run("lora-merged", ["engine.enforce_eager=true", "engine.dtype=float32",
-                                   f"model.lora={{ref: {adapter}, merge: true}}"])
-    a = {k: v["output"] for k, v in served["rows"].items()}
-    b = {k: v["output"] for k, v in merged["rows"].items()}
-    equal = sum(1 for k in a if a[k] == b.get(k))
-    changed = None if base is None else sum(1 for k in a if a[k] != base.get(k))
-    ok = equal >= 0.9 * len(a) and (changed is None or changed > 0)
-    return {"ok": ok, "served": figures(served), "merged": figures(merged), "served_equal_merged": equal,
-            "of": len(a), "served_differs_from_base": changed,
-            "note": "bf16: a merged folder rounds W + BA once, a served adapter adds BA to bf16 W; a near tie in "
-                    "greedy decoding may go either way (the CPU test compares in float32)"}
+    sets = ["engine.enforce_eager=true", f"engine.dtype={LORA_DTYPE}", "sampling.logprobs=2"]
+    base = c.run("lora-base", sets)
+    served = c.run("lora-served", [*sets, f"model.lora={{ref: {adapter}, merge: false}}"])
+    merged = c.run("lora-merged", [*sets, f"model.lora={{ref: {adapter}, merge: true}}"])
+    a, b, o = served["rows"], merged["rows"], base["rows"]
+    equal = sum(1 for k in a if a[k]["output"] == b.get(k, {}).get("output"))
+    changed = sum(1 for k in a if a[k]["output"] != o.get(k, {}).get("output"))
+    why = explain_parts(a, b)
+    ok = (len(a) == len(b) == c.rows and changed > c.rows // 2
+          and equal + why["parting_at_near_tie"] == c.rows)
+    return {"ok": ok, "dtype": LORA_DTYPE, "served": figures(served), "merged": figures(merged),
+            "base": figures(base), "served_equal_merged": equal, "of": len(a), "served_differs_from_base": changed,
+            "merged_differs_from_base": sum(1 for k in b if b[k]["output"] != o.get(k, {}).get("output")),
+            "near_tie_nats": NEAR_TIE, **why}
 
 
 def item_guided(c: Check, ref: dict) -> dict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import  (python3 -m bench gpu MODE)
+#   bash bench/gpu_run.sh fixed|mix|shards|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import  (python3 -m bench gpu MODE)
+#   (shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share)
 #   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0:
 #    not) and summarized per run phase at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
@@ -46,6 +47,8 @@ case "${1:-fixed}" in
   mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
+  shards) vllm_env; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
+           --shards ${SHARDS:-10} --modes stage-shards --repeats 1 --out $OUT/gpu_shards.jsonl --logs $OUT/logs ;;
   hf)    vllm_env; timeout 540 python3 -m bench inference --model $M --dummy --dataset fixed --n 1000 \
            --modes raw,hf --repeats 1 --hf-n 128 --hf-batch 32 --out $OUT/gpu.jsonl ;;
   checks) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy stop resume | tee $OUT/checks.txt ;;

@@ -89,7 +89,64 @@ def guided_check(outs, schema) -> dict:
     return {"rows_ended_by_grammar": ended, "rows_valid_json": valid, "example": outs[0].outputs[0].text[:200]}
 
 
+# Where a guided decode step's CPU time goes: the grammar work of vLLM's engine core, timed in place. Each entry:
+# (module, class or None, function, the name it is reported under).
+GRAMMAR_TIMERS = (
+    ("vllm.v1.structured_output", "StructuredOutputManager", "grammar_bitmask", "bitmask"),  # every row's mask
+    ("vllm.v1.structured_output", "StructuredOutputManager", "_fill_bitmasks", "fill_in_threads"),  # summed over threads
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output"),  # accepts tokens
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
+    ("vllm.v1.worker.gpu_model_runner", None, "apply_grammar_bitmask", "apply_bitmask"),  # reorder, copy, mask
+)
+
+
+class GrammarTimers:
+    """Seconds and calls inside the engine core's grammar work (``GRAMMAR_TIMERS``), for an engine core in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): wrapped before the engine is built, read as deltas around
+    each ``generate``. ``fill_in_threads`` is thread time summed over vLLM's fill pool: against ``bitmask``'s wall
+    time it says whether the pool's threads ran in parallel (the GIL released) or in turn."""
+
+    def __init__(self) -> None:
+        import importlib
+        import threading
+
+        self.totals = {name: [0.0, 0] for *_, name in GRAMMAR_TIMERS}
+        self._lock = threading.Lock()
+        for module, cls, fn, name in GRAMMAR_TIMERS:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls) if cls else owner
+            setattr(owner, fn, self._timed(getattr(owner, fn), name))
+
+    def _timed(self, f, name: str):
+        import functools
+
+        @functools.wraps(f)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self.totals[name][0] += dt
+                    self.totals[name][1] += 1
+        return timed
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {k: tuple(v) for k, v in self.totals.items()}
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        return {f"{k}_s": round(after[k][0] - before[k][0], 3) for k in after} | \
+               {f"{k}_calls": after[k][1] - before[k][1] for k in after}
+
+
 def cmd_guided(a) -> None:
+    import os
+
+    if a.timers:  # the engine core in this process, so that its grammar work can be timed in place
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -99,9 +156,15 @@ def cmd_guided(a) -> None:
     if a.compact_json:  # no free whitespace between JSON tokens (xgrammar's and guidance's option)
         so = {"backend": "xgrammar" if a.backend == "auto" else a.backend, "disable_any_whitespace": True}
     extra = {"structured_outputs_config": so} if so else {}
+    if a.match_vocab:  # the model's vocabulary cut to the tokenizer's (as a real model's is): llguidance wants it
+        from transformers import AutoTokenizer
+
+        extra["hf_overrides"] = {"vocab_size": len(AutoTokenizer.from_pretrained(a.tokenizer))}
+    timers = GrammarTimers() if a.timers else None
     llm, info = start_vllm(a.model, tokenizer=a.tokenizer, **extra)
     emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, "backend": a.backend, **info,
-             "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts)})
+             "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "timers": a.timers,
+             "vocab_size": llm.llm_engine.vllm_config.model_config.get_vocab_size()})
     guided = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(json=schema))
     seconds, outs = generate(llm, prompts, guided)  # warm-up; its lengths fix the plain mode's work
@@ -115,12 +178,14 @@ def cmd_guided(a) -> None:
              "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
     rates: dict[str, list[float]] = {"plain": [], "guided": []}
     for rep, mode in alternating(("plain", "guided"), a.repeats):
+        before = timers.snapshot() if timers else None
         seconds, outs = generate(llm, prompts, guided if mode == "guided" else plain)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rates[mode].append(tokens / seconds)
         rec = {"phase": "timed", "mode": mode, "compact_json": a.compact_json, "backend": a.backend, "repeat": rep,
                "rows": len(prompts),
-               "seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1)}
+               "seconds": round(seconds, 3), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
+               **(GrammarTimers.delta(before, timers.snapshot()) if timers else {})}
         if mode == "guided":
             rec.update({k: v for k, v in guided_check(outs, schema).items() if k != "example"})
         emit(a, rec)
@@ -238,6 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--compact-json", action="store_true", help="xgrammar without free whitespace between JSON "
                    "tokens (structured_outputs_config.disable_any_whitespace): a random-weight model then cannot "
                    "loop in whitespace and each row ends where its object does")
+    g.add_argument("--timers", action="store_true", help="the engine core in this process, its grammar work timed "
+                   "in place (GrammarTimers): where a guided step's time goes")
+    g.add_argument("--match-vocab", action="store_true", help="the model's vocabulary cut to the tokenizer's "
+                   "(hf_overrides vocab_size), as a real model's matches its tokenizer")
     s = sub.choices["spec"]
     s.add_argument("--method", choices=("plain", "ngram", "ngram_gpu"), required=True)
     s.add_argument("--batch-sizes", default="1,32,256")

@@ -19,6 +19,10 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          the compile is worth at engine start and costs in generation
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
+  stage-shards  the input --shards times as large (--n rows a shard), planned into --shards shards that one task
+         runs on one engine (sharding.shards_per_task = --shards): a day of many shards on one GPU. Reports the
+         engine start (once) against the shards' own time, measured, and the share 100 such shards would pay,
+         projected from the measured per-shard time (bench/shards_per_task.py measures both layouts on the CPU)
   raw-tuned  the same raw script with the stage's engine settings: the strongest baseline a user could write in
          ~10 lines (run_raw_tuned's docstring shows them). vLLM imported with the collector paused (the stage's
          gc_paused_import); the engine's constructor arguments and process layout taken from the stage's own
@@ -259,6 +263,55 @@ def run_raw_tuned(a, rows) -> dict:
                 outputs_s=_since_start(), tuned_settings=settings)
 
 
+def run_stage_shards(a, rows) -> dict:
+    """``stage-shards``: every row planned into ``--shards`` shards of ``--n`` rows, one worker and one engine for
+    all of them (``sharding.shards_per_task``), as a GPU task of the DAG runs them. The clock: the worker's
+    process start to its last shard's manifest; per shard, its phases from the engine being ready (or the end of
+    the shard before) to its commit's end."""
+    from batch_llm.manifests import ShardManifest
+    from batch_llm.plan import plan_shards
+    from batch_llm.shard_process import worker_spec
+    from batch_llm.stages import RunLayout
+    from batch_llm.storage import Location, write_jsonl
+    from batch_llm.worker import WorkerHandle
+
+    work = Path(tempfile.mkdtemp(prefix="bench_stage_shards_"))
+    input_url = str(work / "input.jsonl")
+    write_jsonl(Location(input_url).path(), rows)
+    cfg = stage_config(a, "stage", input=input_url, output=str(work))
+    cfg = cfg.with_overrides({"sharding.num_shards": a.shards, "sharding.shards_per_task": a.shards})
+    layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
+    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
+    assert plan.valid == len(rows) and len(plan.shards) == a.shards, plan
+    spec = worker_spec(cfg, layout, {"local_dir": a.model, "model_key": "bench"}, list(plan.shards))
+    t0 = time.time()
+    result = WorkerHandle.start(spec).wait(on_line=lambda line: print("  [stage]", line[:300], flush=True)
+                                           if any(k in line for k in ("done", "Error", "started in")) else None)
+    ms = [ShardManifest.model_validate(m) for m in result["shards"]]
+    ends = [max(p.end for p in m.phases if p.end) for m in ms]
+    first = min(p.start for p in ms[0].phases)
+    start = ms[0].metrics.engine_start_seconds
+    cold = sum(p.end - p.start for p in ms[0].phases if p.name in ("spawn", "imports", "engine"))
+    per_shard = [e - b for b, e in zip([first + cold, *ends[:-1]], ends)]
+    whole = ends[-1] - first
+    per = sorted(per_shard)[len(per_shard) // 2]
+    return dict(mode="stage-shards", engine=a.engine, shards=len(ms), rows=sum(m.metrics.rows for m in ms),
+                generate_s=sum(m.metrics.generate_seconds for m in ms),
+                generated_tokens=sum(m.metrics.output_tokens_this_attempt for m in ms),
+                delivered_tokens=sum(m.metrics.output_tokens for m in ms),
+                unique_prompts=sum(m.metrics.unique_prompts for m in ms),
+                engine_starts=sum(m.metrics.engine_start_seconds > 0 for m in ms),
+                engine_start_s=round(start, 2), cold_start_s=round(cold, 2), worker_s=round(whole, 2),
+                driver_s=round(time.time() - t0, 2), per_shard_s=[round(x, 2) for x in per_shard],
+                per_shard_median_s=round(per, 2), generate_s_per_shard=[round(m.metrics.generate_seconds, 2)
+                                                                        for m in ms],
+                engine_start_share=round(start / whole, 4), cold_start_share=round(cold / whole, 4),
+                # the same engine start over 100 shards of the measured median time each: a projection
+                engine_start_share_100_projected=round(start / (cold + 100 * per), 4),
+                cold_start_share_100_projected=round(cold / (cold + 100 * per), 4),
+                outputs_s=_outputs_written([p.model_dump() for p in ms[-1].phases]))
+
+
 def run_stage(a, rows, mode: str = "stage") -> dict:
     """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
@@ -350,10 +403,12 @@ def engine_kwargs(a) -> dict:
 
 def child(a) -> None:
     vocab = a.vocab or model_vocab(a.model)
-    rows = make_dataset(a.dataset, a.n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
+    n = a.n * a.shards if a.child == "stage-shards" else a.n  # --n rows a shard
+    rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
     modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
              "raw-tuned": run_raw_tuned}
-    res = run_stage(a, rows, a.child) if a.child.startswith("stage") else modes[a.child](a, rows)
+    modes["stage-shards"] = run_stage_shards
+    res = modes[a.child](a, rows) if a.child in modes else run_stage(a, rows, a.child)
     res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
     import resource
@@ -403,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-n", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--modes", default="raw,stage")
+    p.add_argument("--shards", type=int, default=8, help="stage-shards: shards of --n rows each, one engine")
     p.add_argument("--stage-extra", default="", help="JSON: engine arguments of the stage-x mode (engine.extra)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")

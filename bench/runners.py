@@ -229,7 +229,8 @@ def start_vllm(model: str, **kwargs) -> tuple[object, dict]:
     built = time.time()
     vc = llm.llm_engine.vllm_config
     blocks = vc.cache_config.num_gpu_blocks
-    info = dict(vllm=vllm.__version__, gpu=torch.cuda.get_device_name(0), engine_kwargs=kw,
+    info = dict(vllm=vllm.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                engine_kwargs=kw,
                 import_s=round(imported - T0, 1), construct_s=round(built - imported, 1),
                 process_to_ready_s=round(built - T0, 1),
                 num_gpu_blocks=blocks, block_size=vc.cache_config.block_size,

@@ -142,3 +142,18 @@ def test_a_served_adapter_travels_with_the_model_reference(tmp_path, demo_model_
     with pytest.raises(ValueError, match="engine transformers cannot serve a LoRA adapter unmerged"):
         make_engine(ref.local_dir, cfg.engine.model_copy(update={"kind": "transformers"}), cfg.sampling,
                     lora_dir=ref.lora_dir)
+
+
+@pytest.mark.parametrize("dtype, served, on_gpu, refused", [
+    ("float32", True, True, True), ("float", True, True, True),
+    ("bfloat16", True, True, False), ("float16", True, True, False), ("auto", True, True, False),
+    ("float32", False, True, False),  # merged at fetch: an ordinary model in any dtype
+    ("float32", True, False, False),  # vLLM's CPU LoRA kernels take float32 (the CPU suite serves one so)
+])
+def test_a_served_adapter_in_float32_is_refused_on_a_gpu_only(dtype, served, on_gpu, refused):
+    from batch_llm.engines.vllm_engine import served_lora_refusal
+
+    why = served_lora_refusal(dtype, served=served, on_gpu=on_gpu)
+    assert (why is not None) == refused
+    if refused:  # says what to set instead
+        assert "engine.dtype: bfloat16" in why and "model.lora.merge: true" in why

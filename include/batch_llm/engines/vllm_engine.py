@@ -59,13 +59,16 @@ class VllmEngine(Engine):
         args = dict(model=self.model_dir, tokenizer=self.model_dir, max_model_len=c.max_model_len,
                     max_num_seqs=c.max_num_seqs, gpu_memory_utilization=c.gpu_memory_utilization,
                     tensor_parallel_size=c.tensor_parallel_size,
-                    dtype=cpu_dtype(c.dtype, self.model_dir, on_gpu=_cuda_visible()), quantization=c.quantization,
+                    dtype=self._constructor_dtype(), quantization=c.quantization,
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
                     **self._compilation_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
         return {k: v for k, v in args.items() if v is not None}
+
+    def _constructor_dtype(self) -> str:
+        return cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=_cuda_visible())
 
     def _compilation_args(self) -> dict:
         """vLLM's compilation_config from engine.cuda_graphs and engine.torch_compile (docs/benchmarks.md measures
@@ -151,7 +154,8 @@ class VllmEngine(Engine):
                 from vllm import LLM
         except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
             raise EngineStartError(f"vLLM failed to start: {e}", output=_exception_text(e)) from e
-        missing = _missing_cpu_kernel(self.model_dir)
+        missing = _missing_cpu_kernel(self.model_dir) or served_lora_refusal(
+            self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=_cuda_visible())
         if missing:
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
@@ -406,6 +410,17 @@ def _gpu_name(device: str) -> str | None:
         return torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - a name is a nicety
         return None
+
+
+def served_lora_refusal(dtype: str, *, served: bool, on_gpu: bool) -> str | None:
+    """Why a served adapter cannot run in this dtype here, or None. vLLM's GPU LoRA kernels (Triton's
+    lora_shrink) take float16 and bfloat16 only: in float32 the engine dies in its start-up profile with an
+    assertion (vLLM 0.26 on an H200, docs/benchmarks.md "GPU check"). Its CPU kernels take float32."""
+    if served and on_gpu and dtype in ("float32", "float"):
+        return ("model.lora.merge: false with engine.dtype: float32 on a GPU: vLLM's GPU LoRA kernels take float16 "
+                "or bfloat16 only. Set engine.dtype: bfloat16 (or float16), or model.lora.merge: true (the adapter "
+                "merged into the weights at fetch runs in any dtype).")
+    return None
 
 
 def _missing_cpu_kernel(model_dir: str) -> str | None:
