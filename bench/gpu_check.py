@@ -215,12 +215,17 @@ def parting(a: list[dict], b: list[dict]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _gap(t: dict) -> float | None:
+    top = t.get("top") or []
+    return round(top[0]["logprob"] - top[1]["logprob"], 4) if len(top) >= 2 else None
+
+
 def explain_parts(served: dict, merged: dict) -> dict:
     """Where served and merged greedy outputs part, was it a near tie? At the first token where they differ both
     runs have read the same context, so the merged model's top-2 log-probabilities there say how close its first
     and second choices were; a served adapter that was wrong (dropped, mis-scaled) parts from merged on tokens the
-    merged model was sure of. Counts the rows that part at a near tie (gap <= NEAR_TIE nats, the served token being
-    the merged model's runner-up) and gives the gaps there against the median gap over all merged tokens."""
+    merged model was sure of. Counts the rows that part at a near tie (gap <= NEAR_TIE nats, the served token among
+    the merged model's top two) and gives the gaps there against the median gap over all merged tokens."""
     gaps_all = sorted(t["top"][0]["logprob"] - t["top"][1]["logprob"]
                       for r in merged.values() for t in r.get("logprobs") or [] if len(t.get("top") or []) >= 2)
     parts = []
@@ -230,13 +235,16 @@ def explain_parts(served: dict, merged: dict) -> dict:
             continue
         i = parting(s.get("logprobs") or [], m.get("logprobs") or [])
         if i is None or i >= len(m["logprobs"]) or i >= len(s["logprobs"]):
-            parts.append({"id": rid, "at_token": i, "gap": None, "runner_up": False})  # parts in text only
+            parts.append({"id": rid, "at_token": i, "gap": None, "in_top2": False})  # parts in text only
             continue
         top = m["logprobs"][i]["top"]
         gap = top[0]["logprob"] - top[1]["logprob"] if len(top) >= 2 else None
+        # in the merged model's top two (at an exact tie the rank of two equal log-probabilities is arbitrary,
+        # so the served token may be listed first and the merged one second)
         parts.append({"id": rid, "at_token": i, "gap": None if gap is None else round(gap, 4),
-                      "runner_up": len(top) >= 2 and s["logprobs"][i]["token"] == top[1]["token"]})
-    tie = [p for p in parts if p["gap"] is not None and p["gap"] <= NEAR_TIE and p["runner_up"]]
+                      "in_top2": s["logprobs"][i]["token"] in [t["token"] for t in top[:2]],
+                      "served_gap": _gap(s["logprobs"][i])})
+    tie = [p for p in parts if p["gap"] is not None and p["gap"] <= NEAR_TIE and p["in_top2"]]
     gaps = sorted(p["gap"] for p in parts if p["gap"] is not None)
     return {"rows_parting": len(parts), "parting_at_near_tie": len(tie),
             "gap_at_parting_max": gaps[-1] if gaps else None,

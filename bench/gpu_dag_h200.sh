@@ -268,7 +268,11 @@ run() {
     [ -f "$AF/wheels.tar.xz" ] || die stage "no .gpu-stage/af/wheels.tar.xz: carry .gpu-stage/af (built here by: bash bench/gpu_dag_h200.sh build)"
     rm -rf $V $W && python3 -m venv --system-site-packages --without-pip $V || die venv "python3 -m venv failed"
     $V/bin/python -m pip --version || die venv "no pip importable in the venv (the image's pip is not on its system site-packages)"
-    echo /root/site > "$($V/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/root_site.pth"
+    # /root/site, then every site folder of the image's own python3 (torch may sit in one that a venv's
+    # --system-site-packages does not add, e.g. the user site or a distribution's dist-packages)
+    { echo /root/site; env -u PYTHONPATH python3 -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))"; } \
+      > "$($V/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/root_site.pth"
+    cat "$($V/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/root_site.pth"
     $V/bin/python -c "import importlib.metadata as md, torch, transformers; print('vllm', md.version('vllm'), '| torch', torch.__version__, '| transformers', transformers.__version__)" \
       || die venv "the image's torch/transformers or /root/site's vLLM are not visible in the venv"
     unpack "$AF/wheels.tar.xz" /root/afwhl
