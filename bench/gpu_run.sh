@@ -2,6 +2,7 @@
 # On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
 #   bash bench/gpu_run.sh fixed|mix|shards|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import  (python3 -m bench gpu MODE)
 #   (shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share)
+#   (chat: N review-extraction chats through LLM.chat (raw, raw-tuned) and the stage's messages rows; carry .gpu-stage/tok)
 #   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0:
 #    not) and summarized per run phase at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
 #    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
@@ -47,6 +48,9 @@ case "${1:-fixed}" in
   mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
+  chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer .gpu-stage/tok \
+           --dataset chat --n ${N:-4000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-0} \
+           --out $OUT/gpu_chat.jsonl --logs $OUT/logs ;;
   shards) vllm_env; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --shards ${SHARDS:-10} --modes stage-shards --repeats 1 --out $OUT/gpu_shards.jsonl --logs $OUT/logs ;;
   hf)    vllm_env; timeout 540 python3 -m bench inference --model $M --dummy --dataset fixed --n 1000 \

@@ -37,11 +37,15 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          (no engine-core process importing vLLM again) against what it costs in generation (no overlap of
          the scheduler with this process's work)
 
-Datasets (token-id prompts, so they also work with random weights, ``--dummy``):
+Datasets (token-id prompts, so they also work with random weights, ``--dummy``; chat: messages and a tokenizer):
   fixed  N × in-len random tokens → out-len tokens, ignore_eos
   tiny   N × 8-token prompts → 1 token: the worker's peak RSS as N grows (10k vs 100k rows)
   mix    long-tailed prompt lengths (lognormal), a shared 192-token system prefix on 80 % of rows, 10 % of rows
          repeating an earlier prompt, long-tailed output limits (per-row max_tokens), ignore_eos
+  chat   N review-extraction chats (a system turn and a numbered review from include/sample_data/reviews_zh.jsonl,
+         10 % of rows repeating an earlier chat), long-tailed output limits as mix, ignore_eos; the model's
+         tokenizer (--tokenizer: a real one, e.g. the demo model's, beside --dummy's random weights) applies its chat
+         template: raw and raw-tuned call LLM.chat, the stage gets the messages rows (its own templating)
 
 The clock (the same for every mode):
   wall_s          process start → outputs on disk → process exit, measured by this driver around the child
@@ -94,6 +98,8 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
             rows.append({"id": f"r{i}", "prompt_token_ids": rng.integers(100, vocab, in_len).tolist(),
                          "max_tokens": out_len})
         return rows
+    if kind == "chat":
+        return chat_rows(n, out_len, rng)
     prefix = rng.integers(100, vocab, 192).tolist()
     for i in range(n):
         if i > 10 and rng.random() < 0.10:  # a repeated prompt
@@ -106,6 +112,43 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
         olen = int(min(max(8, rng.lognormal(np.log(out_len * 0.4), 0.9)), out_len))
         rows.append({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": olen})
     return rows
+
+
+CHAT_SYSTEM = "从商品评论中提取一个方面、情感和原文证据，只输出 JSON。"
+
+
+def chat_rows(n: int, out_len: int, rng) -> list[dict]:
+    """The chat dataset: review-extraction conversations, each review numbered (no two equal but the repeats)."""
+    import numpy as np
+
+    root = Path(__file__).resolve().parents[1]
+    reviews = [json.loads(x)["prompt"] for x in (root / "include" / "sample_data" / "reviews_zh.jsonl").open()]
+    rows: list[dict] = []
+    for i in range(n):
+        if i > 10 and rng.random() < 0.10:  # a repeated chat
+            rows.append({**rows[int(rng.integers(0, len(rows)))], "id": f"r{i}"})
+            continue
+        olen = int(min(max(8, rng.lognormal(np.log(out_len * 0.4), 0.9)), out_len))
+        rows.append({"id": f"r{i}", "max_tokens": olen, "messages": [
+            {"role": "system", "content": CHAT_SYSTEM},
+            {"role": "user", "content": f"第{i + 1}条评论：{reviews[i % len(reviews)]}"}]})
+    return rows
+
+
+def chat_model_dir(a) -> str:
+    """The model folder the chat dataset runs: --model itself, or with --dummy a folder of the model's config
+    beside the tokenizer's files (random weights need no weights, a chat template needs a tokenizer)."""
+    if not a.dummy:
+        return a.model
+    import shutil
+
+    d = Path(tempfile.mkdtemp(prefix="bench_chat_model_"))
+    for f in Path(a.tokenizer or a.model).iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    for f in Path(a.model).glob("*.json"):  # the architecture wins over the tokenizer folder's own config
+        shutil.copy(f, d / f.name)
+    return str(d)
 
 
 # ------------------------------------------------------------------------------------------ the modes
@@ -124,16 +167,20 @@ def _write_outputs(path: Path, rows, token_lists) -> None:
 
 def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
     """What both raw scripts do once their engine is up: one ``llm.generate`` over every row in input order
-    (greedy, ``ignore_eos``, each row's max_tokens), then the completions written to a JSONL file. Returns the
-    generate call's seconds, its start on the one clock, and the tokens generated."""
+    (greedy, ``ignore_eos``, each row's max_tokens; the chat dataset: one ``llm.chat``), then the completions
+    written to a JSONL file. Returns the call's seconds, its start on the one clock, and the tokens generated."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=not a.dummy)
-              for r in rows]
+    chat = a.dataset == "chat"
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+                             detokenize=chat or not a.dummy) for r in rows]
     t1, gen_start = time.perf_counter(), _since_start()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if chat:
+        outs = llm.chat([r["messages"] for r in rows], params, use_tqdm=False)
+    else:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows], params,
+                            use_tqdm=False)
     el = time.perf_counter() - t1
     toks = [list(o.outputs[0].token_ids) for o in outs]
     _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
@@ -198,6 +245,8 @@ def stage_config(a, mode: str = "stage", **paths):
     """The pipeline config a stage mode runs under (``paths``: input and output); raw-tuned takes its engine
     settings from the plain ``stage``'s."""
     extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
+    if a.dataset == "chat" and a.dummy:  # random weights, but the tokenizer for the chat template
+        extra = {"skip_tokenizer_init": False, **extra}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
@@ -397,7 +446,7 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.model, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_util, dtype=a.dtype,
               enforce_eager=a.enforce_eager, seed=0)
     if a.dummy:
-        kw.update(DUMMY)
+        kw.update(DUMMY, **({"skip_tokenizer_init": False} if a.dataset == "chat" else {}))
     return kw
 
 
@@ -405,11 +454,14 @@ def child(a) -> None:
     vocab = a.vocab or model_vocab(a.model)
     n = a.n * a.shards if a.child == "stage-shards" else a.n  # --n rows a shard
     rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
+    if a.dataset == "chat":
+        a.model = chat_model_dir(a)
     modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
              "raw-tuned": run_raw_tuned}
     modes["stage-shards"] = run_stage_shards
     res = modes[a.child](a, rows) if a.child in modes else run_stage(a, rows, a.child)
-    res.setdefault("unique_prompts", len({(tuple(r["prompt_token_ids"]), r["max_tokens"]) for r in rows}))
+    res.setdefault("unique_prompts", len({(json.dumps(r.get("messages") or r["prompt_token_ids"]), r["max_tokens"])
+                                          for r in rows}))
     res["generated_tok_s"] = round(res["generated_tokens"] / res["generate_s"], 1)
     import resource
 
@@ -446,7 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", choices=["vllm", "lmdeploy"], default="vllm")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
-    p.add_argument("--dataset", choices=["fixed", "mix", "tiny"], default="fixed")
+    p.add_argument("--dataset", choices=["fixed", "mix", "tiny", "chat"], default="fixed")
+    p.add_argument("--tokenizer", help="chat: the tokenizer's folder (default: --model's)")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--in-len", type=int, default=256)
     p.add_argument("--out-len", type=int, default=256)
