@@ -257,8 +257,12 @@ def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetch
     commits and manifest, so a retry skips the shards already committed and resumes the one that was cut
     short. ``on_committed`` is called with every shard's manifest once the last one is durable (the worker
     reports there and ends the engine's processes itself); ``started`` (the worker's clock) goes to the
-    first shard's timeline. One shard: ``infer_shard`` as it is."""
-    from batch_llm.infer import SharedEngine
+    first shard's timeline. One shard: ``infer_shard`` as it is.
+
+    A shard with too many error rows (``ShardFailed``: its outputs, errors and manifest are written) does not stop
+    the task's other shards: they run and commit, then the task fails naming the failed shards, as separate
+    tasks would have (a re-run with a higher ``engine.max_error_rate`` takes every committed shard as it is)."""
+    from batch_llm.infer import ShardFailed, SharedEngine
 
     specs = [ShardSpec.model_validate(s) for s in shards]
     if len(specs) == 1:
@@ -266,16 +270,24 @@ def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetch
         return [infer_shard(cfg, layout, model, specs[0], say=say, started=started, on_committed=last)]
     engine = SharedEngine()
     done: list[ShardManifest] = []
+    failed: list[str] = []
     try:
         for i, spec in enumerate(specs):
             last = None
-            if on_committed is not None and i == len(specs) - 1:
+            if on_committed is not None and i == len(specs) - 1 and not failed:  # reported only if all passed
                 last = lambda m: on_committed([*done, m])  # noqa: E731
-            done.append(infer_shard(cfg, layout, model, spec, say=say, started=started if i == 0 else None,
-                                    on_committed=last, shared_engine=engine))
+            try:
+                done.append(infer_shard(cfg, layout, model, spec, say=say, started=started if i == 0 else None,
+                                        on_committed=last, shared_engine=engine))
+            except ShardFailed as e:
+                failed.append(str(e))
+                say(f"{e}; the task's other shards go on")
     finally:
         engine.close()
     say(f"{len(specs)} shards on one engine: started {engine.starts} time(s)")
+    if failed:
+        raise ShardFailed(f"{len(failed)} of {len(specs)} shards of this task failed (the others committed): "
+                          + " | ".join(failed))
     return done
 
 

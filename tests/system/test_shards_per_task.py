@@ -5,6 +5,8 @@ in turn, the engine starts once per task, and each shard keeps its own commits, 
   engine starts (manifests and log), the two other shards naming the start they shared;
 - the worker killed after a commit in a task's second shard: the retry leaves the first shard's committed
   manifest as it was, resumes the second from its chunks, and every row is committed once (transformers);
+- a shard with too many error rows first in a task: the task's later shard still runs and commits, the task then
+  fails naming the first, and a tolerant re-run takes both as committed (transformers);
 - the DAG through ``dag.test()`` on the demo's own engine (vLLM): ceil(4 / 2) = 2 mapped inference tasks, every
   valid row published once in input order, two engine starts.
 """
@@ -137,3 +139,36 @@ def test_the_dag_maps_ceil_shards_over_k_tasks_and_publishes_every_row_once(tmp_
     assert [s["metrics"]["engine_start_seconds"] > 0 for s in shards] == [True, False, True, False]
     assert [s["metrics"]["engine_shared_from"] for s in shards] == [None, 0, None, 2]
     assert summary["rows"]["published"] == 20
+
+
+# ------------------------------------------------------------------ a shard with too many errors in a task
+def test_a_failing_shard_does_not_stop_the_tasks_later_shards(tmp_path, demo_model_dir):
+    """max_error_rate 0 and a prompt over max_model_len in the task's first shard: that shard fails (its error
+    row and outputs written), the second still runs and commits on the same engine, then the task fails naming
+    the first; a re-run with a tolerant threshold takes both committed shards as they are, starting no engine."""
+    from batch_llm.infer import ShardFailed
+    from batch_llm.manifests import ShardManifest
+
+    src = tmp_path / "input.jsonl"
+    rows = [{"id": "huge", "prompt": "lorem ipsum " * 2_000}] + [{"id": f"ok-{i}", "prompt": f"Say {i}."}
+                                                                    for i in range(7)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = demo_config(tmp_path, **{**WORKER_OVERRIDES, "engine__max_model_len": 256, "engine__max_error_rate": 0.0,
+                                   "input__path": str(src)})
+    layout = stages.RunLayout.for_run(cfg, run_id="fail-first", ds=DS)
+    model = stages.fetch(cfg, layout)
+    plan = stages.plan_shards(cfg, layout)
+    (task,) = stages.shard_tasks(cfg, plan)
+    assert "huge" in {r["id"] for r in iter_jsonl(Location(task[0].url).path())}  # the first shard fails
+    said: list[str] = []
+    with pytest.raises(ShardFailed, match=r"1 of 2 shards of this task failed \(the others committed\): shard 0: "):
+        stages.infer_shards(cfg, layout, model, task, say=said.append)
+    assert any("the task's other shards go on" in s for s in said), said
+    first, second = (ShardManifest.read_if_done(_shard_dir(layout, i)) for i in (0, 1))
+    assert first is not None and first.metrics.errors == 1 and first.metrics.ok == 3
+    assert second is not None and second.metrics.ok == 4 and second.metrics.errors == 0
+    assert second.metrics.engine_shared_from == 0  # the second shard ran on the first's engine
+    tolerant = cfg.with_overrides({"engine.max_error_rate": 0.5})
+    again: list[str] = []
+    ms = stages.infer_shards(tolerant, layout, model, task, say=again.append)
+    assert [m.metrics.ok for m in ms] == [3, 4] and "started 0 time(s)" in again[-1], again
