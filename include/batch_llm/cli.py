@@ -343,6 +343,17 @@ def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: li
         rep.end()
 
 
+def _push_metrics(pipeline: str, run_id: str, manifests: list) -> None:
+    """Each committed shard's metrics to the Pushgateway of ``BATCH_LLM_PUSHGATEWAY_URL``, as the Airflow task
+    pushes them (none configured: nothing; a failed push is a warning, not the run's failure)."""
+    from batch_llm import metrics_push
+
+    if metrics_push.configured_url():
+        for m in manifests:
+            if isinstance(m, ShardManifest):
+                metrics_push.push_manifest(pipeline, run_id, m)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from batch_llm import stages
     from batch_llm.doctor import diagnose, format_findings
@@ -351,8 +362,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
-        shards: list[ShardResult | ShardManifest | dict] = [
-            m for task in stages.shard_tasks(cfg, plan) for m in _shard_task(cfg, layout, model, task, rep)]
+        shards: list[ShardResult | ShardManifest | dict] = []
+        for task in stages.shard_tasks(cfg, plan):
+            done = _shard_task(cfg, layout, model, task, rep)
+            _push_metrics(cfg.name, layout.run_id, done)
+            shards += done
         filtered = stages.content_filter(cfg, layout, plan, shards)
         fs = filtered.summary
         rep.say(f"content filter: {fs.rows_scanned} rows scanned, {fs.rows_affected} affected, "

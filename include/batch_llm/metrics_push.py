@@ -119,3 +119,11 @@ def push_shard_metrics(pipeline: str, run_id: str, shard: int, values: Mapping[s
         return False
     log.info("shard metrics pushed to the Pushgateway %s (job=%s, group %s)", _shown(url), JOB, key)
     return True
+
+
+def push_manifest(pipeline: str, run_id: str, manifest, *, gpu_lease_wait_seconds: float = 0.0,
+                  url: str | None = None) -> bool:
+    """``push_shard_metrics`` of a committed shard's manifest (``manifests.ShardManifest``): its metrics and how
+    long it waited for its GPUs. What the Airflow task and ``batch-llm run`` both push."""
+    m = {**manifest.metrics.model_dump(), "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
+    return push_shard_metrics(pipeline, run_id, manifest.shard, {k: m[k] for k in (*COUNTERS, *GAUGES)}, url=url)

@@ -193,9 +193,8 @@ def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait
         from airflow.sdk import get_current_context
 
         run_id = str(get_current_context()["run_id"])
-    m = {**manifest.metrics.model_dump(), "gpu_lease_wait_seconds": round(gpu_lease_wait_seconds, 3)}
-    return metrics_push.push_shard_metrics(pipeline, run_id, manifest.shard,
-                                           {k: m[k] for k in (*SHARD_COUNTERS, *SHARD_GAUGES)}, url=url)
+    return metrics_push.push_manifest(pipeline, run_id, manifest, gpu_lease_wait_seconds=gpu_lease_wait_seconds,
+                                      url=url)
 
 
 class ContentFilterOperator(PipelineStageOperator):

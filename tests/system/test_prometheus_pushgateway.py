@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from batch_llm import metrics_push
-from helpers import demo_config
+from helpers import demo_config, run_demo_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 OBS = ROOT / "docker" / "observability"
@@ -176,3 +176,26 @@ def test_every_dashboard_panel_answers_with_the_pushed_shards(stack, pushed_run)
     raw = query(prom, f"batch_llm_shard_rows_total{sel}")
     assert sorted(s["metric"]["shard"] for s in raw) == sorted(shards)  # one group per shard, none overwritten
     assert all(set(s["metric"]) == {"__name__", *key, "shard"} for s in raw), raw  # no instance, no exported_job
+
+
+@pytest.mark.timeout(600)
+def test_batch_llm_run_pushes_a_group_per_shard_as_the_task_does(stack, tmp_path, demo_model_dir):
+    """The command line (``batch-llm run``) with the gateway configured pushes what the Airflow task pushes: one
+    group per shard under the run's id, the shards' rows adding up to the input's."""
+    gateway, _ = stack
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "prompt": f"Say the number {i}."}) + "\n"
+                           for i in range(ROWS)))
+    os.environ[metrics_push.ENV_URL] = gateway  # the CLI process inherits it
+    try:
+        run_demo_cli(src, tmp_path / "out", ds="2026-12-04", run_id="cli-push",
+                     sets=["engine.kind=transformers", f"sharding.num_shards={SHARDS}", "sampling.max_tokens=4",
+                           "evaluate.enabled=false", "cache.enabled=false"])
+    finally:
+        os.environ.pop(metrics_push.ENV_URL, None)
+    groups = [g for g in json.loads(_get(f"{gateway}/api/v1/metrics"))["data"]
+              if g["labels"].get("run_id") == "cli-push"]
+    assert sorted(g["labels"]["shard"] for g in groups) == [str(i) for i in range(SHARDS)], groups
+    assert all(g["labels"]["job"] == metrics_push.JOB and g["labels"]["pipeline"] == "batch_llm_demo" for g in groups)
+    rows = sum(float(m["value"]) for g in groups for m in g["batch_llm_shard_rows_total"]["metrics"])
+    assert rows == ROWS
