@@ -312,27 +312,37 @@ def run_raw_tuned(a, rows) -> dict:
                 outputs_s=_since_start(), tuned_settings=settings)
 
 
+def _planned_spec(a, rows, mode: str, shards: int = 1):
+    """The stage modes' input: ``rows`` written to a file, planned as the plan task plans it into ``shards``
+    shards (more than one: one task runs them all on one engine, ``sharding.shards_per_task``), and the worker's
+    spec for them. Returns (plan, spec)."""
+    from batch_llm.plan import plan_shards
+    from batch_llm.shard_process import worker_spec
+    from batch_llm.stages import RunLayout
+    from batch_llm.storage import Location, write_jsonl
+
+    work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
+    input_url = str(work / "input.jsonl")
+    write_jsonl(Location(input_url).path(), rows)
+    cfg = stage_config(a, mode, input=input_url, output=str(work))
+    if shards > 1:
+        cfg = cfg.with_overrides({"sharding.num_shards": shards, "sharding.shards_per_task": shards})
+    layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
+    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
+    assert plan.valid == len(rows) and len(plan.shards) == shards, plan
+    model = {"local_dir": a.model, "model_key": "bench"}
+    return plan, worker_spec(cfg, layout, model, list(plan.shards) if shards > 1 else plan.shards[0])
+
+
 def run_stage_shards(a, rows) -> dict:
     """``stage-shards``: every row planned into ``--shards`` shards of ``--n`` rows, one worker and one engine for
     all of them (``sharding.shards_per_task``), as a GPU task of the DAG runs them. The clock: the worker's
     process start to its last shard's manifest; per shard, its phases from the engine being ready (or the end of
     the shard before) to its commit's end."""
     from batch_llm.manifests import ShardManifest
-    from batch_llm.plan import plan_shards
-    from batch_llm.shard_process import worker_spec
-    from batch_llm.stages import RunLayout
-    from batch_llm.storage import Location, write_jsonl
     from batch_llm.worker import WorkerHandle
 
-    work = Path(tempfile.mkdtemp(prefix="bench_stage_shards_"))
-    input_url = str(work / "input.jsonl")
-    write_jsonl(Location(input_url).path(), rows)
-    cfg = stage_config(a, "stage", input=input_url, output=str(work))
-    cfg = cfg.with_overrides({"sharding.num_shards": a.shards, "sharding.shards_per_task": a.shards})
-    layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
-    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
-    assert plan.valid == len(rows) and len(plan.shards) == a.shards, plan
-    spec = worker_spec(cfg, layout, {"local_dir": a.model, "model_key": "bench"}, list(plan.shards))
+    _, spec = _planned_spec(a, rows, "stage", shards=a.shards)
     t0 = time.time()
     result = WorkerHandle.start(spec).wait(on_line=lambda line: print("  [stage]", line[:300], flush=True)
                                            if any(k in line for k in ("done", "Error", "started in")) else None)
@@ -364,20 +374,9 @@ def run_stage_shards(a, rows) -> dict:
 def run_stage(a, rows, mode: str = "stage") -> dict:
     """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
-    from batch_llm.plan import plan_shards
-    from batch_llm.stages import RunLayout
-    from batch_llm.storage import Location, write_jsonl
     from batch_llm.worker import WorkerHandle
 
-    work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
-    input_url = str(work / "input.jsonl")
-    write_jsonl(Location(input_url).path(), rows)
-    cfg = stage_config(a, mode, input=input_url, output=str(work))
-    layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
-    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
-    assert plan.valid == len(rows) and len(plan.shards) == 1, plan
-    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(),
-            "model": {"local_dir": a.model, "model_key": "bench"}, "shard": plan.shards[0].model_dump(mode="json")}
+    plan, spec = _planned_spec(a, rows, mode)
     ready: list[float] = []
 
     def on_line(line: str) -> None:

@@ -329,7 +329,8 @@ def _shard(cfg: PipelineConfig, layout, model: QuantizeManifest, shard, rep: Rep
         rep.end()
 
 
-def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: list, rep: Reporter) -> list:
+def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: list,
+                rep: Reporter) -> list[ShardManifest]:
     """One inference task's shards (``stages.shard_tasks``): one shard as ``_shard``; several in turn on one
     engine (``sharding.shards_per_task``), as the Airflow task runs them."""
     from batch_llm import stages
@@ -343,15 +344,14 @@ def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: li
         rep.end()
 
 
-def _push_metrics(pipeline: str, run_id: str, manifests: list) -> None:
+def _push_metrics(pipeline: str, run_id: str, manifests: list[ShardManifest]) -> None:
     """Each committed shard's metrics to the Pushgateway of ``BATCH_LLM_PUSHGATEWAY_URL``, as the Airflow task
     pushes them (none configured: nothing; a failed push is a warning, not the run's failure)."""
     from batch_llm import metrics_push
 
     if metrics_push.configured_url():
         for m in manifests:
-            if isinstance(m, ShardManifest):
-                metrics_push.push_manifest(pipeline, run_id, m)
+            metrics_push.push_manifest(pipeline, run_id, m)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
