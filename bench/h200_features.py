@@ -156,7 +156,7 @@ def cmd_guided(a) -> None:
     if a.compact_json:  # no free whitespace between JSON tokens (xgrammar's and guidance's option)
         so = {"backend": "xgrammar" if a.backend == "auto" else a.backend, "disable_any_whitespace": True}
     extra = {"structured_outputs_config": so} if so else {}
-    if a.match_vocab:  # the model's vocabulary cut to the tokenizer's (as a real model's is): llguidance wants it
+    if a.match_vocab:  # the model's vocabulary cut to the tokenizer's (as a real model's is): a mask of that size
         from transformers import AutoTokenizer
 
         extra["hf_overrides"] = {"vocab_size": len(AutoTokenizer.from_pretrained(a.tokenizer))}
