@@ -25,6 +25,8 @@ COMMANDS = {  # command: (module, what it measures)
     "recommend-check": ("recommend_check", "predict | run: the recommend model against a fresh H200 run"),
     "recommend-calibration": ("recommend_calibration", "fits recommend.py's constants to the measurements"),
     "shards-per-task": ("shards_per_task", "sharding.shards_per_task: one engine start per shard against per task"),
+    "grammar-cost": ("grammar_cost", "xgrammar's and llguidance's mask fill and token accept, per token, per tokenizer"),
+    "qwen-tokenizer": ("qwen_tokenizer", "builds a Qwen2.5 tokenizer offline (a 7B model's real vocabulary)"),
 }
 SCRIPTS = {  # command: (shell script, what it runs)
     "cpu": ("run_cpu.sh", "the CPU benchmark (`make bench`): inference on the demo model, fixed and mix"),

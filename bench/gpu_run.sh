@@ -17,6 +17,9 @@
 #   guided  carry .gpu-stage/tok (a small real tokenizer: the demo model's tokenizer files), made here with
 #           mkdir -p .gpu-stage/tok && cp "$(.venv/bin/python -m batch_llm.demo_model)"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu-stage/tok/
 #           GUIDED_ARGS=--compact-json: no free whitespace in the grammar; TAG names the log
+#           TOK=.gpu-stage/qwentok (carry it): a Qwen2.5 tokenizer (151,665 tokens, the 7B shape's real vocabulary),
+#           made here with  .venv/bin/python -m bench qwen-tokenizer --out .gpu-stage/qwentok && xz -9 .gpu-stage/qwentok/tokenizer.json
+#           (1.9 MB; unpacked on the device); also for chat
 #   spec    carry .gpu-stage/numba (numba + llvmlite cp312 wheels, 64 MB: vLLM's CPU n-gram proposer needs them):
 #           .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #             --platform manylinux_2_28_x86_64 numba llvmlite -d .gpu-stage/numba
@@ -25,6 +28,11 @@
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 M=/root/work/qwen7b_cfg
+TOK=${TOK:-.gpu-stage/tok}
+if [ -f $TOK/tokenizer.json.xz ] && [ ! -f $TOK/tokenizer.json ]; then  # carried packed (a call carries 64 MiB)
+  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    $TOK/tokenizer.json.xz $TOK/tokenizer.json
+fi
 vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
@@ -48,7 +56,7 @@ case "${1:-fixed}" in
   mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
-  chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer .gpu-stage/tok \
+  chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer $TOK \
            --dataset chat --n ${N:-4000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-0} \
            --out $OUT/gpu_chat.jsonl --logs $OUT/logs ;;
   shards) vllm_env; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
@@ -58,7 +66,7 @@ case "${1:-fixed}" in
   checks) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy stop resume | tee $OUT/checks.txt ;;
   resume|leases) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy "$1" | tee $OUT/$1.txt ;;
   guided) vllm_env
-    timeout -k 10 ${T:-540} python3 -m bench h200 guided --model $M --tokenizer .gpu-stage/tok ${GUIDED_ARGS:-} \
+    timeout -k 10 ${T:-540} python3 -m bench h200 guided --model $M --tokenizer $TOK ${GUIDED_ARGS:-} \
       --out $OUT/h200_guided.jsonl >$OUT/guided${TAG:-}.log 2>&1; echo "guided rc=$?"; h200_summary $OUT/guided${TAG:-}.log ;;
   spec) vllm_env
     python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/numba/*.whl 2>&1 | grep -v WARNING
