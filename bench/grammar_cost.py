@@ -6,7 +6,8 @@ guided step adds on the CPU. Each case is a tokenizer and the model's vocabulary
 demo tokenizer (49,152 tokens) under the 7B shape's 152,064 rows (what the H200 guided benchmarks ran), the same
 tokenizer with the vocabulary cut to its size, and a Qwen2.5 tokenizer (151,665 tokens, ``bench qwen-tokenizer``)
 under 152,064 rows, as a real 7B model has. One review-extraction answer is walked token by token, REPEATS times;
-means and medians in microseconds.
+means and medians in microseconds; each case with the
+schema whole and without its string length bounds (``sampling.guided_length_bounds: check``).
 
     python -m bench grammar-cost --qwen-tokenizer .gpu-stage/qwentok --out docs/bench-results/cpu-grammar-cost.jsonl
 """
@@ -76,6 +77,7 @@ def llguidance_cost(tok, vocab: int, schema: dict, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from batch_llm.demo_model import build_demo_model
+    from batch_llm.output_schema import without_string_length_bounds
     from transformers import AutoTokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,12 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     cases = [("demo tokenizer, 7B vocabulary rows", demo, 152_064), ("demo tokenizer, vocabulary cut to it", demo, 49_152)]
     if a.qwen_tokenizer:
         cases.append(("Qwen2.5 tokenizer, 7B vocabulary rows", a.qwen_tokenizer, 152_064))
+    schemas = {"full": schema, "without string length bounds": without_string_length_bounds(schema)}
     for name, path, vocab in cases:
         tok = AutoTokenizer.from_pretrained(path)
-        rec = {"case": name, "tokenizer_tokens": len(tok), "vocab_rows": vocab,
-               "repeats": a.repeats, "xgrammar": xgrammar_cost(tok, vocab, schema, a.repeats),
-               "llguidance": llguidance_cost(tok, vocab, schema, a.repeats)}
-        emit(a.out, "grammar_cost", rec, ensure_ascii=False)
+        for variant, grammar in schemas.items():  # the second: sampling.guided_length_bounds: check
+            rec = {"case": name, "schema": variant, "tokenizer_tokens": len(tok), "vocab_rows": vocab,
+                   "repeats": a.repeats, "xgrammar": xgrammar_cost(tok, vocab, grammar, a.repeats),
+                   "llguidance": llguidance_cost(tok, vocab, grammar, a.repeats)}
+            emit(a.out, "grammar_cost", rec, ensure_ascii=False)
 
 
 if __name__ == "__main__":

@@ -382,6 +382,11 @@ class SamplingConfig(_Section):
                                              "loaded into the schema itself when the config loads")
     guided_decoding: bool = Field(True, description="Decode under output_schema (vLLM, xgrammar); false: "
                                   "outputs are only checked against it")
+    guided_length_bounds: Literal["grammar", "check"] = Field(
+        "grammar", description="Where output_schema's string length bounds (minLength / maxLength) hold: grammar "
+        "(decoded under them: every output within them) or check (decoded under the schema without them, then "
+        "checked: an output outside them is an invalid_output row, asked again under output_retries). Bounded "
+        "strings cost xgrammar ~24x the mask work per token with a 7B tokenizer (bench grammar-cost)")
     output_retries: int = Field(0, ge=0, le=5, description="Ask again, with another seed, for a sampled row "
                                 "(temperature > 0) whose output does not match output_schema")
 

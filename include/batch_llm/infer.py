@@ -674,8 +674,10 @@ def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, mod
 
 def sampling_identity(s: SamplingConfig) -> dict:
     """The pipeline's sampling as the cache namespace hashes it: every field that decides an output; ``n`` and
-    ``logprobs`` only where set, so that namespaces from before they existed stay the same."""
-    exclude = {"max_tokens_cap"} | ({"n"} if s.n == 1 else set()) | ({"logprobs"} if s.logprobs is None else set())
+    ``logprobs`` and ``guided_length_bounds`` only where set, so that namespaces from before they existed stay the
+    same."""
+    exclude = {"max_tokens_cap"} | ({"n"} if s.n == 1 else set()) | ({"logprobs"} if s.logprobs is None else set()) \
+        | ({"guided_length_bounds"} if s.guided_length_bounds == "grammar" else set())
     return s.model_dump(exclude=exclude)
 
 

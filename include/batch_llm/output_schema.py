@@ -21,6 +21,36 @@ from typing import Any
 INVALID_OUTPUT = "invalid_output"
 
 
+# keywords whose values are data or names, not schemas: a property called "maxLength" is not a bound
+_DATA_KEYWORDS = ("enum", "const", "default", "examples", "required")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+STRING_LENGTH_BOUNDS = ("minLength", "maxLength")
+
+
+def without_string_length_bounds(schema: Any) -> Any:
+    """The schema with every string's minLength / maxLength taken out (``sampling.guided_length_bounds: check``).
+
+    Why: a bounded string makes the grammar count characters, so its token mask cannot be cached: with a
+    7B model's tokenizer xgrammar's mask work per token is ~24x that of the same schema unbounded (``python -m
+    bench grammar-cost``). The full schema still checks every output.
+    """
+    if isinstance(schema, list):
+        return [without_string_length_bounds(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in STRING_LENGTH_BOUNDS:
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: without_string_length_bounds(s) for name, s in value.items()}
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = without_string_length_bounds(value)
+    return out
+
+
 def load_schema(ref: str) -> dict:
     """The JSON Schema a reference names: a .json/.yaml file, or ``module:Class`` of a pydantic model."""
     if ":" in ref and not ref.lower().endswith((".json", ".yaml", ".yml")) and "/" not in ref.split(":")[0]:

@@ -57,6 +57,27 @@ def test_schema_from_a_pydantic_model_and_bad_schemas_refused(tmp_path, monkeypa
         parse_config({**base, "sampling": {**base["sampling"], "output_schema": {"type": "strung"}}})
 
 
+def test_length_bounds_come_out_of_the_grammar_only():
+    """``guided_length_bounds: check``: every string's minLength / maxLength leaves the grammar, at any depth;
+    property names, enums and required lists that merely read like keywords stay."""
+    from batch_llm.output_schema import without_string_length_bounds
+
+    schema = {"type": "object", "required": ["maxLength", "tags"],
+              "properties": {"maxLength": {"type": "string", "maxLength": 4, "description": "a property's name"},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "minLength": 1}},
+                             "kind": {"enum": ["minLength", "maxLength"]},
+                             "note": {"anyOf": [{"$ref": "#/$defs/short"}, {"type": "null"}]}},
+              "$defs": {"short": {"type": "string", "maxLength": 8, "pattern": "^[a-z]+$"}}}
+    assert without_string_length_bounds(schema) == {
+        "type": "object", "required": ["maxLength", "tags"],
+        "properties": {"maxLength": {"type": "string", "description": "a property's name"},
+                       "tags": {"type": "array", "maxItems": 3, "items": {"type": "string"}},
+                       "kind": {"enum": ["minLength", "maxLength"]},
+                       "note": {"anyOf": [{"$ref": "#/$defs/short"}, {"type": "null"}]}},
+        "$defs": {"short": {"type": "string", "pattern": "^[a-z]+$"}}}
+    assert schema["properties"]["maxLength"]["maxLength"] == 4  # the config's schema itself is left whole
+
+
 def test_guided_decoding_needs_vllm_but_checking_does_not():
     base = load_config(YAML).model_dump()
     with pytest.raises(ConfigError, match="engine transformers cannot decode under a schema"):
@@ -110,6 +131,22 @@ def test_guided_on_vllm_every_output_valid_and_typed(tmp_path, demo_model_dir, s
         assert r["sentiment"] in SENTIMENTS and r["aspect"] and r["evidence"]
         assert r["aspect"] == json.loads(r["output"])["aspect"]
     assert "'structured_outputs_backend': 'auto'" in log or "'structured_outputs_backend': 'xgrammar'" in log
+
+
+def test_length_bounds_checked_after_decoding_on_vllm(tmp_path, demo_model_dir, schema):
+    """``guided_length_bounds: check``: vLLM decodes under the schema without its string bounds; what is published
+    is valid against the whole schema, a value past a bound is an ``invalid_output`` row, and every row is one or
+    the other. The cost of the mode shows on the 135M model: a string the grammar no longer closes at its bound
+    runs on to ``max_tokens`` (the same 12 rows under ``grammar`` give no error at all: the test above)."""
+    table, summary, errors, rows, log = _run(tmp_path, "sampling.guided_length_bounds=check")
+    assert table.num_rows + len(errors) == len(rows) == 12
+    for r in table.to_pylist():
+        assert schema.check(r["output"])[1] is None, r
+        assert r["sentiment"] in SENTIMENTS
+    assert errors, "with the bounds out of the grammar the 135M model overruns one on some row"
+    for e in errors:  # a bound broken: too long, or a string never closed before max_tokens
+        assert e["stage"] == "infer" and (e["reason"].startswith("invalid_output: not JSON (Unterminated string")
+                                          or e["reason"].endswith("is too long")), e
 
 
 def test_guided_with_the_guidance_backend_on_vllm(tmp_path, demo_model_dir, schema):

@@ -113,14 +113,16 @@ def test_cache_keys_differ_by_n_and_logprobs_and_old_namespaces_stay(tmp_path):
             prompt_key(basis, RowParams(logprobs=3).to_json()), prompt_key(basis, RowParams(n=3, logprobs=3).to_json())}
     assert len(keys) == 4  # a cached n=1 answer never serves an n=3 request
     base = demo_config(tmp_path).sampling
-    old = base.model_dump(exclude={"max_tokens_cap", "n", "logprobs"})  # what namespaces hashed before these fields
+    # what namespaces hashed before these fields
+    old = base.model_dump(exclude={"max_tokens_cap", "n", "logprobs", "guided_length_bounds"})
     assert sampling_identity(base) == old
 
     def ns(s):
         return namespace(model_key="m", chat_template="t", sampling=sampling_identity(s), engine_kind="vllm")
 
     assert len({ns(base), ns(demo_config(tmp_path, sampling__n=3).sampling),
-                ns(demo_config(tmp_path, sampling__logprobs=0).sampling)}) == 3
+                ns(demo_config(tmp_path, sampling__logprobs=0).sampling),
+                ns(demo_config(tmp_path, sampling__guided_length_bounds="check").sampling)}) == 4
 
 
 # ------------------------------------------------------------------------------------------ vLLM outputs

@@ -222,6 +222,10 @@ class VllmEngine(Engine):
             from vllm.sampling_params import StructuredOutputsParams
 
             guided = self.sampling.output_schema
+            if self.sampling.guided_length_bounds == "check":  # the bounds are checked after (OutputSchema)
+                from batch_llm.output_schema import without_string_length_bounds
+
+                guided = without_string_length_bounds(guided)
 
         def params_for(req: GenRequest) -> SamplingParams:
             s = self.sampling_for(req)
