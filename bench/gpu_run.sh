@@ -20,6 +20,7 @@
 #           TOK=.gpu-stage/qwentok (carry it): a Qwen2.5 tokenizer (151,665 tokens, the 7B shape's real vocabulary),
 #           made here with  .venv/bin/python -m bench qwen-tokenizer --out .gpu-stage/qwentok && xz -9 .gpu-stage/qwentok/tokenizer.json
 #           (1.9 MB; unpacked on the device); also for chat
+#           GUIDED_ARGS="--compact-json --without-length-bounds": sampling.guided_length_bounds: check
 #   spec    carry .gpu-stage/numba (numba + llvmlite cp312 wheels, 64 MB: vLLM's CPU n-gram proposer needs them):
 #           .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #             --platform manylinux_2_28_x86_64 numba llvmlite -d .gpu-stage/numba

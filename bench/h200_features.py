@@ -151,6 +151,11 @@ def cmd_guided(a) -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
     schema = json.loads((ROOT / "dags" / "pipelines" / "schemas" / "review_opinion.json").read_text())
+    grammar = schema  # what vLLM decodes under; outputs are checked against the whole schema either way
+    if a.without_length_bounds:  # sampling.guided_length_bounds: check
+        from batch_llm.output_schema import without_string_length_bounds
+
+        grammar = without_string_length_bounds(schema)
     prompts = guided_prompts(a)
     so = {"backend": a.backend} if a.backend != "auto" else {}
     if a.compact_json:  # no free whitespace between JSON tokens (xgrammar's and guidance's option)
@@ -163,10 +168,11 @@ def cmd_guided(a) -> None:
     timers = GrammarTimers() if a.timers else None
     llm, info = start_vllm(a.model, tokenizer=a.tokenizer, **extra)
     emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, "backend": a.backend, **info,
+             "without_length_bounds": a.without_length_bounds,
              "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "timers": a.timers,
              "vocab_size": llm.llm_engine.vllm_config.model_config.get_vocab_size()})
     guided = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
-                            structured_outputs=StructuredOutputsParams(json=schema))
+                            structured_outputs=StructuredOutputsParams(json=grammar))
     seconds, outs = generate(llm, prompts, guided)  # warm-up; its lengths fix the plain mode's work
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     emit(a, {"phase": "warmup", "mode": "guided", "seconds": round(seconds, 2), "tokens": sum(lengths),
@@ -305,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                    "loop in whitespace and each row ends where its object does")
     g.add_argument("--timers", action="store_true", help="the engine core in this process, its grammar work timed "
                    "in place (GrammarTimers): where a guided step's time goes")
+    g.add_argument("--without-length-bounds", action="store_true", help="decode under the schema without its "
+                   "string length bounds (sampling.guided_length_bounds: check); outputs checked against it whole")
     g.add_argument("--match-vocab", action="store_true", help="the model's vocabulary cut to the tokenizer's "
                    "(hf_overrides vocab_size), as a real model's matches its tokenizer")
     s = sub.choices["spec"]
