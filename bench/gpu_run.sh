@@ -59,7 +59,7 @@ case "${1:-fixed}" in
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
   chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer $TOK \
            --dataset chat --n ${N:-4000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-0} \
-           --out $OUT/gpu_chat.jsonl --logs $OUT/logs ;;
+           --out $OUT/gpu_chat.jsonl --logs $OUT/logs ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ${CHAT_ARGS:-} ;;
   shards) vllm_env; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --shards ${SHARDS:-10} --modes stage-shards --repeats 1 --out $OUT/gpu_shards.jsonl --logs $OUT/logs ;;
   hf)    vllm_env; timeout 540 python3 -m bench inference --model $M --dummy --dataset fixed --n 1000 \

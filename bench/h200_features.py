@@ -165,10 +165,12 @@ def cmd_guided(a) -> None:
         from transformers import AutoTokenizer
 
         extra["hf_overrides"] = {"vocab_size": len(AutoTokenizer.from_pretrained(a.tokenizer))}
+    if a.no_async_scheduling:  # both modes step by step: what guided decoding costs once plain loses the overlap too
+        extra["async_scheduling"] = False
     timers = GrammarTimers() if a.timers else None
     llm, info = start_vllm(a.model, tokenizer=a.tokenizer, **extra)
     emit(a, {"phase": "engine", "rows": len(prompts), "compact_json": a.compact_json, "backend": a.backend, **info,
-             "without_length_bounds": a.without_length_bounds,
+             "without_length_bounds": a.without_length_bounds, "no_async_scheduling": a.no_async_scheduling,
              "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts), "timers": a.timers,
              "vocab_size": llm.llm_engine.vllm_config.model_config.get_vocab_size()})
     guided = SamplingParams(max_tokens=a.max_tokens, temperature=0.0,
@@ -315,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                    "string length bounds (sampling.guided_length_bounds: check); outputs checked against it whole")
     g.add_argument("--match-vocab", action="store_true", help="the model's vocabulary cut to the tokenizer's "
                    "(hf_overrides vocab_size), as a real model's matches its tokenizer")
+    g.add_argument("--no-async-scheduling", action="store_true", help="vLLM's asynchronous scheduling off "
+                   "(async_scheduling=False) for both modes: a guided step waits for the step before it (its masks "
+                   "need that step's tokens), so this shows what is left of the cost once plain steps wait too")
     s = sub.choices["spec"]
     s.add_argument("--method", choices=("plain", "ngram", "ngram_gpu"), required=True)
     s.add_argument("--batch-sizes", default="1,32,256")

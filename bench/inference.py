@@ -32,6 +32,9 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          (VLLM_ENABLE_V1_MULTIPROCESSING=0), the dtype the stage resolves, enforce_eager as the stage, the same
          VLLM_CPU_KVCACHE_SPACE. Only the raw loop differs: one LLM.generate call in input order
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
+  --output-schema FILE: the stage modes decode under that JSON Schema (guided decoding through the stage; the
+         H200's `gpu_run.sh chat` with CHAT_ARGS="--output-schema ..." compares vLLM's asynchronous scheduling off,
+         the stage's default for guided decoding on a GPU, with on: MODES=stage,stage-x STAGE_EXTRA=...)
   raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start
          (no engine-core process importing vLLM again) against what it costs in generation (no overlap of
@@ -247,6 +250,12 @@ def stage_config(a, mode: str = "stage", **paths):
     extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
     if a.dataset == "chat" and a.dummy:  # random weights, but the tokenizer for the chat template
         extra = {"skip_tokenizer_init": False, **extra}
+    guided = {}
+    if a.output_schema:  # decoded under the schema, rows end where the object does; no free whitespace, in which
+        # random weights would otherwise loop to max_tokens
+        guided = {"sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0,
+                               "output_schema": str(Path(a.output_schema).resolve())}}
+        extra = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}, **extra}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
@@ -255,7 +264,7 @@ def stage_config(a, mode: str = "stage", **paths):
                 "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
                 **({"multiprocessing": False} if mode == "stage-inproc" else {}),
                 **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
-                **({"torch_compile": True} if mode == "stage-compile" else {})}, **paths)
+                **({"torch_compile": True} if mode == "stage-compile" else {})}, **guided, **paths)
 
 
 def tuned_settings(a) -> tuple[dict, dict]:
@@ -391,6 +400,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
+                ok_rows=mt.get("ok"), invalid_outputs=mt.get("invalid_outputs"),
+                async_scheduling=((m.get("engine") or {}).get("settings") or {}).get("async_scheduling"),
                 plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
 
 
@@ -512,6 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="raw,stage")
     p.add_argument("--shards", type=int, default=8, help="stage-shards: shards of --n rows each, one engine")
     p.add_argument("--stage-extra", default="", help="JSON: engine arguments of the stage-x mode (engine.extra)")
+    p.add_argument("--output-schema", help="stage modes only: sampling.output_schema (a JSON Schema file), xgrammar "
+                   "without free whitespace, rows ending where the object does (no ignore_eos): guided decoding "
+                   "through the stage, e.g. --modes stage,stage-x --stage-extra '{\"async_scheduling\": true}'")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, in alternating order (>= 3)")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=0, help="one unrecorded run first (compile cache)")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -524,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.engine != "vllm" and "raw-tuned" in a.modes.split(","):
         p.error("raw-tuned takes the stage's vLLM engine settings: --engine vllm only")
+    if a.output_schema and any(not m.startswith("stage") for m in a.modes.split(",")):
+        p.error("--output-schema: stage modes only (the raw modes decode freely)")
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
@@ -552,6 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = runs.pop("_warmup", None)
     summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset,
                "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy, "model": a.model,
+               "output_schema": a.output_schema, "stage_extra": a.stage_extra or None,
                "repeats": a.repeats, "order": schedule, **summarize(runs)}
     print_result(summary, "SUMMARY ")
     append_jsonl(a.out, {"summary": summary})  # its runs are the {"run": ...} lines above it

@@ -88,6 +88,20 @@ def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_confi
     assert cfg.with_overrides({}).engine.speculative == cfg.engine.speculative  # survives a params round trip
 
 
+def test_engine_extra_reaches_vllm_as_is_and_wins_key_by_key(tmp_path):
+    from batch_llm.engines.vllm_engine import VllmEngine
+
+    def args(**overrides):
+        cfg = demo_config(tmp_path, **overrides)
+        return VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()
+
+    assert "async_scheduling" not in args()  # vLLM's own choice unless the user makes one
+    # a key the engine sets itself used to collide with engine.extra's (TypeError: multiple values for keyword)
+    assert args(engine__extra={"max_num_seqs": 7})["max_num_seqs"] == 7
+    assert args(engine__extra={"seed": 5})["seed"] == 5
+    assert args(engine__extra={"async_scheduling": False})["async_scheduling"] is False
+
+
 def _compilation(monkeypatch, tmp_path, *, gpu=True, takes=("mode", "cudagraph_mode"), lora=None, **overrides):
     """The compilation_config the engine would hand vLLM, on a GPU or not, with a vLLM taking ``takes``."""
     from batch_llm.engines import vllm_engine

@@ -64,7 +64,8 @@ class VllmEngine(Engine):
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
-                    **self._compilation_args(), **{k: v for k, v in c.extra.items() if k != "hf_overrides"})
+                    **self._compilation_args())
+        args.update({k: v for k, v in c.extra.items() if k != "hf_overrides"})  # engine.extra wins, key by key
         return {k: v for k, v in args.items() if v is not None}
 
     def _constructor_dtype(self) -> str:
