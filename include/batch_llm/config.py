@@ -386,7 +386,9 @@ class SamplingConfig(_Section):
         "grammar", description="Where output_schema's string length bounds (minLength / maxLength) hold: grammar "
         "(decoded under them: every output within them) or check (decoded under the schema without them, then "
         "checked: an output outside them is an invalid_output row, asked again under output_retries). Bounded "
-        "strings cost xgrammar ~26x the mask work per token with a 7B tokenizer (bench grammar-cost)")
+        "strings cost xgrammar ~26x the mask work per token with a 7B tokenizer (bench grammar-cost), work vLLM "
+        "fills in parallel: on the H200 the guided rate moved 0.498 -> 0.514 of plain without them (the schema "
+        "compiles in 20 ms instead of 889)")
     output_retries: int = Field(0, ge=0, le=5, description="Ask again, with another seed, for a sampled row "
                                 "(temperature > 0) whose output does not match output_schema")
 
