@@ -380,8 +380,12 @@ class SamplingConfig(_Section):
     output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
                                              "or a pydantic model (module:Class) every output must match; "
                                              "loaded into the schema itself when the config loads")
-    guided_decoding: bool = Field(True, description="Decode under output_schema (vLLM, xgrammar); false: "
-                                  "outputs are only checked against it")
+    guided_decoding: bool | Literal["fallback"] = Field(
+        True, description="Decode under output_schema (vLLM, xgrammar); false: outputs are only checked against it; "
+        "fallback: decoded freely first (at the plain rate), and only the rows whose output does not match are "
+        "decoded again under the schema (one more pass, before output_retries). On vLLM 0.26 a guided step runs "
+        "at ~0.5 of a plain one on the H200 (docs/benchmarks.md): for a model that mostly answers in shape, "
+        "fallback costs about the plain run plus the misses")
     guided_length_bounds: Literal["grammar", "check"] = Field(
         "grammar", description="Where output_schema's string length bounds (minLength / maxLength) hold: grammar "
         "(decoded under them: every output within them) or check (decoded under the schema without them, then "

@@ -347,6 +347,8 @@ class ShardRun:
         self.retryable: dict[str, GenRequest] = {}  # in flight, kept while an invalid output may be asked again
         self.retry: _RequestSpool | None = None   # invalid outputs to ask again (on local disk, not in memory)
         self.n_retried = 0
+        # guided_decoding: fallback: the first pass decodes freely, the misses once more under the schema
+        self.fallback = self.schema is not None and cfg.sampling.guided_decoding == "fallback"
 
     def _record_start(self, started: dict) -> None:
         now = time.time()
@@ -462,14 +464,16 @@ class ShardRun:
                         first = time.time()
                         self.timeline.add("first_token", t0, first)
                     self._take(res)
-                for attempt in range(1, self.cfg.sampling.output_retries + 1):
+                attempts = self.cfg.sampling.output_retries + self.fallback
+                for attempt in range(1, attempts + 1):
                     if not self.retry.count:
                         break
                     again, self.retry = self.retry.close(), _RequestSpool(Path(tmp) / f"retry-{attempt}.jsonl")
                     self.n_retried += again.count
-                    self.say(f"asking again for {again.count} invalid outputs (attempt {attempt + 1})")
+                    self.say(f"asking again for {again.count} invalid outputs (attempt {attempt + 1}"
+                             f"{', under the schema' if self.fallback else ''})")
                     for res in engine.generate(self._retry_requests(again.read(), attempt)):
-                        self._take(res, last=attempt == self.cfg.sampling.output_retries)
+                        self._take(res, last=attempt == attempts)
             finally:
                 self.gen_seconds = time.perf_counter() - t_gen
                 self.timeline.add("generation", first or t0)
@@ -506,9 +510,10 @@ class ShardRun:
                 yield req
 
     def _may_retry(self, req: GenRequest) -> bool:
-        """An invalid output is asked again only where another seed can change it: a sampled row."""
-        return (self.schema is not None and self.cfg.sampling.output_retries > 0
-                and resolve(req.params, self.cfg.sampling).temperature > 0)
+        """An invalid output is asked again where that can change it: under guided_decoding: fallback every row
+        (its first pass was free), otherwise a sampled row (another seed) under output_retries."""
+        return self.fallback or (self.schema is not None and self.cfg.sampling.output_retries > 0
+                                 and resolve(req.params, self.cfg.sampling).temperature > 0)
 
     def _request_for(self, r: dict) -> GenRequest | None:
         """The request of the row whose prompt is sent; rows that cannot become one are error rows."""
@@ -603,9 +608,12 @@ class ShardRun:
 
     def _retry_requests(self, requests: Iterator[GenRequest], attempt: int) -> Iterator[GenRequest]:
         for req in requests:
-            seed = (resolve(req.params, self.cfg.sampling).seed or 0) + 1_000_003 * attempt
-            again = dataclasses.replace(req, params=dataclasses.replace(req.params or RowParams(), seed=seed))
-            self.retryable[req.key] = again
+            s = resolve(req.params, self.cfg.sampling)
+            seed = (s.seed or 0) + 1_000_003 * attempt
+            again = dataclasses.replace(req, params=dataclasses.replace(req.params or RowParams(), seed=seed),
+                                        guided=True if self.fallback else req.guided)
+            if not (self.fallback and s.temperature == 0):  # a greedy row under the schema is final
+                self.retryable[req.key] = again
             yield again
 
     def _commit(self, force: bool = False) -> None:

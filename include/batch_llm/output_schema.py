@@ -5,8 +5,9 @@ columns the published dataset gets from it.
 pydantic model (``package.module:Class``); the config loads it once into the schema itself, so the schema
 travels with the config to every worker and is part of the result cache's namespace. vLLM then decodes
 under it (``StructuredOutputsParams(json=...)``, the xgrammar backend) unless ``sampling.guided_decoding`` is
-off; either way every output is checked here: a valid one is published as typed columns, an invalid one is
-an ``invalid_output`` row with the reason (not a failed task).
+off (or ``fallback``: freely first, then only the misses under it); either way every output is checked here:
+a valid one is published as typed columns, an invalid one is an ``invalid_output`` row with the reason (not a
+failed task).
 
     schema = OutputSchema(cfg.sampling.output_schema)
     value, reason = schema.check('{"aspect": "battery", "sentiment": "负面"}')

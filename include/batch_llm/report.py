@@ -191,8 +191,8 @@ def _header(r: _Page) -> dict:
                                          else "")),
         ("engine", f"{kind} {version}" + (f" ({eng_bits})" if eng_bits else "")),
         ("sampling", f"max_tokens {samp.get('max_tokens')}, temperature {samp.get('temperature')}, "
-                     f"seed {samp.get('seed')}" + (", output schema" + (" (guided decoding)" if samp.get(
-                         "guided_decoding", True) else " (checked only)") if samp.get("output_schema") else "")),
+                     f"seed {samp.get('seed')}" + (", output schema" + _guided_label(samp.get("guided_decoding", True))
+                                                    if samp.get("output_schema") else "")),
         ("input", f"{r.run.plan.input} ({r.run.plan.format})"),
         ("dataset", s.dataset), ("errors", s.errors),
         ("EvalScope report", r.run.evaluate.report_html),
@@ -608,6 +608,13 @@ def _num(x, digits: int = 0) -> str:
     if isinstance(x, (int, float)):
         return f"{x:,.{digits}f}" if digits and not float(x).is_integer() else f"{x:,.0f}"
     return str(x)
+
+
+def _guided_label(mode: object) -> str:
+    """How the outputs met the schema (sampling.guided_decoding)."""
+    if mode == "fallback":
+        return " (decoded freely, the misses again under it)"
+    return " (guided decoding)" if mode else " (checked only)"
 
 
 __all__ = ["REPORT_NAME", "render_report", "score_history", "write_run_report"]

@@ -85,6 +85,13 @@ def test_guided_decoding_needs_vllm_but_checking_does_not():
     cfg = parse_config({**base, "engine": {"kind": "transformers"},
                         "sampling": {**base["sampling"], "guided_decoding": False}})
     assert cfg.sampling.output_schema["required"] == ["aspect", "sentiment", "evidence"]
+    with pytest.raises(ConfigError, match="engine transformers cannot decode under a schema"):  # its 2nd pass
+        parse_config({**base, "engine": {"kind": "transformers"},
+                      "sampling": {**base["sampling"], "guided_decoding": "fallback"}})
+    assert parse_config({**base, "sampling": {**base["sampling"], "guided_decoding": "fallback"}}) \
+        .sampling.guided_decoding == "fallback"
+    with pytest.raises(ConfigError, match="sampling.guided_decoding"):
+        parse_config({**base, "sampling": {**base["sampling"], "guided_decoding": "sometimes"}})
 
 
 def test_typed_parquet_columns_and_jsonl_objects(tmp_path, schema):
@@ -216,3 +223,51 @@ def test_unguided_outputs_are_checked_and_invalid_ones_reported_as_rows(tmp_path
     assert m["invalid_outputs"] == len(invalid) and m["errors"] == len(invalid)
     assert m["outputs_asked_again"] >= len(invalid)  # every row that ended invalid was asked twice
     assert f"asking again for {m['outputs_asked_again']} invalid outputs (attempt 2)" in log
+
+
+# Completion prompts (OpenAI Batch /v1/completions lines) that the 135M demo model continues with a bare number
+# (a valid output under {"type": "integer"}) or with prose (a miss): greedy, so each run sees the same first pass.
+NUMBER_PROMPTS = ["1, 2, 3, 4,", "2 + 3 =", "10, 20, 30, 40,", "Once upon a time", "The weather today is",
+                  "5, 6, 7, 8,"]
+
+
+def _numbers_run(tmp, guided_decoding: bool | str):
+    tmp.mkdir()
+    src = tmp / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                                       "body": {"model": "demo", "prompt": p}}) + "\n"
+                           for i, p in enumerate(NUMBER_PROMPTS)))
+    yaml = tmp / "numbers.yaml"
+    yaml.write_text(json.dumps({
+        "name": "numbers", "model": {"ref": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        "input": {"path": str(src), "format": "openai_batch"}, "output": {"path": str(tmp / "out")},
+        "engine": {"kind": "vllm", "max_model_len": 512, "enforce_eager": True},
+        "sampling": {"max_tokens": 12, "temperature": 0.0, "stop": ["\n", ".", ","],
+                     "output_schema": {"type": "integer", "minimum": 0}, "guided_decoding": guided_decoding},
+        "filter": {"enabled": False}, "evaluate": {"enabled": False}, "cache": {"enabled": False}}))
+    run = subprocess.run([sys.executable, "-m", "batch_llm", "run", str(yaml), "--ds", "2026-11-10", "--plain"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    current = read_json(Location(str(tmp / "out")).child("numbers", "dt=2026-11-10", "_CURRENT.json").path())
+    lines = list(iter_jsonl(Location(current["dataset"]).path()))
+    texts = {x["custom_id"]: x["response"]["body"]["choices"][0]["text"] for x in lines}
+    errors = {e["custom_id"] for e in iter_jsonl(Location(current["version"]).child("errors.jsonl").path())}
+    (manifest,) = tmp.glob("out/numbers/runs/*/*/infer/shard-*/manifest.json")
+    return texts, errors, json.loads(manifest.read_text())["metrics"], run.stdout
+
+
+def test_fallback_decodes_freely_and_only_the_misses_again_under_the_schema(tmp_path, demo_model_dir):
+    """``guided_decoding: fallback``: the first pass is free (the plain rate); an output that matches the schema
+    is published as it came, and only the misses are decoded again under the schema, once. Against the same rows
+    checked only: the same valid outputs, and every miss there is valid here."""
+    free, missed, m_free, _ = _numbers_run(tmp_path / "free", False)
+    assert 0 < len(free) < len(NUMBER_PROMPTS) and len(free) + len(missed) == len(NUMBER_PROMPTS), (free, missed)
+    assert m_free["outputs_asked_again"] == 0
+    texts, errors, m, log = _numbers_run(tmp_path / "fallback", "fallback")
+    assert errors == set() and set(texts) == {f"q{i}" for i in range(len(NUMBER_PROMPTS))}
+    assert {k: texts[k] for k in free} == free  # a free output that matched is kept as it came
+    for k, text in texts.items():
+        assert isinstance(json.loads(text), int) and json.loads(text) >= 0, (k, text)
+    assert m["outputs_asked_again"] == len(missed)  # only the misses, once
+    assert f"asking again for {len(missed)} invalid outputs (attempt 2, under the schema)" in log
+

@@ -34,6 +34,7 @@ class GenRequest:
     prompt_token_ids: list[int]
     prompt_text: str = ""         # the rendered chat, for engines that take text
     params: RowParams | None = None  # the row's own sampling parameters; None: the pipeline's
+    guided: bool | None = None    # decode under sampling.output_schema; None: as sampling.guided_decoding says
 
 
 @dataclass(frozen=True)

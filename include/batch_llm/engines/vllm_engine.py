@@ -218,8 +218,8 @@ class VllmEngine(Engine):
         # stage's generation-rate gap to LLM.generate on the H200; docs/benchmarks.md).
         detokenize = not self.cfg.extra.get("skip_tokenizer_init", False)
         by_sampling: dict = {}  # one SamplingParams per distinct resolved sampling, not per row
-        guided = None
-        if self.sampling.output_schema is not None and self.sampling.guided_decoding:
+        guided = None  # the grammar a guided request decodes under
+        if self.sampling.output_schema is not None and self.sampling.guided_decoding:  # true, or fallback's 2nd pass
             from vllm.sampling_params import StructuredOutputsParams
 
             guided = self.sampling.output_schema
@@ -230,14 +230,16 @@ class VllmEngine(Engine):
 
         def params_for(req: GenRequest) -> SamplingParams:
             s = self.sampling_for(req)
-            p = by_sampling.get(s)
+            under = guided is not None and (req.guided if req.guided is not None
+                                            else self.sampling.guided_decoding is True)
+            p = by_sampling.get((s, under))
             if p is None:
-                p = by_sampling[s] = SamplingParams(
+                p = by_sampling[s, under] = SamplingParams(
                     max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                     stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
                     frequency_penalty=s.frequency_penalty, detokenize=detokenize, n=s.n, logprobs=s.logprobs,
                     output_kind=RequestOutputKind.FINAL_ONLY,
-                    structured_outputs=StructuredOutputsParams(json=guided) if guided is not None else None)
+                    structured_outputs=StructuredOutputsParams(json=guided) if under else None)
             return p
 
         lora = self._lora_request()
