@@ -14,6 +14,9 @@ Items (each passes or fails with the reason; a missing part is a failure that sa
             float16 (vLLM's GPU LoRA kernels take no float32): greedy outputs equal between the two or parting at a
             near tie (the merged model's top-2 log-probabilities there), and different from the base model's
   guided    dags/pipelines/review_extraction.yaml (JSON-schema guided decoding): share of valid outputs
+  fallback  the same with sampling.guided_decoding: fallback (free first, the misses again under the schema, the
+            per-request grammar on the GPU engine): share of valid outputs, and the misses asked again (the 135M
+            model misses the schema free)
   samples   n = 3 at temperature 0.8 with logprobs 2: three samples per row, log-probabilities per token
   embed     engine.task embed: one L2-normalized vector per row of the model's hidden size
   spec      n-gram speculative decoding through the stage: greedy outputs equal to bf16's (this call's bf16 run)
@@ -45,7 +48,7 @@ REFERENCE = ROOT / "docs" / "bench-results" / "gpu-check-cpu-reference.jsonl"
 REFERENCE_ROWS = 64
 MAX_TOKENS = 64
 DS = "2026-12-03"
-ITEMS = ("bf16", "fp32", "fp8", "awq", "lora", "guided", "samples", "embed", "spec", "lmdeploy")
+ITEMS = ("bf16", "fp32", "fp8", "awq", "lora", "guided", "fallback", "samples", "embed", "spec", "lmdeploy")
 COMMON = ["sharding.num_shards=1", "evaluate.enabled=false", "cache.enabled=false", "engine.max_error_rate=0.5",
           f"sampling.max_tokens={MAX_TOKENS}", "engine.commit_every_rows=256"]
 
@@ -284,6 +287,17 @@ def item_guided(c: Check, ref: dict) -> dict:
     valid = r["summary"]["rows_published"]
     return {"ok": valid >= 0.9 * c.rows, **figures(r), "valid_outputs": valid, "of": c.rows,
             "invalid_outputs": m.get("invalid_outputs"), "sample": next(iter(r["rows"].values()))}
+
+
+def item_fallback(c: Check, ref: dict) -> dict:
+    src = write_rows(c.out / "reviews.jsonl", review_rows(c.rows))
+    r = c.run("fallback", ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false",
+                           "sampling.guided_decoding=fallback"], yaml=REVIEW_YAML, src=src)
+    m = r["manifest"]["metrics"]
+    valid = r["summary"]["rows_published"]
+    again = m.get("outputs_asked_again", 0)
+    return {"ok": valid >= 0.9 * c.rows and 0 < again <= c.rows, **figures(r), "valid_outputs": valid,
+            "of": c.rows, "asked_again_under_the_schema": again, "invalid_outputs": m.get("invalid_outputs")}
 
 
 def item_samples(c: Check, ref: dict) -> dict:
