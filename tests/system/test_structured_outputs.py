@@ -253,7 +253,8 @@ def _numbers_run(tmp, guided_decoding: bool | str):
     texts = {x["custom_id"]: x["response"]["body"]["choices"][0]["text"] for x in lines}
     errors = {e["custom_id"] for e in iter_jsonl(Location(current["version"]).child("errors.jsonl").path())}
     (manifest,) = tmp.glob("out/numbers/runs/*/*/infer/shard-*/manifest.json")
-    return texts, errors, json.loads(manifest.read_text())["metrics"], run.stdout
+    report = Location(current["version"]).child("report.html").path().read_text(encoding="utf-8")
+    return texts, errors, json.loads(manifest.read_text())["metrics"], run.stdout + report
 
 
 def test_fallback_decodes_freely_and_only_the_misses_again_under_the_schema(tmp_path, demo_model_dir):
@@ -270,4 +271,5 @@ def test_fallback_decodes_freely_and_only_the_misses_again_under_the_schema(tmp_
         assert isinstance(json.loads(text), int) and json.loads(text) >= 0, (k, text)
     assert m["outputs_asked_again"] == len(missed)  # only the misses, once
     assert f"asking again for {len(missed)} invalid outputs (attempt 2, under the schema)" in log
+    assert "output schema (decoded freely, the misses again under it)" in log  # the run's report says how
 
