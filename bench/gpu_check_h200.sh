@@ -2,7 +2,7 @@
 # The GPU check (python -m bench gpu-check) on the lent H200, which has no network: how it was staged and run.
 # Here, once: bash ../shared/gpu/build_stage.sh . (vLLM 0.26.0 → .gpu-stage/a, b), bash ../shared/gpu/lmdeploy/
 # build_payload.sh . (LMDeploy 0.18.0 → .gpu-stage/lmd), the demo's GGUF split into 23 MiB parts (.gpu-stage/g1..g3:
-# a call carries 64 MiB), the quantize environment's wheels (llm-compressor 0.14.0.1 and what the image lacks →
+# a call carries 64 MiB; or its xz stream in parts named part.aa, part.ab, part.ac, unpacked by `check`), the quantize environment's wheels (llm-compressor 0.14.0.1 and what the image lacks →
 # .gpu-stage/q) and universal-pathlib, pathlib_abc, fsspec, gguf, pyahocorasick wheels (.gpu-stage/extra). Device calls, back to back in one lease:
 #   1  bash .gpu-stage/a/stage_a.sh; bash bench/gpu_check_h200.sh gguf g1              carry .gpu-stage/a .gpu-stage/g1 .gpu-stage/extra
 #   2  bash .gpu-stage/b/run_b.sh bash bench/gpu_check_h200.sh setup                   carry .gpu-stage/b .gpu-stage/q
@@ -29,7 +29,11 @@ case "$1" in
     printf '#!/bin/bash\nexport PYTHONPATH=/root/lmd:/root/site:%s/include TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$REPO" > /root/lmdpy
     chmod +x /root/lmdpy; /root/lmdpy -c "import lmdeploy; print('lmdeploy', lmdeploy.__version__)" ;;
   check)
-    if [ ! -f $GGUF ]; then cat /root/gg/part.* > $GGUF; fi
+    if [ ! -f $GGUF ]; then  # the parts of the file, or of its xz stream (`xz -6`: 90.5 of 98.4 MB, three calls' room)
+      if head -c 6 "$(ls /root/gg/part.* | head -1)" | grep -aq 7zXZ; then
+        cat /root/gg/part.* | python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > $GGUF
+      else cat /root/gg/part.* > $GGUF; fi
+    fi
     sha256sum $GGUF | cut -c1-16
     BATCH_LLM_DEMO_GGUF=$GGUF python3 -m batch_llm.demo_model 2>&1 | tail -1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
