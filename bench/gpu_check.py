@@ -279,10 +279,15 @@ def item_lora(c: Check, ref: dict) -> dict:
             "near_tie_nats": NEAR_TIE, **why}
 
 
-def item_guided(c: Check, ref: dict) -> dict:
+def _review_run(c: Check, name: str, *sets: str) -> dict:
+    """The review-extraction pipeline (JSON Schema) over ``c.rows`` numbered reviews, eager, 256 tokens a row."""
     src = write_rows(c.out / "reviews.jsonl", review_rows(c.rows))
-    r = c.run("guided", ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false"],
-              yaml=REVIEW_YAML, src=src)
+    return c.run(name, ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false", *sets],
+                 yaml=REVIEW_YAML, src=src)
+
+
+def item_guided(c: Check, ref: dict) -> dict:
+    r = _review_run(c, "guided")
     m = r["manifest"]["metrics"]
     valid = r["summary"]["rows_published"]
     return {"ok": valid >= 0.9 * c.rows, **figures(r), "valid_outputs": valid, "of": c.rows,
@@ -290,9 +295,7 @@ def item_guided(c: Check, ref: dict) -> dict:
 
 
 def item_fallback(c: Check, ref: dict) -> dict:
-    src = write_rows(c.out / "reviews.jsonl", review_rows(c.rows))
-    r = c.run("fallback", ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false",
-                           "sampling.guided_decoding=fallback"], yaml=REVIEW_YAML, src=src)
+    r = _review_run(c, "fallback", "sampling.guided_decoding=fallback")
     m = r["manifest"]["metrics"]
     valid = r["summary"]["rows_published"]
     again = m.get("outputs_asked_again", 0)

@@ -272,4 +272,3 @@ def test_fallback_decodes_freely_and_only_the_misses_again_under_the_schema(tmp_
     assert m["outputs_asked_again"] == len(missed)  # only the misses, once
     assert f"asking again for {len(missed)} invalid outputs (attempt 2, under the schema)" in log
     assert "output schema (decoded freely, the misses again under it)" in log  # the run's report says how
-
