@@ -18,7 +18,7 @@ Plain Python (no torch, no vLLM, no Airflow)::
 - non-torch: 0.22 GiB measured (one GPU); ``NCCL_GIB`` (0.5 GiB, **assumed, not measured**) more per GPU for tp > 1.
 - KV bytes per token: ``2 x layers x kv_heads x head_dim x bytes`` (2 B; fp8 KV 1 B), split over the group
   (kv heads are replicated when tp exceeds them). Checked: 2,045,700 tokens predicted on one H200 at 0.9,
-  2,043,840 measured (``h200-fp8.jsonl``).
+  2,043,840 measured (``h200-fp8-2026-12-01.jsonl``).
 
 A tensor-parallel size fits when its KV cache holds one sequence of ``max_model_len`` (vLLM refuses to start
 otherwise) and ``MIN_SEQS`` (32, or the rows when fewer) sequences of the job's length (prompt + output): below
@@ -37,17 +37,19 @@ power of two that divides the attention heads, is at most the GPUs given, and fi
 prompt + output/2). Calibration constants, all from this project's measurements (``docs/benchmarks.md``,
 ``docs/bench-results/``), on one H200 (vLLM 0.26.0, random-weight Qwen2.5-7B shape, bf16, max_num_seqs 1024):
 
-- ``ETA_MEMORY`` = 0.674: batch 1, 256 -> 256 tokens, 210.9 tok/s (``h200-spec.jsonl``, plain engine): 4.7 ms a
+- ``ETA_MEMORY`` = 0.674: batch 1, 256 -> 256 tokens, 210.9 tok/s (``h200-ngram-spec-2026-12-01.jsonl``, plain engine): 4.7 ms a
   step for 15.2 GB of weights = 0.674 x 4.8 TB/s.
 - ``ETA_COMPUTE`` = 0.511 (505 TFLOP/s of the 989 dense bf16 peak): fitted so that 1000 prompts x 256 -> 256 give
-  16,383 output tok/s, the median of the 12 ``LLM.generate`` runs of that workload in five leases (13,702 -
-  19,197: ``../shared/gpu/README.md``, ``h200-honest-fixed*.jsonl``, ``h200-fp8.jsonl``, ``h200-fixed*.jsonl``).
-  Lease to lease the same run differs by up to +-17 %: that is the floor of this model's error.
+  16,383 output tok/s, the median of the 12 ``LLM.generate`` runs of that workload on five machines (13,702 -
+  19,197: ``../shared/gpu/README.md``, ``h200-fixed-2026-12-01.jsonl``, ``h200-fixed-final-only-2026-12-01.jsonl``,
+  ``h200-fp8-2026-12-01.jsonl``, ``h200-fixed-2026-11-30.jsonl``, ``h200-fixed-raw-hf-2026-11-30.jsonl``).
+  Machine to machine the same run differs by up to +-17 %: that is the floor of this model's error.
 - ``FP8_COMPUTE`` = 1.25 (FP8 GEMMs against bf16): fitted so that FP8 weights give 1.217x bf16 at that workload
-  (measured, same lease, ``h200-fp8.jsonl``); the halved weight bytes are counted apart.
+  (measured, same machine, ``h200-fp8-2026-12-01.jsonl``); the halved weight bytes are counted apart.
 - ``FP8_KV_RATE`` = 0.852: the rate with an fp8 KV cache against bf16, measured at that workload (one point).
 - ``STAGE_RATE`` = 0.946: the pipeline's inference stage generates at 0.915-0.969 of ``LLM.generate`` (median
-  0.946, ``h200-honest-*.jsonl``); job times use it.
+  0.946, ``h200-fixed-2026-12-01.jsonl``, ``h200-fixed-final-only-2026-12-01.jsonl``,
+  ``h200-mix-2026-12-01.jsonl``); job times use it.
 - ``ENGINE_START_S`` = 60 s on a GPU (23.6-73.8 s measured; import ~17 s + ``LLM(...)``), 50 s on the CPU
   (39-59 s). Shards are sized so that start is at most 10 % of a shard (``plan.default_rows_per_shard``'s rule).
 

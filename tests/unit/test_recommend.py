@@ -93,7 +93,7 @@ def test_parse_gpus():
 
 # ------------------------------------------------------------------------------------------ memory and fit
 def test_kv_cache_tokens_match_what_vllm_got_on_the_h200(q7):
-    # measured: 2,043,840 tokens at gpu_memory_utilization 0.9 (h200-fp8.jsonl and the fresh run), 212,528 at 0.2
+    # measured: 2,043,840 tokens at gpu_memory_utilization 0.9 (h200-fp8-2026-12-01.jsonl and the fresh run), 212,528 at 0.2
     assert R.memory_plan(q7, H200, 1, job()).kv_tokens == pytest.approx(2_043_840, rel=0.01)
     assert R.memory_plan(q7, H200, 1, job(gpu_memory_utilization=0.2)).kv_tokens == pytest.approx(212_528, rel=0.01)
     assert R.memory_plan(q7, H200, 1, job(scheme="fp8")).kv_tokens == pytest.approx(2_156_736, rel=0.01)
