@@ -17,7 +17,7 @@ COMMANDS = {  # command: (module, what it measures)
     "compile-cache": ("compile_cache", "engine.compile_cache: the engine start cold against warm"),
     "scale": ("scale", "plan, filter, evaluate, publish at 100k-10M rows (seconds, peak RSS)"),
     "scale-cache": ("scale_cache", "the result cache's lookup as its history grows"),
-    "h200": ("h200_features", "guided | spec | fp8: engine features on the lent H200"),
+    "gpu-features": ("gpu_features", "guided | spec | fp8: engine features, one vLLM process per configuration (GPU)"),
     "gpu-check": ("gpu_check", "the production path on one GPU with the real demo weights, feature by feature"),
     "gpu-checks": ("gpu_checks", "stop | resume | leases: the GPU operator's worker on a real GPU"),
     "telemetry": ("gpu_telemetry", "record | by-run: the GPU's clocks, power and temperature per run phase"),
@@ -30,7 +30,7 @@ COMMANDS = {  # command: (module, what it measures)
 }
 SCRIPTS = {  # command: (shell script, what it runs)
     "cpu": ("run_cpu.sh", "the CPU benchmark (`make bench`): inference on the demo model, fixed and mix"),
-    "gpu": ("gpu_run.sh", "MODE: a GPU benchmark on the lent H200 (fixed, mix, checks, guided, ...)"),
+    "gpu": ("run_gpu.sh", "MODE: a GPU benchmark on a GPU host without network (fixed, mix, checks, guided, ...)"),
 }
 
 

@@ -81,7 +81,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 class Check:
-    """One check session: where runs go, the model, and how a run of the CLI is made and read back."""
+    """One check: where runs go, the model, and how a run of the CLI is made and read back."""
 
     def __init__(self, out: Path, model: str, rows: int, timeout: float, env: dict[str, str]):
         self.out, self.model, self.timeout, self.env = out, model, timeout, env

@@ -1,4 +1,4 @@
-"""Two checks of the GPU operator's worker on a real GPU (run on the lent H200; no Airflow needed there):
+"""Two checks of the GPU operator's worker on a real GPU (no Airflow needed on the GPU host):
 
   stop   start a shard, let it generate, stop it as on_kill does (SIGTERM to the worker's process group, then
          SIGKILL), and measure how soon the GPU memory is back (nvidia-smi)

@@ -1,7 +1,7 @@
 """The GPU's clocks, power, temperature and utilization while a benchmark runs, and what they were in each run's
 phases: to tell a run that was slower because its GPU ran slower (an H200 at its power cap lowers its SM clock)
 from one whose GPU waited. On the mix the stage's generation was two-valued; this found the GPU waiting 3-6 s
-mid-generation on decode steps with no CUDA graph, not its clocks (docs/benchmarks.md, the tenth lease).
+mid-generation on decode steps with no CUDA graph, not its clocks (docs/benchmarks-history.md, 2026-12-03: decode graphs).
 
     python -m bench telemetry record --out telemetry.jsonl [--interval 0.2]     # until killed
     python -m bench telemetry by-run --telemetry telemetry.jsonl --runs gpu.jsonl [--strip]

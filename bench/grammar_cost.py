@@ -9,7 +9,7 @@ under 152,064 rows, as a real 7B model has. One review-extraction answer is walk
 means and medians in microseconds; each case with the
 schema whole and without its string length bounds (``sampling.guided_length_bounds: check``).
 
-    python -m bench grammar-cost --qwen-tokenizer .gpu-stage/qwentok --out docs/bench-results/cpu-grammar-cost.jsonl
+    python -m bench grammar-cost --qwen-tokenizer .gpu-stage/qwentok --out docs/bench-results/cpu-grammar-cost-2026-12-04.jsonl
 """
 from __future__ import annotations
 

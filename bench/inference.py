@@ -33,7 +33,7 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          VLLM_CPU_KVCACHE_SPACE. Only the raw loop differs: one LLM.generate call in input order
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
   --output-schema FILE: the stage modes decode under that JSON Schema (guided decoding through the stage; the
-         H200's `gpu_run.sh chat` with CHAT_ARGS="--output-schema ..." MODES=stage,stage-x STAGE_EXTRA=... compares
+         H200's `run_gpu.sh chat` with CHAT_ARGS="--output-schema ..." MODES=stage,stage-x STAGE_EXTRA=... compares
          one engine setting for guided runs, e.g. vLLM's asynchronous scheduling on, its default, with off)
   raw-inproc / stage-inproc   raw and stage with vLLM's engine core in the calling process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0; the stage's engine.multiprocessing: false): what that saves at start

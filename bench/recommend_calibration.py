@@ -21,12 +21,12 @@ SMOL = R.ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, name="SmolLM2-135M")
 H200, CPU = R.DEVICES["H200"], R.DEVICES["CPU"]
 
-# The 12 LLM.generate runs of 1000 prompts x 256 -> 256 (bf16, one H200, five leases).
-FIXED_RUNS = [13702, 15974,                     # ../shared/gpu/README.md (two runs)
-              17337.5, 17036.7, 17126.4,        # h200-honest-fixed.jsonl (raw)
-              14637.6, 16171.7, 16594.1,        # h200-honest-fixed-final-only.jsonl (raw)
-              18644.3, 19196.7,                 # h200-fp8.jsonl (bf16)
-              13953, 14497]                     # h200-fixed.jsonl, h200-fixed-first-call.jsonl (old clock)
+# The 12 LLM.generate runs of 1000 prompts x 256 -> 256 (bf16, one H200, five machines).
+FIXED_RUNS = [13702, 15974,                     # a plain LLM.generate script (two runs)
+              17337.5, 17036.7, 17126.4,        # h200-fixed-2026-12-01.jsonl (raw)
+              14637.6, 16171.7, 16594.1,        # h200-fixed-final-only-2026-12-01.jsonl (raw)
+              18644.3, 19196.7,                 # h200-fp8-2026-12-01.jsonl (bf16)
+              13953, 14497]                     # h200-fixed-2026-11-30.jsonl, h200-fixed-raw-hf-2026-11-30.jsonl (old clock)
 FIXED = statistics.median(FIXED_RUNS)
 FIXED_JOB = R.Job(rows=1000, prompt_tokens=256, output_tokens=256)
 
@@ -44,12 +44,12 @@ def bisect(f, lo, hi, n=80):
 
 
 def fit() -> dict:
-    # ETA_MEMORY: batch 1 (h200-spec.jsonl, plain: 210.9 / 210.5 / 211.1 tok/s)
+    # ETA_MEMORY: batch 1 (h200-ngram-spec-2026-12-01.jsonl, plain: 210.9 / 210.5 / 211.1 tok/s)
     b1 = R.Job(rows=1, prompt_tokens=256, output_tokens=256)
     R.ETA_MEMORY = bisect(lambda e: (setattr(R, "ETA_MEMORY", e), rate(Q7, H200, b1) - 210.9)[1], 0.1, 1.0)
     # ETA_COMPUTE: the fixed workload's median
     R.ETA_COMPUTE = bisect(lambda e: (setattr(R, "ETA_COMPUTE", e), rate(Q7, H200, FIXED_JOB) - FIXED)[1], 0.1, 1.0)
-    # FP8_COMPUTE: FP8 weights 1.217x bf16 at the fixed workload (h200-fp8.jsonl)
+    # FP8_COMPUTE: FP8 weights 1.217x bf16 at the fixed workload (h200-fp8-2026-12-01.jsonl)
     bf16 = rate(Q7, H200, FIXED_JOB)
     fp8 = dataclasses.replace(FIXED_JOB, scheme="fp8")
     R.FP8_COMPUTE = bisect(lambda k: (setattr(R, "FP8_COMPUTE", k), rate(Q7, H200, fp8) / bf16 - 1.217)[1], 0.5, 3.0)
@@ -73,14 +73,14 @@ def fit() -> dict:
 
 CHECKS = [  # (what, shape, device, job, measured output tok/s, source) -- not used by the fit
     ("H200 batch 32, 256 -> 256", Q7, H200, R.Job(rows=32, prompt_tokens=256, output_tokens=256), 5577.5,
-     "h200-spec.jsonl plain"),
+     "h200-ngram-spec-2026-12-01.jsonl plain"),
     ("H200 batch 256, 256 -> 256", Q7, H200, R.Job(rows=256, prompt_tokens=256, output_tokens=256), 17649,
-     "h200-spec.jsonl plain (median)"),
+     "h200-ngram-spec-2026-12-01.jsonl plain (median)"),
     ("H200 512 rows, ~100 cached prompt tokens -> 256", Q7, H200,
      R.Job(rows=512, prompt_tokens=100, output_tokens=256, cached_prompt_share=1.0), 33634,
-     "h200-guided.jsonl plain (median, lease 1; the prompts repeat the warm-up's: prefix-cache hits)"),
+     "h200-guided-2026-12-01.jsonl plain (median, first machine; the prompts repeat the warm-up's: prefix-cache hits)"),
     ("H200 FP8 KV cache, 1000 x 256 -> 256", Q7, H200, dataclasses.replace(FIXED_JOB, kv_dtype="fp8"),
-     statistics.median([16811.2, 15421.1]), "h200-fp8.jsonl (fitted as a ratio: 0.852)"),
+     statistics.median([16811.2, 15421.1]), "h200-fp8-2026-12-01.jsonl (fitted as a ratio: 0.852)"),
 ]
 
 

@@ -1,7 +1,7 @@
-"""The recommend model (``batch_llm/recommend.py``) against a fresh run on the lent H200.
+"""The recommend model (``batch_llm/recommend.py``) against a fresh run on a GPU (measured on an H200).
 
-    python -m bench recommend-check predict --out docs/bench-results/h200-recommend-check.jsonl   # here, before
-    python -m bench recommend-check run --util 0.9 --workloads A,A,C,D --out $OUT/check.jsonl     # on the device
+    python -m bench recommend-check predict --out docs/bench-results/h200-recommend-check-2026-12-01.jsonl   # here, before
+    python -m bench recommend-check run --util 0.9 --workloads A,A,C,D --out $OUT/check.jsonl     # on the GPU host
 
 ``predict`` writes the model's predictions (phase "prediction") for the workloads below, before any run. ``run``
 starts one vLLM engine (random-weight Qwen2.5-7B shape, ``load_format="dummy"``, bf16, max_model_len 2048, the
@@ -13,7 +13,7 @@ committed one checked against it) and the error (predicted / measured - 1). The 
 since, as "generated_tokens"). Workloads:
 
     A  512 prompts x 1024 -> 128 tokens (prefill-heavy; the fresh workload)
-    C  1000 x 256 -> 256 (the calibration point, re-run in the same lease: the lease's own speed)
+    C  1000 x 256 -> 256 (the calibration point, re-run on the same machine: that machine's own speed)
     D  64 x 128 -> 512 (few sequences: the weight-streaming regime)
     B  1000 x 256 -> 256 with gpu_memory_utilization 0.2 (the KV cache holds fewer sequences than the batch)
 """
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--model", default="/root/work/qwen7b_cfg")
     r.add_argument("--util", type=float, default=0.9)
     r.add_argument("--workloads", default="A,A,C,D")
-    r.add_argument("--predictions", default=str(ROOT / "docs" / "bench-results" / "h200-recommend-check.jsonl"))
+    r.add_argument("--predictions", default=str(ROOT / "docs" / "bench-results" / "h200-recommend-check-2026-12-01.jsonl"))
     r.add_argument("--budget-s", type=float, default=400.0, help="skip workloads once the process is this old")
     r.add_argument("--out", required=True)
     a = ap.parse_args(argv)

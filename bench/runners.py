@@ -143,7 +143,7 @@ def wait_quiet(idle: float = 0.85, sample_s: float = 3.0, limit_s: float = 600.0
 # ------------------------------------------------------------------------------------ schedule, figures
 def alternating(modes, repeats: int, start: int = 0) -> list[tuple[int, str]]:
     """(repeat, mode) in alternating order, a, b | b, a | a, b ...: each mode's runs spread evenly over the
-    session, so a machine that drifts favours none. ``start``: the repeat an earlier call stopped before (its
+    benchmark, so a machine that drifts favours none. ``start``: the repeat an earlier invocation stopped before (its
     parity sets the order)."""
     return [(i, m) for i in range(start, start + repeats) for m in (modes if i % 2 == 0 else modes[::-1])]
 

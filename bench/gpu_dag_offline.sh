@@ -1,51 +1,51 @@
 #!/usr/bin/env bash
-# The demo DAG (batch_llm_demo) through `airflow dags test` on the lent H200, which has no network and no Airflow.
+# The demo DAG (batch_llm_demo) through `airflow dags test` on a GPU host without network or Airflow: Airflow's
+# wheelhouse is built where there is network and installed on the host offline, into a venv beside vLLM.
 #
-#   bash bench/gpu_dag_h200.sh build   here (network, no GPU): Airflow and the demo's runtime wheels -> .gpu-stage/af
-#   bash bench/gpu_dag_h200.sh check   here (no GPU): installs that payload offline into a python3.12 venv the way the
-#                                      device does and parses the DAG (torch-free), to show the wheel set resolves
-#   bash bench/gpu_dag_h200.sh [run]   on the device: install, migrate, parse, `airflow dags test`, check what was published
+#   bash bench/gpu_dag_offline.sh build   where there is network (no GPU): Airflow and the demo's runtime wheels -> .gpu-stage/af
+#   bash bench/gpu_dag_offline.sh check   there too (no GPU): installs that payload offline into a python3.12 venv as the
+#                                         GPU host will and parses the DAG (torch-free), to show the wheel set resolves
+#   bash bench/gpu_dag_offline.sh [run]   on the GPU host: install, migrate, parse, `airflow dags test`, check what was published
 #
 # The payload (.gpu-stage/af, git-ignored through .git/info/exclude's /.gpu-stage/): wheels.tar.xz holds the cp312
 # manylinux / pure-Python wheels of apache-airflow 3.3.2 (core 3.3.2, task-sdk 1.3.2, providers-standard 1.21.0 and
 # their dependencies) plus what the demo run imports beyond Airflow and the image (modelscope for fetch's cache-hit
 # snapshot_download, matplotlib for publish's run report, prometheus-client, pyahocorasick, universal-pathlib,
 # pathlib_abc, fsspec, gguf). `build` runs, with the pins of requirements.lock as constraints (the versions this
-# project tests) except for the packages the device already has, pinned to the device's versions:
+# project tests) except for the packages the host already has beside vLLM, pinned to the host's versions:
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-#     -c CONSTRAINTS -d DL $TOP          ($TOP and $STAGED below)
-# then leaves out what the device has ($STAGED: vLLM's stage in /root/site; $IMAGE: the image's torch stack), repacks
-# each remaining wheel uncompressed (ZIP_STORED; the RECORD hashes are of the files, so the wheels stay valid) and
-# xz-compresses them as one tar: 82 MB of deflated wheels would not fit a 64 MiB call, the xz tar does.
+#     -c CONSTRAINTS -d DL $TOP          ($TOP and $VLLM_DEPS below)
+# then leaves out what the host has ($VLLM_DEPS: vLLM's dependencies in /root/site; $IMAGE: the image's torch stack),
+# repacks each remaining wheel uncompressed (ZIP_STORED; the RECORD hashes are of the files, so the wheels stay valid)
+# and xz-compresses them as one tar: 51 MiB to copy instead of 82 MB of deflated wheels.
 #
-# Device calls, back to back in one lease (a cold machine loses everything staged):
-#   1  bash .gpu-stage/a/stage_a.sh; bash bench/gpu_check_h200.sh gguf g1      carry .gpu-stage/a .gpu-stage/g1
-#   2  bash .gpu-stage/b/run_b.sh true                                        carry .gpu-stage/b
-#   3  bash bench/gpu_check_h200.sh gguf g2                                   carry .gpu-stage/g2
-#   4  bash bench/gpu_check_h200.sh gguf g3                                   carry .gpu-stage/g3
-#   5  bash bench/gpu_dag_h200.sh run                                         carry .gpu-stage/af
-# (Where the demo model is already built in /root/cache, e.g. by a GPU check earlier in the lease, the GGUF parts of
-# calls 1, 3 and 4 are not needed.) Call 5 writes $OUT/gpu_dag.json (also printed as one `RESULT {...}` line) and the logs to $OUT/gpu_dag/.
+# On the GPU host, from the checkout's root (with .gpu-stage/af), in this order:
+#   vLLM 0.26.0 installed into /root/site (bench/gpu_check_offline.sh's header: how);
+#   bash bench/gpu_check_offline.sh gguf DIR     the demo's GGUF, five parts (part.aa..ae), into /root/gg (per folder)
+#   bash bench/gpu_dag_offline.sh run
+# (Where the demo model is already built in /root/cache, e.g. by a GPU check before, the GGUF is not needed.) `run`
+# writes $OUT/gpu_dag.json (also printed as one `RESULT {...}` line) and the logs to $OUT/gpu_dag/.
 # It switches the demo pipeline to the GPU path the documented way: a copy of dags/pipelines/demo.yaml with dotted-key
 # overrides (PipelineConfig.with_overrides) in a folder of its own, named by $BATCH_LLM_PIPELINES_DIR (the folder
 # dags/batch_llm_pipelines.py reads); the DAG id stays batch_llm_demo. The overrides: engine.kind vllm, engine.dtype
 # bfloat16, engine.enforce_eager false (EAGER=1: true, the demo's CPU setting), evaluate.enabled false (EvalScope
-# is not carried: its dependencies, pandas, plotly, nltk, sacrebleu and modelscope[datasets] among them, would not fit), output.path a fresh folder.
-# Knobs: T (most seconds for `airflow dags test`; default: what is left of 565 s since the call began), EAGER,
-# KEEP_VENV=1 (a later call in the same lease: reuse /root/afv instead of installing again).
+# is not in the payload: its dependencies, pandas, plotly, nltk, sacrebleu and modelscope[datasets] among them, would
+# double it), output.path a fresh folder.
+# Knobs: T (most seconds for `airflow dags test`; default: 565 s less the time since `run` began), EAGER,
+# KEEP_VENV=1 (a second run on the same host: reuse /root/afv instead of installing again).
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 AF=$REPO/.gpu-stage/af
 DAG_ID=batch_llm_demo
 GGUF=/root/gg/SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # the 5 parts of .gpu-stage/g1..g3, joined
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # the five parts, joined
 # What is installed (the pins: requirements.lock's; apache-airflow-task-sdk / -providers-standard: .venv's)
 TOP="apache-airflow==3.3.2 apache-airflow-core==3.3.2 apache-airflow-task-sdk==1.3.2 apache-airflow-providers-standard==1.21.0
 modelscope==1.40.2 matplotlib==3.11.2 prometheus-client==0.26.0 pyahocorasick==2.3.1 universal-pathlib==0.3.10
 pathlib-abc==0.5.2 fsspec==2026.2.0 gguf==0.19.0"
-# In /root/site once vLLM is staged: ../shared/gpu/build_stage.sh step 3, those versions
-STAGED="pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+# In /root/site beside vLLM 0.26.0 (installed with it from its wheelhouse), at these versions
+VLLM_DEPS="pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 openai==2.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 openai-harmony==0.0.8 fastapi==0.136.3 starlette==1.10.0
 msgspec==0.23.0 pyzmq==27.3.0 cbor2==6.3.0 cachetools==8.0.2 pybase64==1.5.1 partial-json-parser==0.2.1.1.post7
 blake3==1.0.11 setproctitle==1.3.8 depyf==0.20.0 astor==0.8.1 dill==0.4.1 ijson==3.6.0 python-json-logger==4.2.0
@@ -53,7 +53,7 @@ llguidance==1.7.6 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 outlines_core==0.
 loguru==0.7.3 lark==1.2.2 interegular==0.3.3 lm-format-enforcer==0.11.3 jsonschema==4.26.0
 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 prometheus-fastapi-instrumentator==8.1.0
 watchfiles==1.3.0"
-# In the device image beside torch 2.11 / transformers 5.17 (torch requires setuptools>=77.0.3 on Python 3.12, numpy:
+# In the GPU host's image beside torch 2.11 / transformers 5.17 (torch requires setuptools>=77.0.3 on Python 3.12, numpy:
 # torch, transformers, vLLM). Only these two large ones are left out; the image's small pure-Python packages
 # (jinja2, packaging, pyyaml, requests, psutil, ...) stay in the payload in case the image's versions are too old for
 # Airflow (pip keeps an installed version that satisfies, else installs the payload's into the venv).
@@ -68,16 +68,16 @@ since() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.arg
 # ------------------------------------------------------------------------------------------------------ build (here)
 build() {
   local tmp; tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpu_dag_build.XXXXXX")
-  python3 - "$REPO/requirements.lock" "$STAGED" > "$tmp/constraints.txt" <<'PY' || die build "constraints"
+  python3 - "$REPO/requirements.lock" "$VLLM_DEPS" > "$tmp/constraints.txt" <<'PY' || die build "constraints"
 import re, sys
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-staged = dict(p.split("==") for p in sys.argv[2].split())
-names = {norm(n) for n in staged}
+vllm_deps = dict(p.split("==") for p in sys.argv[2].split())
+names = {norm(n) for n in vllm_deps}
 for line in open(sys.argv[1]):
     m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
     if m and norm(m[1]) not in names:
         print(f"{m[1]}=={m[2]}")
-for n, v in staged.items():
+for n, v in vllm_deps.items():
     print(f"{n}=={v}")
 PY
   echo "build: pip download into $tmp/dl"
@@ -85,7 +85,7 @@ PY
   python3 -m pip download -q $PLATFORM -c "$tmp/constraints.txt" -d "$tmp/dl" $TOP 2>&1 | grep -v "^WARNING: Location" \
     ; [ "${PIPESTATUS[0]}" = 0 ] || die build "pip download failed"
   mkdir -p "$AF" && rm -f "$AF"/wheels.tar.xz "$AF"/*.txt
-  python3 - "$tmp" "$STAGED $IMAGE" "$AF" <<'PY' || die build "repack"
+  python3 - "$tmp" "$VLLM_DEPS $IMAGE" "$AF" <<'PY' || die build "repack"
 import os, re, sys, zipfile
 tmp, drop, af = sys.argv[1], sys.argv[2].split(), sys.argv[3]
 norm = lambda n: re.sub(r"[-_.]+", "_", n).lower()
@@ -99,7 +99,7 @@ for name in kept:  # uncompressed inside, so that xz compresses the files themse
             zo.writestr(info, zi.read(info), compress_type=zipfile.ZIP_STORED)
 size = lambda n: os.path.getsize(f"{tmp}/dl/{n}")
 open(f"{af}/WHEELS.txt", "w").write("".join(f"{n}\t{size(n)}\n" for n in kept))
-open(f"{af}/DROPPED.txt", "w").write("# left out: on the device already (vLLM's stage in /root/site, or the image)\n"
+open(f"{af}/DROPPED.txt", "w").write("# left out: on the GPU host already (beside vLLM in /root/site, or the image)\n"
                                      + "".join(f"{n}\t{size(n)}\n" for n in dropped))
 print(f"build: {len(kept)} wheels kept ({sum(map(size, kept)) / 2**20:.1f} MiB as downloaded), "
       f"{len(dropped)} left out ({sum(map(size, dropped)) / 2**20:.1f} MiB): {' '.join(n.split('-')[0] for n in dropped)}")
@@ -112,21 +112,21 @@ PY
   grep -qx '/.gpu-stage/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu-stage/' >> "$REPO/.git/info/exclude"
   ( cd "$REPO" && git check-ignore -q .gpu-stage/af ) || die build ".gpu-stage/af is not git-ignored"
   du -b "$AF"/* | sort -n
-  echo "build: .gpu-stage/af = $(du -sb "$AF" | cut -f1) bytes ($(du -sm "$AF" | cut -f1) MiB); the call carries it plus the checkout (< 64 MiB)"
+  echo "build: .gpu-stage/af = $(du -sb "$AF" | cut -f1) bytes ($(du -sm "$AF" | cut -f1) MiB); copy it to the GPU host with the checkout"
 }
 
 # ------------------------------------------------------------------------------------- shared by `check` and `run`
 unpack() {  # $1 -> $2 (Python's tarfile: the image may lack xz)
   rm -rf "$2" && mkdir -p "$2"
   python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$1" "$2" \
-    || die extract "could not unpack $1 (run: bash bench/gpu_dag_h200.sh build, and carry .gpu-stage/af)"
+    || die extract "could not unpack $1 (run: bash bench/gpu_dag_offline.sh build where there is network, and copy .gpu-stage/af)"
   echo "unpacked $(ls "$2"/*.whl | wc -l) wheels"
 }
 
 install_stack() {  # $1 python of the venv, $2 wheel folder, $3 log
   # shellcheck disable=SC2086
   "$1" -m pip install --no-index --find-links "$2" --no-compile --disable-pip-version-check $TOP > "$3" 2>&1 \
-    || die install "pip could not install Airflow offline from the payload (a requirement the device lacks and the payload left out? see DROPPED.txt)" "$3" 60
+    || die install "pip could not install Airflow offline from the payload (a requirement the GPU host lacks and the payload left out? see DROPPED.txt)" "$3" 60
   grep -E "^Successfully installed" "$3" | tr ' ' '\n' | tail -n +3 | wc -l | xargs echo "installed into the venv:"
   "$1" -c "import airflow, airflow.sdk, airflow.providers.standard, modelscope, matplotlib, ahocorasick, upath, gguf, pydantic; \
 print('airflow', airflow.__version__, '| pydantic', pydantic.__version__, pydantic.__file__)" \
@@ -153,9 +153,9 @@ from batch_llm.config import load_config
 src, work, eager = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 over = {"engine.kind": "vllm", "engine.dtype": "bfloat16", "engine.enforce_eager": eager,
         "evaluate.enabled": False, "output.path": f"{work}/output"}
-cfg = load_config(src).with_overrides(over, source="gpu_dag_h200")
+cfg = load_config(src).with_overrides(over, source="gpu_dag_offline")
 with open(f"{work}/pipelines/demo.yaml", "w") as f:
-    f.write("# dags/pipelines/demo.yaml with these overrides (bench/gpu_dag_h200.sh): " + json.dumps(over) + "\n")
+    f.write("# dags/pipelines/demo.yaml with these overrides (bench/gpu_dag_offline.sh): " + json.dumps(over) + "\n")
     yaml.safe_dump(cfg.model_dump(mode="json"), f, sort_keys=False)
 assert load_config(f"{work}/pipelines/demo.yaml").name == "batch_llm_demo"
 print("pipeline:", json.dumps(over))
@@ -201,16 +201,16 @@ check() {
   unpack "$AF/wheels.tar.xz" "$tmp/whl"
   "$py" -m venv "$tmp/venv" || die check "$py -m venv failed"
   local vpy=$tmp/venv/bin/python
-  # The device as the payload assumes it: the image's packages that build left out (numpy, setuptools), then
-  # vLLM's stage (/root/site) as a folder on a .pth, with the same small wheels (.gpu-stage/a/whl, else PyPI)
+  # The GPU host as the payload assumes it: the image's packages that build left out (numpy, setuptools), then
+  # vLLM's dependencies (/root/site) as a folder on a .pth, from vLLM's wheelhouse (.gpu-stage/a/whl, else PyPI)
   echo "check: the image's left-out packages from PyPI: $IMAGE"
   # shellcheck disable=SC2086
   "$vpy" -m pip install -q --disable-pip-version-check numpy "setuptools>=77.0.3" || die check "numpy/setuptools"
   if ls "$REPO"/.gpu-stage/a/whl/*.whl >/dev/null 2>&1; then
-    "$vpy" -m pip install -q --no-index --no-deps --no-compile --target "$tmp/site" "$REPO"/.gpu-stage/a/whl/*.whl || die check "stage"
+    "$vpy" -m pip install -q --no-index --no-deps --no-compile --target "$tmp/site" "$REPO"/.gpu-stage/a/whl/*.whl || die check "vLLM's dependencies"
   else
     # shellcheck disable=SC2086
-    "$vpy" -m pip install -q --no-deps --no-compile --target "$tmp/site" $STAGED || die check "stage from PyPI"
+    "$vpy" -m pip install -q --no-deps --no-compile --target "$tmp/site" $VLLM_DEPS || die check "vLLM's dependencies from PyPI"
   fi
   echo "$tmp/site" > "$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/root_site.pth"
   local t; t=$(now)
@@ -247,25 +247,25 @@ f.savefig('$tmp/plot.png'); print('matplotlib', matplotlib.__version__, 'Agg PNG
   echo "CHECK_OK (work folder $tmp)"
 }
 
-# ---------------------------------------------------------------------------------------------------- run (device)
+# -------------------------------------------------------------------------------------------------- run (GPU host)
 run() {
   local t0 t; t0=$(now)
   : "${OUT:=/tmp/gpu_dag_out}"; mkdir -p "$OUT/gpu_dag"
   local W=/root/gpu_dag V=/root/afv LOGS=$OUT/gpu_dag
   test -f /root/site/vllm/_C_stable_libtorch.abi3.so \
-    || die stage "STAGE_MISSING: vLLM is not staged in /root/site (cold machine?): run .gpu-stage/a/stage_a.sh then .gpu-stage/b/run_b.sh first" "" 0 3
+    || die stage "VLLM_MISSING: vLLM is not installed in /root/site: install it from its wheelhouse first" "" 0 3
   unset PYTHONPATH  # /root/site comes through the venv's .pth, after the venv's own site-packages (what pip resolved)
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     PYTHONUNBUFFERED=1 BATCH_LLM_MODEL_CACHE=/root/cache MODELSCOPE_CACHE=/root/cache
   declare -A S
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   # 1 the venv: the image's packages visible (--system-site-packages), pip from the image (--without-pip:
-  #   no ensurepip needed), vLLM's stage through a .pth, which pip's resolver sees as installed distributions
+  #   no ensurepip needed), /root/site (vLLM) through a .pth, which pip's resolver sees as installed distributions
   t=$(now)
   if [ "${KEEP_VENV:-0}" = 1 ] && [ -x $V/bin/airflow ]; then
     echo "venv: reusing $V"
   else
-    [ -f "$AF/wheels.tar.xz" ] || die stage "no .gpu-stage/af/wheels.tar.xz: carry .gpu-stage/af (built here by: bash bench/gpu_dag_h200.sh build)"
+    [ -f "$AF/wheels.tar.xz" ] || die stage "no .gpu-stage/af/wheels.tar.xz: copy .gpu-stage/af here (built where there is network by: bash bench/gpu_dag_offline.sh build)"
     rm -rf $V $W && python3 -m venv --system-site-packages --without-pip $V || die venv "python3 -m venv failed"
     $V/bin/python -m pip --version || die venv "no pip importable in the venv (the image's pip is not on its system site-packages)"
     # /root/site, then every site folder of the image's own python3 (torch may sit in one that a venv's
@@ -287,7 +287,7 @@ run() {
   if [ ! -f /root/cache/models/HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/master/config.json ]; then
     if [ ! -f $GGUF ]; then
       [ "$(ls /root/gg/part.a? 2>/dev/null | wc -l)" = 5 ] \
-        || die model "the demo GGUF is not staged: /root/gg has $(ls /root/gg 2>/dev/null | tr '\n' ' ')(need part.aa..ae: calls 1, 3, 4 of the header)"
+        || die model "the demo GGUF is not in /root/gg: it has $(ls /root/gg 2>/dev/null | tr '\n' ' ')(need part.aa..ae: bash bench/gpu_check_offline.sh gguf DIR)"
       cat /root/gg/part.a? > $GGUF
     fi
     echo "$GGUF_SHA256  $GGUF" | sha256sum -c --quiet || die model "the GGUF's sha256 differs (a part missing or truncated)"
@@ -305,7 +305,7 @@ run() {
   S[migrate]=$(since "$t"); t=$(now)
   parse_check $W; S[parse]=$(since "$t")
   # 4 the run
-  # under T seconds (default: what is left of a 600 s device call, less 35 s for the result)
+  # under T seconds (default: 565 s less the time since `run` began: a run held to 600 s keeps 35 s for the result)
   local ds rc lim; ds=$(date -u +%F); t=$(now)
   lim=$(python3 -c "import sys; print(int(min(float(sys.argv[1]), 565 - (float(sys.argv[2]) - float(sys.argv[3])))))" "${T:-565}" "$t" "$t0")
   echo "dags test: $DAG_ID $ds, limit ${lim} s (log: $LOGS/dags_test.log)"
@@ -397,5 +397,5 @@ case "${1:-run}" in
   build) build ;;
   check) check ;;
   run) run ;;
-  *) echo "usage: bash bench/gpu_dag_h200.sh build|check|run" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_dag_offline.sh build|check|run" >&2; exit 2 ;;
 esac

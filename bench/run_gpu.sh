@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# On the lent H200, after ../shared/gpu's stage_a.sh / run_b.sh have put vLLM 0.26 into /root/site:
-#   bash bench/gpu_run.sh fixed|mix|shards|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import  (python3 -m bench gpu MODE)
-#   (shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share)
-#   (chat: N review-extraction chats through LLM.chat (raw, raw-tuned) and the stage's messages rows; carry .gpu-stage/tok)
-#   (fixed / mix: the GPU's clocks, power and temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0:
-#    not) and summarized per run phase at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
-#    mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
-#    MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
-#    stage with torch.compile against without (the default under the offline graphs). A call's alternating order
-#    always opens with the first mode, and a call's opening run can be its slowest: give a second call of the
-#    same pair its MODES reversed)
-# and, after `lmdeploy-stage` (carry .gpu-stage/lmd: LMDeploy 0.18 into /root/lmd, a random-weight
-# Qwen2-7B-shaped model with a real tokenizer into /root/q7):  bash bench/gpu_run.sh lmdeploy
-# Carry .gpu-stage/extra (universal-pathlib wheels, with_vllm.sh). Results land in $OUT.
-# python3 -m bench h200 (one process per engine, each under its own timeout):
-#   guided  carry .gpu-stage/tok (a small real tokenizer: the demo model's tokenizer files), made here with
+# The GPU benchmarks on a GPU host without network: bash bench/run_gpu.sh MODE (or python -m bench gpu MODE), from the
+# checkout's root. Needs vLLM 0.26.0 installed into /root/site from its wheelhouse (bench/gpu_check_offline.sh's
+# header: what is built where there is network, and how it is installed), .gpu-stage/extra (the project's light
+# wheels, installed beside vLLM first) and the 7B shape's config.json in /root/work/qwen7b_cfg (random weights:
+# load_format dummy). Results land in $OUT.
+#   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
+#   fixed / mix: raw LLM.generate against the stage (MODES, REPEATS, WARMUP, T); the GPU's clocks, power and
+#     temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0: not) and summarized per run phase
+#     at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
+#     mix: MODES=raw,stage-x STAGE_EXTRA='{"compilation_config": ...}' the stage with extra engine arguments;
+#     MODES=stage-vllm-graphs,stage the stage's offline CUDA graphs against vLLM's own; MODES=stage-compile,stage the
+#     stage with torch.compile against without (the default under the offline graphs). The alternating order always
+#     opens with the first mode, and the opening run can be the slowest: repeat a pair with its MODES reversed.
+#   chat: N review-extraction chats through LLM.chat (raw, raw-tuned) and the stage's messages rows (TOK below;
+#     CHAT_ARGS="--output-schema FILE" decodes under a JSON schema)
+#   shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share
+#   checks | resume | leases: python3 -m bench gpu-checks (stop, crash and resume, GPU leases of two shard tasks)
+#   lmdeploy | lmdeploy-mix, after lmdeploy-stage (.gpu-stage/lmd: LMDeploy 0.18 unpacked into /root/lmd, a
+#     random-weight Qwen2-7B-shaped model with a real tokenizer built into /root/q7)
+#   python3 -m bench gpu-features (one process per engine, each under its own timeout):
+#   guided  TOK=.gpu-stage/tok (default): a small real tokenizer, the demo model's tokenizer files, made with
 #           mkdir -p .gpu-stage/tok && cp "$(.venv/bin/python -m batch_llm.demo_model)"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu-stage/tok/
 #           GUIDED_ARGS=--compact-json: no free whitespace in the grammar; TAG names the log
-#           TOK=.gpu-stage/qwentok (carry it): a Qwen2.5 tokenizer (151,665 tokens, the 7B shape's real vocabulary),
-#           made here with  .venv/bin/python -m bench qwen-tokenizer --out .gpu-stage/qwentok && xz -9 .gpu-stage/qwentok/tokenizer.json
-#           (1.9 MB; unpacked on the device); also for chat
+#           TOK=.gpu-stage/qwentok: a Qwen2.5 tokenizer (151,665 tokens, the 7B shape's real vocabulary),
+#           made with  .venv/bin/python -m bench qwen-tokenizer --out .gpu-stage/qwentok && xz -9 .gpu-stage/qwentok/tokenizer.json
+#           (1.9 MB to copy; unpacked on the host); also for chat
 #           GUIDED_ARGS="--compact-json --without-length-bounds": sampling.guided_length_bounds: check
-#   spec    carry .gpu-stage/numba (numba + llvmlite cp312 wheels, 64 MB: vLLM's CPU n-gram proposer needs them):
+#   spec    .gpu-stage/numba (numba + llvmlite cp312 wheels, 64 MB: vLLM's CPU n-gram proposer needs them):
 #           .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #             --platform manylinux_2_28_x86_64 numba llvmlite -d .gpu-stage/numba
 #   fp8     bf16 vs quantization=fp8 vs kv_cache_dtype=fp8, vLLM's compile cache off (VLLM_DISABLE_COMPILE_CACHE=1;
 #           torch inductor's and Triton's own caches are not cleared, so later starts may still reuse kernels)
+#   profile .gpu-stage/pyspy (`pip download --no-deps py-spy -d .gpu-stage/pyspy`): py-spy over one run a mode
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 M=/root/work/qwen7b_cfg
 TOK=${TOK:-.gpu-stage/tok}
-if [ -f $TOK/tokenizer.json.xz ] && [ ! -f $TOK/tokenizer.json ]; then  # carried packed (a call carries 64 MiB)
+if [ -f $TOK/tokenizer.json.xz ] && [ ! -f $TOK/tokenizer.json ]; then  # copied xz-packed (1.9 MB): unpack it
   python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
     $TOK/tokenizer.json.xz $TOK/tokenizer.json
 fi
@@ -45,7 +51,7 @@ telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OU
         python3 -m bench telemetry by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $OUT/gpu.jsonl \
           > $OUT/gpu_telemetry_by_run.jsonl && cat $OUT/gpu_telemetry_by_run.jsonl' EXIT
 }
-h200_summary() {  # the lines of a log that matter, short
+log_summary() {  # the lines of a log that matter, short
   grep -E "^RESULT|GPU KV cache size|Maximum concurrency|torch.compile took|init engine|Error|Traceback" "$1" \
     | grep -v "^RESULT.*\"phase\": \"engine\".*kv_cache_tokens" | cut -c1-500 | tail -30
   grep -E "^RESULT.*\"phase\": \"engine\"" "$1" | grep -oE "\"(construct_s|kv_cache_tokens|import_s)\": [0-9.]+" | tr '\n' ' '; echo
@@ -67,19 +73,19 @@ case "${1:-fixed}" in
   checks) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy stop resume | tee $OUT/checks.txt ;;
   resume|leases) vllm_env; timeout 540 python3 -m bench gpu-checks --model $M --dummy "$1" | tee $OUT/$1.txt ;;
   guided) vllm_env
-    timeout -k 10 ${T:-540} python3 -m bench h200 guided --model $M --tokenizer $TOK ${GUIDED_ARGS:-} \
-      --out $OUT/h200_guided.jsonl >$OUT/guided${TAG:-}.log 2>&1; echo "guided rc=$?"; h200_summary $OUT/guided${TAG:-}.log ;;
+    timeout -k 10 ${T:-540} python3 -m bench gpu-features guided --model $M --tokenizer $TOK ${GUIDED_ARGS:-} \
+      --out $OUT/features_guided.jsonl >$OUT/guided${TAG:-}.log 2>&1; echo "guided rc=$?"; log_summary $OUT/guided${TAG:-}.log ;;
   spec) vllm_env
     python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/numba/*.whl 2>&1 | grep -v WARNING
     python3 -c "import numba; print('numba', numba.__version__)" >$OUT/numba_import.txt 2>&1; tail -2 $OUT/numba_import.txt
     for m in ${METHODS:-plain ngram ngram_gpu}; do
-      timeout -k 10 ${T:-180} python3 -m bench h200 spec --model $M --method $m \
-        --out $OUT/h200_spec.jsonl >$OUT/spec_$m.log 2>&1; echo "spec $m rc=$?"; h200_summary $OUT/spec_$m.log
+      timeout -k 10 ${T:-180} python3 -m bench gpu-features spec --model $M --method $m \
+        --out $OUT/features_spec.jsonl >$OUT/spec_$m.log 2>&1; echo "spec $m rc=$?"; log_summary $OUT/spec_$m.log
     done ;;
   fp8) vllm_env; export VLLM_DISABLE_COMPILE_CACHE=1
     for v in ${VARIANTS:-bf16 fp8 fp8kv}; do
-      timeout -k 10 ${T:-185} python3 -m bench h200 fp8 --model $M --variant $v \
-        --out $OUT/h200_fp8.jsonl >$OUT/fp8_$v.log 2>&1; echo "fp8 $v rc=$?"; h200_summary $OUT/fp8_$v.log
+      timeout -k 10 ${T:-185} python3 -m bench gpu-features fp8 --model $M --variant $v \
+        --out $OUT/features_fp8.jsonl >$OUT/fp8_$v.log 2>&1; echo "fp8 $v rc=$?"; log_summary $OUT/fp8_$v.log
     done ;;
   compile_cache) vllm_env  # engine.compile_cache cold vs warm, a fresh process per engine start (file:// store)
     timeout 565 python3 -m bench compile-cache --model $M --dummy --pairs ${PAIRS:-3} --timeout ${T:-140} \
@@ -91,9 +97,9 @@ case "${1:-fixed}" in
     S=.gpu-stage/lmd; mkdir -p /root/lmd && tar -C /root/lmd -xJf $S/site312.tar.xz || exit 3
     mkdir -p shared/gpu && cp -r $S/qwen7b_cfg shared/gpu/  # make_model.py reads the shape from there
     PYTHONPATH=/root/lmd timeout 300 python3 $S/make_model.py /root/q7 big 2>&1 | tail -2 ;;
-  profile)  # where each process of one raw and one stage run spends its time in generation: py-spy (carry
-    # .gpu-stage/pyspy: `pip download --no-deps py-spy -d .gpu-stage/pyspy`), non-blocking sampling at RATE Hz
-    # (blocking sampling slowed the engine start ~3x), summarized on the device (the raw stacks are too large)
+  profile)  # where each process of one raw and one stage run spends its time in generation: py-spy
+    # (.gpu-stage/pyspy), non-blocking sampling at RATE Hz (blocking sampling slowed the engine start ~3x),
+    # summarized on the host (the raw stacks are large)
     vllm_env; python3 -m pip install -q --no-index --no-deps --target /root/pyspy .gpu-stage/pyspy/*.whl 2>&1 | grep -v WARNING
     modes=${MODES:-raw,stage}
     for mode in ${modes//,/ }; do

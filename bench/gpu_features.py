@@ -1,10 +1,10 @@
-"""Three engine features on the lent H200, each measured inside one vLLM process per engine configuration.
+"""Three engine features on a GPU, each measured inside one vLLM process per engine configuration.
 
-    python -m bench h200 guided --model DIR --tokenizer TOKDIR [--rows 512] [--repeats 3]
-    python -m bench h200 spec --model DIR --method plain|ngram|ngram_gpu [--repeats 3]
-    python -m bench h200 fp8 --model DIR --variant bf16|fp8|fp8kv [--repeats 2]
+    python -m bench gpu-features guided --model DIR --tokenizer TOKDIR [--rows 512] [--repeats 3]
+    python -m bench gpu-features spec --model DIR --method plain|ngram|ngram_gpu [--repeats 3]
+    python -m bench gpu-features fp8 --model DIR --variant bf16|fp8|fp8kv [--repeats 2]
 
-``bench/gpu_run.sh guided|spec|fp8`` runs them (one process per engine, each under its own timeout). The model is
+``bench/run_gpu.sh guided|spec|fp8`` runs them (one process per engine, each under its own timeout). The model is
 a random-weight (``load_format="dummy"``) Qwen2.5-7B-shaped config: outputs are meaningless, the work is real.
 Every figure is printed as a ``RESULT {json}`` line and appended to ``--out`` (JSONL).
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("guided", "spec", "fp8"):
         p = sub.add_parser(name)
         p.add_argument("--model", default="/root/work/qwen7b_cfg")
-        p.add_argument("--out", default=str(ROOT / "docs" / "bench-results" / f"h200_{name}.jsonl"))
+        p.add_argument("--out", default=str(ROOT / "docs" / "bench-results" / f"gpu-features-{name}.jsonl"))
         p.add_argument("--repeats", type=int, default=2 if name == "fp8" else 3)
     g = sub.choices["guided"]
     g.add_argument("--tokenizer", required=True)

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The GPU check (python -m bench gpu-check) on the lent H200, which has no network: how it was staged and run.
-# Here, once: bash ../shared/gpu/build_stage.sh . (vLLM 0.26.0 → .gpu-stage/a, b), bash ../shared/gpu/lmdeploy/
-# build_payload.sh . (LMDeploy 0.18.0 → .gpu-stage/lmd), the demo's GGUF split into 23 MiB parts (.gpu-stage/g1..g3:
-# a call carries 64 MiB; or its xz stream in parts named part.aa, part.ab, part.ac, unpacked by `check`), the quantize environment's wheels (llm-compressor 0.14.0.1 and what the image lacks →
-# .gpu-stage/q) and universal-pathlib, pathlib_abc, fsspec, gguf, pyahocorasick wheels (.gpu-stage/extra). Device calls, back to back in one lease:
-#   1  bash .gpu-stage/a/stage_a.sh; bash bench/gpu_check_h200.sh gguf g1              carry .gpu-stage/a .gpu-stage/g1 .gpu-stage/extra
-#   2  bash .gpu-stage/b/run_b.sh bash bench/gpu_check_h200.sh setup                   carry .gpu-stage/b .gpu-stage/q
-#   3  bash bench/gpu_check_h200.sh gguf g2; bash bench/gpu_check_h200.sh lmdeploy     carry .gpu-stage/g2 .gpu-stage/lmd
-#   4  bash bench/gpu_check_h200.sh gguf g3; bash bench/gpu_check_h200.sh check ITEMS  carry .gpu-stage/g3
-#   5  bash bench/gpu_check_h200.sh check ITEMS
+# The GPU check (python -m bench gpu-check) on a GPU host without network: what it needs is built into wheelhouses
+# where there is network, copied to the host with the checkout, and installed there offline.
+# Where there is network (each payload under the git-ignored .gpu-stage/):
+#   vLLM 0.26.0 and the wheels it needs beside the host image's torch (`pip download vllm==0.26.0 ...`), installed on
+#     the host with `pip install --no-index --no-deps --target /root/site` (not needed where the image has vLLM);
+#   .gpu-stage/extra  the project's light dependencies the image lacks: universal-pathlib, pathlib_abc, fsspec, gguf,
+#                     pyahocorasick (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu-stage/extra`);
+#   .gpu-stage/q      the quantize environment: llm-compressor 0.14.0.1 and what the image lacks (compressed-tensors 0.19;
+#                     vLLM keeps its 0.17, so it gets a folder of its own);
+#   .gpu-stage/lmd    LMDeploy 0.18.0 (PyTorch engine) installed into a folder and packed as site312.tar.xz;
+#   .gpu-stage/DIR    the demo's GGUF as part.* files: the file split (`split -b 23M`), or its xz stream split
+#                     (`xz -6`: 90.5 of 98.4 MB), where the copy to the host limits a file's size.
+# On the GPU host, from the checkout's root, in this order:
+#   bash bench/gpu_check_offline.sh gguf DIR       the GGUF's parts from .gpu-stage/DIR (and .gpu-stage/extra) into /root
+#   bash bench/gpu_check_offline.sh setup          .gpu-stage/extra beside vLLM, the quantize environment in /root/q
+#   bash bench/gpu_check_offline.sh lmdeploy       LMDeploy into /root/lmd, with its interpreter wrapper (engine.python)
+#   bash bench/gpu_check_offline.sh check ITEMS    the GGUF joined, the demo model built, the check run into $OUT/gpucheck
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 REPO=$PWD
@@ -29,7 +36,7 @@ case "$1" in
     printf '#!/bin/bash\nexport PYTHONPATH=/root/lmd:/root/site:%s/include TOKENIZERS_PARALLELISM=false\nexec python3 "$@"\n' "$REPO" > /root/lmdpy
     chmod +x /root/lmdpy; /root/lmdpy -c "import lmdeploy; print('lmdeploy', lmdeploy.__version__)" ;;
   check)
-    if [ ! -f $GGUF ]; then  # the parts of the file, or of its xz stream (`xz -6`: 90.5 of 98.4 MB, three calls' room)
+    if [ ! -f $GGUF ]; then  # the parts of the file, or of its xz stream
       if head -c 6 "$(ls /root/gg/part.* | head -1)" | grep -aq 7zXZ; then
         cat /root/gg/part.* | python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > $GGUF
       else cat /root/gg/part.* > $GGUF; fi
