@@ -1,8 +1,9 @@
 """Row readers and writers, per format, in one place; and the rule that turns a row into a chat.
 
 Readers never raise on a bad row, in any format: they yield ``RawRow`` objects carrying either the parsed
-record or the reason it could not be parsed (bad bytes, a malformed line, a value Python cannot hold), so the
-planner can report it and go on. A file none of whose rows can be read (a corrupt Parquet file, a table without
+record or the reason it could not be parsed (bad bytes, a malformed line, a value Python cannot hold, text
+UTF-8 cannot hold), so the planner can report it and go on. A UTF-8 byte order mark opening a text file is no
+data. A file none of whose rows can be read (a corrupt Parquet file, a table without
 a prompt column) raises ``InputFileError`` naming the file.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import json
 import re
 import string
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -25,7 +27,7 @@ from upath import UPath
 from batch_llm.config import InputConfig
 from batch_llm.output_schema import OutputSchema, column_value
 from batch_llm.row_params import RowParams
-from batch_llm.storage import atomic_writer, iter_jsonl, json_bytes, list_files, write_jsonl
+from batch_llm.storage import atomic_writer, iter_jsonl, json_bytes, list_files, utf8_safe, write_jsonl
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -108,8 +110,8 @@ def sniff_openai_batch(path: UPath) -> str | None:
         for line in fh:
             if line.strip():
                 try:
-                    obj = json.loads(line)
-                except ValueError:
+                    obj = json.loads(line.removeprefix(UTF8_BOM))
+                except (ValueError, RecursionError):
                     return None
                 return "openai_batch" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else None
     return None
@@ -117,15 +119,20 @@ def sniff_openai_batch(path: UPath) -> str | None:
 
 _FAST_DECODER = msgspec.json.Decoder()
 
+# A UTF-8 byte order mark: Windows editors (Notepad, Excel's "CSV UTF-8") begin a file with it; it is no data.
+UTF8_BOM = b"\xef\xbb\xbf"
+
 
 def _read_jsonl(path: UPath) -> Iterator[RawRow]:
     with path.open("rb") as fh:
         for n, raw in enumerate(fh, start=1):
+            if n == 1:
+                raw = raw.removeprefix(UTF8_BOM)
             if not raw.strip():
                 continue
             try:  # the fast path; a line it refuses is parsed again by json, for json's own message
                 obj = _FAST_DECODER.decode(raw)
-            except (msgspec.DecodeError, ValueError):
+            except (msgspec.DecodeError, ValueError, RecursionError):
                 pass
             else:
                 if isinstance(obj, dict):
@@ -137,14 +144,39 @@ def _read_jsonl(path: UPath) -> Iterator[RawRow]:
                 yield RawRow(n, None, f"not valid UTF-8 at byte {e.start}")
                 continue
             try:
-                obj = json.loads(text)
+                obj = _json_value(text)
             except json.JSONDecodeError as e:
                 yield RawRow(n, None, f"not valid JSON: {e.msg} (column {e.colno})")
+                continue
+            except ValueError as e:
+                yield RawRow(n, None, str(e))
                 continue
             if not isinstance(obj, dict):
                 yield RawRow(n, None, f"expected a JSON object, got {type(obj).__name__}")
                 continue
-            yield RawRow(n, obj)
+            why = _unencodable(obj)
+            yield RawRow(n, None, why) if why else RawRow(n, obj)
+
+
+def _json_value(text: str) -> Any:
+    """``json.loads`` of a row's text; nesting deeper than Python's recursion limit is a ValueError (the row's
+    fault, like malformed JSON), not a RecursionError that would stop the file."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {sys.getrecursionlimit()} levels") from None
+
+
+def _unencodable(obj: dict) -> str | None:
+    """Why a parsed row cannot be written as UTF-8, if it cannot: JSON may escape a lone UTF-16 surrogate
+    (``"\\ud800"``), which json parses into a string no UTF-8 file (nor tokenizer) can hold. Asked only of rows
+    the fast decoder refused, which refuses those."""
+    try:
+        msgspec.json.encode(obj)  # strict, unlike json_bytes
+    except UnicodeEncodeError as e:
+        return (f"holds the escape \\u{ord(e.object[e.start]):04x}, a lone UTF-16 surrogate: no character, "
+                f"so no UTF-8 text can hold it")
+    return None
 
 
 def _read_parquet(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
@@ -374,7 +406,7 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     elif messages is not None:
         if isinstance(messages, str) and fmt in ("csv", "parquet"):  # columns holding JSON text
             try:
-                messages = json.loads(messages)
+                messages = _json_value(messages)
             except json.JSONDecodeError:
                 raise ValueError(f"column {cfg.messages_column!r} is text but not JSON") from None
         messages = _check_messages(messages)
@@ -450,14 +482,23 @@ def _with_system(messages: list[dict], cfg: InputConfig) -> list[dict]:
 
 def _typed_cells(rec: dict, columns: list[str]) -> dict:
     """The parameter cells of a row; CSV cells are text, so numbers are read from it (a stop cell may hold a
-    JSON list)."""
+    JSON list; stop_token_ids a JSON list, chat_template_kwargs a JSON object, include_stop_str_in_output
+    true or false)."""
     out = {}
     for c in columns:
         v = rec.get(c)
         if isinstance(v, str) and v.strip():
             text = v.strip()
             if c == "stop":
-                v = json.loads(text) if text.startswith("[") else v
+                v = _json_value(text) if text.startswith("[") else v
+            elif c in ("stop_token_ids", "chat_template_kwargs"):
+                try:
+                    v = json.loads(text)
+                except (ValueError, RecursionError):
+                    raise ValueError(f"{c} must be JSON ({'a list' if c == 'stop_token_ids' else 'an object'}), "
+                                     f"got {v!r}") from None
+            elif c == "include_stop_str_in_output":
+                v = {"true": True, "false": False}.get(text.lower(), v)  # anything else: refused as it is
             else:
                 try:
                     v = int(text) if text.lstrip("-").isdigit() else float(text)
@@ -641,7 +682,10 @@ def write_rows(path: UPath, rows: Iterable[dict], fmt: str, *, types: list | Non
         n = 0
         with open(spool, "wb") as fh:
             for batch in _batches(rows, WRITE_BATCH_ROWS):
-                shape.add(batch)
+                try:
+                    shape.add(batch)
+                except UnicodeEncodeError:  # a lone surrogate: typed as the spool holds it (its escape text)
+                    shape.add([utf8_safe(r) for r in batch])
                 fh.writelines(json_bytes(r) + b"\n" for r in batch)
                 n += len(batch)
         spooled = iter_jsonl(Path(spool))

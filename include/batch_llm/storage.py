@@ -193,8 +193,23 @@ _DECODER = msgspec.json.Decoder()
 
 
 def json_bytes(obj: Any) -> bytes:
-    """Compact UTF-8 JSON (non-ASCII kept as is)."""
-    return _ENCODER.encode(obj)
+    """Compact UTF-8 JSON (non-ASCII kept as is). A string UTF-8 cannot hold (a lone UTF-16 surrogate, as
+    Python's json reads ``"\\ud800"``) is written with that character as its escape text, not a crash."""
+    try:
+        return _ENCODER.encode(obj)
+    except UnicodeEncodeError:
+        return _ENCODER.encode(utf8_safe(obj))
+
+
+def utf8_safe(obj: Any) -> Any:
+    """``obj`` with every lone surrogate of its strings (keys too) replaced by its escape text (``\\ud800``)."""
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {utf8_safe(k): utf8_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [utf8_safe(v) for v in obj]
+    return obj
 
 
 def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
@@ -203,7 +218,12 @@ def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
     buf = bytearray()
     with atomic_writer(path) as w:
         for row in rows:
-            _ENCODER.encode_into(row, buf, len(buf))
+            at = len(buf)
+            try:
+                _ENCODER.encode_into(row, buf, at)
+            except UnicodeEncodeError:  # a lone surrogate: json_bytes writes it as its escape text
+                del buf[at:]
+                buf += json_bytes(row)
             buf += b"\n"
             n += 1
             if len(buf) >= 1 << 16:

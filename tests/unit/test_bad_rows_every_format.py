@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -156,3 +157,77 @@ def test_corrupt_parquet_is_an_error_naming_the_file(tmp_path, damage):
     with pytest.raises(ValueError, match=r"in\.parquet: .*Parquet") as e:
         _plan(tmp_path, p)
     assert not isinstance(e.value, (pa.ArrowException, OSError))
+
+# --------------------------------------------------------------------------------------- JSONL, OpenAI Batch
+def test_jsonl_text_no_utf8_can_hold_is_a_row_error_and_the_file_goes_on(tmp_path):
+    """A lone surrogate escape is valid JSON but no character: json reads it into a string UTF-8 cannot hold.
+    The row fails with the reason (not the plan, with a traceback), as does nesting deeper than Python reads."""
+    p = tmp_path / "in.jsonl"
+    deep = "[" * 5000 + "]" * 5000
+    p.write_text('{"id": "a", "prompt": "hi"}\n'
+                 '{"id": "b", "prompt": "hi \\ud800 there"}\n'
+                 '{"id": "c\\udfff", "prompt": "hi"}\n'
+                 f'{{"id": "d", "prompt": "hi", "meta": {deep}}}\n'
+                 '{"id": "e", "prompt": "a pair is one character: \\ud83d\\ude00"}\n', encoding="utf-8")
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "e"}
+    assert errors[2]["reason"] == ("holds the escape \\ud800, a lone UTF-16 surrogate: no character, so no UTF-8 "
+                                   "text can hold it")
+    assert "\\udfff" in errors[3]["reason"]
+    assert errors[4]["reason"].startswith("JSON nested deeper than")
+
+
+def test_openai_batch_line_with_a_lone_surrogate_is_a_row_error(tmp_path):
+    p = tmp_path / "batch.jsonl"
+    line = '{{"custom_id": "{}", "method": "POST", "url": "/v1/chat/completions", ' \
+           '"body": {{"messages": [{{"role": "user", "content": "{}"}}]}}}}\n'
+    p.write_text(line.format("r1", "hi") + line.format("r2", "bad \\udc80") + line.format("r3", "bye"))
+    m = _plan(tmp_path, p)
+    assert m.format == "openai_batch" and (m.valid, m.invalid) == (2, 1)
+    assert [e["line"] for e in iter_jsonl(Location(m.errors).path())] == [2]
+
+
+def test_csv_stop_cell_nested_too_deeply_is_a_row_error(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_text(f'id,prompt,stop\na,hi,\nb,hi,{"[" * 5000}\n')
+    ids, errors = _planned(tmp_path, p, input__sampling_columns=["max_tokens", "stop"])
+    assert ids == {"a"} and errors[3]["reason"].startswith("JSON nested deeper than")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "openai_batch"])
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path, fmt):
+    """Notepad and Excel begin a UTF-8 file with a byte order mark; the first row is read, and an OpenAI Batch
+    file is still told from its first line."""
+    p = tmp_path / "in.jsonl"
+    if fmt == "jsonl":
+        lines = [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "bye"}]
+    else:
+        lines = [{"custom_id": c, "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "hi"}]}} for c in ("a", "b")]
+    p.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(line) + "\n" for line in lines).encode())
+    m = _plan(tmp_path, p)
+    assert m.format == fmt and (m.valid, m.invalid) == (2, 0)
+
+
+def test_parquet_text_that_is_not_utf8_is_a_row_error(tmp_path):
+    p = tmp_path / "in.parquet"
+    text = pa.array([b"hello", b"caf\xe9", b"bye"], type=pa.binary()).view(pa.string())  # unchecked bytes
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": text}), p)
+    ids, errors = _planned(tmp_path, p)
+    assert ids == {"a", "c"} and errors[2]["reason"].startswith("column 'prompt': 'utf-8' codec can't decode")
+
+
+# ------------------------------------------------------------------------------------------------ writing
+@pytest.mark.parametrize("fmt", ["jsonl", "openai_batch", "csv", "parquet"])
+def test_writing_a_lone_surrogate_writes_its_escape_in_every_format(tmp_path, fmt):
+    """Text UTF-8 cannot hold (a lone surrogate, from a library caller or a filter's mask) never fails the write
+    of outputs or errors: the character is written as its escape text."""
+    from batch_llm.storage import write_jsonl
+
+    path = Location(str(tmp_path / f"out{formats.FILE_SUFFIX[fmt]}")).path()
+    assert formats.write_rows(path, [{"id": "a", "output": "x \ud800 y"}, {"id": "b", "output": "ok"}], fmt) == 2
+    back = [r.record for r in formats.read_file_rows(path, "jsonl" if fmt == "openai_batch" else fmt)]
+    assert back == [{"id": "a", "output": "x \\ud800 y"}, {"id": "b", "output": "ok"}]
+    errors = Location(str(tmp_path / "errors.jsonl")).path()
+    assert write_jsonl(errors, [{"id": "\udc80", "reason": "r"}, {"id": "b", "reason": "r"}]) == 2
+    assert [e["id"] for e in iter_jsonl(errors)] == ["\\udc80", "b"]
