@@ -31,7 +31,17 @@ from pathlib import Path
 import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
-from batch_llm.formats import PromptRow, detect_format, input_files, read_file_rows, sniff_openai_batch, to_prompt_row
+from batch_llm.formats import (
+    SUFFIX_FORMAT,
+    InputFileError,
+    PromptRow,
+    RawRow,
+    detect_format,
+    input_files,
+    read_file_rows,
+    sniff_openai_batch,
+    to_prompt_row,
+)
 from batch_llm.manifests import PlanManifest, ShardSpec
 from batch_llm.row_params import engine_refusal
 from batch_llm.storage import Location, atomic_writer, json_bytes, peak_rss_mb
@@ -111,7 +121,10 @@ class _Scan:
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
         with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
             for file_no, f in enumerate(files):
-                for raw in read_file_rows(f, read_fmt, self.cfg.input):
+                rows = read_file_rows(f, read_fmt, self.cfg.input)
+                if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
+                    rows = _of_kind(rows, f, files[0], self.fmt)
+                for raw in rows:
                     self.rows_read += 1
                     where = b"%d\t%d\t" % (file_no, raw.line)
                     if raw.error:
@@ -144,6 +157,26 @@ class _Scan:
     def _raw_id(self, raw) -> str | int | None:
         rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def _of_kind(rows: Iterator[RawRow], f, first, fmt: str) -> Iterator[RawRow]:
+    """A JSONL file's rows, its first row checked to be of the run's kind, as ``resolve_format`` told the first
+    file's (OpenAI Batch lines or prompt rows): told here, from the row the scan reads anyway, not by reading
+    every file's start twice."""
+    for n, raw in enumerate(rows):
+        if n == 0:
+            rec = raw.record
+            kind = "openai_batch" if isinstance(rec, dict) and "custom_id" in rec and "body" in rec else "jsonl"
+            if kind != fmt:
+                raise _mixed_formats(f.parent, {fmt: [first.name], kind: [f.name]})
+        yield raw
+
+
+def _mixed_formats(folder, names: dict[str, list[str]]) -> InputFileError:
+    listing = "; ".join(f"{kind}: {', '.join(n[:3])}" + (f" and {len(n) - 3} more" if len(n) > 3 else "")
+                        for kind, n in sorted(names.items()))
+    return InputFileError(f"{folder}: the input holds files of {len(names)} formats ({listing}); a run reads one "
+                          f"format and publishes in it: give each format an input folder of its own")
 
 
 def _shard_fields(r: PromptRow) -> dict:
@@ -266,10 +299,20 @@ def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
         yield body
 
 
-def resolve_format(first_file, configured: str) -> str:
-    fmt = detect_format(first_file, configured)
+def resolve_format(files: list, configured: str) -> str:
+    """The run's one input format, which it publishes in: ``input.format``, or the first file's (its name, and
+    for JSONL its first line: OpenAI Batch lines have ``custom_id`` and ``body``). A folder whose file names
+    tell several formats is refused here, before any row is read, naming files of each; JSONL prompt rows
+    beside OpenAI Batch files are refused by the scan, at each file's first row (``_of_kind``)."""
+    names: dict[str, list[str]] = {}
+    for f in files:
+        if (kind := SUFFIX_FORMAT.get(f.suffix.lower())) is not None:
+            names.setdefault(kind, []).append(f.name)
+    if len(names) > 1:
+        raise _mixed_formats(files[0].parent, names)
+    fmt = detect_format(files[0], configured)
     if fmt == "jsonl" and configured == "auto":
-        fmt = sniff_openai_batch(first_file) or fmt
+        fmt = sniff_openai_batch(files[0]) or fmt
     return fmt
 
 
@@ -279,7 +322,7 @@ def plan_shards(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
     listed for mapping)."""
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
-    fmt = resolve_format(files[0], cfg.input.format)
+    fmt = resolve_format(files, cfg.input.format)
     if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
         made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
         raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "

@@ -90,6 +90,44 @@ def test_openai_batch_in_and_out(tmp_path):
     assert cached["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
+def _batch_line(cid: str) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n"
+
+
+def test_a_folder_of_mixed_formats_is_refused_naming_the_files(tmp_path):
+    """A run reads one format and publishes in it: a folder mixing formats is refused before a row is read,
+    naming a file of each format (not parsed and published in the first file's format)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    (folder / "b.csv").write_text("id,prompt\nb,hi\n")
+    pq.write_table(pa.table({"id": ["c"], "prompt": ["hi"]}), folder / "c.parquet")
+    with pytest.raises(ValueError, match=r"in: the input holds files of 3 formats \(csv: b\.csv; jsonl: a\.jsonl; "
+                       r"parquet: c\.parquet\); a run reads one format"):
+        _plan(tmp_path, folder)
+    with pytest.raises(ValueError, match="3 formats"):  # input.format names the format, not the files'
+        _plan(tmp_path, folder, input__format="jsonl")
+    (folder / "b.csv").unlink()
+    (folder / "c.parquet").unlink()
+    (folder / "d.json").write_text('{"id": "d", "prompt": "hi"}\n')  # .json is JSONL too: one format
+    assert _plan(tmp_path, folder).valid == 2
+
+
+@pytest.mark.parametrize("first", ["prompts", "batch"])
+def test_jsonl_prompt_rows_beside_openai_batch_files_are_refused(tmp_path, first):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    prompts, batch = ("a.jsonl", "b.jsonl") if first == "prompts" else ("b.jsonl", "a.jsonl")
+    (folder / prompts).write_text('{"id": "p", "prompt": "hi"}\n')
+    (folder / batch).write_text(_batch_line("q"))
+    with pytest.raises(ValueError, match=rf"2 formats \(jsonl: {prompts}; openai_batch: {batch}\)"):
+        _plan(tmp_path, folder)
+    (folder / prompts).write_text(_batch_line("p"))
+    m = _plan(tmp_path, folder)
+    assert m.format == "openai_batch" and m.valid == 2
+
+
 @pytest.mark.parametrize("fmt,suffix", [("jsonl", ".jsonl"), ("csv", ".csv"), ("parquet", ".parquet")])
 def test_writers_keep_columns(tmp_path, fmt, suffix):
     path = as_path(str(tmp_path / f"out{suffix}"))
