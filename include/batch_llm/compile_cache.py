@@ -164,7 +164,7 @@ def publish(cc: CompileCache | None, say: Callable[[str], None]) -> None:
         # gzip level 1: compiled code and kernels shrink well at a fraction of level 9's CPU time
         with atomic_writer(Location(cc.archive, cc.options).path()) as w, \
                 gzip.GzipFile(fileobj=w, mode="wb", compresslevel=1) as gz, \
-                tarfile.open(fileobj=gz, mode="w|") as tar:  # type: ignore[arg-type]
+                tarfile.open(fileobj=gz, mode="w|") as tar:
             tar.add(root, arcname=".")
         cc.uploaded = True
         cc.upload_seconds = round(time.perf_counter() - t0, 3)

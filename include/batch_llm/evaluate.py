@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batch_llm.metric_names import METRICS, canonical_metric  # noqa: F401 - re-exported
 from batch_llm.metric_names import metric_key as _metric_key
@@ -125,7 +126,8 @@ def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "
         metrics[name], num[name] = float(m["score"]), int(m["num"])
 
     reviews_dir = work_dir / "reviews" / MODEL_ID
-    per_sample, errors = {}, {}
+    per_sample: dict[str, dict[str, float]] = {}
+    errors: dict[str, Any] = {}  # metric family -> EvalScope's error, as its review records it
     for path in sorted(reviews_dir.glob(f"general_qa_{SUBSET}*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             review = json.loads(line)

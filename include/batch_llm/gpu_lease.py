@@ -27,6 +27,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from batch_llm.gpus import visible_gpus  # moved to the leaf gpus; still importable from here
 from batch_llm.procgroup import live_group_members, process_group_alive, stop_process_group
@@ -76,7 +77,7 @@ def open_private_dir(path: Path) -> int:
     return fd
 
 
-def open_lease_file(dir_fd: int, name: str, ldir: Path):
+def open_lease_file(dir_fd: int, name: str, ldir: Path) -> TextIO:
     """``name`` inside the lease folder, created 0600, never through a symlink."""
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
@@ -152,7 +153,7 @@ def is_recorded_group(pgid: int, start: int | None) -> bool:
 class GpuLease:
     gpus: list[str]
     lease_dir: Path
-    _files: list = field(default_factory=list, repr=False)
+    _files: list[TextIO] = field(default_factory=list, repr=False)
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -177,7 +178,8 @@ class GpuLease:
                     holder: str) -> "GpuLease":
         deadline = time.monotonic() + timeout
         while True:
-            taken, files = [], []
+            taken: list[str] = []
+            files: list[TextIO] = []
             try:
                 cls._lock_free(dir_fd, ldir, gpus, count, taken, files)
             except BaseException:
@@ -195,7 +197,8 @@ class GpuLease:
             time.sleep(poll)
 
     @staticmethod
-    def _lock_free(dir_fd: int, ldir: Path, gpus: list[str], count: int, taken: list, files: list) -> None:
+    def _lock_free(dir_fd: int, ldir: Path, gpus: list[str], count: int, taken: list[str],
+                   files: list[TextIO]) -> None:
         """Locks free GPUs' lease files until ``count`` are held, appending to ``taken`` and ``files``."""
         for g in gpus:
             f = open_lease_file(dir_fd, f"gpu-{g}.lock", ldir)
@@ -232,7 +235,7 @@ class GpuLease:
             self._write(f, {**data, "worker_pgid": pgid, "worker_start": start})
 
     @staticmethod
-    def _write(f, data: dict) -> None:
+    def _write(f: TextIO, data: dict) -> None:
         f.seek(0)
         f.truncate()
         f.write(json.dumps(data))

@@ -165,7 +165,8 @@ def check_settings(model_dir: str | Path, cfg: QuantizeConfig) -> None:
     if cfg.method == "awq" and cfg.awq_grid < 3:
         # llm-compressor's grid with duo scaling is [identity] + awq_grid - 1 points spaced 1/(awq_grid-2)
         raise ValueError(f"quantize.awq_grid={cfg.awq_grid}: AWQ needs a grid of at least 3 points")
-    check_group_size(model_dir, cfg.group_size)
+    if cfg.group_size is not None:  # unset: resolve_group_size chooses one that divides the layers
+        check_group_size(model_dir, cfg.group_size)
 
 
 def check_group_size(model_dir: str | Path, group_size: int) -> None:

@@ -121,6 +121,15 @@ class AtomicWriter:
             self._f.write(bytes(self._buf[:MULTIPART_PART_BYTES]))
             del self._buf[:MULTIPART_PART_BYTES]
 
+    def flush(self) -> None:
+        """A file object's flush (gzip's writer wraps this one): a local file's buffer goes to the temporary file;
+        elsewhere the bytes wait for a full part (only complete parts are uploaded before the commit)."""
+        if self._tmp is not None:
+            try:
+                self._f.flush()
+            except OSError as e:
+                raise self._named(e) from e
+
     def commit(self) -> None:
         if self._tmp is not None:
             try:

@@ -73,5 +73,5 @@ def largest_avoidable(shard_phases: Iterable[list[Phase]]) -> tuple[str, float, 
                 totals[name] = totals.get(name, 0.0) + sec
     if not totals or wall <= 0:
         return None
-    name = max(totals, key=totals.get)
+    name = max(totals, key=totals.__getitem__)
     return name, totals[name], totals[name] / wall

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import IO
 
 from batch_llm.procgroup import (  # noqa: F401 - re-exported: worker's API before procgroup
     GroupLeader,
@@ -58,7 +59,10 @@ class WorkerHandle(GroupLeader):
     made here unless the caller chose one, removed once the worker's group is gone."""
 
     def __init__(self, proc: subprocess.Popen, ipc_dir: str | None = None):
+        if proc.stdout is None:  # wait() streams the worker's lines and reads its result from there
+            raise ValueError("WorkerHandle needs the worker's stdout as a pipe (stdout=subprocess.PIPE)")
         super().__init__(proc)  # the group's leader, signalled only while unreaped (procgroup.GroupLeader)
+        self.stdout: IO[str] = proc.stdout
         self.ipc_dir = ipc_dir
         self.tail: list[str] = []
 
@@ -72,6 +76,7 @@ class WorkerHandle(GroupLeader):
         proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, text=True, bufsize=1)
+        assert proc.stdin is not None  # stdin=PIPE above: Popen always opens it
         try:
             proc.stdin.write(json.dumps(spec))
             proc.stdin.close()
@@ -89,7 +94,7 @@ class WorkerHandle(GroupLeader):
         lines: queue.Queue = queue.Queue()
 
         def pump() -> None:
-            for line in self.proc.stdout:
+            for line in self.stdout:
                 lines.put(line.rstrip("\n"))
             lines.put(None)
 

@@ -246,3 +246,16 @@ def test_start_engine_syncs_and_records(store, model_dir, tmp_path, monkeypatch)
     rec = info.settings["compile_cache"]
     assert rec["hit"] is True and rec["downloaded"] is True and rec["uploaded"] is False
     assert "compile_cache" not in engine_start.start_engine(model_dir, demo_config(tmp_path), said.append)[1].settings
+
+
+def test_the_archive_writer_is_a_file_object_gzip_can_flush(tmp_path):
+    """The archive goes through gzip into the atomic writer; gzip's flush() flushes the file object under it."""
+    import gzip
+
+    from batch_llm.storage import atomic_writer
+
+    with atomic_writer(Location(str(tmp_path / "a.tar.gz")).path()) as w, \
+            gzip.GzipFile(fileobj=w, mode="wb", compresslevel=1) as gz:
+        gz.write(b"compiled " * 100)
+        gz.flush()
+    assert gzip.decompress((tmp_path / "a.tar.gz").read_bytes()) == b"compiled " * 100

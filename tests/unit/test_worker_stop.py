@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 from batch_llm import worker
 from batch_llm.worker import RESULT_PREFIX, WorkerHandle, process_group_alive
 
@@ -79,3 +80,14 @@ def test_stop_during_wait_ends_the_group_once_and_reaps_after(monkeypatch):
     stopper.join()
     assert calls and not any(reaped for _, reaped in calls), calls
     assert not process_group_alive(handle.pid)
+
+
+def test_a_handle_needs_the_workers_output_as_a_pipe():
+    """wait() reads the worker's lines and result from its stdout: a process without that pipe is refused at
+    once, not left to a reader thread that fails while wait() waits on."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        with pytest.raises(ValueError, match="stdout"):
+            WorkerHandle(proc)
+    finally:
+        proc.wait()
