@@ -10,7 +10,8 @@ check: setup
 	bash scripts/check.sh
 bench: setup
 	bash bench/run_cpu.sh
-# On a machine with one GPU, in an environment with the GPU vLLM (`pip install -e ".[vllm,quantize]"` or the GPU image):
+# On a machine with one GPU, in an environment with the GPU vLLM (`pip install -e ".[vllm,transformers,fetch,report,lora]"`
+# or the GPU image; the quantize extra conflicts with vllm: a venv of its own, named by BATCH_LLM_QUANTIZE_PYTHON):
 # every feature through `batch-llm run` on the real demo weights (docs/benchmarks.md, "GPU check").
 PYTHON ?= .venv/bin/python
 gpu-check:

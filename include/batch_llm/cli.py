@@ -44,6 +44,8 @@ from batch_llm.config import ConfigError, PipelineConfig, load_config
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
+NO_PROGRESS_BAR = "progress as plain lines: rich is not installed here; the cli extra adds the progress bar " \
+                  "(pip install 'batch-llm[cli]')"
 # A line of a library's log rather than a stage's message, as a shard's worker process relays them all on one
 # stream (colours removed first): vLLM's "(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [file.py:12] ...", Python
 # logging's "2026-11-30 12:00:01,123 name ...", transformers' "[transformers] ...", tqdm's redrawn bars.
@@ -148,9 +150,12 @@ class Reporter:
 
     def __enter__(self) -> "Reporter":
         if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:  # a base install: the same messages as plain lines
+                self.say(NO_PROGRESS_BAR)
+                return self
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("rows"), TextColumn("{task.fields[tps]} tok/s"),
                                       TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(),

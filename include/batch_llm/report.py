@@ -2,7 +2,8 @@
 
 ``publish`` writes it; ``batch-llm report`` shows it. Everything is in the one file (plots rendered with
 matplotlib's Agg backend to PNG and embedded as base64, CSS inline), so it opens from object storage, an
-e-mail attachment or the Airflow UI alike. Sections:
+e-mail attachment or the Airflow UI alike. matplotlib comes with the ``report`` extra: without it the page
+has the same sections with tables in place of the plots, and says which extra adds them. Sections:
 
 - the doctor's findings (``batch_llm.doctor``): what to change, with the numbers
 - rows by outcome: published, dropped by the content filter, invalid input, inference errors
@@ -19,6 +20,7 @@ tables are capped, so the page stays small either way.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import logging
 import math
@@ -70,13 +72,19 @@ def write_run_report(summary: RunSummary, version_dir: Location, pipeline_root: 
     return loc.url
 
 
+NO_PLOTS = "No plots: matplotlib is not installed here; the report extra adds it (pip install 'batch-llm[report]')."
+
+
 def render_report(summary: RunSummary, *, pipeline_root: Location | None = None, options: dict | None = None,
                   gpus: int | None = None) -> str:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a base install: the same sections, tables in place of the plots
+        matplotlib = None
 
     opts = options or (pipeline_root.options if pipeline_root else {})
     run = run_stats(summary, gpus=gpus, options=opts)
-    r = _Page(run, diagnose_run(run), pipeline_root)
+    r = _Page(run, diagnose_run(run), pipeline_root, plots=matplotlib is not None)
     style = {"font.size": 8.5, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
              "grid.alpha": 0.25, "axes.axisbelow": True, "legend.frameon": True, "legend.framealpha": 0.85,
              "legend.edgecolor": "none", "axes.titlesize": 9.5,
@@ -88,7 +96,7 @@ def render_report(summary: RunSummary, *, pipeline_root: Location | None = None,
                 ("scores", "EvalScope scores", _scores), ("shards", "Shards", _shards_table),
                 ("config", "Configuration used", _config)]
     rendered = []
-    with matplotlib.rc_context(style):
+    with matplotlib.rc_context(style) if matplotlib else contextlib.nullcontext():
         for anchor, title, fn in sections:
             try:
                 blocks = fn(r)
@@ -96,7 +104,7 @@ def render_report(summary: RunSummary, *, pipeline_root: Location | None = None,
                 log.exception("report section %s failed", anchor)
                 blocks = [Note(f"This section could not be rendered: {type(e).__name__}: {e}")]
             rendered.append(Section(anchor, title, blocks))
-    return render("report.html.j2", h=_header(r), sections=rendered)
+    return render("report.html.j2", h={**_header(r), "no_plots": "" if r.plots else NO_PLOTS}, sections=rendered)
 
 
 # ------------------------------------------------------------------------------------------ page blocks
@@ -157,6 +165,7 @@ class _Page:
     run: RunStats
     findings: list[Finding]
     pipeline_root: Location | None
+    plots: bool = True  # matplotlib is installed: sections draw their plots (else their tables only)
 
 
 def _header(r: _Page) -> dict:
@@ -221,17 +230,22 @@ def _outcomes(r: _Page) -> list:
     read = int(r.run.plan.rows_read or (ok + dropped + invalid + infer_err))
     rows = [("published", ok, C_OK), ("dropped by content filter", dropped, C_DROP),
             ("invalid input (plan)", invalid, C_INVALID), ("inference errors", infer_err, C_ERR)]
-    fig, ax = _figure(7.2, 1.9)
-    labels = [k for k, _, _ in rows][::-1]
-    vals = [v for _, v, _ in rows][::-1]
-    ax.barh(labels, vals, color=[c for _, _, c in rows][::-1], height=0.6)
-    top = max(vals) or 1
-    for y, v in enumerate(vals):
-        ax.text(v + top * 0.01, y, f"{v:,} ({v / read:.1%})" if read else f"{v:,}", va="center", fontsize=8)
-    ax.set_xlim(0, top * 1.22)
-    ax.set_xlabel(f"rows (of {read:,} read)")
-    _integer_axis(ax.xaxis)
-    ax.grid(axis="y", visible=False)
+    share = lambda v: f"{v:,} ({v / read:.1%})" if read else f"{v:,}"  # noqa: E731
+    if r.plots:
+        fig, ax = _figure(7.2, 1.9)
+        labels = [k for k, _, _ in rows][::-1]
+        vals = [v for _, v, _ in rows][::-1]
+        ax.barh(labels, vals, color=[c for _, _, c in rows][::-1], height=0.6)
+        top = max(vals) or 1
+        for y, v in enumerate(vals):
+            ax.text(v + top * 0.01, y, share(v), va="center", fontsize=8)
+        ax.set_xlim(0, top * 1.22)
+        ax.set_xlabel(f"rows (of {read:,} read)")
+        _integer_axis(ax.xaxis)
+        ax.grid(axis="y", visible=False)
+        shown = _img(fig, "rows by outcome")
+    else:
+        shown = _table(["outcome", f"rows (of {read:,} read)"], [[k, share(v)] for k, v, _ in rows])
     extra = []
     if fs.rows_masked:
         extra.append(f"{fs.rows_masked:,} published rows had words masked")
@@ -240,7 +254,7 @@ def _outcomes(r: _Page) -> list:
     cached = int(r.run.total("cached_rows"))
     if cached:
         extra.append(f"{cached:,} rows came from the result cache")
-    return [_img(fig, "rows by outcome")] + ([Note("; ".join(extra) + ".")] if extra else [])
+    return [shown] + ([Note("; ".join(extra) + ".")] if extra else [])
 
 
 def _throughput(r: _Page) -> list:
@@ -250,6 +264,9 @@ def _throughput(r: _Page) -> list:
         return [Note("No shard ran the engine (no shards, or every row came from the cache).")]
     idx, tps = [p[0] for p in pts], [p[1] for p in pts]
     med = statistics.median(tps)
+    if len(pts) <= SHARD_BARS_MAX and not r.plots:
+        return [_table(["shard", "output tokens / s"], [[i, _num(v, 1)] for i, v in pts], numeric=True),
+                Note(f"median {med:,.1f} output tokens per second of generation.")]
     if len(pts) <= SHARD_BARS_MAX:
         fig, ax = _figure(7.2, 2.6)
         ax.bar([str(i) for i in idx], tps, color=C_GEN, width=0.7)
@@ -263,6 +280,9 @@ def _throughput(r: _Page) -> list:
         ax.set_title("output tokens per second of generation, per shard")
         ax.legend(loc="lower right")
         return [_img(fig, "tokens per second per shard")]
+    table = _pct_table([("output tokens / s", tps)], note="slowest shards are listed under Shards")
+    if not r.plots:
+        return table
     fig, (a1, a2) = _figure(7.6, 2.6, ncols=2)
     a1.hist(tps, bins=min(40, max(5, len(tps) // 10)), color=C_GEN)
     a1.axvline(med, color="#333", lw=0.8, ls="--", label=f"median {med:,.1f}")
@@ -275,8 +295,7 @@ def _throughput(r: _Page) -> list:
     a2.set_xlabel("shard")
     a2.set_ylabel("output tokens / s")
     a2.set_title("by shard (stragglers stand out)")
-    return [_img(fig, "tokens per second per shard"), *_pct_table(
-        [("output tokens / s", tps)], note="slowest shards are listed under Shards")]
+    return [_img(fig, "tokens per second per shard"), *table]
 
 
 PHASE_COLORS = {"spawn": "#b9c2cf", "imports": "#8e9aab", "read": "#6cb2a8", "engine": C_START,
@@ -295,6 +314,20 @@ def _timeline(r: _Page) -> list:
     if not shards:
         return [Note("No shard recorded a timeline (manifests written before timelines existed).")]
     shown = shards[:TIMELINE_SHARDS_MAX]
+    plot = [_timeline_plot(shown, PHASES)] if r.plots else []
+    totals: dict[str, float] = {}
+    for _, phases in shards:
+        for name, sec in phase_seconds(phases).items():
+            totals[name] = totals.get(name, 0.0) + sec
+    rows = [[name, _num(totals[name], 1)] for name in PHASES if name in totals]
+    top = largest_avoidable(phases for _, phases in shards)
+    note = (Markup("Largest avoidable phase: <b>{}</b>, {} s ({:.0%} of the shards' wall time); the doctor says "
+                   "what to change.").format(top[0], _num(top[1], 1), top[2]) if top else Markup(""))
+    more = f" The first {len(shown)} of {len(shards)} shards are drawn." if plot and len(shards) > len(shown) else ""
+    return [*plot, _table(["phase", "seconds, all shards"], rows), Note(note + more)]
+
+
+def _timeline_plot(shown: list, phase_order: tuple) -> Figure:
     t0 = min(p.start for p in shown[0][1])
     fig, ax = _figure(7.2, max(1.6, 0.28 * len(shown) + 0.9))
     seen = set()
@@ -311,18 +344,9 @@ def _timeline(r: _Page) -> list:
     ax.set_ylabel("shard")
     ax.set_title("run timeline: each shard's phases")
     handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: PHASES.index(labels[i]) if labels[i] in PHASES else 99)
+    order = sorted(range(len(labels)), key=lambda i: phase_order.index(labels[i]) if labels[i] in phase_order else 99)
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower right", ncols=5, fontsize=7)
-    totals: dict[str, float] = {}
-    for _, phases in shards:
-        for name, sec in phase_seconds(phases).items():
-            totals[name] = totals.get(name, 0.0) + sec
-    rows = [[name, _num(totals[name], 1)] for name in PHASES if name in totals]
-    top = largest_avoidable(phases for _, phases in shards)
-    note = (Markup("Largest avoidable phase: <b>{}</b>, {} s ({:.0%} of the shards' wall time); the doctor says "
-                   "what to change.").format(top[0], _num(top[1], 1), top[2]) if top else Markup(""))
-    more = f" The first {len(shown)} of {len(shards)} shards are drawn." if len(shards) > len(shown) else ""
-    return [_img(fig, "run timeline"), _table(["phase", "seconds, all shards"], rows), Note(note + more)]
+    return _img(fig, "run timeline")
 
 
 def _time(r: _Page) -> list:
@@ -336,6 +360,26 @@ def _time(r: _Page) -> list:
     many = len(rows) > SHARD_BARS_MAX
     if many:
         rows.sort(key=lambda t: t[4])
+    start, gen, other = [t[1] for t in rows], [t[2] for t in rows], [t[3] for t in rows]
+    shares = [t[1] / t[4] for t in rows if t[4]]
+    note = f"engine start is a median {statistics.median(shares):.0%} of a shard's time" if shares else ""
+    if r.plots:
+        img = _time_plot(rows, many)
+    elif many:
+        img = None
+    else:
+        img = _table(["shard", "engine start s", "generation s", "other s", "total s"],
+                     [[t[0], *(_num(v, 1) for v in t[1:])] for t in rows], numeric=True)
+    if not many:
+        total = sum(t[4] for t in rows)
+        return [img, Note(f"{note}; over all shards: {_num(sum(start), 1)} s engine start, "
+                          f"{_num(sum(gen), 1)} s generation, {_num(sum(other), 1)} s other, {_num(total, 1)} s in all.")]
+    return [*([img] if img else []), *_pct_table([("engine start (s)", start), ("generation (s)", gen),
+                                                  ("other (s)", other), ("shard total (s)", [t[4] for t in rows])],
+                                                 note=note)]
+
+
+def _time_plot(rows: list[tuple], many: bool) -> Figure:
     x = list(range(len(rows)))
     start, gen, other = [t[1] for t in rows], [t[2] for t in rows], [t[3] for t in rows]
     fig, ax = _figure(7.2, 2.7)
@@ -356,15 +400,7 @@ def _time(r: _Page) -> list:
     ax.set_title("where each shard's time went")
     ax.legend(loc="upper left", ncols=3, fontsize=7.5)
     ax.set_ylim(0, max(t[4] for t in rows) * 1.18 or 1)
-    shares = [t[1] / t[4] for t in rows if t[4]]
-    note = f"engine start is a median {statistics.median(shares):.0%} of a shard's time" if shares else ""
-    img = _img(fig, "engine start and generation time per shard")
-    if not many:
-        total = sum(t[4] for t in rows)
-        return [img, Note(f"{note}; over all shards: {_num(sum(start), 1)} s engine start, "
-                          f"{_num(sum(gen), 1)} s generation, {_num(sum(other), 1)} s other, {_num(total, 1)} s in all.")]
-    return [img, *_pct_table([("engine start (s)", start), ("generation (s)", gen), ("other (s)", other),
-                              ("shard total (s)", [t[4] for t in rows])], note=note)]
+    return _img(fig, "engine start and generation time per shard")
 
 
 def _lengths(r: _Page) -> list:
@@ -372,6 +408,16 @@ def _lengths(r: _Page) -> list:
     if not t.rows:
         return [Note("No output rows to measure.")]
     max_tokens = (r.run.cfg.get("sampling") or {}).get("max_tokens")
+    plot = [_lengths_plot(t, max_tokens)] if r.plots else []
+    src = f"{t.rows:,} rows" + (f" (the first rows of each shard: {t.rows:,} of {t.rows_total:,})" if t.sampled else "")
+    trunc = f"; {t.truncated:,} completions ({t.truncated / t.rows:.0%}) stopped at max_tokens" if t.truncated else ""
+    table = _table(["", "mean", "p50", "p95", "p99", "max"],
+                   [[name, _num(mean_of(c), 1), _num(quantile(c, .5)), _num(quantile(c, .95)), _num(quantile(c, .99)),
+                     _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion))])
+    return [*plot, table, Note(f"From {src}{trunc}.")]
+
+
+def _lengths_plot(t, max_tokens: int | None) -> Figure:
     fig, (a1, a2) = _figure(7.6, 2.5, ncols=2)
     for ax, counts, color, title in ((a1, t.prompt, C_START, "input (prompt) tokens"),
                                      (a2, t.completion, C_GEN, "output (completion) tokens")):
@@ -385,12 +431,7 @@ def _lengths(r: _Page) -> list:
         a2.axvline(max_tokens, color=C_INVALID, lw=1, label=f"max_tokens {max_tokens}")
     a1.legend(fontsize=7.5)
     a2.legend(fontsize=7.5)
-    src = f"{t.rows:,} rows" + (f" (the first rows of each shard: {t.rows:,} of {t.rows_total:,})" if t.sampled else "")
-    trunc = f"; {t.truncated:,} completions ({t.truncated / t.rows:.0%}) stopped at max_tokens" if t.truncated else ""
-    table = _table(["", "mean", "p50", "p95", "p99", "max"],
-                   [[name, _num(mean_of(c), 1), _num(quantile(c, .5)), _num(quantile(c, .95)), _num(quantile(c, .99)),
-                     _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion))])
-    return [_img(fig, "input and output token length histograms"), table, Note(f"From {src}{trunc}.")]
+    return _img(fig, "input and output token length histograms")
 
 
 def _filter(r: _Page) -> list:
@@ -404,6 +445,20 @@ def _filter(r: _Page) -> list:
              f"{_num(fs.rows_dropped)} dropped)"
     if not sum(hits.values()):
         return [Note(f"No hits in {len(lists)} list(s): {counts}.")]
+    plot = [_filter_plot(lists, hits)] if r.plots else []
+    per_word = fs.hits_per_word
+    rows = []
+    for lst in lists:
+        words = sorted((per_word.get(lst["name"]) or {}).items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{w} ({n})" for w, n in words[:WORDS_PER_LIST])
+        more = f" and {len(words) - WORDS_PER_LIST} more" if len(words) > WORDS_PER_LIST else ""
+        rows.append([lst["name"], lst.get("action", ""), _num(hits.get(lst["name"], 0)), shown + more or "–"])
+    return [*plot, _table(["list", "action", "hits", "top words"], rows), Note(f"{counts}.")]
+
+
+def _filter_plot(lists: list[dict], hits: dict) -> Figure:
+    from matplotlib.patches import Patch
+
     names = [lst["name"] for lst in lists]
     vals = [hits.get(n, 0) for n in names]
     fig, ax = _figure(7.2, max(1.4, 0.32 * len(names) + 0.7))
@@ -415,21 +470,11 @@ def _filter(r: _Page) -> list:
     ax.set_xlabel("hits")
     ax.set_title("content-filter hits by list")
     ax.grid(axis="y", visible=False)
-    from matplotlib.patches import Patch
-
     used = sorted({lst.get("action") for lst in lists if lst.get("action") in ACTION_COLORS})
     ax.legend(handles=[Patch(color=ACTION_COLORS[a], label=a) for a in used], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), title="action", fontsize=7.5)
     _integer_axis(ax.xaxis)
-    per_word = fs.hits_per_word
-    rows = []
-    for lst in lists:
-        words = sorted((per_word.get(lst["name"]) or {}).items(), key=lambda kv: -kv[1])
-        shown = ", ".join(f"{w} ({n})" for w, n in words[:WORDS_PER_LIST])
-        more = f" and {len(words) - WORDS_PER_LIST} more" if len(words) > WORDS_PER_LIST else ""
-        rows.append([lst["name"], lst.get("action", ""), _num(hits.get(lst["name"], 0)), shown + more or "–"])
-    return [_img(fig, "content filter hits by list"), _table(["list", "action", "hits", "top words"], rows),
-            Note(f"{counts}.")]
+    return _img(fig, "content filter hits by list")
 
 
 def _scores(r: _Page) -> list:
@@ -447,6 +492,26 @@ def _scores(r: _Page) -> list:
                         if m != metric and any(m in h["metrics"] for h in scored)]
     names = [n for n in names if any(n in h["metrics"] for h in scored)][:4] or \
         [k for k, v in metrics.items() if isinstance(v, (int, float))][:4]
+    plot = [_scores_plot(scored, names, min_score)] if r.plots else []
+    prev = next((h for h in reversed(scored) if not h.get("current")), None)
+    rows = [[name, f"{v:.4f}", _delta(v, (prev or {}).get("metrics", {}).get(name))] for name, v in metrics.items()
+            if isinstance(v, (int, float))]
+    tables = [_table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows)] if rows else []
+    trend_rows = [[h["partition"] + (" (this run)" if h.get("current") else ""), _num(h.get("num_samples")),
+                   f"{h['metrics'][metric]:.4f}" if h["metrics"].get(metric) is not None else "–"]
+                  for h in scored[::-1][:TREND_TABLE_MAX]]
+    if len(scored) > 1:
+        tables.append(_table(["partition", "samples", metric], trend_rows))
+    rep = r.run.evaluate.report_html
+    link = [Note(Markup("EvalScope's own report: <code>{}</code>").format(rep))] if rep else []
+    n, pop = r.run.evaluate.num_samples, r.run.evaluate.rows_with_references
+    sample = [Note(f"These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference answer (seeded "
+                   f"by evaluate.sample_seed = {r.run.evaluate.sample_seed}; the same seed scores the same "
+                   "rows).")] if n and pop and n < pop else []
+    return [*plot, *sample, Columns(tables), *link]
+
+
+def _scores_plot(scored: list[dict], names: list[str], min_score: float | None) -> Figure:
     fig, ax = _figure(7.2, 2.6)
     x = list(range(len(scored)))
     for k, name in enumerate(names):
@@ -468,22 +533,7 @@ def _scores(r: _Page) -> list:
     ax.set_title(f"EvalScope scores, this run and the {len(scored) - 1} partition(s) before it"
                  if len(scored) > 1 else "EvalScope scores (no earlier partitions to compare with)")
     ax.legend(loc="lower left", ncols=3, fontsize=7.5)
-    prev = next((h for h in reversed(scored) if not h.get("current")), None)
-    rows = [[name, f"{v:.4f}", _delta(v, (prev or {}).get("metrics", {}).get(name))] for name, v in metrics.items()
-            if isinstance(v, (int, float))]
-    tables = [_table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows)] if rows else []
-    trend_rows = [[h["partition"] + (" (this run)" if h.get("current") else ""), _num(h.get("num_samples")),
-                   f"{h['metrics'][metric]:.4f}" if h["metrics"].get(metric) is not None else "–"]
-                  for h in scored[::-1][:TREND_TABLE_MAX]]
-    if len(scored) > 1:
-        tables.append(_table(["partition", "samples", metric], trend_rows))
-    rep = r.run.evaluate.report_html
-    link = [Note(Markup("EvalScope's own report: <code>{}</code>").format(rep))] if rep else []
-    n, pop = r.run.evaluate.num_samples, r.run.evaluate.rows_with_references
-    sample = [Note(f"These scores are of a sample: {_num(n)} of the {_num(pop)} rows with a reference answer (seeded "
-                   f"by evaluate.sample_seed = {r.run.evaluate.sample_seed}; the same seed scores the same "
-                   "rows).")] if n and pop and n < pop else []
-    return [_img(fig, "EvalScope score trend"), *sample, Columns(tables), *link]
+    return _img(fig, "EvalScope score trend")
 
 
 def score_history(summary: RunSummary, pipeline_root: Location, options: dict | None = None,

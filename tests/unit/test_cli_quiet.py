@@ -175,3 +175,20 @@ def test_stage_messages_are_not_taken_for_engine_lines():
                 "progress: 10/20 rows, 35.0 output tok/s, ETA 3s", "asking again for 3 invalid outputs (attempt 2)",
                 "evaluate: 0.42 (a sample of 100 of 200 rows)"):
         assert not engine_line(msg), msg
+
+
+def test_a_terminal_without_rich_gets_plain_progress_lines(monkeypatch):
+    """A base install has no ``rich`` (the ``cli`` extra): on a terminal the progress is plain lines, after one
+    line saying which extra adds the bar, instead of an ImportError."""
+    monkeypatch.setitem(sys.modules, "rich", None)  # `from rich.console import ...` raises ImportError
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    out = io.StringIO()
+    with Reporter(tty=True, stream=out) as rep:
+        rep.begin("shard 0", 2)
+        rep.say("progress: 1/2 rows, 5.0 output tok/s, ETA 1s")
+        rep.end()
+    assert out.getvalue().splitlines() == [
+        "progress as plain lines: rich is not installed here; the cli extra adds the progress bar "
+        "(pip install 'batch-llm[cli]')",
+        "shard 0: 2 rows", "progress: 1/2 rows, 5.0 output tok/s, ETA 1s"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import sys
 from collections import Counter
 
 import pytest
@@ -66,6 +67,32 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
         assert rows == 10 and "10 slowest of 500 shards" in shards
         assert "p95" in _section(page, "throughput")             # a distribution instead of 500 bars
         assert "p95" in _section(page, "time")
+
+
+@pytest.mark.parametrize("n_shards", [3, 500])
+def test_report_without_matplotlib_has_tables_and_names_the_extra(tmp_path, monkeypatch, n_shards):
+    """A base install (no ``report`` extra): the same sections, each with its numbers as a table and no plot,
+    and one line naming the extra that adds the plots."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    summary, version, pipe = make_run(tmp_path, n_shards)
+    page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
+    assert not _images(page) and "<img" not in page
+    assert "pip install &#39;batch-llm[report]&#39;" in page and "No plots: matplotlib is not installed" in page
+    for anchor in SECTIONS:
+        assert "could not be rendered" not in _section(page, anchor), anchor
+    for anchor in ("outcomes", "throughput", "time", "timeline", "lengths", "filter", "scores", "shards"):
+        assert "<table" in _section(page, anchor), anchor
+    assert "published" in _section(page, "outcomes") and "inference errors" in _section(page, "outcomes")
+    assert "p95" in _section(page, "lengths") and "secret (2)" in _section(page, "filter")
+    assert "dt=2026-12-02" in _section(page, "scores")
+    if n_shards == 3:  # one row per shard where the plot had one bar per shard
+        assert _section(page, "throughput").count("<tr>") == 1 + 3
+        assert _section(page, "time").count("<tr>") == 1 + 3 and "s engine start" in _section(page, "time")
+    else:
+        assert "p95" in _section(page, "throughput") and "p95" in _section(page, "time")
+    monkeypatch.undo()  # matplotlib back: the plots, and no such line
+    page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
+    assert _images(page) and "No plots" not in page
 
 
 def test_report_says_the_score_is_a_sample(tmp_path):
