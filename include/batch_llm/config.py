@@ -466,6 +466,9 @@ class OutputConfig(_Section):
     path: str
     conn_id: str | None = None
     partition: str = Field("dt={ds}", description="Published partition under the pipeline prefix")
+    orphan_grace_hours: float = Field(24.0, gt=0, description="A version folder never made current (its "
+                                      "publisher was killed) or a temporary file in the partition is removed by "
+                                      "the next publish once nothing in it changed for this long")
 
 
 class CacheConfig(_Section):

@@ -12,6 +12,9 @@ own version. The switch is conditional:
 A refused switch reads the pointer again and tries once more from the new state: the last run to finish is
 current, and it knows exactly which version it replaced, so retention can remove only versions that were
 current once and are now two replacements old (``PointerState.history``), never one that a run is still writing.
+A refusal of a write that had in fact landed (a lost reply, retried) is recognised by the version the pointer
+names, so a run never replaces its own version nor puts it into its own history (``switch_pointer``). What
+retention may delete, and the proof it asks for: ``batch_llm.retention``.
 """
 from __future__ import annotations
 
@@ -58,6 +61,12 @@ class PointerState:
     def history(self) -> list[str]:
         """Versions that were current once and are still kept, newest first (the current one not included)."""
         return list((self.value or {}).get("history") or [])
+
+    @property
+    def switched(self) -> list[str]:
+        """The versions of the latest switches, newest first (the current one included): they survive their
+        retention, so a switch whose reply was lost still finds its write (``switch_pointer``)."""
+        return [v for v in (self.value or {}).get("switched") or [] if isinstance(v, str)]
 
 
 def _is_s3(path: UPath) -> bool:
@@ -121,20 +130,47 @@ def write_pointer(path: UPath, expected: PointerState, value: dict[str, Any]) ->
     write_bytes_atomic(path, data)
 
 
-def switch_pointer(path: UPath, make: Callable[[PointerState], dict[str, Any]], *, timeout: float = 600.0
-                   ) -> tuple[PointerState, dict[str, Any]]:
-    """Reads the pointer, builds the new value from what was read (``make``), writes it conditionally; on a
-    conflict reads again after a short random pause (contenders then spread out). Returns (the state replaced,
-    the value written); ``PointerConflict`` only when other publishers kept winning for ``timeout`` seconds."""
+# How many of the latest switches' versions the pointer remembers (``PointerState.switched``): a write whose reply
+# was lost is recognised as long as fewer switches than this came after it before it reads the pointer again.
+SWITCHES_REMEMBERED = 16
+
+
+def _landed(state: PointerState, version: str) -> bool:
+    """Whether the pointer as read shows that our switch to ``version`` took effect: it names the version as
+    current or as one of the latest switches (other runs switched after us). Version URLs are unique per publish."""
+    return bool(version) and (version == state.version or version in state.history or version in state.switched)
+
+
+def switch_pointer(path: UPath, make: Callable[[PointerState], dict[str, Any]], *, timeout: float = 600.0,
+                   before_write: Callable[[PointerState], None] | None = None) -> tuple[PointerState, dict[str, Any]]:
+    """Reads the pointer, builds the new value from what was read (``make``, whose ``version`` must be unique to
+    this switch), writes it conditionally; on a conflict reads again after a short random pause (contenders then
+    spread out). Returns (the state replaced, the value written); ``PointerConflict`` only when other publishers
+    kept winning for ``timeout`` seconds.
+
+    A conflict can also be our own write: an S3 PUT whose reply was lost, retried by the client, is refused
+    (412) because the first one landed. So after a conflict the pointer read again is checked for our version
+    first (current, or among the latest switches when other runs switched after us): then the switch is done, and
+    the state it replaced is the one that write was made from. ``before_write`` runs before each write (publish
+    checks there that its version is still there) and may raise to stop."""
     deadline = time.monotonic() + timeout
     pause = 0.01
+    tried: tuple[PointerState, dict[str, Any]] | None = None
     while True:
         state = read_pointer(path)
+        if tried is not None and _landed(state, str(tried[1].get("version") or "")):
+            log.info("%s: the switch to %s had landed (its reply was a conflict)", path, tried[1].get("version"))
+            return tried
         value = make(state)
+        if value.get("version"):
+            value["switched"] = [value["version"], *state.switched][:SWITCHES_REMEMBERED]
+        if before_write is not None:
+            before_write(state)
         try:
             write_pointer(path, state, value)
             return state, value
         except PointerConflict:
+            tried = (state, value)
             if time.monotonic() > deadline:
                 raise PointerConflict(f"{path}: other publishers kept switching it for {timeout:.0f} s") from None
             log.info("%s changed while publishing (another run of this partition): reading it again", path)

@@ -31,7 +31,6 @@ import logging
 import re
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from batch_llm import plan as _plan
 from batch_llm.config import PipelineConfig
-from batch_llm.current_pointer import PointerState, switch_pointer
+from batch_llm.current_pointer import PointerState, read_pointer, switch_pointer
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import (
     FILE_SUFFIX,
@@ -70,6 +69,7 @@ from batch_llm.manifests import (
     TokenUsage,
 )
 from batch_llm.output_schema import OutputSchema
+from batch_llm.retention import Partition, new_version_name, tidy_partition
 from batch_llm.sizing_inputs import fetch_fit_warning
 from batch_llm.storage import (
     Location,
@@ -86,6 +86,8 @@ from batch_llm.storage import (
 )
 
 if TYPE_CHECKING:
+    from upath import UPath
+
     from batch_llm.infer import SharedEngine
 
 
@@ -448,10 +450,8 @@ def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Ite
 
 
 def _version_name(run_id: str) -> str:
-    """A new version's folder: its UTC start to the microsecond (names sort by age), the run, and a random
-    tail (two publishes of one run never share a folder)."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-    return f"v-{stamp}-{re.sub(r'[^A-Za-z0-9]', '', run_id)[-12:]}-{uuid.uuid4().hex[:6]}"
+    """A new version's folder name (``retention.VERSION_NAME``: retention deletes no other)."""
+    return new_version_name(run_id)
 
 
 def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
@@ -460,7 +460,8 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     of the partition, then switches the partition's ``_CURRENT.json`` to it with a compare-and-swap
     (``current_pointer``): readers see the old or the new version, never a mix, and of two runs of one day
     publishing at once the last to finish is current. The version it replaced is kept; the one before that is
-    removed (never a version another run is still writing: only versions that were current once).
+    removed, and so are orphans of killed publishers older than ``output.orphan_grace_hours``, each only when
+    proven a version of this partition (``retention``: its marker, name and place).
 
     A publish of a filter pass already published (a retry after the switch) returns that publish. Last, the
     result cache's maintenance runs; it never fails a run whose data is published."""
@@ -472,7 +473,9 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
         return done
     t0 = time.perf_counter()
     fmt = plan.format
+    part = Partition(layout.published, layout.pipeline, layout.partition)
     version = layout.published.child(_version_name(layout.run_id))
+    part.write_marker(version, layout.run_id)  # first: the proof retention asks for before it deletes a version
     pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
                            iter_jsonl(Location(filtered.outputs, opts).path()))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
@@ -497,10 +500,12 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     def new_pointer(replacing: PointerState) -> dict:
         return {"version": version.url, "dataset": data.url, "run_id": layout.run_id, "rows": n,
                 "committed_at": summary.published_at.isoformat(), "report": report_url, "seq": replacing.seq + 1,
-                "history": [replacing.version] if replacing.version else []}
+                "history": [replacing.version] if replacing.version not in (None, version.url) else []}
 
-    replaced, _ = switch_pointer(layout.published.child("_CURRENT.json").path(), new_pointer)
-    _retire_versions(replaced.history, opts)
+    pointer = layout.published.child("_CURRENT.json").path()
+    replaced, _ = switch_pointer(pointer, new_pointer, before_write=lambda _: part.require(version))
+    _retire_versions(part, pointer, own=version.url, retire=replaced.history,
+                     grace_s=cfg.output.orphan_grace_hours * 3600)
     m = PublishManifest(partition=layout.published.url, version=version.url, dataset=data.url, rows=n,
                         summary=version.child(SUMMARY).url, errors=version.child("errors.jsonl").url,
                         error_rows=n_errors, report=report_url, usage=summary.usage,
@@ -511,13 +516,14 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     return m
 
 
-def _retire_versions(urls: list[str], opts: dict) -> None:
-    """Removes versions two replacements old. A failure is logged, not raised: the data is published."""
-    for url in urls:
-        try:
-            remove_tree(Location(url, opts).path())
-        except Exception as e:  # noqa: BLE001 - retention is housekeeping
-            logging.getLogger("batch_llm.publish").warning("could not remove the retired version %s: %s", url, e)
+def _retire_versions(part: Partition, pointer: UPath, *, own: str, retire: list[str], grace_s: float) -> None:
+    """Removes the versions two replacements old and the orphans past their grace, keeping whatever the pointer
+    names now (read again: another run may have switched since). A failure is logged, not raised: the data is
+    published."""
+    try:
+        tidy_partition(part, pointer=read_pointer(pointer).value, own=own, retire=retire, grace_s=grace_s)
+    except Exception as e:  # noqa: BLE001 - retention is housekeeping
+        logging.getLogger("batch_llm.publish").warning("retention in %s failed: %s", part.location.url, e)
 
 
 def _cache_maintenance_after_publish(cfg: PipelineConfig, layout: RunLayout) -> dict | None:

@@ -288,6 +288,22 @@ def list_files(directory: UPath, suffix: str = "") -> list[UPath]:
                   key=lambda p: p.name)
 
 
+def modified_at(info: dict) -> float | None:
+    """An fsspec listing entry's modification time, seconds since the epoch: a local file's ``mtime``, an
+    object's ``LastModified`` (the store's clock); None for entries without one (S3 "directories")."""
+    t = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if t is None:
+        return None
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
+def newest_change(path: UPath) -> float | None:
+    """When anything under ``path`` last changed (the newest modification time of its files); None when it
+    holds no file."""
+    times = [t for info in path.fs.find(path.path, detail=True).values() if (t := modified_at(info)) is not None]
+    return max(times, default=None)
+
+
 def remove_tree(path: UPath) -> None:
     if not exists(path):
         return
