@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass
 
 from batch_llm.manifests import RunSummary
 from batch_llm.run_stats import (
+    ErrorReasons,
     PrefixStats,
     RunStats,
     TokenStats,
     engine_record,
     mean_of,
     model_dir,
+    no_error_reasons,
     quantile,
     run_stats,
     shard_phases,
@@ -164,7 +166,7 @@ def _check_padding(run: RunStats) -> Iterable[Finding]:
     if run.kind != "transformers" or not t or not t.rows or t.padding_share is None:
         return
     p50, p95 = quantile(t.prompt, 0.5), quantile(t.prompt, 0.95)
-    if t.padding_share < PADDING_MAX:
+    if t.padding_share < PADDING_MAX or p50 is None or p95 is None:  # None: no prompt lengths (t.rows says some)
         return
     sort = (run.cfg.get("sharding") or {}).get("sort_by_length", True)
     change = "sharding.sort_by_length: true" if not sort else \
@@ -358,7 +360,7 @@ def _check_gpu_sharding(run: RunStats) -> Iterable[Finding]:
 def _check_errors(run: RunStats) -> Iterable[Finding]:
     plan = run.plan
     read, invalid = plan.rows_read or 0, plan.invalid or 0
-    reasons = run.errors or {}
+    reasons = run.errors or no_error_reasons()
     if read and invalid / read > ERROR_RATE_INFO:
         top = ", ".join(f"{k} ({v})" for k, v in (reasons.get("plan") or Counter()).most_common(3))
         yield Finding("warning" if invalid / read >= ERROR_RATE_WARN else "info",
@@ -468,7 +470,9 @@ def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
 
     device = rec.device_named(run.settings.get("gpu_name"))
     folder = model_dir(run.summary)
-    config = model_config_json(folder) if device and folder else {}
+    if device is None or not folder:
+        return None
+    config = model_config_json(folder)
     gen, rows, ok = run.total("generate_seconds"), run.total("rows"), run.total("ok")
     if not config or not gen or not rows or not ok:
         return None
@@ -513,7 +517,7 @@ CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs,
 
 
 def diagnose(summary: RunSummary, *, gpus: int | None = None, tokens: TokenStats | None = None,
-             prefix: PrefixStats | None = None, errors: dict | None = None, options: dict | None = None,
+             prefix: PrefixStats | None = None, errors: ErrorReasons | None = None, options: dict | None = None,
              read_files: bool = True) -> list[Finding]:
     """The findings for one run's summary, warnings first.
 

@@ -13,6 +13,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from batch_llm.gpus import visible_gpus
 from batch_llm.manifests import (
@@ -44,8 +45,8 @@ def engine_settings(shard: Shard) -> dict:
 
 
 def engine_kind(shard: Shard) -> str | None:
-    rec = engine_record(shard)
-    return rec.kind if rec else shard.engine
+    engine = shard.engine  # a manifest's EngineRecord, or a hand-off's kind
+    return engine.kind if isinstance(engine, EngineRecord) else engine
 
 
 def shard_phases(shard: Shard) -> list[Phase]:
@@ -195,9 +196,23 @@ def read_prefix_stats(summary: RunSummary, options: dict | None = None, *, max_r
 _ROLE_TAG = re.compile(r"<(?:system|user|assistant|tool|developer)>")
 
 
-def read_error_reasons(summary: RunSummary, options: dict | None = None, *, max_rows: int = 20_000) -> dict:
-    """{"plan": Counter(reason), "infer": Counter(reason), "max_prompt_tokens": int} from the errors files."""
-    out = {"plan": Counter(), "infer": Counter(), "max_prompt_tokens": 0, "too_long": 0}
+class ErrorReasons(TypedDict):
+    """Why rows failed, from the plan's and the shards' errors files (reasons by kind, see ``_reason_kind``)."""
+
+    plan: Counter[str]       # input rows the planner rejected, by reason
+    infer: Counter[str]      # rows that failed in inference, by reason
+    too_long: int            # of those, rows whose prompt was longer than the engine allows
+    max_prompt_tokens: int   # the longest such prompt
+
+
+def no_error_reasons() -> ErrorReasons:
+    return ErrorReasons(plan=Counter(), infer=Counter(), too_long=0, max_prompt_tokens=0)
+
+
+def read_error_reasons(summary: RunSummary, options: dict | None = None, *,
+                       max_rows: int = 20_000) -> ErrorReasons:
+    """The reasons of the plan's and the shards' error rows (at most ``max_rows`` of each)."""
+    out = no_error_reasons()
     plan_errors = summary.manifests.plan.errors
     if plan_errors and exists(Location(plan_errors, options or {}).path()):
         for i, r in enumerate(iter_jsonl(Location(plan_errors, options or {}).path())):
@@ -254,7 +269,7 @@ class RunStats:
     gpus: int | None
     tokens: TokenStats | None
     prefix: PrefixStats | None
-    errors: dict | None
+    errors: ErrorReasons | None
     model_limit: int | None = None  # the model's own context limit (max_position_embeddings), when known
     options: dict = field(default_factory=dict)  # fsspec options for the files the summary names
 
@@ -286,8 +301,9 @@ class RunStats:
     def engine(self) -> tuple[str, str, dict]:
         """(kind, version, settings) the shards recorded, else the configured kind."""
         for s in self.shards:
-            if engine_settings(s):
-                return engine_kind(s) or "?", engine_record(s).version or "", engine_settings(s)
+            rec = engine_record(s)
+            if rec and rec.settings:
+                return rec.kind or "?", rec.version or "", dict(rec.settings)
         return self.engine_cfg.get("kind", "?"), "", {}
 
     @property
@@ -309,7 +325,9 @@ class RunStats:
 
     def mean_seq_tokens(self) -> float | None:
         if self.tokens and self.tokens.rows:
-            return mean_of(self.tokens.prompt) + mean_of(self.tokens.completion)
+            prompt, completion = mean_of(self.tokens.prompt), mean_of(self.tokens.completion)
+            if prompt is not None and completion is not None:  # each row read counts in both
+                return prompt + completion
         rows, ok = self.total("rows"), self.total("ok")
         if not rows or not ok:
             return None
@@ -336,8 +354,8 @@ def model_limit_of(summary: RunSummary, settings: dict) -> int | None:
 
 
 def run_stats(summary: RunSummary, *, gpus: int | None = None, tokens: TokenStats | None = None,
-              prefix: PrefixStats | None = None, errors: dict | None = None, options: dict | None = None,
-              read_files: bool = True) -> RunStats:
+              prefix: PrefixStats | None = None, errors: ErrorReasons | None = None,
+              options: dict | None = None, read_files: bool = True) -> RunStats:
     """The run's facts; statistics already read are passed in, the others read from the files the summary
     names (unless ``read_files`` is false). ``options``: fsspec options for those files."""
     cfg = summary.config
