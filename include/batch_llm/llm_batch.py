@@ -55,7 +55,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -67,7 +67,7 @@ from batch_llm.output_schema import INVALID_OUTPUT, check_schema
 from batch_llm.stages import RunLayout
 from batch_llm.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
 
-SCHEMA_VERSION = 1            # common-ai's manifest "schema_version"
+SCHEMA_VERSION: Final = 1     # common-ai's manifest "schema_version"
 STATE_DIR = "_batch_llm_state"
 ADAPTER = "batch_llm"         # the manifest's "adapter" (common-ai: "openai", "anthropic")
 ERROR_MESSAGE_MAX_LENGTH = 2000  # common-ai truncates validation messages to this
@@ -404,19 +404,21 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
         lines, refused = Path(tmp, "requests.jsonl"), Path(tmp, "refused.jsonl")
         digest = hashlib.sha256(_fingerprint_config(cfg))
         n = n_refused = 0
+        schema = cfg.sampling.output_schema
+        assert not isinstance(schema, str)  # SamplingConfig's validator (assignments too) loads a named schema
         with open(lines, "wb") as ok, open(refused, "wb") as bad:
             for i, req in enumerate(requests):
                 n += 1
-                why = req if isinstance(req, str) else _request_problem(req, cfg.model.ref, cfg.sampling.output_schema)
-                if why:
-                    line = json_bytes({"index": i, "reason": why}) + b"\n"
-                    bad.write(line)
-                    n_refused += 1
-                else:
+                why = req if isinstance(req, str) else _request_problem(req, cfg.model.ref, schema)
+                if isinstance(req, BatchRequest) and not why:
                     line = json_bytes(request_line(req, i, prefix=key16, system_prompt=system_prompt,
                                                    max_tokens=cfg.sampling.max_tokens,
                                                    request_params=request_params)) + b"\n"
                     ok.write(line)
+                else:
+                    line = json_bytes({"index": i, "reason": why}) + b"\n"
+                    bad.write(line)
+                    n_refused += 1
                 digest.update(line)
         if n == 0:
             raise LLMBatchInputError("a batch needs at least one request; the input has none")
