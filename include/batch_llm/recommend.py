@@ -138,7 +138,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict, name: str = "") -> "ModelShape":
-        c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        text_config = config.get("text_config")  # a multimodal model keeps its language model here
+        c: dict = text_config if isinstance(text_config, dict) else config
         moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)]
         if moe:
             raise RecommendError(f"{name or 'the model'} is a mixture-of-experts model ({moe[0]}: {c[moe[0]]}): "
