@@ -3,31 +3,93 @@
 The pipeline's ``sampling`` section is the default; a row overrides only what it sets. ``sampling.max_tokens``
 is the default output limit, and a cap only where ``sampling.max_tokens_cap`` is configured (capped rows are
 counted by the planner). A parameter the pipeline or its engine cannot honor is a row error with the reason,
-never silently dropped: tools, ``best_of``, ``echo``, a JSON response format; ``n > 1``, log-probabilities and
-penalties on engines without them.
+never silently dropped: every field of an OpenAI or vLLM request body is in ``HONOURED``, ``NO_EFFECT`` or
+``REFUSED`` (refused unless at a neutral value, with the reason), and a field in none of them is refused
+as unknown, as OpenAI's API does; ``n > 1``, log-probabilities, penalties, ``top_k`` ... on engines without them are
+refused naming the engines with them (the capability table).
 
     params = RowParams.from_openai_body(body)          # ValueError names what is refused
     sampling = params.resolve(cfg.sampling)            # every field set: what the engine is asked for
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
-from batch_llm.config import SamplingConfig
+from batch_llm.config import RESERVED_TEMPLATE_KWARGS, SamplingConfig
 from batch_llm.engines.capabilities import ENGINES, who_can
 
-# Body fields that change what is generated and that this pipeline does not do: refused per row (with the
-# value that would be ignored), not dropped. Fields absent or at these neutral values are accepted.
-_NEUTRAL = {"best_of": (None, 1), "stream": (None, False), "echo": (None, False), "tools": (None, []), "functions": (None, []),
-            "tool_choice": (None, "none"), "function_call": (None, "none"), "logit_bias": (None, {}),
-            "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+# What becomes of each field of an OpenAI Batch request body: OpenAI's chat and completions fields and vLLM's extra
+# ones (its ChatCompletionRequest / CompletionRequest). A unit test walks every field of both and finds it here.
+#: Fields read into the row's parameters (or its prompt).
+HONOURED = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
+                      "seed", "presence_penalty", "frequency_penalty", "n", "logprobs", "top_logprobs", "top_k",
+                      "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+                      "chat_template_kwargs", "response_format"})
+#: Fields that do not change what is generated, accepted at any value (why).
+NO_EFFECT = {
+    "model": "the pipeline's model serves every row; the output line names it",
+    "user": "an end-user id for OpenAI's monitoring", "metadata": "tags of the request", "store": "OpenAI's storage",
+    "service_tier": "OpenAI's processing tier", "safety_identifier": "an end-user id for OpenAI's monitoring",
+    "prompt_cache_key": "routing for OpenAI's prompt cache (the engine's prefix cache needs none)",
+    "prompt_cache_retention": "OpenAI's prompt cache", "prompt_cache_options": "OpenAI's prompt cache",
+    "stream_options": "streaming only (stream is refused)", "stream_interval": "streaming only (stream is refused)",
+    "parallel_tool_calls": "tools only (tools are refused)", "request_id": "the line's custom_id names the request",
+    "priority": "a scheduling order; every row of the batch runs", "cache_salt": "isolates vLLM's prefix cache",
+}
+_TEXT_ONLY = "text rows and text outputs only"
+_SERVER_ONLY = "an option of vLLM's server, not of a batch"
+#: Fields refused unless absent or at one of these neutral values: (neutral values, why).
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "best_of": ((None, 1), "no best_of"), "echo": ((None, False), "no echo"), "suffix": ((None, ""), "no suffix"),
+    "stream": ((None, False), "a batch writes whole outputs"),
+    "tools": ((None, []), "no tools"), "functions": ((None, []), "no tools"),
+    "tool_choice": ((None, "none"), "no tools"), "function_call": ((None, "none"), "no tools"),
+    "logit_bias": ((None, {}), "no logit bias"), "audio": ((None,), _TEXT_ONLY),
+    "modalities": ((None, ["text"]), _TEXT_ONLY), "prediction": ((None,), "no predicted outputs"),
+    "web_search_options": ((None,), "no web search"), "moderation": ((None,), "no moderation"),
+    "reasoning_effort": ((None,), "set the chat template's own variable through chat_template_kwargs"),
+    "verbosity": ((None,), "an option of OpenAI's reasoning models"),
+    "use_beam_search": ((None, False), "no beam search"), "length_penalty": ((None, 1, 1.0), "beam search only"),
+    "min_tokens": ((None, 0), "no minimum output length"),
+    "ignore_eos": ((None, False), "sampling.ignore_eos sets it for the pipeline"),
+    "allowed_token_ids": ((None,), "no token allow-list"), "bad_words": ((None, []), "no banned words"),
+    "skip_special_tokens": ((None, True), "outputs are decoded without special tokens"),
+    "spaces_between_special_tokens": ((None, True), "outputs are decoded as vLLM does by default"),
+    "prompt_logprobs": ((None,), "no prompt log-probabilities"),
+    "logprob_token_ids": ((None,), "log-probabilities of the chosen and top tokens only"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated: one longer than the context is a row error"),
+    "truncation_side": ((None,), "prompts are not truncated"),
+    "add_generation_prompt": ((None, True), "chats are rendered with the generation prompt"),
+    "continue_final_message": ((None, False), "chats are rendered with the generation prompt"),
+    "chat_template": ((None,), "model.chat_template sets the pipeline's template"),
+    "documents": ((None,), "no documents for the chat template"),
+    "include_reasoning": ((None, True), "no reasoning parser: the output is the model's whole text"),
+    "thinking_token_budget": ((None,), "no thinking budget"),
+    "structured_outputs": ((None,), "response_format (json_schema, json_object) or sampling.output_schema instead"),
+    "return_token_ids": ((None, False), "output lines carry OpenAI's fields"),
+    "return_tokens_as_token_ids": ((None, False), "output lines carry OpenAI's fields"),
+    "return_token_offsets": ((None, False), "output lines carry OpenAI's fields"),
+    "return_prompt_text": ((None, False), "output lines carry OpenAI's fields"),
+    "return_mm_kwargs": ((None, False), _TEXT_ONLY), "mm_processor_kwargs": ((None, {}), _TEXT_ONLY),
+    "media_io_kwargs": ((None, {}), _TEXT_ONLY), "mm_payload": ((None,), _TEXT_ONLY),
+    "prompt_embeds": ((None,), "text or token-id prompts only"),
+    "repetition_detection": ((None,), "no repetition detection"), "watermarking": ((None,), "no watermarking"),
+    "vllm_xargs": ((None, {}), "no custom sampling arguments"), "routed_experts_prompt_start": ((None,), _SERVER_ONLY),
+    "kv_transfer_params": ((None,), _SERVER_ONLY), "ec_transfer_params": ((None,), _SERVER_ONLY),
+    "session_id": ((None,), _SERVER_ONLY),
+}
+# add_special_tokens: a chat body's rendered prompt gets none (the template has them), a completions body's does
+_SPECIAL_TOKENS_NEUTRAL = {False: (None, False), True: (None, True)}
 
 # The per-row parameters each engine applies come from its row of the capability table (``row_params``); any
 # other set parameter is a row error on that engine.
 
 # Table columns that may carry per-row parameters (``input.sampling_columns`` picks which are read).
 COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
-           "logprobs")
+           "logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+           "chat_template_kwargs")
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
 
 
@@ -45,6 +107,12 @@ class Sampling:
     frequency_penalty: float = 0.0
     n: int = 1                    # samples of the request
     logprobs: int | None = None   # top-k log-probabilities per generated token (0: the chosen token's only)
+    top_k: int = 0                # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    response_format: str | None = None  # the row's own: canonical JSON of {"type": "json_object"} or a json_schema
 
 
 @dataclass(frozen=True)
@@ -61,21 +129,41 @@ class RowParams:
     frequency_penalty: float | None = None
     n: int | None = None
     logprobs: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool | None = None
+    # objects as canonical JSON text (hashable); to_json / from_json give and take the objects
+    chat_template_kwargs: str | None = None
+    response_format: str | None = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_openai_body(cls, body: dict, *, completions: bool = False) -> RowParams | None:
         """The parameters of a ``/v1/chat/completions`` body (or a ``/v1/completions`` one: ``completions``);
-        ValueError for a field that would change the output and that the pipeline does not do."""
-        for name, neutral in _NEUTRAL.items():
-            if body.get(name) not in neutral:
-                raise ValueError(f"{name}={body[name]!r} is not supported by this batch pipeline "
-                                 "(text output, no tools, no echo or best_of)")
+        ValueError for a field that would change the output and that the pipeline does not do, or that is in none
+        of the tables above."""
+        for name, value in body.items():
+            if name in HONOURED or name in NO_EFFECT:
+                continue
+            if name == "add_special_tokens":
+                neutral = _SPECIAL_TOKENS_NEUTRAL[completions]
+                why = "the prompt's special tokens are the chat template's" if not completions else \
+                    "a completions prompt gets the tokenizer's special tokens"
+            elif name in REFUSED:
+                neutral, why = REFUSED[name]
+            else:
+                raise ValueError(f"{name}: not a field of an OpenAI or vLLM chat or completions request (an unknown "
+                                 "field is refused, not ignored)")
+            if value not in neutral:
+                raise ValueError(f"{name}={value!r} is not supported by this batch pipeline ({why})")
         limit = body.get("max_completion_tokens")
         values = {"max_tokens": limit if limit is not None else body.get("max_tokens"),
                   "logprobs": _openai_logprobs(body, completions),
+                  "response_format": _response_format(body.get("response_format")),
                   **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
-                                               "frequency_penalty", "n")}}
+                                               "frequency_penalty", "n", *_EXTRA)}}
         return cls.from_values(values)
 
     @classmethod
@@ -96,12 +184,17 @@ class RowParams:
     def from_json(cls, d: dict | None) -> RowParams | None:
         if not d:
             return None
-        return cls(**{k: (tuple(v) if k == "stop" else v) for k, v in d.items()})
+        return cls(**{k: (tuple(v) if k in _TUPLES else _canonical(v) if k in _OBJECTS else v) for k, v in d.items()})
 
     # ------------------------------------------------------------------ use
     def to_json(self) -> dict:
         """Only the fields the row sets (what shard rows, spools and cache keys carry)."""
-        return {k: (list(v) if k == "stop" else v) for k, v in asdict(self).items() if v is not None}
+        return {k: (list(v) if k in _TUPLES else json.loads(v) if k in _OBJECTS else v)
+                for k, v in asdict(self).items() if v is not None}
+
+    def template_kwargs(self) -> dict:
+        """The row's chat template variables ({} where it sets none)."""
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
     def set_names(self) -> set[str]:
         return {f.name for f in fields(self) if getattr(self, f.name) is not None}
@@ -126,7 +219,53 @@ def resolve(p: RowParams | None, s: SamplingConfig) -> Sampling:
                     top_p=pick("top_p", s.top_p), stop=pick("stop", tuple(s.stop)), seed=pick("seed", s.seed),
                     ignore_eos=s.ignore_eos, presence_penalty=pick("presence_penalty", 0.0),
                     frequency_penalty=pick("frequency_penalty", 0.0), n=pick("n", s.n),
-                    logprobs=pick("logprobs", s.logprobs))
+                    logprobs=pick("logprobs", s.logprobs), top_k=pick("top_k", s.top_k), min_p=pick("min_p", s.min_p),
+                    repetition_penalty=pick("repetition_penalty", s.repetition_penalty),
+                    stop_token_ids=pick("stop_token_ids", tuple(s.stop_token_ids)),
+                    include_stop_str_in_output=pick("include_stop_str_in_output", s.include_stop_str_in_output),
+                    response_format=pick("response_format", None))
+
+
+def template_kwargs(p: RowParams | None, s: SamplingConfig) -> dict:
+    """The chat template variables of a row: the pipeline's, under the row's own."""
+    return {**s.chat_template_kwargs, **(p.template_kwargs() if p is not None else {})}
+
+
+def response_schema(response_format: str | None) -> dict | None:
+    """The JSON Schema a row's response_format checks its output against ({"type": "object"} for json_object)."""
+    if response_format is None:
+        return None
+    rf = json.loads(response_format)
+    return rf["schema"] if rf["type"] == "json_schema" else {"type": "object"}
+
+
+def _response_format(rf: Any) -> dict | None:
+    """OpenAI's response_format as the row's own: None for text, {"type": "json_object"}, or {"type": "json_schema",
+    "schema": ...}; ValueError for any other shape or an invalid JSON Schema."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON Schema object")
+        from batch_llm.output_schema import check_schema
+
+        return {"type": "json_schema", "schema": check_schema(schema)}
+    raise ValueError(f"response_format={rf!r}: type text, json_object or json_schema")
+
+
+_EXTRA = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs")
+_TUPLES = ("stop", "stop_token_ids")
+_OBJECTS = ("chat_template_kwargs", "response_format")
+
+
+def _canonical(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _openai_logprobs(body: dict, completions: bool):
@@ -159,24 +298,62 @@ def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
 
 def _check(name: str, v):
     """One value, validated as OpenAI's API does (ranges included); ValueError names the field."""
-    if name in ("max_tokens", "seed", "n", "logprobs"):
-        return _check_int(name, v)
-    if name == "stop":
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-            raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
-        return tuple(stops)
+    if name in ("max_tokens", "seed", "n", "logprobs", "top_k"):
+        v = _check_int(name, v)
+        return 0 if name == "top_k" and v == -1 else v  # vLLM's two spellings of "off": one key
+    if name in _SHAPED:
+        return _SHAPED[name](v)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name} must be a number, got {v!r}")
     v = float(v)
+    if name == "repetition_penalty":  # vLLM's range: above 0, 1 is off
+        if not 0 < v <= 100:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {v}")
+        return v
     bounds = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-              "frequency_penalty": (-2.0, 2.0)}[name]
+              "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0)}[name]
     if not bounds[0] <= v <= bounds[1] or (name == "top_p" and v == 0):
         raise ValueError(f"{name} must be in {'(' if name == 'top_p' else '['}{bounds[0]}, {bounds[1]}], got {v}")
     return v
 
 
-_INT_RANGE = {"max_tokens": (1, None), "seed": (None, None), "n": (1, 128), "logprobs": (0, MAX_LOGPROBS)}
+def _check_stop(v: Any) -> tuple[str, ...]:
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
+    return tuple(stops)
+
+
+def _check_token_ids(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {v!r}")
+    return tuple(v) if v else None
+
+
+def _check_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"include_stop_str_in_output must be true or false, got {v!r}")
+    return v
+
+
+_SHAPED = {"stop": _check_stop, "stop_token_ids": _check_token_ids, "include_stop_str_in_output": _check_bool,
+           "chat_template_kwargs": lambda v: _canonical(check_template_kwargs(v)) if v else None,
+           "response_format": lambda v: _canonical(v) if v else None}
+
+
+def check_template_kwargs(v: Any) -> dict:
+    """Chat template variables: a JSON object whose keys are not apply_chat_template's own arguments."""
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {v!r}")
+    reserved = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)}: arguments of the tokenizer's "
+                         "apply_chat_template, not template variables")
+    return v
+
+
+_INT_RANGE = {"max_tokens": (1, None), "seed": (None, None), "n": (1, 128), "logprobs": (0, MAX_LOGPROBS),
+              "top_k": (-1, None)}
 
 
 def _check_int(name: str, v):
@@ -189,5 +366,7 @@ def _check_int(name: str, v):
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         if name == "max_tokens":
             raise ValueError(f"max_tokens must be a positive integer, got {v!r}")
+        if hi is None:
+            raise ValueError(f"{name} must be at least {lo}, got {v}")
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
     return v

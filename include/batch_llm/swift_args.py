@@ -107,15 +107,21 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("system", MAP, "input.system_prompt", how="added to rows that have no system message"),
     _f("torch_dtype", MAP, "engine.dtype", how="bfloat16, float16, float32 (auto: the checkpoint's)"),
     _f("max_model_len", MAP, "engine.max_model_len", type=_optional_int),
-    _f("adapters", MAP, "model.lora.ref", many=True, how="one LoRA adapter folder, merged into the model at fetch "
-       "(model.lora.merge: true)"),
+    _f("adapters", MAP, "model.lora.ref", many=True, how="one LoRA adapter folder (a swift checkpoint: its "
+       "args.json gives what --model and the others do not, as swift reads it; --load_args false: not read), "
+       "merged into the model at fetch unless --merge_lora false"),
+    _f("merge_lora", MAP, "model.lora.merge", type=_bool, how="true (the default here): the adapter merged into the "
+       "model at fetch (cached by model and adapter), every engine runs it; false: vLLM serves it unmerged"),
+    _f("load_args", OWN, type=_bool, how="false: the --adapters checkpoint's args.json is not read (true: as swift, "
+       "it fills model, model_type, model_revision, torch_dtype, max_model_len, template, system)"),
     _f("max_length", WARN, type=_optional_int, how="prompts are not truncated: a prompt longer than "
        "engine.max_model_len is a row error"),
     _f("use_hf", REFUSE, type=_bool, neutral=(False,), how="models come from ModelScope or a local folder"),
     _f("attn_impl", NOTE, how="the engine picks its attention kernels"),
     _f("device_map", NOTE, how="the engine places the model (engine.tensor_parallel_size)"),
     _f("seed", MAP, "sampling.seed", type=int),
-    _f("enable_thinking", REFUSE, how="no chat template arguments; model.chat_template instead"),
+    _f("enable_thinking", MAP, "sampling.chat_template_kwargs.enable_thinking", type=_bool,
+       how="the chat template's enable_thinking variable (Qwen3's and others'), as swift passes it"),
     # ---- data (base_args/data_args.py, infer_args.py)
     _f("val_dataset", OWN, "input.path", many=True, how="local .jsonl / .json files of swift rows (messages, or "
        "query / response / system / history), converted in input order; name#N takes the first N rows"),
@@ -136,9 +142,8 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("temperature", MAP, "sampling.temperature", type=float, how="not given: 0 (greedy); swift: the model's "
        "generation_config.json"),
     _f("top_p", MAP, "sampling.top_p", type=float),
-    _f("top_k", REFUSE, type=int, neutral=(-1, 0), how="no top-k sampling setting"),
-    _f("repetition_penalty", REFUSE, type=float, neutral=(1.0,), how="no repetition penalty (rows may set "
-       "presence_penalty / frequency_penalty)"),
+    _f("top_k", MAP, "sampling.top_k", type=int, how="-1 or 0: off (vllm, lmdeploy, transformers apply it)"),
+    _f("repetition_penalty", MAP, "sampling.repetition_penalty", type=float),
     _f("num_beams", REFUSE, type=int, neutral=(1,), how="no beam search"),
     _f("stop_words", MAP, "sampling.stop", many=True),
     _f("logprobs", MAP, "sampling.logprobs", type=_bool, how="true: sampling.logprobs = --top_logprobs or 0 "
@@ -177,7 +182,8 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("vllm_data_parallel_size", REFUSE, type=int, neutral=(1,), backend="vllm", how="data parallel runs are "
        "shards: the Airflow DAG runs them on several GPUs (sharding.num_shards)"),
     _f("vllm_use_async_engine", NOTE, type=_bool, backend="vllm", how="vLLM's offline LLM is used"),
-    _f("vllm_max_lora_rank", REFUSE, type=int, neutral=(16,), backend="vllm", how="adapters are merged at fetch"),
+    _f("vllm_max_lora_rank", REFUSE, type=int, neutral=(16,), backend="vllm", how="a served adapter's rank is read from "
+       "its adapter_config.json"),
     _f("vllm_limit_mm_per_prompt", REFUSE, backend="vllm", how="text rows only"),
     _f("vllm_mm_processor_cache_gb", REFUSE, backend="vllm", how="text rows only"),
     _f("vllm_reasoning_parser", REFUSE, backend="vllm", how="the response is the model's whole output"),
@@ -209,7 +215,7 @@ KV_POLICY = {0: "auto", 4: "int4", 8: "int8"}
 PASSED_KEYS = ("label", "channel", "margin")
 #: Standard keys of media, tools and preference pairs: a row with one of them set is refused.
 REFUSED_KEYS = ("images", "videos", "audios", "tools", "objects", "rejected_response", "rejected_messages",
-                "rejected_images", "positive_messages", "negative_messages", "chat_template_kwargs")
+                "rejected_images", "positive_messages", "negative_messages")
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -315,17 +321,19 @@ def plan_invocation(inv: SwiftInvocation) -> InferPlan:
     """The dotted YAML keys the flags set, and what is said about the others. ConfigError for a refused flag, a
     missing --model / --val_dataset / --result_path, or an unknown backend."""
     v = inv.values
+    notes: list[str] = []
+    notes += checkpoint_args(v)
     for required in ("model", "val_dataset"):
         if required not in v:
             raise ConfigError(f"--{required}: required (batch-llm infer runs a dataset through a model: "
-                              f"--model DIR_OR_ID --val_dataset rows.jsonl --result_path out.jsonl)")
+                              f"--model DIR_OR_ID --val_dataset rows.jsonl --result_path out.jsonl; or --adapters "
+                              f"CHECKPOINT whose args.json names the model)")
     raw_backend = str(v.get("infer_backend", "transformers"))
     if raw_backend not in BACKENDS:
         raise ConfigError(f"--infer_backend {raw_backend}: batch-llm runs vllm, lmdeploy or transformers (pt); "
                           f"no {raw_backend} engine")
     backend = BACKENDS[raw_backend]
     over: dict[str, Any] = {"engine.kind": backend}
-    notes: list[str] = []
     warnings: list[str] = []
     for name, value in v.items():
         _judge(BY_NAME[name], value, v, raw_backend, backend, over, notes, warnings)
@@ -368,10 +376,8 @@ def _shown(value: Any) -> str:
 def _map(flag: SwiftFlag, value: Any, values: dict[str, Any], over: dict[str, Any]) -> None:
     name, key = flag.name, flag.key
     assert key is not None
-    if name == "adapters":
-        if len(value) != 1:
-            raise ConfigError(f"--adapters {_shown(value)}: one adapter (it is merged into the model at fetch)")
-        over["model.lora"] = {"ref": os.path.abspath(value[0]) if os.path.exists(value[0]) else value[0]}
+    if name in ("adapters", "merge_lora"):
+        _map_adapter(values, over)
         return
     if name == "model":
         value = os.path.abspath(os.path.expanduser(value)) if os.path.exists(os.path.expanduser(value)) else value
@@ -394,12 +400,61 @@ def _map(flag: SwiftFlag, value: Any, values: dict[str, Any], over: dict[str, An
     over[key] = value
 
 
+#: The keys of a swift checkpoint's args.json that ``swift infer --adapters CKPT`` fills where the command line leaves
+#: them unset (ms-swift's BaseArguments.load_args_from_ckpt, load_keys) and that are flags here. swift does not load
+#: the training's max_length for inference (and --max_length has no effect here: prompts are not truncated).
+CHECKPOINT_KEYS = ("model", "model_type", "model_revision", "torch_dtype", "max_model_len", "template", "system")
+
+
+def checkpoint_args(values: dict[str, Any]) -> list[str]:
+    """Fills ``values`` from the args.json of the first --adapters folder (then --model) that has one, as swift
+    does: only the ``CHECKPOINT_KEYS`` the command line left unset; --load_args false reads none. Returns the note
+    saying what was read."""
+    if not values.get("load_args", True):
+        return []
+    folders = [*values.get("adapters", []), *([values["model"]] if "model" in values else [])]
+    ckpt = next((Path(os.path.expanduser(f)) for f in folders
+                 if (Path(os.path.expanduser(f)) / "args.json").is_file()), None)
+    if ckpt is None:
+        return []
+    path = ckpt / "args.json"
+    try:
+        trained = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable as JSON ({e}); --load_args false skips it") from None
+    if not isinstance(trained, dict):
+        raise ConfigError(f"{path}: expected a JSON object of swift's arguments")
+    read = []
+    for key in CHECKPOINT_KEYS:
+        old = trained.get(key)
+        if old is None or values.get(key) not in (None, []):
+            continue
+        try:  # as the flag's own value would be
+            values[key] = BY_NAME[key].type(old) if isinstance(old, str) else old
+        except ValueError as e:
+            raise ConfigError(f"{path}: {key}: {e}") from None
+        read.append(f"--{key} {_shown(values[key])}")
+    return [f"{path}: {', '.join(read)} (the training's, as swift reads them)"] if read else []
+
+
+def _map_adapter(values: dict[str, Any], over: dict[str, Any]) -> None:
+    """--adapters and --merge_lora: one model.lora."""
+    adapters = values.get("adapters")
+    if not adapters:
+        raise ConfigError("--merge_lora: needs --adapters (the LoRA checkpoint to merge)")
+    if len(adapters) != 1:
+        raise ConfigError(f"--adapters {_shown(adapters)}: one adapter (it is merged into the model at fetch)")
+    ref = adapters[0]
+    over["model.lora"] = {"ref": os.path.abspath(ref) if os.path.exists(ref) else ref,
+                          "merge": values.get("merge_lora", True)}
+
+
 def base_config(work_dir: Path) -> dict[str, Any]:
     """The pipeline every ``batch-llm infer`` starts from: one shard, no content filter (swift filters nothing), no
     scoring, its output under the work folder."""
     return {"name": PIPELINE_NAME, "description": "batch-llm infer (ms-swift's swift infer flags)",
             "model": {"ref": "unset"}, "input": {"path": str(work_dir / "rows.jsonl"), "format": "jsonl",
-                                                  "sampling_columns": []},
+                                                  "sampling_columns": ["chat_template_kwargs"]},
             "sharding": {"num_shards": 1}, "filter": {"enabled": False}, "evaluate": {"enabled": False},
             "output": {"path": str(work_dir / "output")}}
 
@@ -479,8 +534,11 @@ def row_id(i: int) -> str:
 
 
 def input_rows(rows: Sequence[dict]) -> list[dict]:
-    """The pipeline's input: each row's prompt under an id of its position."""
-    return [{"id": row_id(i), "messages": split_row(r)[0]} for i, r in enumerate(rows)]
+    """The pipeline's input: each row's prompt under an id of its position, and its own chat template variables
+    (swift's ``chat_template_kwargs`` row key, laid over --enable_thinking as swift does)."""
+    return [{"id": row_id(i), "messages": split_row(r)[0],
+             **({"chat_template_kwargs": r["chat_template_kwargs"]} if r.get("chat_template_kwargs") else {})}
+            for i, r in enumerate(rows)]
 
 
 def result_lines(rows: Sequence[dict], outputs: dict[str, dict], errors: dict[str, str]) -> list[dict]:

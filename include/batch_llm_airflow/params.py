@@ -28,6 +28,14 @@ PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
     "temperature": ("sampling.temperature", "number", "Sampling temperature; 0 is greedy"),
     "top_p": ("sampling.top_p", "number", "Nucleus sampling probability mass"),
     "seed": ("sampling.seed", ["integer", "null"], "Sampling seed (fixed seed: reproducible, cacheable)"),
+    "top_k": ("sampling.top_k", "integer", "Sample from the k most likely tokens; 0: off"),
+    "min_p": ("sampling.min_p", "number", "Drop tokens below this share of the top token's probability; 0: off"),
+    "repetition_penalty": ("sampling.repetition_penalty", "number", "Above 1 discourages repeated tokens; 1: off"),
+    "stop_token_ids": ("sampling.stop_token_ids", "array", "Token ids that end an output (one per line)"),
+    "include_stop_str_in_output": ("sampling.include_stop_str_in_output", "boolean",
+                                   "Keep the stop string that ended an output"),
+    "chat_template_kwargs": ("sampling.chat_template_kwargs", "object",
+                             "Chat template variables, e.g. {\"enable_thinking\": false}"),
     "rows_per_shard": ("sharding.rows_per_shard", ["integer", "null"], "Rows per inference task (or set num_shards)"),
     "num_shards": ("sharding.num_shards", ["integer", "null"], "Number of inference tasks (or set rows_per_shard)"),
     "filter_lists": ("filter.lists", "array", "Sensitive-word lists, one per line: ACTION NAME PATH "
@@ -55,6 +63,8 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
         if name == "filter_lists":  # the trigger form edits lists of strings well, lists of objects not at all
             default = [f"{wl['action']} {wl['name']} {wl['path']}" for wl in default]
             extra = {"items": {"type": "string"}}
+        if name == "stop_token_ids":
+            extra = {"items": {"type": "integer"}}
         out[name] = Param(default, type=typ, title=name.replace("_", " "), description=desc, **extra)
     return out
 

@@ -80,7 +80,8 @@ def test_completions_bodies_text_or_token_ids(tmp_path):
 @pytest.mark.parametrize("field,value,words", [
     ("best_of", 2, "best_of=2 is not supported"), ("tools", [{"type": "function"}], "tools="),
     ("top_logprobs", 3, "top_logprobs=3 needs logprobs: true"),
-    ("response_format", {"type": "json_object"}, "response_format="),
+    ("response_format", {"type": "xml"}, "response_format="), ("logit_bias", {"1": 5}, "logit_bias="),
+    ("frobnicate", 1, "frobnicate: not a field of an OpenAI or vLLM"),
     ("stream", True, "stream=True"), ("temperature", 3, "temperature must be in [0.0, 2.0]"),
     ("top_p", 0, "top_p must be in (0.0, 1.0]"), ("max_tokens", 0, "max_tokens must be a positive integer"),
     ("seed", "x", "seed must be a"), ("stop", [1], "stop must be a string or a list of strings"),

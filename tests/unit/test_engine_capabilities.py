@@ -63,10 +63,12 @@ def test_what_the_builtin_engines_serve():
     assert serving("tensor_parallel") == serving("kv_cache_pool") == ["vllm", "lmdeploy"]
     assert capabilities("vllm").pooling_tasks == {"embed", "classify"}
     assert not capabilities("lmdeploy").overlap_engine_start  # LMDeploy binds the loop of the thread it starts in
-    assert capabilities("vllm").row_params == {"max_tokens", "temperature", "top_p", "stop", "seed",
-                                               "presence_penalty", "frequency_penalty", "n", "logprobs"}
-    assert capabilities("transformers").row_params == capabilities("lmdeploy").row_params == {
-        "max_tokens", "temperature", "top_p", "stop", "seed"}
+    extra = {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output"}
+    base = {"max_tokens", "temperature", "top_p", "stop", "seed", "chat_template_kwargs"}
+    assert capabilities("vllm").row_params == base | extra | {"presence_penalty", "frequency_penalty", "n",
+                                                              "logprobs", "response_format"}
+    assert capabilities("transformers").row_params == base | extra
+    assert capabilities("lmdeploy").row_params == base | extra - {"include_stop_str_in_output"}
 
 
 def test_unknown_kind_is_refused_naming_the_known_ones(tmp_path):

@@ -65,6 +65,84 @@ def test_flag_sets_its_key(words, key, value, tmp_path):
     sa.build_config(plan, tmp_path)  # the config model takes it
 
 
+@pytest.mark.parametrize("backend", ["vllm", "pt"])
+def test_top_k_repetition_penalty_and_enable_thinking_reach_the_sampling(backend, tmp_path):
+    plan = _plan("--infer_backend", backend, "--top_k", "20", "--repetition_penalty", "1.1", "--enable_thinking",
+                 "false")
+    s = sa.build_config(plan, tmp_path).sampling
+    assert (s.top_k, s.repetition_penalty, s.chat_template_kwargs) == (20, 1.1, {"enable_thinking": False})
+    assert sa.build_config(_plan("--top_k", "-1"), tmp_path).sampling.top_k == 0  # swift's "off", one value
+
+
+def test_a_rows_chat_template_kwargs_is_its_own(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": True}},
+            {"query": "plain"}]
+    assert sa.input_rows(rows) == [
+        {"id": sa.row_id(0), "messages": [{"role": "user", "content": "hi"}],
+         "chat_template_kwargs": {"enable_thinking": True}},
+        {"id": sa.row_id(1), "messages": [{"role": "user", "content": "plain"}]}]
+    assert sa.build_config(_plan(), tmp_path).input.sampling_columns == ["chat_template_kwargs"]
+
+
+# ------------------------------------------------------------------------------------------ after swift sft
+def _checkpoint(tmp_path: Path, **args) -> Path:
+    """A `swift sft` checkpoint folder: the adapter's files and the training's args.json."""
+    ckpt = tmp_path / "output" / "v0-20261204-120000" / "checkpoint-100"
+    ckpt.mkdir(parents=True)
+    (ckpt / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+    trained = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "model_type": "qwen2_5", "model_revision": "master",
+               "template": "qwen2_5", "system": "You are a support agent.", "max_length": 2048,
+               "torch_dtype": "bfloat16", "max_model_len": None, "adapters": [], "learning_rate": 1e-4, **args}
+    (ckpt / "args.json").write_text(json.dumps(trained))
+    return ckpt
+
+
+def _after_sft(*words: str) -> sa.InferPlan:
+    return sa.plan_invocation(sa.parse_swift_args(["--val_dataset", "rows.jsonl", "--result_path", "out.jsonl",
+                                                   *words]))
+
+
+def test_adapters_without_model_read_the_checkpoints_args_json(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    plan = _after_sft("--adapters", str(ckpt), "--merge_lora", "true", "--infer_backend", "vllm")
+    assert plan.overrides["model.ref"] == "Qwen/Qwen2.5-0.5B-Instruct" and plan.overrides["model.revision"] == "master"
+    assert plan.overrides["model.lora"] == {"ref": str(ckpt), "merge": True}
+    assert plan.overrides["input.system_prompt"] == "You are a support agent."
+    assert plan.overrides["engine.dtype"] == "bfloat16"
+    assert "engine.max_model_len" not in plan.overrides  # null in args.json: not set
+    (note,) = [n for n in plan.notes if "args.json" in n]
+    assert note.startswith(f"{ckpt / 'args.json'}: --model Qwen/Qwen2.5-0.5B-Instruct, --model_type qwen2_5")
+    assert "--max_length" not in note  # swift does not load the training's max_length for inference either
+    cfg = sa.build_config(plan, tmp_path / "work")
+    assert cfg.model.lora is not None and cfg.model.lora.merge and cfg.model.lora.ref == str(ckpt)
+
+
+def test_the_command_line_wins_over_args_json_and_load_args_false_reads_none(tmp_path):
+    ckpt = _checkpoint(tmp_path, max_model_len=4096)
+    plan = _after_sft("--adapters", str(ckpt), "--model", "Qwen/Other", "--system", "Mine.", "--infer_backend", "vllm")
+    assert (plan.overrides["model.ref"], plan.overrides["input.system_prompt"]) == ("Qwen/Other", "Mine.")
+    assert plan.overrides["engine.max_model_len"] == 4096 and plan.overrides["engine.dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="--model: required .* or --adapters CHECKPOINT whose args.json"):
+        _after_sft("--adapters", str(ckpt), "--load_args", "false")
+    with pytest.raises(ConfigError, match="--model: required"):
+        _after_sft("--adapters", str(tmp_path / "no-such-checkpoint"))
+
+
+def test_merge_lora_false_serves_the_adapter_on_vllm_only(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    plan = _after_sft("--adapters", str(ckpt), "--merge_lora", "false", "--infer_backend", "vllm")
+    assert plan.overrides["model.lora"] == {"ref": str(ckpt), "merge": False}
+    assert not sa.build_config(plan, tmp_path / "work").model.lora.merge
+    with pytest.raises(ConfigError, match="model.lora.merge: false serves the adapter unmerged"):
+        sa.build_config(_after_sft("--adapters", str(ckpt), "--merge_lora", "false"), tmp_path / "pt")
+    with pytest.raises(ConfigError, match="--merge_lora: needs --adapters"):
+        _plan("--merge_lora", "true")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "args.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="args.json: expected a JSON object"):
+        _after_sft("--adapters", str(tmp_path / "bad"))
+
+
 def test_pt_is_the_transformers_engine():
     assert _plan("--infer_backend", "pt").overrides["engine.kind"] == "transformers"
     assert _plan().overrides["engine.kind"] == "transformers"  # swift 4.x's default backend
@@ -73,8 +151,8 @@ def test_pt_is_the_transformers_engine():
 @pytest.mark.parametrize("words, named", [
     (["--frobnicate", "1"], "--frobnicate"),
     (["--vllm_swap_space", "4"], "--vllm_swap_space"),
-    (["--top_k", "20"], "--top_k 20"),
-    (["--repetition_penalty", "1.1"], "--repetition_penalty 1.1"),
+    (["--top_k", "many"], "--top_k"),
+    (["--enable_thinking", "maybe"], "--enable_thinking"),
     (["--num_beams", "4"], "--num_beams 4"),
     (["--infer_backend", "sglang"], "--infer_backend sglang"),
     (["--infer_backend", "vllm", "--vllm_pipeline_parallel_size", "2"], "--vllm_pipeline_parallel_size 2"),
@@ -94,7 +172,7 @@ def test_unknown_or_refused_flag_is_an_error_naming_it(words, named):
 
 
 def test_refused_flags_at_neutral_values_pass():
-    plan = _plan("--top_k", "-1", "--repetition_penalty", "1.0", "--num_beams", "1", "--use_hf", "false")
+    plan = _plan("--num_beams", "1", "--use_hf", "false", "--streaming", "false")
     assert plan.warnings == []
 
 

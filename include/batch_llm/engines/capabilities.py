@@ -22,6 +22,12 @@ DEFAULT_KIND = "vllm"
 BASE_ROW_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
 PENALTY_PARAMS = frozenset({"presence_penalty", "frequency_penalty"})
 SAMPLE_PARAMS = frozenset({"n", "logprobs"})
+#: Sampling keys beyond OpenAI's that some engines apply, pipeline-wide (``sampling.*``) and per row; each engine's
+#: ``sampling_keys`` says which (a key it lacks is refused naming the engines that have it).
+EXTRA_SAMPLING_KEYS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids",
+                                 "include_stop_str_in_output"})
+#: Per-row parameters the shard runner applies itself, for every engine: template variables of the chat rendering.
+RENDER_PARAMS = frozenset({"chat_template_kwargs"})
 
 
 @dataclass(frozen=True)
@@ -47,13 +53,16 @@ class EngineCapabilities:
     compile_cache: bool = False    # engine.compile_cache
     overlap_engine_start: bool = False  # may start in a background thread while the shard tokenizes
     config_check: str | None = None  # "module:function": the engine section's own problems (list of str)
+    sampling_keys: frozenset[str] = frozenset()  # the EXTRA_SAMPLING_KEYS it applies (pipeline-wide and per row)
     extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
 
     @property
     def row_params(self) -> frozenset[str]:
         """The per-row sampling parameters this engine applies; any other set one is a row error."""
-        return (BASE_ROW_PARAMS | (PENALTY_PARAMS if self.penalties else frozenset())
-                | (SAMPLE_PARAMS if self.samples_and_logprobs else frozenset()) | self.extra_row_params)
+        # a row's response_format (OpenAI's json_schema / json_object) decodes under its schema: guided decoding
+        return (BASE_ROW_PARAMS | RENDER_PARAMS | (PENALTY_PARAMS if self.penalties else frozenset())
+                | (SAMPLE_PARAMS if self.samples_and_logprobs else frozenset()) | self.sampling_keys
+                | (frozenset({"response_format"}) if self.guided_decoding else frozenset()) | self.extra_row_params)
 
     def problems(self, engine_cfg: object) -> list[str]:
         """What the engine's own ``config_check`` refuses in an engine section (imports only that module)."""
@@ -71,14 +80,17 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         "vllm", "batch_llm.engines.vllm_engine", title="vLLM", guided_decoding=True, samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
-        compile_cache=True, overlap_engine_start=True),
+        compile_cache=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS),
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
         kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
-        config_check="batch_llm.engines.lmdeploy_config:lmdeploy_problems"),
+        config_check="batch_llm.engines.lmdeploy_config:lmdeploy_problems",
+        # its GenerationConfig has no include_stop_str_in_output (stop words are cut from the text)
+        sampling_keys=EXTRA_SAMPLING_KEYS - {"include_stop_str_in_output"}),
     EngineCapabilities(
         "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
-        overlap_engine_start=True),  # one device: .to(cuda or cpu)
+        overlap_engine_start=True,  # one device: .to(cuda or cpu)
+        sampling_keys=EXTRA_SAMPLING_KEYS),
 )}
 
 

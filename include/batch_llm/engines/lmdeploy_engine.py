@@ -65,9 +65,12 @@ class LmdeployEngine(Engine):
     def _gen_config(self, s: Sampling):
         from lmdeploy import GenerationConfig
 
+        # top_k and min_p only where set: unset keeps LMDeploy's defaults (as before these keys existed)
+        extra = {k: v for k, v in (("top_k", s.top_k), ("min_p", s.min_p)) if v}
         return GenerationConfig(max_new_tokens=s.max_tokens, temperature=s.temperature or 1e-6, top_p=s.top_p,
                                 do_sample=s.temperature > 0, random_seed=s.seed, stop_words=list(s.stop) or None,
-                                ignore_eos=s.ignore_eos)
+                                ignore_eos=s.ignore_eos, repetition_penalty=s.repetition_penalty,
+                                stop_token_ids=list(s.stop_token_ids) or None, **extra)
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:  # noqa: C901
         engine = self.pipe.async_engine

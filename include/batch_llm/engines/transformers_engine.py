@@ -66,7 +66,8 @@ class TransformersEngine(Engine):
             groups: dict[tuple, list[tuple[GenRequest, Sampling]]] = {}
             for r in batch:
                 s = self.sampling_for(r)
-                groups.setdefault((s.temperature, s.top_p, s.seed, s.ignore_eos), []).append((r, s))
+                groups.setdefault((s.temperature, s.top_p, s.seed, s.ignore_eos, s.top_k, s.min_p, s.repetition_penalty,
+                                   s.stop_token_ids), []).append((r, s))
             for group in groups.values():
                 yield from self._generate_group(group, eos)
 
@@ -84,25 +85,36 @@ class TransformersEngine(Engine):
                    do_sample=first.temperature > 0)
         if first.temperature > 0:
             gen.update(temperature=first.temperature, top_p=first.top_p)
+            # set only where asked: unset keeps the model's generation_config (as before these keys existed)
+            gen.update({k: v for k, v in (("top_k", first.top_k), ("min_p", first.min_p)) if v})
             if first.seed is not None:
                 torch.manual_seed(first.seed)
+        if first.repetition_penalty != 1.0:  # applies to greedy decoding too, as in vLLM
+            gen.update(repetition_penalty=first.repetition_penalty)
+        stop_ids = set(first.stop_token_ids)
         if first.ignore_eos:
-            gen.update(eos_token_id=None)
+            gen.update(eos_token_id=sorted(stop_ids) or None)
+        elif stop_ids:
+            gen.update(eos_token_id=sorted(eos | stop_ids))
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=mask, **gen)
         for (r, s), row in zip(group, out[:, width:].tolist()):
             row = row[:s.max_tokens]
-            n, reason = len(row), "length"
+            n, reason, counted = len(row), "length", len(row)
             for i, t in enumerate(row):
+                if t in stop_ids:  # kept in the output, as vLLM keeps a stop token id (special ones decode to "")
+                    n, reason, counted = i + 1, "stop", i + 1
+                    break
                 if t in eos and not s.ignore_eos:
-                    n, reason = i, "stop"
+                    n, reason, counted = i, "stop", i + 1
                     break
             text = self.tok.decode(row[:n], skip_special_tokens=True)
             for stop in s.stop:
                 if stop in text:
-                    text, reason = text[: text.index(stop)], "stop"
+                    end = text.index(stop) + (len(stop) if s.include_stop_str_in_output else 0)
+                    text, reason = text[:end], "stop"
             yield GenResult(r.key, text=text, finish_reason=reason, prompt_tokens=len(r.prompt_token_ids),
-                            completion_tokens=n + (1 if reason == "stop" and n < len(row) else 0))
+                            completion_tokens=counted)
 
     def close(self) -> None:
         self.model = None

@@ -39,6 +39,7 @@ from batch_llm.engines.probes import (
     model_quantization,
 )
 from batch_llm.engines.registry import register_engine
+from batch_llm.row_params import Sampling
 
 # Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
 # reading the weights (a 7B model on an H200: ~3.1 ms to read them, ~1.8 ms to compute 128 rows), and padded rows
@@ -220,8 +221,6 @@ class VllmEngine(Engine):
         by_sampling: dict = {}  # one SamplingParams per distinct resolved sampling, not per row
         guided = None  # the grammar a guided request decodes under
         if self.sampling.output_schema is not None and self.sampling.guided_decoding:  # true, or fallback's 2nd pass
-            from vllm.sampling_params import StructuredOutputsParams
-
             guided = self.sampling.output_schema
             if self.sampling.guided_length_bounds == "check":  # the bounds are checked after (OutputSchema)
                 from batch_llm.output_schema import without_string_length_bounds
@@ -234,12 +233,14 @@ class VllmEngine(Engine):
                                             else self.sampling.guided_decoding is True)
             p = by_sampling.get((s, under))
             if p is None:
-                p = by_sampling[s, under] = SamplingParams(
-                    max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                    stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
-                    frequency_penalty=s.frequency_penalty, detokenize=detokenize, n=s.n, logprobs=s.logprobs,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
-                    structured_outputs=StructuredOutputsParams(json=guided) if under else None)
+                structured = row_structured_outputs(s.response_format, self.sampling.guided_length_bounds)
+                if structured is None and under:
+                    from vllm.sampling_params import StructuredOutputsParams
+
+                    structured = StructuredOutputsParams(json=guided)
+                p = by_sampling[s, under] = SamplingParams(**sampling_kwargs(s), detokenize=detokenize,
+                                                           output_kind=RequestOutputKind.FINAL_ONLY,
+                                                           structured_outputs=structured)
             return p
 
         lora = self._lora_request()
@@ -345,6 +346,34 @@ def classify_labels(model_dir: str, labels: list[str] | None) -> list[str]:
                               f"classification head and its id2label; {model_dir} is {arch}: set "
                               f"engine.classify.labels to classify zero-shot with its vocabulary")
     return [id2label[k] for k in sorted(id2label, key=int)]
+
+
+def sampling_kwargs(s: Sampling) -> dict:
+    """vLLM's SamplingParams arguments for one request's resolved sampling: every field of ``Sampling`` but the
+    row's response_format (``row_structured_outputs``) reaches vLLM (a unit test checks that none is left out)."""
+    return dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, n=s.n, logprobs=s.logprobs, top_k=s.top_k, min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty, stop_token_ids=list(s.stop_token_ids) or None,
+                include_stop_str_in_output=s.include_stop_str_in_output)
+
+
+def row_structured_outputs(response_format: str | None, length_bounds: str = "grammar"):
+    """The grammar a row's own response_format decodes under (OpenAI's json_object: any JSON object; json_schema:
+    its schema, as vLLM's server decodes them), or None. ``length_bounds`` as sampling.guided_length_bounds."""
+    if response_format is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    rf = json.loads(response_format)
+    if rf["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = rf["schema"]
+    if length_bounds == "check":  # the bounds are checked after, as for sampling.output_schema
+        from batch_llm.output_schema import without_string_length_bounds
+
+        schema = without_string_length_bounds(schema)
+    return StructuredOutputsParams(json=schema)
 
 
 def gen_result(out, top_k: int | None = None) -> GenResult:
