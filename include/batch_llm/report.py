@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import io
 import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import ClassVar
+from types import ModuleType
+from typing import ClassVar, TypedDict
 
 import yaml
 from markupsafe import Markup
@@ -77,11 +79,7 @@ NO_PLOTS = "No plots: matplotlib is not installed here; the report extra adds it
 
 def render_report(summary: RunSummary, *, pipeline_root: Location | None = None, options: dict | None = None,
                   gpus: int | None = None) -> str:
-    try:
-        import matplotlib
-    except ImportError:  # a base install: the same sections, tables in place of the plots
-        matplotlib = None
-
+    matplotlib = _matplotlib()
     opts = options or (pipeline_root.options if pipeline_root else {})
     run = run_stats(summary, gpus=gpus, options=opts)
     r = _Page(run, diagnose_run(run), pipeline_root, plots=matplotlib is not None)
@@ -105,6 +103,14 @@ def render_report(summary: RunSummary, *, pipeline_root: Location | None = None,
                 blocks = [Note(f"This section could not be rendered: {type(e).__name__}: {e}")]
             rendered.append(Section(anchor, title, blocks))
     return render("report.html.j2", h={**_header(r), "no_plots": "" if r.plots else NO_PLOTS}, sections=rendered)
+
+
+def _matplotlib() -> ModuleType | None:
+    """matplotlib, or None in a base install: the same sections then, with tables in place of the plots."""
+    try:
+        return importlib.import_module("matplotlib")
+    except ImportError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ page blocks
@@ -231,6 +237,7 @@ def _outcomes(r: _Page) -> list:
     rows = [("published", ok, C_OK), ("dropped by content filter", dropped, C_DROP),
             ("invalid input (plan)", invalid, C_INVALID), ("inference errors", infer_err, C_ERR)]
     share = lambda v: f"{v:,} ({v / read:.1%})" if read else f"{v:,}"  # noqa: E731
+    shown: Figure | Table
     if r.plots:
         fig, ax = _figure(7.2, 1.9)
         labels = [k for k, _, _ in rows][::-1]
@@ -352,9 +359,9 @@ def _timeline_plot(shown: list, phase_order: tuple) -> Figure:
 def _time(r: _Page) -> list:
     rows = []
     for s, m in zip(r.run.shards, r.run.metrics):
-        start, gen = m.engine_start_seconds or 0.0, m.generate_seconds or 0.0
+        start_s, gen_s = m.engine_start_seconds or 0.0, m.generate_seconds or 0.0
         total = m.seconds or 0.0
-        rows.append((s.shard, start, gen, max(0.0, total - start - gen), total))
+        rows.append((s.shard, start_s, gen_s, max(0.0, total - start_s - gen_s), total))
     if not rows:
         return [Note("No shard manifests in this summary.")]
     many = len(rows) > SHARD_BARS_MAX
@@ -363,6 +370,7 @@ def _time(r: _Page) -> list:
     start, gen, other = [t[1] for t in rows], [t[2] for t in rows], [t[3] for t in rows]
     shares = [t[1] / t[4] for t in rows if t[4]]
     note = f"engine start is a median {statistics.median(shares):.0%} of a shard's time" if shares else ""
+    img: Figure | Table | None
     if r.plots:
         img = _time_plot(rows, many)
     elif many:
@@ -405,7 +413,7 @@ def _time_plot(rows: list[tuple], many: bool) -> Figure:
 
 def _lengths(r: _Page) -> list:
     t = r.run.tokens
-    if not t.rows:
+    if not t or not t.rows:  # None: the summary's files were not read
         return [Note("No output rows to measure.")]
     max_tokens = (r.run.cfg.get("sampling") or {}).get("max_tokens")
     plot = [_lengths_plot(t, max_tokens)] if r.plots else []
@@ -462,7 +470,7 @@ def _filter_plot(lists: list[dict], hits: dict) -> Figure:
     names = [lst["name"] for lst in lists]
     vals = [hits.get(n, 0) for n in names]
     fig, ax = _figure(7.2, max(1.4, 0.32 * len(names) + 0.7))
-    ax.barh(names[::-1], vals[::-1], color=[ACTION_COLORS.get(lst.get("action"), "#888") for lst in lists][::-1],
+    ax.barh(names[::-1], vals[::-1], color=[ACTION_COLORS.get(lst.get("action") or "", "#888") for lst in lists][::-1],
             height=0.6)
     for y, v in enumerate(vals[::-1]):
         ax.text(v, y, f" {v:,}", va="center", fontsize=8)
@@ -470,7 +478,7 @@ def _filter_plot(lists: list[dict], hits: dict) -> Figure:
     ax.set_xlabel("hits")
     ax.set_title("content-filter hits by list")
     ax.grid(axis="y", visible=False)
-    used = sorted({lst.get("action") for lst in lists if lst.get("action") in ACTION_COLORS})
+    used = sorted({lst["action"] for lst in lists if lst.get("action") in ACTION_COLORS})
     ax.legend(handles=[Patch(color=ACTION_COLORS[a], label=a) for a in used], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), title="action", fontsize=7.5)
     _integer_axis(ax.xaxis)
@@ -482,8 +490,8 @@ def _scores(r: _Page) -> list:
     metric = (r.run.cfg.get("evaluate") or {}).get("metric", "Rouge-L-F")
     min_score = (r.run.cfg.get("evaluate") or {}).get("min_score")
     history = score_history(r.run.summary, r.pipeline_root, r.run.options) if r.pipeline_root else \
-        [{"partition": r.run.summary.partition, "run_id": r.run.summary.run_id, "metrics": metrics,
-          "num_samples": r.run.evaluate.num_samples, "current": True}]
+        [ScorePoint(partition=r.run.summary.partition, run_id=r.run.summary.run_id, metrics=metrics,
+                    num_samples=r.run.evaluate.num_samples, current=True)]
     scored = [h for h in history if h["metrics"]]
     if not scored:
         why = r.run.evaluate.skipped or "no scores recorded"
@@ -494,7 +502,7 @@ def _scores(r: _Page) -> list:
         [k for k, v in metrics.items() if isinstance(v, (int, float))][:4]
     plot = [_scores_plot(scored, names, min_score)] if r.plots else []
     prev = next((h for h in reversed(scored) if not h.get("current")), None)
-    rows = [[name, f"{v:.4f}", _delta(v, (prev or {}).get("metrics", {}).get(name))] for name, v in metrics.items()
+    rows = [[name, f"{v:.4f}", _delta(v, prev["metrics"].get(name) if prev else None)] for name, v in metrics.items()
             if isinstance(v, (int, float))]
     tables = [_table(["metric", "this run", f"Δ vs {prev['partition']}" if prev else "Δ"], rows)] if rows else []
     trend_rows = [[h["partition"] + (" (this run)" if h.get("current") else ""), _num(h.get("num_samples")),
@@ -511,7 +519,7 @@ def _scores(r: _Page) -> list:
     return [*plot, *sample, Columns(tables), *link]
 
 
-def _scores_plot(scored: list[dict], names: list[str], min_score: float | None) -> Figure:
+def _scores_plot(scored: list[ScorePoint], names: list[str], min_score: float | None) -> Figure:
     fig, ax = _figure(7.2, 2.6)
     x = list(range(len(scored)))
     for k, name in enumerate(names):
@@ -536,8 +544,18 @@ def _scores_plot(scored: list[dict], names: list[str], min_score: float | None) 
     return _img(fig, "EvalScope score trend")
 
 
+class ScorePoint(TypedDict):
+    """One partition's scores on the trend."""
+
+    partition: str
+    run_id: str
+    metrics: dict[str, float]
+    num_samples: int | None
+    current: bool        # this run's own scores
+
+
 def score_history(summary: RunSummary, pipeline_root: Location, options: dict | None = None,
-                  limit: int = TREND_MAX) -> list[dict]:
+                  limit: int = TREND_MAX) -> list[ScorePoint]:
     """The scores of the pipeline's published partitions up to this one (each ``<partition>/_CURRENT.json``
     → version → ``summary.json``), oldest first; this run's own scores stand for its partition."""
     current = summary.partition
@@ -551,7 +569,7 @@ def score_history(summary: RunSummary, pipeline_root: Location, options: dict | 
             break
         if exists(d / "_CURRENT.json"):
             names.append(d.name)
-    out = []
+    out: list[ScorePoint] = []
     for name in reversed(names):
         try:
             ptr = read_json(pipeline_root.child(name, "_CURRENT.json").path())
@@ -559,11 +577,11 @@ def score_history(summary: RunSummary, pipeline_root: Location, options: dict | 
         except (OSError, KeyError, ValueError):  # pydantic's ValidationError is a ValueError
             continue  # a version removed meanwhile, or a pointer without a summary: no point on the trend
         ev = summ.manifests.evaluate
-        out.append({"partition": name, "run_id": summ.run_id, "metrics": ev.metrics,
-                    "num_samples": ev.num_samples, "current": False})
+        out.append(ScorePoint(partition=name, run_id=summ.run_id, metrics=ev.metrics, num_samples=ev.num_samples,
+                              current=False))
     ev = summary.manifests.evaluate
-    out.append({"partition": current or "this run", "run_id": summary.run_id,
-                "metrics": ev.metrics, "num_samples": ev.num_samples, "current": True})
+    out.append(ScorePoint(partition=current or "this run", run_id=summary.run_id, metrics=ev.metrics,
+                          num_samples=ev.num_samples, current=True))
     return out
 
 
