@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--json", action="store_true", help="print JSON")
     from batch_llm.swift_args import add_infer_parser  # `batch-llm infer`: ms-swift's `swift infer` flags
     add_infer_parser(sub, COMMANDS, run=cmd_run)
+    from batch_llm.run_batch import add_run_batch_parser  # `batch-llm run-batch`: vLLM's `vllm run-batch` flags
+    add_run_batch_parser(sub, COMMANDS, run=cmd_run)
     return p
 
 

@@ -1,0 +1,96 @@
+"""``batch-llm run-batch`` (include/batch_llm/run_batch.py): vLLM's ``vllm run-batch`` flags onto one pipeline,
+no YAML: each flag's key, vLLM's sampling defaults for a request that sets none, and the output in input order.
+No engine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from batch_llm import run_batch as rb
+from batch_llm.cli import build_parser
+from batch_llm.config import ConfigError
+
+
+def _model(tmp_path: Path, **generation) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    if generation:
+        (model / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, **generation}))
+    return model
+
+
+def _args(*words: str):
+    return build_parser().parse_args(["run-batch", *words])
+
+
+def test_vllm_run_batch_flags_set_their_keys(tmp_path):
+    model = _model(tmp_path)
+    args = _args("-i", "in.jsonl", "-o", "out.jsonl", "--model", str(model), "--max_model_len", "512",
+                 "--dtype", "float32", "--enforce-eager", "--seed", "3", "-tp", "1", "--max-num-seqs", "8",
+                 "--gpu-memory-utilization", "0.8", "--no-enable-prefix-caching", "--max-num-batched-tokens", "4096",
+                 "--kv-cache-dtype", "fp8", "--trust-remote-code", "--served-model-name", "smol")
+    cfg, warnings = rb.build_config(args, tmp_path / "work", keep=False)
+    e = cfg.engine
+    assert (e.max_model_len, e.dtype, e.enforce_eager, e.tensor_parallel_size, e.max_num_seqs) == (
+        512, "float32", True, 1, 8)
+    assert (e.gpu_memory_utilization, e.enable_prefix_caching, e.kv_cache_dtype) == (0.8, False, "fp8")
+    assert e.extra == {"max_num_batched_tokens": 4096} and e.max_error_rate == 1.0
+    assert cfg.model.ref == str(model) and cfg.model.trust_remote_code
+    assert cfg.input.format == "openai_batch" and cfg.input.path == "in.jsonl"
+    assert not cfg.filter.enabled and not cfg.evaluate.enabled and not cfg.cache.enabled
+    assert cfg.sharding.num_shards == 1 and warnings == []
+    # a request that sets nothing: vLLM's defaults (temperature 1, the rest of the context), the given seed
+    assert (cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.sampling.seed) == (1.0, 512, 3)
+
+
+def test_the_models_generation_config_gives_the_defaults_as_vllm_auto_does(tmp_path):
+    model = _model(tmp_path, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05, max_new_tokens=100,
+                   presence_penalty=0.5)
+    words = ["-i", "in.jsonl", "-o", "o.jsonl", "--model", str(model), "--max-model-len", "512"]
+    cfg, warnings = rb.build_config(_args(*words), tmp_path / "w", keep=False)
+    s = cfg.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (0.6, 0.9, 20, 1.05, 100)
+    assert warnings == ["--generation-config auto: presence_penalty 0.5 is not a default here; requests set it in "
+                        "their body"]
+    cfg, _ = rb.build_config(_args(*words, "--generation-config", "vllm"), tmp_path / "w", keep=False)
+    assert (cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.max_tokens) == (1.0, 0, 512)
+
+
+def test_chat_template_file_and_refusals(tmp_path, capsys):
+    model = _model(tmp_path)
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{{ messages[0]['content'] }}")
+    cfg, _ = rb.build_config(_args("-i", "i", "-o", "o", "--model", str(model), "--chat-template", str(tpl)),
+                             tmp_path / "w", keep=True)
+    assert cfg.model.chat_template == "{{ messages[0]['content'] }}" and cfg.cache.enabled  # a kept work folder
+    with pytest.raises(ConfigError, match="--tokenizer other: the model's own tokenizer"):
+        rb.build_config(_args("-i", "i", "-o", "o", "--model", str(model), "--tokenizer", "other"), tmp_path / "w",
+                        keep=False)
+    with pytest.raises(SystemExit):
+        _args("-i", "i", "-o", "o", "--model", "m", "--swap-space", "4")
+    assert "unrecognized arguments: --swap-space 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("-i", "i", "--model", "m")
+    assert "required: -o/--output-file" in capsys.readouterr().err
+
+
+def test_output_lines_follow_the_input_order_with_refusals_among_them(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a"}\nnot json\n{"custom_id": 7}\n{"custom_id": "b"}\n')
+
+    def line(cid, status):
+        return {"custom_id": cid, "response": {"status_code": status}}
+
+    done = {"a": [line("a", 200)], "b": [line("b", 200)]}
+    refused = {"7": [line("7", 400)], None: [line(None, 400)]}
+    got = list(rb._in_input_order([src], done, refused))
+    assert [(x["custom_id"], x["response"]["status_code"]) for x in got] == [("a", 200), (None, 400), ("7", 400),
+                                                                            ("b", 200)]
+
+
+def test_every_flag_is_documented():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    for f in rb.FLAGS:
+        assert f"`{f.names[-1]}`" in text, f.names[-1]
