@@ -19,14 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batch_llm.engines.capabilities import (
-    DEFAULT_KIND,
-    EXTRA_SAMPLING_KEYS,
-    EngineCapabilities,
-    capabilities,
-    engines_serving,
-    who_can,
-)
+from batch_llm.engines.capabilities import DEFAULT_KIND, EngineCapabilities, capabilities, engines_serving, who_can
 
 
 class ConfigError(ValueError):
@@ -138,8 +131,7 @@ class InputConfig(_Section):
     system_prompt: str | None = None
     reference_column: str = Field("reference", description="Reference answers for scoring, when present")
     sampling_columns: list[Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-                                   "frequency_penalty", "n", "logprobs", "top_k", "min_p", "repetition_penalty",
-                                   "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs"]] = Field(
+                                   "frequency_penalty", "n", "logprobs"]] = Field(
         default_factory=lambda: ["max_tokens"],
         description="Columns whose value, where a row has one, overrides the sampling section for that row "
                     "(OpenAI Batch input reads these from each request body)")
@@ -336,15 +328,6 @@ class EngineConfig(_Section):
                                  f"{self.task!r} (remove engine.{task} or set engine.task: {task})")
         return self
 
-    def task_identity(self) -> dict | None:
-        """The task and its settings where they decide a row's result beyond the sampling (embed, classify):
-        part of the result cache's namespace. None for generate."""
-        if self.task == "embed":
-            return {"task": "embed", **self.embed.model_dump()}
-        if self.task == "classify":
-            return {"task": "classify", **self.classify.model_dump()}
-        return None
-
     @model_validator(mode="after")
     def _every_key_honored(self) -> "EngineConfig":
         """A key the engine would not honor is refused here, naming it, never dropped at start."""
@@ -363,12 +346,6 @@ class EngineConfig(_Section):
             raise ValueError("; ".join(problems))
         return self
 
-
-# apply_chat_template's own arguments: a template variable of one of these names would be taken as the argument
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                      "truncation", "max_length", "return_tensors", "return_dict",
-                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 # torch's generators (vLLM's per-request seeds, the transformers engine) take 64-bit seeds; vLLM reads -1 as "no
 # seed". Non-negative int64 leaves room for output_retries' reseeding (seed + 1_000_003 per attempt).
@@ -391,18 +368,6 @@ class SamplingConfig(_Section):
     logprobs: int | None = Field(None, ge=0, le=20, description="Log-probabilities per generated token (vLLM): the "
                                  "chosen token's and the top-k candidates' (0: the chosen token's only) in the "
                                  "row's ``logprobs`` column; null: none")
-    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off (the engines' "
-                       "row of the capability table says which apply it)")
-    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens below this share of the most likely token's "
-                         "probability; 0: off")
-    repetition_penalty: float = Field(1.0, gt=0, le=100, description="Above 1 discourages tokens already in the "
-                                      "prompt or output (vLLM's and transformers' multiplicative penalty); 1: off")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the output, besides "
-                                      "the model's end-of-sequence tokens")
-    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended an output at its end")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables of the chat template "
-                                                 "(e.g. enable_thinking: false for Qwen3); a row's own are laid over "
-                                                 "these. Every engine: the prompts are rendered before the engine")
     output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
                                              "or a pydantic model (module:Class) every output must match; "
                                              "loaded into the schema itself when the config loads")
@@ -430,27 +395,6 @@ class SamplingConfig(_Section):
         if v is None:
             return None
         return check_schema(load_schema(v) if isinstance(v, str) else v)
-
-    @field_validator("top_k")
-    @classmethod
-    def _one_off_value(cls, v: int) -> int:
-        return 0 if v == -1 else v  # vLLM's two spellings of "off": one value for the result cache's key
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids(cls, v: list[int]) -> list[int]:
-        if any(t < 0 for t in v):
-            raise ValueError(f"token ids are non-negative: {v}")
-        return v
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_variables(cls, v: dict[str, Any]) -> dict[str, Any]:
-        reserved = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"{', '.join(reserved)}: arguments of the tokenizer's apply_chat_template, not "
-                             "template variables")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -587,36 +531,16 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _sampling_keys_the_engine_applies(self) -> "PipelineConfig":
-        s, caps = self.sampling, self.engine.caps
-        defaults = type(s).model_fields
-        given = [k for k in sorted(EXTRA_SAMPLING_KEYS) if getattr(s, k) != defaults[k].get_default(
-            call_default_factory=True)]
-        lacking = [k for k in given if k not in caps.sampling_keys]
-        problems = []
-        for key in lacking:
-            def applies(c: EngineCapabilities, key: str = key) -> bool:
-                return key in c.sampling_keys
-
-            problems.append(f"sampling.{key}: engine {self.engine.kind} does not apply it ({who_can(applies)}); "
-                            f"remove sampling.{key} or set engine.kind: {engines_serving(applies)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-    @model_validator(mode="after")
     def _pooling_tasks_take_no_generation_settings(self) -> "PipelineConfig":
         task = self.engine.task
         if task == "generate":
             return self
         s = self.sampling
         # settings that would silently do nothing are refused, like an unknown key
-        defaults = type(s).model_fields
         given = [k for k, on in (("output_schema", s.output_schema is not None), ("n", s.n > 1),
                                  ("logprobs", s.logprobs is not None), ("output_retries", s.output_retries > 0))
-                 if on] + [k for k in sorted(EXTRA_SAMPLING_KEYS)
-                           if getattr(s, k) != defaults[k].get_default(call_default_factory=True)]
-        cols = [c for c in self.input.sampling_columns if c not in ("max_tokens", "chat_template_kwargs")]
+                 if on]
+        cols = [c for c in self.input.sampling_columns if c != "max_tokens"]
         problems = [f"sampling.{k}" for k in given] + [f"input.sampling_columns: {c}" for c in cols]
         if problems:
             raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: {task} generates no "

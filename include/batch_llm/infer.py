@@ -37,10 +37,11 @@ from typing import NamedTuple
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engine_start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
 from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
+from batch_llm.identity import ENGINE_FIELDS_NOT_IN_OUTPUT, OUTPUT_IDENTITY_FORMAT, engine_dtype
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
 from batch_llm.output_schema import OutputSchema
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.row_params import RowParams, resolve, response_schema, template_kwargs
+from batch_llm.row_params import RowParams, resolve
 from batch_llm.shard_merge import committed_ids, finish_shard
 from batch_llm.storage import (
     Location,
@@ -344,8 +345,6 @@ class ShardRun:
         self.info: EngineInfo | None = None
         schema = cfg.sampling.output_schema
         self.schema = OutputSchema(schema) if schema is not None else None
-        self.row_formats: dict[str, str] = {}  # request_id -> its row's own response_format (OpenAI bodies)
-        self._row_schemas: dict[str, OutputSchema] = {}  # response_format -> its compiled schema
         self.retryable: dict[str, GenRequest] = {}  # in flight, kept while an invalid output may be asked again
         self.retry: _RequestSpool | None = None   # invalid outputs to ask again (on local disk, not in memory)
         self.n_retried = 0
@@ -362,11 +361,7 @@ class ShardRun:
     def _open_cache(self, root: Location | None) -> ResultCache | None:
         if root is None or not self.cfg.cache.enabled:
             return None
-        e = self.cfg.engine
-        pooling = e.task != "generate"  # the sampling decides no vector or class; the task and its settings do
-        ns = namespace(model_key=self.model_key, chat_template=chat_template_text(self.model_dir,
-                       self.cfg.model.chat_template), sampling={} if pooling else sampling_identity(self.cfg.sampling),
-                       engine_kind=e.kind, task=e.task_identity())
+        ns = namespace(output_identity(self.cfg, model_key=self.model_key, model_dir=self.model_dir))
         return ResultCache(root, ns, max_age_days=self.cfg.cache.max_age_days)
 
     # ---------------------------------------------------------------------------------- the steps
@@ -415,8 +410,6 @@ class ShardRun:
                 group = self.groups[key.request_id] = _Group(key)
                 self.sent_by[r["id"]] = key.request_id
             group.rows.append((r["id"], r["idx"]))
-            if (params := _row_params(r)) and params.get("response_format"):
-                self.row_formats[key.request_id] = RowParams.from_json(params).response_format
         self.n_prompts = len({g.key.content for g in self.groups.values()})
 
     def _serve_cache(self) -> None:
@@ -516,7 +509,7 @@ class ShardRun:
     def _may_retry(self, req: GenRequest) -> bool:
         """An invalid output is asked again where that can change it: under guided_decoding: fallback every row
         (its first pass was free), otherwise a sampled row (another seed) under output_retries."""
-        return self.fallback or (self._schema_of(req.key) is not None and self.cfg.sampling.output_retries > 0
+        return self.fallback or (self.schema is not None and self.cfg.sampling.output_retries > 0
                                  and resolve(req.params, self.cfg.sampling).temperature > 0)
 
     def _request_for(self, r: dict) -> GenRequest | None:
@@ -565,9 +558,7 @@ class ShardRun:
             return r["text"], self.tokenizer(r["text"], add_special_tokens=True)["input_ids"]
         if not self.tokenizer.chat_template:
             raise ValueError(f"the model at {self.model_dir} has no chat template; set model.chat_template")
-        variables = template_kwargs(RowParams.from_json(_row_params(r)), self.cfg.sampling)
-        text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True,
-                                                  **variables)
+        text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
@@ -577,9 +568,8 @@ class ShardRun:
 
     def _take(self, res: GenResult, *, last: bool = False) -> None:
         reason = None
-        schema = self._schema_of(res.key)
-        if schema is not None and not res.error:
-            reason = self._schema_problem(res, schema)
+        if self.schema is not None and not res.error:
+            reason = self._schema_problem(res)
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
@@ -603,21 +593,12 @@ class ShardRun:
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
 
-    def _schema_of(self, request_id: str) -> OutputSchema | None:
-        """The schema a request's output must match: its row's response_format, else sampling.output_schema."""
-        rf = self.row_formats.get(request_id)
-        if rf is None:
-            return self.schema
-        if rf not in self._row_schemas:
-            self._row_schemas[rf] = OutputSchema(response_schema(rf))
-        return self._row_schemas[rf]
-
-    def _schema_problem(self, res: GenResult, schema: OutputSchema) -> str | None:
+    def _schema_problem(self, res: GenResult) -> str | None:
         """Why the output does not match the schema, or None; with n > 1 every sample must match (the first
         one that does not is named)."""
         texts = [s.text for s in res.samples] if res.samples and len(res.samples) > 1 else [res.text]
         for i, text in enumerate(texts):
-            _, reason = schema.check(text)
+            _, reason = self.schema.check(text)
             if reason:
                 return reason if len(texts) == 1 else f"{reason} (sample {i})"
         return None
@@ -696,20 +677,34 @@ def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, mod
                     on_committed=on_committed, shared_engine=shared_engine).run()
 
 
-# sampling keys added after the cache's first namespaces: hashed only where set, so those namespaces stay the same
-_LATER_SAMPLING_KEYS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-                        "chat_template_kwargs")
-
-
 def sampling_identity(s: SamplingConfig) -> dict:
     """The pipeline's sampling as the cache namespace hashes it: every field that decides an output; ``n`` and
     ``logprobs`` and ``guided_length_bounds`` only where set, so that namespaces from before they existed stay the
     same."""
     exclude = {"max_tokens_cap"} | ({"n"} if s.n == 1 else set()) | ({"logprobs"} if s.logprobs is None else set()) \
-        | ({"guided_length_bounds"} if s.guided_length_bounds == "grammar" else set()) \
-        | {k for k in _LATER_SAMPLING_KEYS if getattr(s, k) == type(s).model_fields[k].get_default(
-            call_default_factory=True)}
+        | ({"guided_length_bounds"} if s.guided_length_bounds == "grammar" else set())
     return s.model_dump(exclude=exclude)
+
+
+def output_identity(cfg: PipelineConfig, *, model_key: str, model_dir: str) -> dict:
+    """Everything shared by a run's rows that changes an output, in one place: the result cache's namespace is
+    its hash (``result_cache.namespace``) and a shard's resume key holds it (``stages.shard_inputs``), so a
+    result is never reused across a change of any of it.
+
+    The weights (``model_key``: id, revision, content hash, and the LoRA adapter's and the quantized export's
+    names and hashes), whether the model's own code runs, the chat template's text, the sampling (the output
+    schema and how it is decoded included; none for embed and classify, whose results it does not decide) and
+    every engine setting but ``identity.ENGINE_FIELDS_NOT_IN_OUTPUT``: the engine, the task and its settings,
+    dtype (as the engine will get it: ``auto`` on a CPU without native bfloat16 is float32), quantization,
+    kv_cache_dtype, max_model_len (which rows fail as too long, and where a generation stops), speculative
+    decoding (it changes a seeded sample's draws), engine.extra (anything) and the interpreter the engine runs
+    in (its installation). What each row adds (its prompt, its own parameters) is the cache's row key."""
+    e = cfg.engine
+    engine = e.model_dump(mode="json", exclude=set(ENGINE_FIELDS_NOT_IN_OUTPUT))
+    engine["dtype"] = engine_dtype(e.dtype, model_dir)
+    return {"format": OUTPUT_IDENTITY_FORMAT, "model": model_key, "trust_remote_code": cfg.model.trust_remote_code,
+            "chat_template": chat_template_text(model_dir, cfg.model.chat_template),
+            "sampling": sampling_identity(cfg.sampling) if e.task == "generate" else {}, "engine": engine}
 
 
 def check_error_rate(cfg: PipelineConfig, manifest: ShardManifest) -> None:

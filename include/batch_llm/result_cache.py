@@ -1,9 +1,10 @@
 """The result cache: generated rows keyed by content, in object storage; a lookup costs what the run asks for,
 not what the history holds.
 
-A key hashes everything that decides an output: the model (id, revision, content hash, quantization), the
-chat template, the sampling parameters and the prompt that is rendered (chat messages or token ids). A hit is
-only ever an earlier result for the same full key, never older than ``max_age_days``.
+A key hashes everything that decides an output: the namespace what a run's rows share (``namespace``: the
+model's weights, adapter and quantization, the chat template, the sampling, the engine's settings), the row key
+the prompt that is rendered (chat messages or token ids) and the row's own parameters. A hit is only ever an
+earlier result for the same full key, never older than ``max_age_days``.
 
 Layout: ``<root>/<namespace>/{s,r}-<max_t>-<uuid>.sst``, immutable sorted-string tables. ``s-`` is a shard's
 table (one per shard, written once at its end), ``r-`` a compacted run; ``max_t`` (unix seconds, the newest
@@ -74,6 +75,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from batch_llm.identity import stable_hash
 from batch_llm.storage import AtomicWriter, Location, is_local, iter_jsonl, read_json, write_json
 
 log = logging.getLogger("batch_llm.result_cache")
@@ -101,16 +103,10 @@ RETENTION_PREFIX = "_retention."  # <ns>/_retention.<pipeline>.json: the setting
 RETENTION_FORMAT = 1
 
 
-def namespace(*, model_key: str, chat_template: str, sampling: dict, engine_kind: str,
-              task: dict | None = None) -> str:
-    """Hash of what is shared by every row of a run; changing any of it misses the cache. ``task``: a task
-    other than generate and its settings (engine.task embed): a vector is never served for a text request nor
-    the reverse; absent for generate, so namespaces from before tasks existed stay the same."""
-    ident = {"model": model_key, "template": chat_template, "sampling": sampling, "engine": engine_kind}
-    if task is not None:
-        ident["task"] = task
-    blob = json.dumps(ident, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+def namespace(identity: dict) -> str:
+    """The namespace of the rows made with ``identity`` (``identity.output_identity``: everything a run's rows
+    share that changes an output); changing any of it misses the cache."""
+    return stable_hash(identity)[:24]
 
 
 def prompt_key(prompt: list | dict, params: dict | None = None) -> str:

@@ -221,27 +221,43 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
                         "task": cfg.engine.task})
 
 
+def shard_inputs(cfg: PipelineConfig, ref: ModelRef, shard: ShardSpec) -> dict[str, str]:
+    """What a shard's committed chunks are made from, part by part (short hashes): its plan and everything that
+    changes an output (``infer.output_identity``, which the result cache's namespace hashes too)."""
+    from batch_llm.identity import identity_parts, stable_hash
+    from batch_llm.infer import output_identity
+
+    return {"plan": stable_hash([shard.plan_key, shard.index, shard.rows])[:16],
+            **identity_parts(output_identity(cfg, model_key=ref.model_key, model_dir=ref.local_dir))}
+
+
 def shard_input_key(cfg: PipelineConfig, ref: ModelRef, shard: ShardSpec) -> str:
-    """What a shard's committed chunks are made from: its plan, the model and what decides an output."""
+    """One key for ``shard_inputs``: the same while the shard's committed chunks hold."""
     from batch_llm.identity import stable_hash
-    from batch_llm.infer import sampling_identity
 
-    return stable_hash({"plan": shard.plan_key, "shard": shard.index, "rows": shard.rows, "model": ref.model_key,
-                        "lora": ref.lora_dir, "sampling": sampling_identity(cfg.sampling), "engine": cfg.engine.kind,
-                        "task": cfg.engine.task_identity(), "chat_template": cfg.model.chat_template})
+    return stable_hash(shard_inputs(cfg, ref, shard))
 
 
-def _drop_stale_shard(shard_dir: Location, key: str) -> None:
-    """Removes what the shard folder holds when it was made from other inputs (the plan or the model changed
-    since), then records the inputs it is now for. Chunks of the same inputs are kept: the shard resumes."""
+def _drop_stale_shard(shard_dir: Location, inputs: dict[str, str], say: Callable[[str], None] = print) -> None:
+    """Removes what the shard folder holds when it was made from other inputs (``shard_inputs``: the plan, the
+    model, a setting that changes an output), saying which, then records the inputs it is now for (and why it
+    started over) in ``inputs.json``. Chunks of the same inputs are kept: the shard resumes."""
+    from batch_llm.identity import stable_hash, what_changed
+
+    key = stable_hash(inputs)
     marker = shard_dir.child("inputs.json").path()
-    if exists(marker) and read_json(marker).get("key") == key:
+    before = read_json(marker) if exists(marker) else {}
+    if before.get("key") == key:
         return
+    record: dict = {"key": key, "parts": inputs}
     if list_files(shard_dir.path()):
-        logging.getLogger("batch_llm.infer").info("%s was made from another plan or model: starting it over",
-                                                  shard_dir.url)
+        why = what_changed(before["parts"], inputs) if "parts" in before else "its inputs were not recorded by part"
+        say(f"{shard_dir.url} was made from other inputs ({why}): starting it over")
+        logging.getLogger("batch_llm.infer").info("%s was made from other inputs (%s): starting it over",
+                                                  shard_dir.url, why)
         remove_tree(shard_dir.path())
-    write_json(marker, {"key": key})
+        record["started_over"] = why
+    write_json(marker, record)
 
 
 def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]]:
@@ -306,7 +322,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
     shard_dir = layout.stage("infer").child(f"shard-{shard.index:05d}")
-    _drop_stale_shard(shard_dir, shard_input_key(cfg, ref, shard))
+    _drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed,

@@ -61,14 +61,17 @@ def test_a_shard_folder_made_for_other_inputs_starts_over_and_one_made_for_these
     shard_dir = Location(str(tmp_path / "infer" / "shard-00000"))
     chunk = shard_dir.child("chunks", "chunk-00000-ab.jsonl")
     write_jsonl(chunk.path(), [{"id": "r0", "idx": 0, "output": "old model's answer"}])
-    _drop_stale_shard(shard_dir, "key-A")       # a folder from before the keys: no marker, started over
+    a, b = {"plan": "p1", "model": "m1"}, {"plan": "p1", "model": "m2"}
+    _drop_stale_shard(shard_dir, a)             # a folder from before the keys: no marker, started over
     assert not exists(chunk.path())
     write_jsonl(chunk.path(), [{"id": "r0", "idx": 0, "output": "answer"}])
-    _drop_stale_shard(shard_dir, "key-A")       # a retry or a Clear of the same inputs: resumed
+    _drop_stale_shard(shard_dir, dict(a))       # a retry or a Clear of the same inputs: resumed
     assert exists(chunk.path())
-    _drop_stale_shard(shard_dir, "key-B")       # the plan or the model changed since: started over
+    said: list[str] = []
+    _drop_stale_shard(shard_dir, b, said.append)  # the plan or the model changed since: started over, saying why
     assert not exists(chunk.path())
-    assert json.loads(shard_dir.child("inputs.json").path().read_text()) == {"key": "key-B"}
+    marker = json.loads(shard_dir.child("inputs.json").path().read_text())
+    assert marker["parts"] == b and marker["started_over"] == "the model changed" and "the model changed" in said[0]
 
 
 def test_the_filter_refuses_shards_of_another_plan_or_a_missing_shard(tmp_path):

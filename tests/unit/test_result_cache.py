@@ -18,13 +18,15 @@ T0 = 1_800_000_000.0
 
 
 def test_namespace_changes_with_model_template_sampling_engine():
-    base = dict(model_key="m@main#abc", chat_template="T", sampling={"temperature": 0.0, "max_tokens": 8},
-                engine_kind="vllm")
-    ns = namespace(**base)
-    assert namespace(**base) == ns
-    assert namespace(**{**base, "model_key": "m@main#abd"}) != ns
-    assert namespace(**{**base, "chat_template": "T2"}) != ns
-    assert namespace(**{**base, "sampling": {"temperature": 0.1, "max_tokens": 8}}) != ns
+    """The namespace hashes the output identity (tests/unit/test_output_identity.py: what it holds)."""
+    base = dict(model="m@main#abc", chat_template="T", sampling={"temperature": 0.0, "max_tokens": 8},
+                engine={"kind": "vllm", "dtype": "bfloat16"})
+    ns = namespace(base)
+    assert namespace(dict(base)) == ns
+    assert namespace({**base, "model": "m@main#abd"}) != ns
+    assert namespace({**base, "chat_template": "T2"}) != ns
+    assert namespace({**base, "sampling": {"temperature": 0.1, "max_tokens": 8}}) != ns
+    assert namespace({**base, "engine": {"kind": "vllm", "dtype": "float32"}}) != ns
     assert prompt_key([1, 2, 3]) != prompt_key([1, 2, 4])
 
 

@@ -120,7 +120,7 @@ def test_cache_keys_differ_by_n_and_logprobs_and_old_namespaces_stay(tmp_path):
     assert sampling_identity(base) == old
 
     def ns(s):
-        return namespace(model_key="m", chat_template="t", sampling=sampling_identity(s), engine_kind="vllm")
+        return namespace({"model": "m", "chat_template": "t", "sampling": sampling_identity(s), "engine": {"kind": "vllm"}})
 
     assert len({ns(base), ns(demo_config(tmp_path, sampling__n=3).sampling),
                 ns(demo_config(tmp_path, sampling__logprobs=0).sampling),
