@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from batch_llm import path_policy
 from batch_llm.config import ConfigError, PipelineConfig, load_config
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
@@ -306,6 +307,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _layout(cfg: PipelineConfig, args: argparse.Namespace, default_run_id: str):
     from batch_llm.stages import RunLayout
 
+    out = path_policy.resolve(cfg.output.path)
+    if out.is_local and out.local_path and (problem := path_policy.local_folder_problem(out.local_path)):
+        # before anything is written there (the run's log file is the first thing): one line, not a traceback
+        raise ConfigError(f"output.path: {problem}; name a folder (--output or output.path)")
     return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
 
 
@@ -539,7 +544,7 @@ def _run_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NotADirectoryError) as e:  # a path to a file, or through one
         print(f"error: {e.filename + ': ' if getattr(e, 'filename', None) else ''}{e.strerror or e}",
               file=sys.stderr)
         return 1

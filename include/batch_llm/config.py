@@ -19,7 +19,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batch_llm.engines.capabilities import DEFAULT_KIND, EngineCapabilities, capabilities, engines_serving, who_can
+from batch_llm import path_policy
+from batch_llm.engines.capabilities import (
+    DEFAULT_KIND,
+    EXTRA_SAMPLING_KEYS,
+    EngineCapabilities,
+    capabilities,
+    engines_serving,
+    who_can,
+)
 
 
 class ConfigError(ValueError):
@@ -131,10 +139,19 @@ class InputConfig(_Section):
     system_prompt: str | None = None
     reference_column: str = Field("reference", description="Reference answers for scoring, when present")
     sampling_columns: list[Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-                                   "frequency_penalty", "n", "logprobs"]] = Field(
+                                   "frequency_penalty", "n", "logprobs", "top_k", "min_p", "repetition_penalty",
+                                   "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs"]] = Field(
         default_factory=lambda: ["max_tokens"],
         description="Columns whose value, where a row has one, overrides the sampling section for that row "
                     "(OpenAI Batch input reads these from each request body)")
+
+    @field_validator("path")
+    @classmethod
+    def _fillable_path(cls, v: str) -> str:
+        # RunLayout fills it with str.format: an unknown placeholder is refused here, not a traceback at run time
+        if problem := path_policy.template_problem(v):
+            raise ValueError(problem)
+        return v
 
 
 class ShardingConfig(_Section):
@@ -347,6 +364,12 @@ class EngineConfig(_Section):
         return self
 
 
+# apply_chat_template's own arguments: a template variable of one of these names would be taken as the argument
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
 # torch's generators (vLLM's per-request seeds, the transformers engine) take 64-bit seeds; vLLM reads -1 as "no
 # seed". Non-negative int64 leaves room for output_retries' reseeding (seed + 1_000_003 per attempt).
 MAX_SEED = 2**63 - 1
@@ -368,6 +391,18 @@ class SamplingConfig(_Section):
     logprobs: int | None = Field(None, ge=0, le=20, description="Log-probabilities per generated token (vLLM): the "
                                  "chosen token's and the top-k candidates' (0: the chosen token's only) in the "
                                  "row's ``logprobs`` column; null: none")
+    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off (the engines' "
+                       "row of the capability table says which apply it)")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens below this share of the most likely token's "
+                         "probability; 0: off")
+    repetition_penalty: float = Field(1.0, gt=0, le=100, description="Above 1 discourages tokens already in the "
+                                      "prompt or output (vLLM's and transformers' multiplicative penalty); 1: off")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the output, besides "
+                                      "the model's end-of-sequence tokens")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended an output at its end")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables of the chat template "
+                                                 "(e.g. enable_thinking: false for Qwen3); a row's own are laid over "
+                                                 "these. Every engine: the prompts are rendered before the engine")
     output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
                                              "or a pydantic model (module:Class) every output must match; "
                                              "loaded into the schema itself when the config loads")
@@ -396,6 +431,27 @@ class SamplingConfig(_Section):
             return None
         return check_schema(load_schema(v) if isinstance(v, str) else v)
 
+    @field_validator("top_k")
+    @classmethod
+    def _one_off_value(cls, v: int) -> int:
+        return 0 if v == -1 else v  # vLLM's two spellings of "off": one value for the result cache's key
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"token ids are non-negative: {v}")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any]) -> dict[str, Any]:
+        reserved = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)}: arguments of the tokenizer's apply_chat_template, not "
+                             "template variables")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
@@ -411,7 +467,7 @@ class SamplingConfig(_Section):
         return self
 
 
-BUILTIN_WORDLISTS = Path(__file__).parent / "wordlists"
+BUILTIN_WORDLISTS = path_policy.BUILTIN_WORDLISTS
 
 
 class WordListConfig(_Section):
@@ -456,10 +512,19 @@ class OutputConfig(_Section):
 
     path: str
     conn_id: str | None = None
-    partition: str = Field("dt={ds}", description="Published partition under the pipeline prefix")
+    partition: str = Field("dt={ds}", description="Published partition under the pipeline prefix: one folder "
+                           "name (no '/', not '..'); {ds} is the run's date")
     orphan_grace_hours: float = Field(24.0, gt=0, description="A version folder never made current (its "
                                       "publisher was killed) or a temporary file in the partition is removed by "
                                       "the next publish once nothing in it changed for this long")
+
+    @field_validator("partition")
+    @classmethod
+    def _one_folder_in_the_pipeline(cls, v: str) -> str:
+        # filled with the run's date, it names a folder next to runs/: it must not reach out of the pipeline's
+        if problem := path_policy.partition_template_problem(v):
+            raise ValueError(problem)
+        return v
 
 
 class CacheConfig(_Section):
@@ -531,16 +596,36 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sampling_keys_the_engine_applies(self) -> "PipelineConfig":
+        s, caps = self.sampling, self.engine.caps
+        defaults = type(s).model_fields
+        given = [k for k in sorted(EXTRA_SAMPLING_KEYS) if getattr(s, k) != defaults[k].get_default(
+            call_default_factory=True)]
+        lacking = [k for k in given if k not in caps.sampling_keys]
+        problems = []
+        for key in lacking:
+            def applies(c: EngineCapabilities, key: str = key) -> bool:
+                return key in c.sampling_keys
+
+            problems.append(f"sampling.{key}: engine {self.engine.kind} does not apply it ({who_can(applies)}); "
+                            f"remove sampling.{key} or set engine.kind: {engines_serving(applies)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _pooling_tasks_take_no_generation_settings(self) -> "PipelineConfig":
         task = self.engine.task
         if task == "generate":
             return self
         s = self.sampling
         # settings that would silently do nothing are refused, like an unknown key
+        defaults = type(s).model_fields
         given = [k for k, on in (("output_schema", s.output_schema is not None), ("n", s.n > 1),
                                  ("logprobs", s.logprobs is not None), ("output_retries", s.output_retries > 0))
-                 if on]
-        cols = [c for c in self.input.sampling_columns if c != "max_tokens"]
+                 if on] + [k for k in sorted(EXTRA_SAMPLING_KEYS)
+                           if getattr(s, k) != defaults[k].get_default(call_default_factory=True)]
+        cols = [c for c in self.input.sampling_columns if c not in ("max_tokens", "chat_template_kwargs")]
         problems = [f"sampling.{k}" for k in given] + [f"input.sampling_columns: {c}" for c in cols]
         if problems:
             raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: {task} generates no "
@@ -640,10 +725,15 @@ def load_config(path: str | os.PathLike) -> PipelineConfig:
     Local word-list files are checked here, so a missing one stops the run before any inference (lists in
     object storage are checked when the filter stage starts)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
+    try:  # bounded: a huge file, a device or an alias bomb costs one line, not the memory of whoever loads it
+        data = path_policy.load_yaml(path_policy.read_local_bounded(str(path), path_policy.MAX_PIPELINE_FILE_BYTES)
+                                     .decode("utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # path_policy.PathRefused, or the YAML expands too far
+        raise ConfigError(f"{path}: {e}") from None
     if isinstance(data, dict):
         data = _resolve_relative_paths(data, path.parent)
     cfg = parse_config(data, str(path))
@@ -654,19 +744,22 @@ def load_config(path: str | os.PathLike) -> PipelineConfig:
 
 
 def word_list_problems(cfg: FilterConfig) -> list[str]:
-    """Word lists that cannot be read: an unknown built-in or a missing local file (object-storage paths are
-    not looked at: that needs credentials, and the filter stage checks them when it starts)."""
+    """Word lists that cannot be read: an unknown built-in, a local path that is not a regular file (missing, a
+    device, a FIFO) or over ``path_policy.MAX_WORD_LIST_BYTES`` (object-storage paths are not looked at: that
+    needs credentials, and the filter stage checks them when it starts)."""
     problems = []
     for i, wl in enumerate(cfg.lists):
         where = f"filter.lists.{i}.path: word list {wl.name!r}"
-        if wl.path.startswith("builtin:"):
-            if not (BUILTIN_WORDLISTS / f"{wl.path.removeprefix('builtin:')}.txt").is_file():
-                names = ", ".join(sorted("builtin:" + f.stem for f in BUILTIN_WORDLISTS.glob("*.txt")))
-                problems.append(f"{where}: no built-in list {wl.path!r} (built-ins: {names})")
-        elif "://" not in wl.path or wl.path.startswith("file://"):
-            local = os.path.abspath(wl.path.removeprefix("file://"))  # as storage.as_path reads it
-            if not os.path.isfile(local):
-                problems.append(f"{where}: no such file {local} (give an existing file of one word per line, "
+        resolved = path_policy.resolve(wl.path)
+        if resolved.kind == "builtin":
+            try:
+                path_policy.builtin_file(wl.path)
+            except path_policy.PathRefused as e:
+                problems.append(f"{where}: {e}")
+        elif resolved.kind == "local" and resolved.local_path:
+            problem = path_policy.local_file_problem(resolved.local_path, path_policy.MAX_WORD_LIST_BYTES)
+            if problem:
+                problems.append(f"{where}: {problem} (give an existing file of one word per line, "
                                 f"or builtin:en / builtin:zh)")
     return problems
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import ahocorasick
 
+from batch_llm import path_policy
 from batch_llm.config import BUILTIN_WORDLISTS, FilterConfig, WordListConfig
 from batch_llm.manifests import FilterSummary
 from batch_llm.storage import as_path
@@ -31,14 +32,16 @@ BUILTIN = BUILTIN_WORDLISTS
 
 
 def load_words(path: str, options: dict | None = None) -> list[str]:
-    if path.startswith("builtin:"):
-        p = BUILTIN / f"{path.removeprefix('builtin:')}.txt"
-        if not p.exists():
-            raise FileNotFoundError(f"no built-in word list {path!r}; built-ins: "
-                                    f"{', '.join('builtin:' + f.stem for f in BUILTIN.glob('*.txt'))}")
+    """The words of a list: ``builtin:NAME`` (a shipped list only), a local file or an object, read with the
+    path policy's bound (a device, a FIFO or a file over ``MAX_WORD_LIST_BYTES`` is refused, not read)."""
+    if path.startswith(path_policy.BUILTIN_PREFIX):
+        try:
+            p = path_policy.builtin_file(path)
+        except path_policy.PathRefused as e:
+            raise FileNotFoundError(str(e)) from None
         text = p.read_text(encoding="utf-8")
     else:
-        text = as_path(path, options).read_text(encoding="utf-8")
+        text = path_policy.read_file_bounded(as_path(path, options), path_policy.MAX_WORD_LIST_BYTES).decode("utf-8")
     words = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     return [w for w in words if w]
 
@@ -53,6 +56,8 @@ def _list_words(wl: WordListConfig, options: dict | None) -> list[str]:
         why = str(e) if wl.path.startswith("builtin:") else "no such file"
         raise FileNotFoundError(errno.ENOENT, f"word list {wl.name!r} (filter.lists): {why}; fix its path or "
                                 f"create the file", wl.path) from None
+    except path_policy.PathRefused as e:
+        raise path_policy.PathRefused(f"word list {wl.name!r} (filter.lists): {e}") from None
 
 
 @dataclass

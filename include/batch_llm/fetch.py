@@ -19,21 +19,25 @@ import struct
 import uuid
 from pathlib import Path
 
+from batch_llm import path_policy
 from batch_llm.config import ConfigError, ModelConfig
 from batch_llm.manifests import AdapterRecord, FetchManifest
 from batch_llm.storage import as_path
 
 log = logging.getLogger("batch_llm.fetch")
 
-_STORAGE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hf://", "memory://")
+_STORAGE_SCHEMES = tuple(f"{p}://" for p in path_policy.OBJECT_STORAGE_PROTOCOLS)
 
 
 def classify_ref(ref: str, key: str = "model.ref") -> str:
-    if ref.startswith(_STORAGE_SCHEMES):
+    """storage, local or modelscope, as the path policy resolves the ref (a wrapped URL is none of them)."""
+    resolved = path_policy.resolve(ref)
+    if resolved.kind == "storage" and not resolved.wrapped:
         return "storage"
-    if ref.startswith(("/", "./", "../", "~", "file://")) or os.path.isdir(os.path.expanduser(ref)):
+    if resolved.is_local and resolved.local_path and (
+            resolved.protocol or ref.startswith(("/", "./", "../", "~")) or os.path.isdir(resolved.local_path)):
         return "local"
-    if ref.count("/") == 1 and all(ref.split("/")):
+    if "://" not in ref and ref.count("/") == 1 and all(ref.split("/")):
         return "modelscope"
     raise ValueError(f"{key} {ref!r} is neither a ModelScope id (owner/name), a local directory, "
                      f"nor an object-storage prefix ({', '.join(_STORAGE_SCHEMES)})")
@@ -237,7 +241,7 @@ def resolve_ref(ref: str, revision: str, cache_dir: str, storage_options: dict |
         return kind, *_modelscope_snapshot(ref, revision, cache_dir)
     if kind == "storage":
         return kind, *_sync_from_storage(ref, cache_dir, storage_options or {})
-    local_dir = os.path.abspath(os.path.expanduser(ref.removeprefix("file://")))
+    local_dir = path_policy.resolve(ref).local_path or ""  # the folder the policy checked, as it is opened
     if not os.path.isdir(local_dir):
         raise FileNotFoundError(errno.ENOENT, f"{key} {ref}: no such folder", local_dir)
     return kind, local_dir, True

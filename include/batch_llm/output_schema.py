@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batch_llm import path_policy
+
 INVALID_OUTPUT = "invalid_output"
 
 
@@ -63,22 +65,39 @@ def load_schema(ref: str) -> dict:
         if not hasattr(model, "model_json_schema"):
             raise ValueError(f"{ref!r} is not a pydantic model (no model_json_schema)")
         return model.model_json_schema()
+    schema = _read_schema_file(ref)
+    if not isinstance(schema, dict):
+        raise ValueError(f"{ref} does not hold a JSON Schema object")
+    return schema
+
+
+def _read_schema_file(ref: str) -> Any:
+    """The parsed JSON or YAML of a schema file, read within the path policy's bounds."""
     path = Path(ref)
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # bounded: a device, a FIFO or a huge file is refused, not read into memory
+        text = path_policy.read_local_bounded(str(path), path_policy.MAX_SCHEMA_BYTES).decode("utf-8")
     except OSError as e:
         raise ValueError(f"cannot read the output schema file {ref}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{ref} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except path_policy.PathRefused as e:
+        raise ValueError(f"output schema file: {e}") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        schema = yaml.safe_load(text)
+        try:
+            schema = path_policy.load_yaml(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{ref} is not valid YAML: {e}") from None
+        except ValueError as e:  # it expands too far
+            raise ValueError(f"{ref}: {e}") from None
     else:
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{ref} is not JSON: {e.msg} (line {e.lineno})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"{ref} does not hold a JSON Schema object")
+        except RecursionError:
+            raise ValueError(f"{ref}: nested too deeply") from None
     return schema
 
 
@@ -89,9 +108,89 @@ def check_schema(schema: dict) -> dict:
 
     try:
         Draft202012Validator.check_schema(schema)
+        problem = ref_problem(schema)
     except SchemaError as e:
         raise ValueError(f"not a valid JSON Schema: {e.message}") from None
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    if problem:
+        raise ValueError(problem)
     return schema
+
+
+class _RefProblem(Exception):
+    pass
+
+
+def _pointer_target(root: dict, ref: str) -> Any:
+    """The part of ``root`` the local reference ``ref`` (``#`` or ``#/a/b``, JSON Pointer) names."""
+    from urllib.parse import unquote
+
+    node: Any = root
+    for token in unquote(ref[1:]).split("/")[1:] if ref != "#" else []:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
+
+
+class _RefWalk:
+    """A depth-first walk of a schema that follows every ``$ref``: a schema met again while it is being walked
+    is a cycle. Each schema is walked once (a shared one is not walked again): linear in the schema."""
+
+    def __init__(self, root: dict):
+        self.root = root
+        self.done: set[int] = set()
+        self.entered: dict[int, str] = {}  # the schemas on the current path -> where each was entered
+
+    def visit(self, node: Any, where: str, trail: tuple[str, ...]) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                self.visit(item, f"{where}/{i}", trail)
+            return
+        if not isinstance(node, dict) or id(node) in self.done:
+            return
+        if id(node) in self.entered:
+            raise _RefProblem(f"$ref cycle: {' -> '.join(trail)} leads back to {self.entered[id(node)]}; a schema "
+                              "that refers to itself is never done checking an output and has no column type: "
+                              "write its nested levels out")
+        self.entered[id(node)] = where
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                continue
+            if key == "$ref" and isinstance(value, str):
+                self.follow(value, f"{where}/$ref {value!r}", trail)
+            elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # names, not keywords: a property "$ref"
+                for name, sub in value.items():
+                    self.visit(sub, f"{where}/{key}/{name}", trail)
+            elif isinstance(value, dict | list):
+                self.visit(value, f"{where}/{key}", trail)
+        del self.entered[id(node)]
+        self.done.add(id(node))
+
+    def follow(self, ref: str, at: str, trail: tuple[str, ...]) -> None:
+        if not ref.startswith("#"):
+            raise _RefProblem(f"{at}: only references inside the schema (#/...) are followed")
+        target = _pointer_target(self.root, ref)
+        if not isinstance(target, dict | bool):
+            raise _RefProblem(f"{at} points at no schema inside the schema")
+        self.visit(target, ref, (*trail, at))
+
+
+def ref_problem(schema: dict) -> str | None:
+    """Why the schema's ``$ref`` references cannot be followed, None when they can: one pointing outside the
+    schema or at nothing, or a cycle (a schema reached again from itself through ``$ref``). A ``$ref`` at its
+    own schema makes every check recurse without end (RecursionError on every row), and a recursive type has no
+    column type to publish, so any cycle is refused."""
+    try:
+        _RefWalk(schema).visit(schema, "#", ())
+    except _RefProblem as e:
+        return str(e)
+    return None
 
 
 class OutputSchema:

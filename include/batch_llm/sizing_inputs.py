@@ -66,6 +66,7 @@ def find_model_config(cfg) -> Path:
 
     from batch_llm.demo_model import snapshot_dir
     from batch_llm.fetch import classify_ref
+    from batch_llm.path_policy import local_path
 
     ref, cache = cfg.model.ref, Path(cfg.model.resolved_cache_dir())
     try:
@@ -73,7 +74,7 @@ def find_model_config(cfg) -> Path:
     except ValueError as e:
         raise RecommendError(str(e)) from None
     if kind == "local":
-        places = [Path(ref.removeprefix("file://")).expanduser()]
+        places = [Path(local_path(ref) or ref)]
     elif kind == "modelscope":
         places = [snapshot_dir(cache, ref, cfg.model.revision), cache / ref, cache / "models" / ref]
     else:

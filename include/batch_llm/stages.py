@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from batch_llm import path_policy
 from batch_llm import plan as _plan
-from batch_llm.config import PipelineConfig
+from batch_llm.config import ConfigError, PipelineConfig
 from batch_llm.current_pointer import PointerState, read_pointer, switch_pointer
 from batch_llm.fetch import fetch_model
 from batch_llm.formats import (
@@ -115,8 +116,11 @@ class RunLayout:
         with the connection's credentials: ``cfg.output.path`` and ``cfg.input.path`` with ``{ds}`` filled);
         otherwise they are made from the config's paths and ``*_options``."""
         ds = ds or dt.date.today().isoformat()
+        partition = cfg.output.partition.format(ds=ds)
+        if problem := path_policy.partition_problem(partition):  # a ds of "../x" would fill it out of the pipeline
+            raise ConfigError(f"output.partition {cfg.output.partition!r} with ds {ds!r}: {problem}")
         return cls(output_root=output_location or Location(cfg.output.path, output_options or {}),
-                   pipeline=cfg.name, partition=cfg.output.partition.format(ds=ds), run_id=run_id,
+                   pipeline=cfg.name, partition=partition, run_id=run_id,
                    input=input_location or Location(cfg.input.path.format(ds=ds), input_options or {}))
 
     @property

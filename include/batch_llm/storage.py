@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 from upath import UPath
 
+from batch_llm import path_policy
+
 MANIFEST = "manifest.json"
 
 
@@ -64,8 +66,12 @@ def join_url(url: str, *parts: str) -> str:
 
 
 def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
-    if "://" not in url or url.startswith("file://"):
-        return UPath(os.path.abspath(url.removeprefix("file://")))
+    """The path ``url`` names; a local one at exactly the path the path policy classified (``path_policy``)."""
+    resolved = path_policy.resolve(url)
+    if resolved.kind == "builtin":
+        return UPath(path_policy.builtin_file(url))
+    if resolved.is_local:
+        return UPath(resolved.local_path)
     opts = dict(options or {})
     if url.startswith(("s3://", "s3a://")):
         # dag.test() and the CLI run every stage in one process; a cached listing would hide later writes.

@@ -56,4 +56,9 @@ def build_pipeline_dags(folder: Path) -> dict[str, DAG]:
             log.error("invalid pipeline config:\n%s", e)
             d = invalid_config_dag(path, str(e))
             dags[d.dag_id] = d
+        except Exception as e:  # noqa: BLE001 - any failure of one file (a schedule Airflow refuses, a bug) costs
+            # that pipeline's DAG only: all pipelines are built in one DAG file, whose import error would hide all
+            log.exception("pipeline %s: building its DAG failed", path.name)
+            d = invalid_config_dag(path, f"{path}: building the DAG failed: {type(e).__name__}: {e}")
+            dags[d.dag_id] = d
     return dags

@@ -3,10 +3,12 @@
 Defaults come from the pipeline's YAML file, so an untouched form runs the pipeline as configured.
 
 Who may trigger a run may not thereby read any file of the worker: a local path in ``model_ref`` or
-``filter_lists`` must lie under an allowed root (after ``~``, ``..`` and symlinks are resolved). The roots: what
-the pipeline's YAML names itself (its local model folder, its model cache, its local word-list files) and the
-folders in ``$BATCH_LLM_ALLOWED_LOCAL_ROOTS`` or ``[batch_llm] allowed_local_roots`` (comma separated).
-ModelScope ids, object-storage URLs and ``builtin:`` lists are not local paths and pass.
+``filter_lists`` (plain, ``file://``, ``local://`` or behind a caching wrapper such as ``simplecache::``, resolved
+by ``batch_llm.path_policy`` the way it will be opened) must lie under an allowed root (after ``~``, ``..`` and
+symlinks are resolved), and a local word list must be a regular file within the policy's size limit. The roots:
+what the pipeline's YAML names itself (its local model folder, its model cache, its local word-list files) and
+the folders in ``$BATCH_LLM_ALLOWED_LOCAL_ROOTS`` or ``[batch_llm] allowed_local_roots`` (comma separated).
+ModelScope ids, object-storage URLs and the shipped ``builtin:`` lists pass; any other URL is refused.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Param
+from batch_llm import path_policy
 from batch_llm.config import ConfigError, PipelineConfig
 from batch_llm.engines.capabilities import engine_kinds
 
@@ -46,20 +49,21 @@ PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-def _get(cfg: PipelineConfig, dotted: str) -> Any:
-    node: Any = cfg.model_dump(mode="json")
+def _get(dumped: dict, dotted: str) -> Any:
+    node: Any = dumped
     for part in dotted.split("."):
         node = node[part]
     return node
 
 
 def params_for(cfg: PipelineConfig) -> dict[str, Param]:
+    dumped = cfg.model_dump(mode="json")  # once: a config's size is paid once per DAG, not once per param
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
         extra = {}
         if name == "engine":  # every kind of the capability table, read when the DAG is parsed (a dropdown)
             extra = {"enum": engine_kinds()}
-        default = _get(cfg, key)
+        default = _get(dumped, key)
         if name == "filter_lists":  # the trigger form edits lists of strings well, lists of objects not at all
             default = [f"{wl['action']} {wl['name']} {wl['path']}" for wl in default]
             extra = {"items": {"type": "string"}}
@@ -94,8 +98,8 @@ def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
 
 
 def _as_local(path: str) -> str:
-    """The absolute path a local reference names, as fetch and the filter stage read it."""
-    return os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    """The absolute path a local reference names, as the path policy resolves it (and storage opens it)."""
+    return path_policy.local_path(path) or os.path.abspath(os.path.expanduser(path))
 
 
 def local_model_path(ref: Any) -> str | None:
@@ -112,11 +116,10 @@ def local_model_path(ref: Any) -> str | None:
 
 
 def local_word_list_path(item: Any) -> str | None:
-    """The local file a word list names; None for ``builtin:`` and object storage."""
+    """The local file a word list names (through a caching wrapper too); None for ``builtin:`` and object
+    storage."""
     path = item.get("path") if isinstance(item, dict) else None
-    if not isinstance(path, str) or path.startswith("builtin:"):
-        return None
-    return _as_local(path) if "://" not in path or path.startswith("file://") else None
+    return path_policy.local_path(path) if isinstance(path, str) else None
 
 
 def allowed_local_roots(cfg: PipelineConfig) -> list[str]:
@@ -132,28 +135,53 @@ def allowed_local_roots(cfg: PipelineConfig) -> list[str]:
     return roots + [_as_local(p) for p in own if p]
 
 
-def _is_under(path: str, roots: list[str]) -> bool:
-    real = os.path.realpath(path)  # ``..`` and symlinks resolved: the file that would be read
-    for root in roots:
-        base = os.path.realpath(root)
-        if real == base or os.path.commonpath([real, base]) == base:
-            return True
-    return False
+def _named_paths(over: dict) -> list[tuple[str, str]]:
+    """(param, path) of every path the params name: the model ref and each word list's path."""
+    named = [("model_ref", over["model.ref"])] if isinstance(over.get("model.ref"), str) else []
+    lists = over.get("filter.lists")
+    for item in lists if isinstance(lists, list) else []:
+        path = item.get("path") if isinstance(item, dict) else None
+        if isinstance(path, str):
+            named.append(("filter_lists", path))
+    return named
 
 
 def check_local_paths(over: dict, cfg: PipelineConfig) -> None:
-    """ConfigError when the params' ``model_ref`` or a ``filter_lists`` entry names a local path outside the
-    allowed roots."""
-    named = [("model_ref", local_model_path(over.get("model.ref")))]
-    lists = over.get("filter.lists")
-    named += [("filter_lists", local_word_list_path(item)) for item in (lists if isinstance(lists, list) else [])]
-    named = [(param, path) for param, path in named if path]
-    if not named:
-        return
-    roots = allowed_local_roots(cfg)
-    for param, path in named:
-        if not _is_under(path, roots):
+    """ConfigError when a path the params name is not one the path policy lets them name: a local path (plain,
+    ``file://``, ``local://`` or wrapped: ``simplecache::file://``) outside the allowed roots, a local word list
+    that is not a regular file within ``MAX_WORD_LIST_BYTES`` (a device, a FIFO), a ``builtin:`` other than a
+    shipped list, or a URL that is neither local nor object storage (``http://``, ``zip::``, ...)."""
+    from batch_llm.fetch import classify_ref
+
+    roots: list[str] | None = None
+    for param, url in _named_paths(over):
+        if param == "model_ref":
+            try:
+                if classify_ref(url) != "local":
+                    continue  # a ModelScope id or an object-storage prefix
+            except ValueError as e:
+                raise ConfigError(f"params: {param}: {e}") from None
+        resolved = path_policy.resolve(url)
+        if resolved.kind == "builtin":
+            try:
+                path_policy.builtin_file(url)
+            except path_policy.PathRefused as e:
+                raise ConfigError(f"params: {param}: {e}") from None
+            continue
+        if resolved.kind == "storage":
+            continue
+        if resolved.kind != "local" or not resolved.local_path:
+            raise ConfigError(f"params: {param} names {url!r}, which is neither a local path, an object-storage URL "
+                              f"({', '.join(p + '://' for p in path_policy.OBJECT_STORAGE_PROTOCOLS)}) nor a "
+                              f"built-in list ({', '.join(path_policy.builtin_names())})")
+        path = resolved.local_path
+        roots = allowed_local_roots(cfg) if roots is None else roots
+        if not path_policy.under_roots(path, roots):
             raise ConfigError(
                 f"params: {param} names the local path {path}, outside the folders a run's params may name "
                 f"({', '.join(roots) or 'none'}); name a ModelScope id or an object-storage URL, or ask an admin "
                 f"to add the folder to ${ALLOWED_ROOTS_ENV} or [batch_llm] allowed_local_roots")
+        # a device, a FIFO or a huge file is refused here; a missing one is the filter stage's to report
+        if param == "filter_lists" and os.path.lexists(path) and (
+                problem := path_policy.local_file_problem(path, path_policy.MAX_WORD_LIST_BYTES)):
+            raise ConfigError(f"params: {param}: word list {url!r}: {problem}")

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from batch_llm import path_policy
+
 from batch_llm_airflow.storage_bridge import split_conn
 
 log = logging.getLogger("batch_llm_airflow.report_app")
@@ -84,11 +86,12 @@ class Root:
 
 
 def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
+    """A local path opened directly (plain, file:// or local://), as the path policy classifies it."""
+    return path_policy.is_local(url)
 
 
 def _norm_local(url: str) -> str:
-    return os.path.realpath(url.removeprefix("file://"))
+    return os.path.realpath(path_policy.local_path(url) or url)
 
 
 def pipelines_folder() -> Path:
@@ -108,10 +111,13 @@ def pipeline_root(path: Path) -> Root:
     import yaml
     from batch_llm.storage import join_url
 
-    try:
-        data = yaml.safe_load(path.read_text())
+    try:  # bounded as every pipeline file is read: an alias bomb must not stall the API server
+        data = path_policy.load_yaml(path_policy.read_local_bounded(str(path), path_policy.MAX_PIPELINE_FILE_BYTES)
+                                     .decode("utf-8"))
     except yaml.YAMLError as e:
         raise ValueError(f"not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
     name = data.get("name") if isinstance(data, dict) else None
     output = data.get("output") if isinstance(data, dict) else None
     if not isinstance(name, str) or not _DAG_ID.fullmatch(name):
@@ -177,7 +183,8 @@ def resolve(path: str, roots: list[Root] | None = None) -> Resolved:  # noqa: C9
     if not url.lower().endswith(".html"):
         raise ReportError(403, "only HTML reports are served")
     roots = allowed_roots() if roots is None else roots
-    if _is_local(url):
+    resolved = path_policy.resolve(url)
+    if resolved.is_local:
         target = _norm_local(url)
         for root in roots:
             if not root.local:
@@ -185,7 +192,7 @@ def resolve(path: str, roots: list[Root] | None = None) -> Resolved:  # noqa: C9
             base = _norm_local(root.url)
             if target != base and os.path.commonpath([target, base]) == base:
                 return Resolved(target, root, root.dag_id or Path(os.path.relpath(target, base)).parts[0])
-    else:
+    elif resolved.kind == "storage" and not resolved.wrapped:  # anything else (http, zip::, simplecache::) is refused
         scheme, rest = url.split("://", 1)
         parts = rest.split("/")
         if any(p in ("", ".", "..") for p in parts):
