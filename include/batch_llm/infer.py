@@ -41,7 +41,7 @@ from batch_llm.identity import ENGINE_FIELDS_NOT_IN_OUTPUT, OUTPUT_IDENTITY_FORM
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
 from batch_llm.output_schema import OutputSchema
 from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.row_params import RowParams, resolve
+from batch_llm.row_params import RowParams, resolve, response_schema, template_kwargs
 from batch_llm.shard_merge import committed_ids, finish_shard
 from batch_llm.storage import (
     Location,
@@ -345,6 +345,8 @@ class ShardRun:
         self.info: EngineInfo | None = None
         schema = cfg.sampling.output_schema
         self.schema = OutputSchema(schema) if schema is not None else None
+        self.row_formats: dict[str, str] = {}  # request_id -> its row's own response_format (OpenAI bodies)
+        self._row_schemas: dict[str, OutputSchema] = {}  # response_format -> its compiled schema
         self.retryable: dict[str, GenRequest] = {}  # in flight, kept while an invalid output may be asked again
         self.retry: _RequestSpool | None = None   # invalid outputs to ask again (on local disk, not in memory)
         self.n_retried = 0
@@ -410,6 +412,8 @@ class ShardRun:
                 group = self.groups[key.request_id] = _Group(key)
                 self.sent_by[r["id"]] = key.request_id
             group.rows.append((r["id"], r["idx"]))
+            if (params := _row_params(r)) and params.get("response_format"):
+                self.row_formats[key.request_id] = RowParams.from_json(params).response_format
         self.n_prompts = len({g.key.content for g in self.groups.values()})
 
     def _serve_cache(self) -> None:
@@ -509,7 +513,7 @@ class ShardRun:
     def _may_retry(self, req: GenRequest) -> bool:
         """An invalid output is asked again where that can change it: under guided_decoding: fallback every row
         (its first pass was free), otherwise a sampled row (another seed) under output_retries."""
-        return self.fallback or (self.schema is not None and self.cfg.sampling.output_retries > 0
+        return self.fallback or (self._schema_of(req.key) is not None and self.cfg.sampling.output_retries > 0
                                  and resolve(req.params, self.cfg.sampling).temperature > 0)
 
     def _request_for(self, r: dict) -> GenRequest | None:
@@ -558,7 +562,9 @@ class ShardRun:
             return r["text"], self.tokenizer(r["text"], add_special_tokens=True)["input_ids"]
         if not self.tokenizer.chat_template:
             raise ValueError(f"the model at {self.model_dir} has no chat template; set model.chat_template")
-        text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        variables = template_kwargs(RowParams.from_json(_row_params(r)), self.cfg.sampling)
+        text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True,
+                                                  **variables)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
@@ -568,8 +574,9 @@ class ShardRun:
 
     def _take(self, res: GenResult, *, last: bool = False) -> None:
         reason = None
-        if self.schema is not None and not res.error:
-            reason = self._schema_problem(res)
+        schema = self._schema_of(res.key)
+        if schema is not None and not res.error:
+            reason = self._schema_problem(res, schema)
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
@@ -593,12 +600,21 @@ class ShardRun:
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
 
-    def _schema_problem(self, res: GenResult) -> str | None:
+    def _schema_of(self, request_id: str) -> OutputSchema | None:
+        """The schema a request's output must match: its row's response_format, else sampling.output_schema."""
+        rf = self.row_formats.get(request_id)
+        if rf is None:
+            return self.schema
+        if rf not in self._row_schemas:
+            self._row_schemas[rf] = OutputSchema(response_schema(rf))
+        return self._row_schemas[rf]
+
+    def _schema_problem(self, res: GenResult, schema: OutputSchema) -> str | None:
         """Why the output does not match the schema, or None; with n > 1 every sample must match (the first
         one that does not is named)."""
         texts = [s.text for s in res.samples] if res.samples and len(res.samples) > 1 else [res.text]
         for i, text in enumerate(texts):
-            _, reason = self.schema.check(text)
+            _, reason = schema.check(text)
             if reason:
                 return reason if len(texts) == 1 else f"{reason} (sample {i})"
         return None
@@ -677,12 +693,19 @@ def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, mod
                     on_committed=on_committed, shared_engine=shared_engine).run()
 
 
+# sampling keys added after the cache's first namespaces: hashed only where set, so those namespaces stay the same
+_LATER_SAMPLING_KEYS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+                        "chat_template_kwargs")
+
+
 def sampling_identity(s: SamplingConfig) -> dict:
     """The pipeline's sampling as the cache namespace hashes it: every field that decides an output; ``n`` and
     ``logprobs`` and ``guided_length_bounds`` only where set, so that namespaces from before they existed stay the
     same."""
     exclude = {"max_tokens_cap"} | ({"n"} if s.n == 1 else set()) | ({"logprobs"} if s.logprobs is None else set()) \
-        | ({"guided_length_bounds"} if s.guided_length_bounds == "grammar" else set())
+        | ({"guided_length_bounds"} if s.guided_length_bounds == "grammar" else set()) \
+        | {k for k in _LATER_SAMPLING_KEYS if getattr(s, k) == type(s).model_fields[k].get_default(
+            call_default_factory=True)}
     return s.model_dump(exclude=exclude)
 
 
