@@ -148,6 +148,9 @@ class BatchInferenceOperator(PipelineStageOperator):
 
     template_fields = (*PipelineStageOperator.template_fields, "shard", "model")
     ui_color = "#fde2c8"
+    # The GPU task marker: the Kubernetes cluster policy (batch_llm_airflow.policy) gives every task of this
+    # class, and of every class built on it, a GPU pod.
+    runs_on_gpu = True
 
     def __init__(self, *, shard: Any, model: Any, **kwargs: Any):
         super().__init__(**kwargs)

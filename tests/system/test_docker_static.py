@@ -17,8 +17,8 @@ CI has no Docker engine).
 - docker/requirements-*.txt: what the images add, pinned where Airflow's constraints do not pin, at the versions
   requirements.lock (the set CI tests) has; and every third-party import of the code installed in the image
   that runs it.
-- docker/k8s/: the GPU pod template parses and asks for nvidia.com/gpu; the cluster policy routes exactly the
-  BatchInferenceOperator tasks of a real pipeline DAG to it.
+- docker/k8s/: the GPU pod template parses and asks for nvidia.com/gpu (the cluster policy that sends the GPU
+  tasks to it is the distribution's entry point: tests/unit/test_k8s_policy.py).
 - docker/entrypoint.sh, docker/airflow-init.sh: shell syntax, dispatch, and no secret echoed.
 """
 from __future__ import annotations
@@ -694,6 +694,12 @@ def test_image_requirements_pin_what_ci_tests():
     assert not pinned & airflow_side, f"pinned here but Airflow's constraints pin it: {pinned & airflow_side}"
 
 
+# The images' packages that .venv does not have, with the dependency the code imports through them: the
+# Kubernetes cluster policy (batch_llm_airflow.policy) builds its pod_override with the kubernetes client that
+# the cncf.kubernetes provider brings (apache-airflow-providers-cncf-kubernetes' own requirement).
+NOT_INSTALLED_HERE = {"apache-airflow-providers-cncf-kubernetes": ["kubernetes"]}
+
+
 def dependency_closure(requirements: list[str]) -> set[str]:
     """Normalized names of the distributions ``requirements`` bring, following the requirements (extras and
     markers included) of the distributions installed here; ``batch-llm`` is read from pyproject.toml."""
@@ -718,8 +724,8 @@ def dependency_closure(requirements: list[str]) -> set[str]:
             continue
         try:
             requires = distribution(req.name).requires or []
-        except PackageNotFoundError:
-            continue
+        except PackageNotFoundError:  # not installed here: what it is known to bring, if anything
+            requires = NOT_INSTALLED_HERE.get(name, [])
         for line in requires:
             dep = Requirement(line)
             if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in (extras or {""})):
@@ -822,60 +828,6 @@ def test_pod_template_requests_gpus():
             assert "valueFrom" in env and "value" not in env, f"{env['name']}: use a Secret (valueFrom)"
     mounts = {m["mountPath"] for m in base[0]["volumeMounts"]}
     assert {"/opt/airflow/models", "/dev/shm"} <= mounts
-
-
-@pytest.fixture
-def gpu_policy(monkeypatch):
-    import airflow.settings  # noqa: F401  (first, so that Airflow does not take the module below as its own)
-
-    sys.path.insert(0, str(DOCKER / "k8s"))
-    try:
-        import airflow_local_settings as policy
-    finally:
-        sys.path.remove(str(DOCKER / "k8s"))
-    yield policy
-    sys.modules.pop("airflow_local_settings", None)
-
-
-def pipeline_dag(tensor_parallel_size: int = 1):
-    import datetime as dt
-
-    from airflow.sdk import DAG
-    from batch_llm.config import load_config
-    from batch_llm_airflow.task_group import batch_llm_task_group
-
-    cfg = load_config(DOCKER / "pipelines" / "daily_summaries.yaml")
-    cfg = cfg.with_overrides({"engine.tensor_parallel_size": tensor_parallel_size})
-    with DAG(f"policy_tp{tensor_parallel_size}", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
-        batch_llm_task_group(cfg)
-    return dag
-
-
-def test_cluster_policy_routes_only_inference_to_gpu_pods(gpu_policy, monkeypatch):
-    template = "/opt/airflow/pod_templates/pod_template_gpu.yaml"
-    dag = pipeline_dag()
-    for task in dag.tasks:  # not configured (the compose deployment): nothing changes
-        gpu_policy.task_policy(task)
-        assert not task.executor_config, task.task_id
-
-    monkeypatch.setenv("BATCH_LLM_GPU_POD_TEMPLATE", template)
-    monkeypatch.setenv("BATCH_LLM_GPU_EXECUTOR", "KubernetesExecutor")
-    dag = pipeline_dag()
-    for task in dag.tasks:
-        gpu_policy.task_policy(task)
-        if task.task_id.endswith("batch_inference"):
-            assert task.executor_config == {"pod_template_file": template}
-            assert task.executor == "KubernetesExecutor"
-        else:
-            assert not task.executor_config and task.executor != "KubernetesExecutor", task.task_id
-
-
-def test_cluster_policy_asks_for_tensor_parallel_gpus(gpu_policy, monkeypatch):
-    monkeypatch.setenv("BATCH_LLM_GPU_POD_TEMPLATE", "/t.yaml")
-    monkeypatch.setattr(gpu_policy, "_gpu_pod_override", lambda n: {"gpus": n})  # kubernetes client not in .venv
-    task = pipeline_dag(tensor_parallel_size=4).get_task("batch_llm.batch_inference")
-    gpu_policy.task_policy(task)
-    assert task.executor_config == {"pod_template_file": "/t.yaml", "pod_override": {"gpus": 4}}
 
 
 def test_pipelines_shipped_with_compose_are_valid():

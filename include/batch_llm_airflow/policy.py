@@ -1,0 +1,74 @@
+"""Cluster policy for Kubernetes: every GPU task runs in a GPU pod; every other task is left alone.
+
+Airflow loads it through the distribution's ``airflow.policy`` entry point (pyproject.toml), as a pluggy plugin
+beside the cluster's own policies: nothing replaces the cluster's ``airflow_local_settings.py``, whose
+``task_policy`` (if it has one) runs as well. It does nothing unless ``BATCH_LLM_GPU_POD_TEMPLATE`` names a
+pod template file, so the Celery deployment (queue ``gpu``) is not affected. On Kubernetes set, on the
+scheduler and the dag-processor (where DAGs are parsed and policies applied):
+
+    BATCH_LLM_GPU_POD_TEMPLATE=/opt/airflow/pod_templates/pod_template_gpu.yaml
+    BATCH_LLM_GPU_EXECUTOR=KubernetesExecutor   # only with several executors, e.g. CeleryExecutor,KubernetesExecutor
+
+A GPU task is one whose operator class says so (``runs_on_gpu = True``: ``BatchInferenceOperator`` and every
+operator built on it, the pipeline's shards and ``GPULLMBatchOperator`` / ``@task.gpu_llm_batch``'s), mapped or
+not. It gets ``executor_config={"pod_template_file": ...}``, plus a ``pod_override`` asking for
+``engine.tensor_parallel_size`` GPUs when its pipeline wants more than the template's one. What the task's
+author set stays: their own ``pod_template_file`` (the executor config is then left as it is), their
+``pod_override`` (kept as given, on the GPU template: ask for more GPUs there), their ``executor``.
+See docs/production.md, "Kubernetes equivalent".
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from airflow.policies import hookimpl
+
+TEMPLATE_ENV, EXECUTOR_ENV = "BATCH_LLM_GPU_POD_TEMPLATE", "BATCH_LLM_GPU_EXECUTOR"
+TEMPLATE_GPUS = 1  # nvidia.com/gpu of docker/k8s/pod_template_gpu.yaml
+
+
+def runs_on_gpu(task: Any) -> bool:
+    """Whether ``task`` (an operator, or a mapped one: its ``operator_class``) is a GPU task."""
+    cls = getattr(task, "operator_class", None)
+    if not isinstance(cls, type):
+        cls = type(task)
+    return bool(getattr(cls, "runs_on_gpu", False))
+
+
+def _gpu_pod_override(gpus: int) -> Any:
+    from kubernetes.client import models as k8s
+
+    amount = {"nvidia.com/gpu": str(gpus)}
+    return k8s.V1Pod(spec=k8s.V1PodSpec(containers=[k8s.V1Container(
+        name="base", resources=k8s.V1ResourceRequirements(limits=amount, requests=amount))]))
+
+
+def gpu_executor_config(existing: dict | None, pipeline: dict | None, template: str) -> dict:
+    """The executor config of a GPU task that has ``existing`` (its author's, possibly empty)."""
+    config = dict(existing or {})
+    if "pod_template_file" in config:  # the author chose the pod: theirs
+        return config
+    config["pod_template_file"] = template
+    tp = int(((pipeline or {}).get("engine") or {}).get("tensor_parallel_size") or 1)
+    if tp > TEMPLATE_GPUS and "pod_override" not in config:
+        config["pod_override"] = _gpu_pod_override(tp)
+    return config
+
+
+@hookimpl
+def task_policy(task: Any) -> None:
+    template = os.environ.get(TEMPLATE_ENV)
+    if not template or not runs_on_gpu(task):
+        return
+    executor = os.environ.get(EXECUTOR_ENV) or None
+    kwargs = getattr(task, "partial_kwargs", None)  # a mapped task keeps its arguments here
+    if kwargs is not None:
+        kwargs["executor_config"] = gpu_executor_config(kwargs.get("executor_config"), kwargs.get("pipeline_config"),
+                                                        template)
+        if executor and not kwargs.get("executor"):
+            kwargs["executor"] = executor
+        return
+    task.executor_config = gpu_executor_config(task.executor_config, getattr(task, "pipeline_config", None), template)
+    if executor and not task.executor:
+        task.executor = executor
