@@ -237,3 +237,29 @@ def test_refused_requests_are_error_lines_of_the_batch_error_format(parity):
     err = line["response"]["body"]["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
     assert "tools=[{'type': 'function'}] is not supported" in err["message"] and "line 7" in err["message"]
+
+
+def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity, tmp_path, demo_model_dir):
+    """`batch-llm run-batch` with the flags the reference `vllm run-batch` ran with, no YAML: the same answers,
+    one line per input line in input order, the refused request's error line among them."""
+    ref, _, _ = parity
+    lines_in = PARITY_LINES + REFUSED
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines_in))
+    run = subprocess.run(
+        [sys.executable, "-m", "batch_llm", "run-batch", "-i", str(src), "-o", str(out), "--model",
+         str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager", "--max-model-len", "1024",
+         "--generation-config", "vllm", "--seed", "0", "--dtype", cpu_dtype("auto", str(demo_model_dir), on_gpu=False),
+         "--plain"],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = list(iter_jsonl(out))
+    assert [x["custom_id"] for x in got] == [x["custom_id"] for x in lines_in]
+    for line in got:
+        if line["custom_id"] in ref:
+            assert _answer(line) == _answer(ref[line["custom_id"]]), line["custom_id"]
+    *answered, refused = got
+    assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["model"] == "smol" for x in answered)
+    assert refused["response"]["status_code"] == 400 and "tools=" in refused["response"]["body"]["error"]["message"]
+    assert f"output: {out} ({len(lines_in)} lines, 1 refused or failed)" in run.stdout
