@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from batch_llm import path_policy
+
 if TYPE_CHECKING:
     from batch_llm.storage import Location
 
@@ -56,7 +58,7 @@ def diagnose(target: StorageTarget, error: BaseException | None = None) -> str |
     (or cannot be reached at all: outages are left to retries). Two small requests, only after a failure.
     ``error``: the failure being explained; a refusal quotes its text (a HEAD's is only "Forbidden")."""
     url = target.location.url
-    if "://" not in url or url.startswith("file://"):
+    if path_policy.resolve(url).kind == "local":
         return None
     try:
         path = target.location.path()
@@ -94,7 +96,7 @@ def storage_errors(targets: Iterable[StorageTarget] | Callable[[], Iterable[Stor
         yield
     except (PermissionError, FileNotFoundError) as e:
         found = list(targets() if callable(targets) else targets)
-        remote = [t for t in found if "://" in t.location.url and not t.location.url.startswith("file://")]
+        remote = [t for t in found if path_policy.resolve(t.location.url).kind != "local"]
         blamed = [(t, reason) for t in remote if (reason := diagnose(t, e))]
         if not blamed:
             if not (remote and _from_object_store(e)):
