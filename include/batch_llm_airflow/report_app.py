@@ -12,8 +12,9 @@ Who may read what:
 - Only files under an allowed root: ``<output.path>/<name>`` of every pipeline YAML the DAGs are built from
   (``$BATCH_LLM_PIPELINES_DIR`` or ``<dags_folder>/pipelines``), plus the prefixes in
   ``$BATCH_LLM_REPORT_ROOTS`` (comma separated output roots, ``s3://conn@bucket/prefix`` names a connection).
-  Local paths are compared after ``realpath`` (no ``..`` or symlink escapes), object-store URLs segment by
-  segment; only ``*.html`` files are served. Anything else: 403.
+  Local paths (plain, ``file://``, ``local://``: ``batch_llm.path_policy`` decides) are compared after ``realpath``
+  (no ``..`` or symlink escapes), object-store URLs segment by segment; wrapped (``simplecache::``) and other URLs
+  are refused; only ``*.html`` files are served. Anything else: 403.
 - Only reports of DAGs the user may read: the path's pipeline (``<root>/<pipeline>/...``, the pipeline name
   is the DAG id) is checked with the auth manager's ``is_authorized_dag(GET, RUN)``; no access: 403.
 
