@@ -35,8 +35,6 @@ from typing import Any
 import attrs
 from airflow.sdk import BaseOperator, Context, TaskGroup, TriggerRule
 from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, get_unique_task_id, task_decorator_factory
-from airflow.sdk.definitions._internal.mixins import DependencyMixin
-from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
 from batch_llm import llm_batch, stages
@@ -202,8 +200,8 @@ class _GPUBatchDecoratedPlanOperator(DecoratedOperator, GPUBatchPlanOperator):
 
     def __init__(self, *, python_callable: Callable, op_args: Sequence | None = None,
                  op_kwargs: Mapping[str, Any] | None = None, **kwargs: Any):
-        super().__init__(python_callable=python_callable, op_args=op_args, op_kwargs=op_kwargs,
-                         requests=SET_DURING_EXECUTION, **kwargs)
+        super().__init__(python_callable=python_callable, op_args=op_args, op_kwargs=op_kwargs, requests=None,
+                         **kwargs)  # the requests are the function's return value, set in execute
 
     def execute(self, context: Context) -> list[dict] | dict:
         context_merge(context, self.op_kwargs)
@@ -322,7 +320,7 @@ class BatchXComArg(PlainXComArg):
             root.set_upstream(task_or_task_list, edge_modifier)
 
 
-class GPULLMBatchOperator(DependencyMixin):
+class GPULLMBatchOperator:
     """common-ai's ``LLMBatchOperator`` run on this project's engines: the same arguments where the meaning is the
     same, the same result rows and manifest; the batch runs as tasks of its own (see the module docstring).
 
@@ -463,11 +461,32 @@ class GPULLMBatchOperator(DependencyMixin):
     def leaves(self) -> list:
         return [self.operator]
 
+    # Airflow's dependency protocol, written out (its DependencyMixin is private API): ``a >> batch >> b``,
+    # ``[a, b] >> batch``, ``batch << a``; Airflow's own tasks call update_relative, roots and leaves.
     def set_upstream(self, other, edge_modifier=None):
         self.plan.set_upstream(other, edge_modifier)
 
     def set_downstream(self, other, edge_modifier=None):
         self.operator.set_downstream(other, edge_modifier)
+
+    def update_relative(self, other, upstream: bool = True, edge_modifier=None) -> None:
+        """Nothing to record: the edges are the plan's and the landing task's own."""
+
+    def __rshift__(self, other):
+        self.set_downstream(other)
+        return other
+
+    def __lshift__(self, other):
+        self.set_upstream(other)
+        return other
+
+    def __rrshift__(self, other):
+        self.set_upstream(other)
+        return self
+
+    def __rlshift__(self, other):
+        self.set_downstream(other)
+        return self
 
 
 # The arguments a mapped batch may expand: those of the plan task, which makes each batch. The rest (output_type,
