@@ -37,6 +37,7 @@ from airflow.sdk import BaseOperator, Context, TaskGroup, TriggerRule
 from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, get_unique_task_id, task_decorator_factory
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from batch_llm import llm_batch, stages
 from batch_llm.config import PipelineConfig, load_config
 from batch_llm.llm_batch import STATE_DIR, OutputType
@@ -58,6 +59,29 @@ HOSTED_ONLY = {
     "on_orphaned_intent": "there is no submission to lose: a retry resumes from committed chunks",
     "completion_window": "no provider deadline",
 }
+
+# Where a BaseOperator argument given to the batch lands. common-ai's LLMBatchOperator is one task; here the batch
+# is several, and each argument goes to the task(s) where it means what it means there:
+# - the batch's outcome, on the landing task only (the task with the id given, whose XCom is the manifest): it
+#   runs once per batch, after every shard, and fails when any earlier task of the batch failed, so its
+#   outlets update their Assets once per landed batch and its callbacks fire once per batch;
+# - the batch's start, on the plan task only (its first task, the one the upstream tasks point at);
+# - everything else (retries, retry_delay, execution_timeout, owner, priority_weight, executor_config,
+#   max_active_tis_per_dag, ...), on every task, each applying it to itself; the shard tasks' pool, queue and
+#   pool_slots are the config's GPU ones whatever else is given (a pool given here is the other tasks').
+BATCH_OUTCOME_ARGS = frozenset({
+    "outlets", "inlets", "on_success_callback", "on_failure_callback", "on_retry_callback", "on_skipped_callback",
+    "email", "email_on_failure", "email_on_retry", "task_display_name", "doc", "doc_md", "doc_json", "doc_yaml",
+    "doc_rst", "do_xcom_push", "multiple_outputs"})
+BATCH_START_ARGS = frozenset({"trigger_rule", "on_execute_callback"})
+
+
+def split_task_kwargs(task_kwargs: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """``task_kwargs`` as (every task's, the plan task's, the landing task's): see ``BATCH_OUTCOME_ARGS``."""
+    every = {k: v for k, v in task_kwargs.items() if k not in BATCH_OUTCOME_ARGS | BATCH_START_ARGS}
+    start = {k: v for k, v in task_kwargs.items() if k in BATCH_START_ARGS}
+    outcome = {k: v for k, v in task_kwargs.items() if k in BATCH_OUTCOME_ARGS}
+    return every, start, outcome
 
 
 def common_ai_errors(module: types.ModuleType | None) -> dict[type, type]:
@@ -253,17 +277,43 @@ class GPUBatchLandOperator(_BatchStage):
     """Lands the batch: ``<result_path>/<key16>.jsonl`` with one row per request and the manifest (the XCom
     value), validated against ``output_type`` with pydantic. ``fail_on_partial_error`` fails the task with
     ``LLMBatchPartialFailureError`` when a request has no usable result; as common-ai's, that is retried by the
-    task's ``retries``, and a retry lands the same results again (nothing is run again) and raises again."""
+    task's ``retries``, and a retry lands the same results again (nothing is run again) and raises again.
+
+    With ``plan_task_id`` (an unmapped batch) it runs when every earlier task of the batch is done, whatever
+    their state (``all_done``), reads the batch from the plan task's XCom, and first checks the states of
+    ``batch_task_ids``: when one failed it fails (no retry) naming them, so the batch's failure is this task's
+    (its callbacks fire once); when the plan was skipped (a branch not taken) it is skipped too."""
 
     template_fields: Sequence[str] = ("batch",)
     ui_color = "#d5f5e3"
 
-    def __init__(self, *, output_type: Any = str, fail_on_partial_error: bool = False, **kwargs: Any):
-        super().__init__(**kwargs)
+    def __init__(self, *, output_type: Any = str, fail_on_partial_error: bool = False, plan_task_id: str | None = None,
+                 batch_task_ids: Sequence[str] = (), batch: Any = None, **kwargs: Any):
+        super().__init__(batch=batch, **kwargs)
         self.output_type, self.fail_on_partial_error = output_type, fail_on_partial_error
+        self.plan_task_id, self.batch_task_ids = plan_task_id, list(batch_task_ids)
+
+    def check_batch_tasks(self, context: Context) -> None:
+        """Fails naming the batch's failed tasks, or skips when the plan was skipped (see the class doc)."""
+        ti = context["ti"]
+        states = ti.get_task_states(dag_id=ti.dag_id, task_ids=self.batch_task_ids,
+                                    run_ids=[ti.run_id]).get(ti.run_id, {})
+        # a mapped task's instances come as "<task_id>_<map index>"
+        named = {(k if k in self.batch_task_ids else "{}[{}]".format(*k.rsplit("_", 1))): str(v)
+                 for k, v in states.items()}
+        if failed := sorted(k for k, v in named.items() if v in ("failed", "upstream_failed")):
+            raise AirflowFailException(
+                f"batch {self.task_id!r} has nothing to land: {', '.join(f'{k} {named[k]}' for k in failed)}. "
+                "Clear the failed task with its downstream tasks to run it again (a shard resumes after its "
+                "committed chunks)")
+        if named.get(str(self.plan_task_id)) == "skipped":
+            raise AirflowSkipException(f"batch {self.task_id!r}: {self.plan_task_id} was skipped")
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
+        if self.plan_task_id is not None:
+            self.check_batch_tasks(context)
+            self.batch = context["ti"].xcom_pull(task_ids=self.plan_task_id, key="batch")
         cfg, layout = self.resolve(context)
         ref = self._ref
         result_uri = f"{ref.result_path.rstrip('/')}/{ref.key16}.jsonl"
@@ -356,9 +406,25 @@ class GPULLMBatchOperator:
     :param config: a pipeline YAML path or ``PipelineConfig`` whose engine, sharding, sampling, cache, model
         and airflow sections the batch uses (its input, output, filter and scoring are the batch's own).
     :param config_overrides: dotted config keys on top (``{"engine.kind": "transformers"}``), not templated.
-    :param task_kwargs: BaseOperator arguments (``retries``, ``execution_timeout``, ...) for every task; the
-        shard tasks' ``pool``, ``queue`` and ``pool_slots`` come from the config's ``airflow.gpu_pool``,
-        ``airflow.gpu_queue`` and ``engine.tensor_parallel_size``.
+    :param task_kwargs: BaseOperator arguments, each given to the task(s) where it means what it means on
+        common-ai's one task (``BATCH_OUTCOME_ARGS``, ``BATCH_START_ARGS``):
+
+        - the batch's outcome, the landing task only: ``outlets`` and ``inlets`` (an Asset is updated once per
+          landed batch, after every shard), ``on_success_callback``, ``on_failure_callback`` (once per failed
+          batch: the landing task fails when an earlier task of the batch failed), ``on_retry_callback`` (the
+          landing task's retries; a shard's retries resume it and call nothing), ``on_skipped_callback``,
+          ``email*``, ``task_display_name``, ``doc*``;
+        - the batch's start, the plan task only: ``trigger_rule`` (against the batch's upstream tasks) and
+          ``on_execute_callback``;
+        - every task, each applying it to itself: ``retries``, ``retry_delay``, ``retry_exponential_backoff``,
+          ``execution_timeout`` (per task, not for the whole batch), ``owner``, ``priority_weight``,
+          ``executor_config``, ``max_active_tis_per_dag``, ``pool`` and ``queue`` (except for the shard tasks,
+          whose ``pool``, ``queue`` and ``pool_slots`` are the config's ``airflow.gpu_pool``,
+          ``airflow.gpu_queue`` and ``engine.tensor_parallel_size``), and the rest.
+
+        In a mapped batch (``.partial().expand()``) the landings run only when nothing before them failed;
+        a failure there leaves them ``upstream_failed``, for which Airflow calls no callback (the DAG run's
+        ``on_failure_callback`` does fire).
 
     Hosted-only arguments (``llm_conn_id``, ``deferrable``, ``poll_interval``, ...) are refused with the reason.
     """
@@ -417,30 +483,38 @@ class GPULLMBatchOperator:
                        tooltip=f"GPU batch {task_id}: plan, model, shards, landing") as self.group:
             parent = self.group.parent_group
             full_id = parent.child_id(task_id) if parent is not None else task_id
+            every, start, outcome = split_task_kwargs(task_kwargs)
             plan = make_plan(task_id=f"{full_id}.plan_shards", batch_task_id=full_id, output_type=output_type,
                              base_config=base, config_overrides=config_overrides, batch_mapped=mapped,
-                             **plan_args, **task_kwargs)
-            common = dict(pipeline_config=cfg.model_dump(mode="json"), **task_kwargs)
+                             **plan_args, **every, **start)
+            common = dict(pipeline_config=cfg.model_dump(mode="json"), **every)
             gpu = {**common, "pool": cfg.airflow.gpu_pool, "queue": cfg.airflow.gpu_queue,
                    "pool_slots": cfg.engine.tensor_parallel_size}
             land = dict(task_id=full_id, output_type=output_type, fail_on_partial_error=fail_on_partial_error,
-                        # none_failed: a batch whose every request was refused has no shard to run, and still lands.
-                        trigger_rule=TriggerRule.NONE_FAILED, **common)
+                        **common, **outcome)
             if not mapped:
                 batch = XComArg(plan, key="batch")
                 model = GPUBatchModelOperator(task_id=f"{full_id}.fetch_model", batch=batch, **common)
                 shards = GPUBatchInferenceOperator.partial(task_id=f"{full_id}.batch_inference", model=model.output,
                                                            batch=batch, **gpu).expand(shard=plan.output)
-                self.operator = GPUBatchLandOperator(batch=batch, **land)
+                # all_done: it lands once every shard is done (a batch whose every request was refused has no
+                # shard to run, and still lands), and is the batch's one outcome: it fails when an earlier task
+                # failed, instead of being left upstream_failed where Airflow runs no callback.
+                self.operator = GPUBatchLandOperator(
+                    plan_task_id=plan.task_id, batch_task_ids=[plan.task_id, model.task_id, shards.task_id],
+                    trigger_rule=TriggerRule.ALL_DONE, **land)
                 plan >> model >> shards >> self.operator
             else:  # one batch per map index: plan, model and landing per batch, the shards of all of them together
                 model = GPUBatchModelOperator.partial(task_id=f"{full_id}.fetch_model", **common).expand(
                     batch=XComArg(plan))
                 collect = GPUBatchShardsOperator(task_id=f"{full_id}.shards", batches=XComArg(plan),
-                                                 models=XComArg(model), **task_kwargs)
+                                                 models=XComArg(model), **every)
                 shards = GPUBatchInferenceOperator.partial(task_id=f"{full_id}.batch_inference", **gpu) \
                     .expand_kwargs(XComArg(collect))
-                self.operator = GPUBatchLandOperator.partial(**land).expand(batch=XComArg(plan))
+                # none_failed, not all_done: the landings are expanded over the plans' results, and with every
+                # plan failed an all_done expansion would be empty, i.e. skipped, and the run could succeed.
+                self.operator = GPUBatchLandOperator.partial(trigger_rule=TriggerRule.NONE_FAILED, **land).expand(
+                    batch=XComArg(plan))
                 plan >> model >> collect >> shards >> self.operator
         self.plan = plan
 

@@ -182,3 +182,81 @@ def test_the_example_task_switches_provider_by_one_line():
     hosted = example.build_dag("common_ai", dag_id="switch_common_ai")
     assert hosted.get_task("summaries_by_group").is_mapped
     assert hosted.get_task("count_mapped").upstream_task_ids == {"summaries_by_group"}
+
+
+def _attr(task, name):
+    """A task's argument, mapped or not (a MappedOperator keeps the .partial() ones in partial_kwargs)."""
+    kwargs = getattr(task, "partial_kwargs", None)
+    if kwargs is not None and name in kwargs:
+        return kwargs[name]
+    return getattr(task, name)
+
+
+def test_task_arguments_land_where_their_meaning_is():
+    """The batch's outcome (outlets, inlets, callbacks) on the landing task alone, its start (trigger_rule,
+    on_execute_callback) on the plan task alone, the rest on every task; unmapped and mapped, operator and
+    decorator. On the old code every task of the group got every argument: plan_shards updated the Asset."""
+    from airflow.sdk import DAG, Asset, task
+    from batch_llm_airflow.llm_batch import BATCH_OUTCOME_ARGS, BATCH_START_ARGS, GPULLMBatchOperator
+
+    asset, source = Asset("s3://lake/llm/classified"), Asset("s3://lake/reviews")
+    alert, started, retried = (lambda ctx: None), (lambda ctx: None), (lambda ctx: None)
+    args = dict(outlets=[asset], inlets=[source], on_failure_callback=alert, on_success_callback=alert,
+                on_retry_callback=retried, on_execute_callback=started, trigger_rule="all_done", retries=3,
+                execution_timeout=dt.timedelta(minutes=30), owner="ml", pool="cpu_pool", priority_weight=7)
+    with DAG("routing", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        GPULLMBatchOperator(task_id="op", requests=["x"], **args, **KW)
+        GPULLMBatchOperator.partial(task_id="mapped", **args, **KW).expand(requests=[["a"], ["b"]])
+
+        @task.gpu_llm_batch(**args, **KW)
+        def deco(rows: list[str]) -> list[str]:
+            return rows
+
+        deco(["y"])
+        deco.override(task_id="deco_mapped").expand(rows=[["c"]])
+    assert {"outlets", "inlets", "on_failure_callback"} <= BATCH_OUTCOME_ARGS and "trigger_rule" in BATCH_START_ARGS
+    for name in ("op", "mapped", "deco", "deco_mapped"):
+        group = [t for t in dag.tasks if t.task_id == name or t.task_id.startswith(f"{name}.")]
+        land, plan = dag.get_task(name), dag.get_task(f"{name}.plan_shards")
+        assert len(group) >= 4, [t.task_id for t in group]
+        assert _attr(land, "outlets") == [asset] and _attr(land, "inlets") == [source], name
+        assert _attr(land, "on_failure_callback") in (alert, [alert]), name
+        assert _attr(land, "on_retry_callback") in (retried, [retried]), name
+        assert _attr(plan, "on_execute_callback") in (started, [started]), name
+        assert str(_attr(plan, "trigger_rule")) in ("all_done", "TriggerRule.ALL_DONE"), name
+        for t in group:
+            assert _attr(t, "retries") == 3 and _attr(t, "owner") == "ml", t.task_id
+            assert _attr(t, "execution_timeout") == dt.timedelta(minutes=30), t.task_id
+            assert _attr(t, "priority_weight") == 7, t.task_id
+            if t is not land:
+                assert not _attr(t, "outlets") and not _attr(t, "inlets"), t.task_id
+                assert not _attr(t, "on_failure_callback") and not _attr(t, "on_success_callback"), t.task_id
+                assert not _attr(t, "on_retry_callback"), t.task_id
+            if t is not plan:
+                assert not _attr(t, "on_execute_callback"), t.task_id
+            if t.task_id.endswith(".batch_inference"):  # the shards: the config's GPU pool and queue
+                assert (_attr(t, "pool"), _attr(t, "queue")) == ("gpu", "gpu"), t.task_id
+            else:
+                assert _attr(t, "pool") == "cpu_pool", t.task_id
+        # the landing task's trigger rule is its own: after every shard (unmapped: all_done, and it checks)
+        assert str(_attr(land, "trigger_rule")).endswith(("all_done", "ALL_DONE", "none_failed", "NONE_FAILED"))
+    assert str(_attr(dag.get_task("op"), "trigger_rule")).lower().endswith("all_done")
+    assert str(_attr(dag.get_task("mapped"), "trigger_rule")).lower().endswith("none_failed")
+
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    DagSerialization.to_dict(dag)
+
+
+def test_plan_and_fetch_tasks_carry_no_outlets():
+    """The Asset a downstream DAG is scheduled on is updated by the landing task alone (the old code put the
+    outlets on every task, so plan_shards updated it before any result existed)."""
+    from airflow.sdk import DAG, Asset
+    from batch_llm_airflow.llm_batch import GPULLMBatchOperator
+
+    asset = Asset("file:///tmp/llm/landed")
+    with DAG("outlets", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        GPULLMBatchOperator(task_id="classify", requests=["x"], outlets=[asset], **KW)
+    with_outlets = sorted(t.task_id for t in dag.tasks if _attr(t, "outlets"))
+    assert with_outlets == ["classify"]
+    assert not dag.get_task("classify.plan_shards").outlets and not dag.get_task("classify.fetch_model").outlets
