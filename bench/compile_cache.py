@@ -1,4 +1,4 @@
-"""engine.compile_cache, cold vs warm: the project's engine start (``batch_llm.engine_start.start_engine``) in a
+"""engine.compile_cache, cold vs warm: the project's engine start (``batch_llm.engines.start.start_engine``) in a
 fresh process per run, alternating cold (an empty store) and warm (the store the previous cold run filled).
 
 The cache goes through the object-storage path (``file://`` store: archive unpacked into a fresh worker-local
@@ -24,7 +24,7 @@ from bench.runners import T0, append_jsonl, bench_command, bench_config, child_e
 
 def child(a) -> None:
     os.environ["BATCH_LLM_COMPILE_CACHE_LOCAL"] = a.local  # before compile_cache reads it
-    from batch_llm.engine_start import start_engine
+    from batch_llm.engines.start import start_engine
 
     cfg = bench_config(a.model, output=a.local, max_tokens=16, dummy=a.dummy,
                        engine={"max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,

@@ -6,7 +6,7 @@ against the same start with the collector running as usual: a fresh process per 
         --max-model-len 1024 --pairs 3                                                   # CPU, the demo's
 
 Each run: import vLLM (timed alone, under the variant's collector), then the project's engine start
-(``batch_llm.engine_start.start_engine``: ``LLM(...)``, the engine core, its warm-up), then 8 short greedy requests
+(``batch_llm.engines.start.start_engine``: ``LLM(...)``, the engine core, its warm-up), then 8 short greedy requests
 so the engine is shown to serve. ``paused`` is the project as shipped; ``collecting`` replaces the pause by a no-op.
 A run prints ``RESULT {json}``: import_s, construct_s (the start after the import), engine_ready_s (process start
 -> engine started), served.
@@ -27,7 +27,7 @@ VARIANTS = ("paused", "collecting")
 
 def child(a) -> None:
     import batch_llm.engines.vllm_engine as vllm_engine
-    from batch_llm.engine_start import start_engine
+    from batch_llm.engines.start import start_engine
 
     pause = vllm_engine.gc_paused_import if a.variant == "paused" else contextlib.nullcontext
     vllm_engine.gc_paused_import = pause  # what VllmEngine.start uses

@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from batch_llm.shard_process import IsolatedShard, worker_spec
-from batch_llm.stages import RunLayout
-from batch_llm.storage import Location, iter_jsonl, list_files, write_jsonl
-from batch_llm.worker import WorkerFailed, WorkerHandle
+from batch_llm.io.storage import Location, iter_jsonl, list_files, write_jsonl
+from batch_llm.isolation.shard_process import IsolatedShard, worker_spec
+from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
+from batch_llm.layout import RunLayout
 
 from bench.inference import make_dataset
 from bench.runners import ROOT, bench_command, bench_config, child_env, model_vocab, print_result
@@ -108,7 +108,7 @@ def check_resume(a) -> dict:
 
 
 def lease_task(a) -> None:
-    """One shard task, as BatchInferenceOperator.execute runs it (``batch_llm.shard_process``): lease a GPU, start the
+    """One shard task, as BatchInferenceOperator.execute runs it (``batch_llm.isolation.shard_process``): lease a GPU, start the
     worker pinned to it, wait for its manifest, release the lease."""
     cfg, layout, model, shard = make_shard(a, a.rows, Path(tempfile.mkdtemp()), seed=a.seed)
     run = IsolatedShard(cfg, layout, model, shard, holder=f"task-{a.seed}", lease_poll=0.5)

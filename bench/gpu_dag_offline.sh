@@ -142,7 +142,7 @@ install_project() {  # $1 python of the venv, $2 log. Editable (the provider and
     echo "$REPO/include" > "$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/batch_llm_include.pth"
     PROJECT_INSTALL=pth
   fi
-  "$1" -c "import batch_llm_airflow.dag_factory, batch_llm.stages, batch_llm.report" || die project "batch_llm does not import in the venv"
+  "$1" -c "import batch_llm_airflow.dag_factory, batch_llm.api, batch_llm.analysis.report" || die project "batch_llm does not import in the venv"
 }
 
 write_pipeline() {  # $1 python, $2 work folder: $2/pipelines/demo.yaml, the demo switched to the GPU path
@@ -343,7 +343,7 @@ if run:
     res["task_state_counts"] = dict(collections.Counter(s or "none" for _, _, s, _, _ in tis))
 try:
     from batch_llm.config import load_config
-    from batch_llm.storage import Location, read_json
+    from batch_llm.io.storage import Location, read_json
     cfg = load_config(f"{work}/pipelines/demo.yaml")
     lines = lambda p: sum(1 for x in open(p, encoding="utf-8") if x.strip())
     res["input_lines"] = lines(cfg.input.path)

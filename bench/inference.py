@@ -10,7 +10,7 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          ids (no re-tokenized text), then the completions written
   stage  the project's plan and inference stages as the DAG runs them: the input file planned into one shard
          (validation, the shard's order: largest output budget first, then prompt length), the spawned
-         worker (batch_llm.worker), streaming into the engine, chunk commits, resume bookkeeping, the merged
+         worker (batch_llm.isolation.worker_parent), streaming into the engine, chunk commits, resume bookkeeping, the merged
          outputs.jsonl / errors.jsonl and the manifest
   stage-x  the stage with --stage-extra's engine arguments added (engine.extra): a tuning knob against the same raw
   stage-vllm-graphs  the stage with vLLM's own CUDA graphs (engine.cuda_graphs: vllm) instead of the offline set:
@@ -325,10 +325,10 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     """The stage modes' input: ``rows`` written to a file, planned as the plan task plans it into ``shards``
     shards (more than one: one task runs them all on one engine, ``sharding.shards_per_task``), and the worker's
     spec for them. Returns (plan, spec)."""
-    from batch_llm.plan import plan_shards
-    from batch_llm.shard_process import worker_spec
-    from batch_llm.stages import RunLayout
-    from batch_llm.storage import Location, write_jsonl
+    from batch_llm.io.storage import Location, write_jsonl
+    from batch_llm.isolation.shard_process import worker_spec
+    from batch_llm.layout import RunLayout
+    from batch_llm.stages.plan import write_plan
 
     work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
     input_url = str(work / "input.jsonl")
@@ -337,7 +337,7 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     if shards > 1:
         cfg = cfg.with_overrides({"sharding.num_shards": shards, "sharding.shards_per_task": shards})
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
-    plan = plan_shards(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
+    plan = write_plan(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
     assert plan.valid == len(rows) and len(plan.shards) == shards, plan
     model = {"local_dir": a.model, "model_key": "bench"}
     return plan, worker_spec(cfg, layout, model, list(plan.shards) if shards > 1 else plan.shards[0])
@@ -348,8 +348,8 @@ def run_stage_shards(a, rows) -> dict:
     all of them (``sharding.shards_per_task``), as a GPU task of the DAG runs them. The clock: the worker's
     process start to its last shard's manifest; per shard, its phases from the engine being ready (or the end of
     the shard before) to its commit's end."""
+    from batch_llm.isolation.worker_parent import WorkerHandle
     from batch_llm.manifests import ShardManifest
-    from batch_llm.worker import WorkerHandle
 
     _, spec = _planned_spec(a, rows, "stage", shards=a.shards)
     t0 = time.time()
@@ -383,7 +383,7 @@ def run_stage_shards(a, rows) -> dict:
 def run_stage(a, rows, mode: str = "stage") -> dict:
     """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
     what each is)."""
-    from batch_llm.worker import WorkerHandle
+    from batch_llm.isolation.worker_parent import WorkerHandle
 
     plan, spec = _planned_spec(a, rows, mode)
     ready: list[float] = []

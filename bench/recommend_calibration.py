@@ -1,4 +1,4 @@
-"""Fits the calibration constants of ``batch_llm/recommend.py`` to this project's measurements and prints them
+"""Fits the calibration constants of ``batch_llm/sizing/recommend.py`` to this project's measurements and prints them
 with the model's error at every measured point (fitted and held out). No GPU needed::
 
     .venv/bin/python -m bench recommend-calibration
@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import statistics
 
-from batch_llm import recommend as R
+from batch_llm.sizing import recommend as R
 
 from bench.runners import ROOT
 

@@ -1,4 +1,4 @@
-"""The recommend model (``batch_llm/recommend.py``) against a fresh run on a GPU (measured on an H200).
+"""The recommend model (``batch_llm/sizing/recommend.py``) against a fresh run on a GPU (measured on an H200).
 
     python -m bench recommend-check predict --out docs/bench-results/h200-recommend-check-2026-12-01.jsonl   # here, before
     python -m bench recommend-check run --util 0.9 --workloads A,A,C,D --out $OUT/check.jsonl     # on the GPU host
@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.runners import ROOT, T0, emit, start_vllm
 
 sys.path.insert(0, str(ROOT / "include"))  # a python3 without the project installed
-from batch_llm import recommend as R  # noqa: E402
+from batch_llm.sizing import recommend as R  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "qwen2.5-7b-config.json"
 WORKLOADS = {"A": (512, 1024, 128, 0.9), "C": (1000, 256, 256, 0.9), "D": (64, 128, 512, 0.9),

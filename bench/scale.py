@@ -53,8 +53,8 @@ def make_input(path: Path, rows: int, seed: int = 0) -> int:
 
 def synthesize_outputs(cfg, layout, plan) -> list[dict]:
     """What the shard runner would have written (outputs in input order, no errors), labelled synthesized."""
+    from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
     from batch_llm.manifests import ShardMetrics, ShardResult
-    from batch_llm.storage import Location, iter_jsonl, write_jsonl
 
     rng = random.Random(1)
     shards = []
@@ -73,30 +73,31 @@ def synthesize_outputs(cfg, layout, plan) -> list[dict]:
 
 def run_stage(name: str, workdir: Path) -> dict:
     """One stage in this (fresh) process; prints {seconds, peak_rss_mb, ...}."""
-    from batch_llm import stages
+    from batch_llm import api
     from batch_llm.config import parse_config
-    from batch_llm.storage import peak_rss_mb
+    from batch_llm.io.storage import peak_rss_mb
+    from batch_llm.layout import RunLayout, read_manifest_at
 
     cfg = parse_config(json.loads((workdir / "config.json").read_text()), "bench")
-    layout = stages.RunLayout.for_run(cfg, run_id="scale", ds="2026-12-01")
+    layout = RunLayout.for_run(cfg, run_id="scale", ds="2026-12-01")
     t0 = time.perf_counter()
     extra: dict = {}
     if name == "plan":
-        m = stages.plan_shards(cfg, layout)
+        m = api.plan_shards(cfg, layout)
         extra = {"valid": m.valid, "shards": len(m.shards)}
     elif name == "synthesize":
-        shards = synthesize_outputs(cfg, layout, stages.read_manifest_at(layout, "plan"))
+        shards = synthesize_outputs(cfg, layout, read_manifest_at(layout, "plan"))
         (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in shards]))
     elif name == "filter":
         shards = json.loads((workdir / "shards.json").read_text())
-        m = stages.content_filter(cfg, layout, stages.read_manifest_at(layout, "plan"), shards)
+        m = api.content_filter(cfg, layout, read_manifest_at(layout, "plan"), shards)
         extra = {"rows": m.rows, "affected": m.summary.rows_affected}
     elif name == "evaluate":
-        m = stages.evaluate(cfg, layout, stages.read_manifest_at(layout, "plan"), stages.read_manifest_at(layout, "filter"))
+        m = api.evaluate(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"))
         extra = {"num_samples": m.num_samples, "rows_with_references": m.rows_with_references}
     elif name == "publish":
-        m = stages.publish(cfg, layout, stages.read_manifest_at(layout, "plan"), stages.read_manifest_at(layout, "filter"),
-                           stages.read_manifest_at(layout, "evaluate"),
+        m = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
+                           read_manifest_at(layout, "evaluate"),
                            extra_manifests={"infer": json.loads((workdir / "shards.json").read_text())})
         extra = {"rows": m.rows, "dataset_bytes": os.path.getsize(m.dataset.removeprefix("file://"))}
     else:

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from batch_llm.cache.results import ResultCache
 from batch_llm.config import CacheConfig
-from batch_llm.result_cache import ResultCache
-from batch_llm.storage import Location
+from batch_llm.io.storage import Location
 
 from bench.runners import RESULTS, ROOT
 

@@ -57,10 +57,11 @@ def run(a: argparse.Namespace) -> list[dict]:
     import os
 
     os.environ.update(cpu_env())
-    from batch_llm import stages
+    from batch_llm import api
     from batch_llm.config import load_config
-    from batch_llm.shard_process import IsolatedShard
-    from batch_llm.storage import Location, iter_jsonl
+    from batch_llm.io.storage import Location, iter_jsonl
+    from batch_llm.isolation.shard_process import IsolatedShard
+    from batch_llm.layout import RunLayout, shard_manifests
 
     tmp = Path(a.workdir or tempfile.mkdtemp(prefix="bench_spt_"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -72,10 +73,10 @@ def run(a: argparse.Namespace) -> list[dict]:
             "input.path": str(src), "output.path": str(tmp / "out"), "engine.kind": a.engine,
             "sharding.num_shards": a.shards, "sharding.shards_per_task": k, "sampling.max_tokens": a.max_tokens,
             "cache.enabled": False, "evaluate.enabled": False})
-        layout = stages.RunLayout.for_run(cfg, run_id=f"k{k}-{int(time.time())}", ds="2026-11-07")
-        model = stages.fetch(cfg, layout)
-        plan = stages.plan_shards(cfg, layout)
-        tasks = stages.shard_tasks(cfg, plan)
+        layout = RunLayout.for_run(cfg, run_id=f"k{k}-{int(time.time())}", ds="2026-11-07")
+        model = api.fetch(cfg, layout)
+        plan = api.plan_shards(cfg, layout)
+        tasks = api.shard_tasks(cfg, plan)
         task_walls, results = [], []
         for t in tasks:
             t0 = time.perf_counter()
@@ -84,12 +85,12 @@ def run(a: argparse.Namespace) -> list[dict]:
             task_walls.append(time.perf_counter() - t0)
             results += [m.result() for m in ms]
             print(f"k={k}: task of shards {[s.index for s in t]} in {task_walls[-1]:.1f}s", flush=True)
-        filtered = stages.content_filter(cfg, layout, plan, results)
-        published = stages.publish(cfg, layout, plan, filtered, stages.evaluate(cfg, layout, plan, filtered),
-                                   extra_manifests={"infer": stages.shard_manifests(layout)})
+        filtered = api.content_filter(cfg, layout, plan, results)
+        published = api.publish(cfg, layout, plan, filtered, api.evaluate(cfg, layout, plan, filtered),
+                                   extra_manifests={"infer": shard_manifests(layout)})
         rows = [(r["id"], r["output"]) for r in iter_jsonl(Location(published.dataset).path())]
         first_rows = first_rows if first_rows is not None else rows
-        manifests = stages.shard_manifests(layout)
+        manifests = shard_manifests(layout)
         phases = [_phases(m) for m in manifests]
         cold = sum(p.get("spawn", 0) + p.get("imports", 0) + p.get("engine", 0) for p in phases)
         start = sum(m.metrics.engine_start_seconds for m in manifests)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from airflow.sdk import DAG, task
 from batch_llm.config import load_config
-from batch_llm.storage import Location, iter_jsonl, write_json, write_jsonl
+from batch_llm.io.storage import Location, iter_jsonl, write_json, write_jsonl
 from batch_llm_airflow.task_group import batch_llm_task_group
 
 CFG = load_config(Path(__file__).parent / "pipelines" / "demo.yaml").with_overrides(

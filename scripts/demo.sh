@@ -12,7 +12,7 @@ echo "demo: running DAG batch_llm_demo for $ds (log: var/demo.log)"
 .venv/bin/python - "$ds" <<'PY'
 import json, sys
 from batch_llm.config import load_config
-from batch_llm.storage import Location, read_json
+from batch_llm.io.storage import Location, read_json
 cfg = load_config("dags/pipelines/demo.yaml")
 part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=sys.argv[1]))
 cur = read_json(part.child("_CURRENT.json").path())

@@ -39,7 +39,7 @@ def run_demo_cli(src: Path, out: Path, *, ds: str, run_id: str, sets: list[str])
     import subprocess
     import sys
 
-    from batch_llm.storage import Location, read_json
+    from batch_llm.io.storage import Location, read_json
 
     args = [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
             "--ds", ds, "--run-id", run_id, "--plain"]
@@ -53,9 +53,9 @@ def run_demo_cli(src: Path, out: Path, *, ds: str, run_id: str, sets: list[str])
 
 def cache_namespace(tmp: Path, **overrides) -> str:
     """The result-cache namespace a shard of the demo pipeline (with ``overrides``) reads and writes."""
-    from batch_llm.infer import ShardRun
+    from batch_llm.io.storage import Location
     from batch_llm.manifests import ShardSpec
-    from batch_llm.storage import Location
+    from batch_llm.stages.infer import ShardRun
 
     shard = tmp / "rows.jsonl"
     shard.write_text("")

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from batch_llm.config import parse_config
+from batch_llm.io.storage import Location, exists, write_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, ShardSpec
-from batch_llm.stages import RunLayout
-from batch_llm.storage import Location, exists, write_jsonl
 
 IDS = ["a", "b", "c"]
 PIPELINE, PARTITION = "race", "dt=2026-12-03"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from batch_llm.io.storage import Location, write_json, write_jsonl
 from batch_llm.manifests import (
     EvaluateManifest,
     FetchManifest,
@@ -15,7 +16,6 @@ from batch_llm.manifests import (
     ShardManifest,
     ShardSpec,
 )
-from batch_llm.storage import Location, write_json, write_jsonl
 
 
 def plan_manifest(*, rows_read: int = 0, valid: int = 0, invalid: int = 0, errors: str = "",

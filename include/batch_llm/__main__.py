@@ -1,4 +1,4 @@
 """``python -m batch_llm``: the ``batch-llm`` command."""
-from batch_llm.cli import main
+from batch_llm.frontends.cli import main
 
 raise SystemExit(main())

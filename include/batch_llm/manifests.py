@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer, model_validator
 from upath import UPath
 
-from batch_llm.storage import MANIFEST, exists, read_json, write_json
+from batch_llm.io.storage import MANIFEST, exists, read_json, write_json
 
 M = TypeVar("M", bound="Manifest")
 
@@ -356,6 +356,9 @@ class PublishManifest(Manifest):
     cache: dict[str, Any] | None = Field(None, description="result-cache maintenance done after publishing")
     filter_generation: str | None = None  # the filter pass it published: a later publish of the same pass is a no-op
     replaced: str | None = None           # the version that was current before this one
+    table: dict[str, Any] | None = Field(None, description="output.table: the commit (sinks.TableCommit: format, "
+                                         "table, snapshot_id, previous_snapshot_id, partition, rows, attempts)")
+    retention: dict[str, Any] | None = Field(None, description="output.table: what the table's retention removed")
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -376,6 +379,7 @@ class PublishedRef(BaseModel):
     summary: str                       # its summary.json
     errors: str                        # its errors.jsonl
     report: str | None = None          # its report.html
+    table: dict[str, Any] | None = None  # output.table: the commit (dataset names the table)
 
 
 SUMMARY = "summary.json"

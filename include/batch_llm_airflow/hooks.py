@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseHook
-from batch_llm.storage import Location
+from batch_llm.io.storage import Location
 
 from batch_llm_airflow.storage_bridge import split_conn
 

@@ -17,8 +17,8 @@ import attr
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
     from batch_llm.config import PipelineConfig
+    from batch_llm.layout import RunLayout
     from batch_llm.manifests import FetchManifest, PublishManifest
-    from batch_llm.stages import RunLayout
 
 PRODUCER = "https://github.com/batch-llm/batch-llm"
 

@@ -21,7 +21,7 @@ config (one worker process per shard, GPU leases, committed chunks); the last ta
 ``task_id`` given, lands the results and returns the manifest, so ``ti.xcom_pull(task_ids=task_id)``,
 ``classify.output`` and ``upstream >> classify >> downstream`` mean what they mean with common-ai's operator.
 
-The stage logic is ``batch_llm.llm_batch`` (no Airflow); here are only the tasks around it.
+The stage logic is ``batch_llm.frontends.common_ai`` (no Airflow); here are only the tasks around it.
 """
 from __future__ import annotations
 
@@ -38,9 +38,10 @@ from airflow.sdk.bases.decorator import DecoratedOperator, determine_kwargs, get
 from airflow.sdk.definitions.context import context_merge
 from airflow.sdk.definitions.xcom_arg import PlainXComArg, XComArg
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
-from batch_llm import llm_batch, stages
+from batch_llm import api
 from batch_llm.config import PipelineConfig, load_config
-from batch_llm.llm_batch import STATE_DIR, OutputType
+from batch_llm.frontends import common_ai as llm_batch
+from batch_llm.frontends.common_ai import STATE_DIR, OutputType
 from pydantic import BaseModel
 
 from batch_llm_airflow.hooks import BatchLlmStorageHook
@@ -146,7 +147,7 @@ class BatchRef(BaseModel):
 
 class GPUBatchPlanOperator(PipelineStageOperator):
     """Writes the requests into the batch's run folder and plans its shards (``llm_batch.prepare``,
-    ``stages.plan_shards``); returns the shard list, the ``batch_inference`` task is mapped over it.
+    ``api.plan_shards``); returns the shard list, the ``batch_inference`` task is mapped over it.
 
     A retry or a clear with the same requests and config re-attaches to the folder an earlier attempt made:
     it is named by their fingerprint under the task instance's key, and nothing planned there is planned again.
@@ -201,7 +202,7 @@ class GPUBatchPlanOperator(PipelineStageOperator):
         self.log.info("%s batch %s-%s: %d requests (%d refused before planning) in %s", "re-attached to" if
                       batch.reattached else "prepared", m.key16, m.fingerprint, m.request_count, m.refused_count,
                       batch.layout.run_dir.url)
-        plan = stages.plan_shards(batch.config, batch.layout)
+        plan = api.plan_shards(batch.config, batch.layout)
         self.log.info("plan: %d requests valid, %d refused by the planner, %d shards", plan.valid, plan.invalid,
                       len(plan.shards))
         ref = BatchRef(result_path=self.result_path, key16=m.key16, fingerprint=m.fingerprint,
@@ -260,8 +261,8 @@ class GPUBatchModelOperator(_BatchStage):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        fetched = stages.fetch(cfg, layout, **fetch_storage_options(cfg))
-        m = stages.quantize(cfg, layout, fetched)
+        fetched = api.fetch(cfg, layout, **fetch_storage_options(cfg))
+        m = api.quantize(cfg, layout, fetched)
         self.log.info("model %s at %s", m.id, m.local_dir)
         return m.ref().model_dump(mode="json")
 

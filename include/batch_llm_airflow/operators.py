@@ -1,4 +1,4 @@
-"""Operators: one per stage, each a few lines over ``batch_llm.stages``.
+"""Operators: one per stage, each a few lines over ``batch_llm.api``.
 
 Every operator carries the pipeline's config (a dict, as parsed from YAML) and applies the run's Params on
 top, so what a user changes in the trigger form reaches the stage through the same typed model. Hand-offs follow
@@ -14,15 +14,18 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
-from batch_llm import metrics_push, stages
+from batch_llm import api
+from batch_llm.analysis import metrics_push
 from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
+from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
-from batch_llm.shard_process import IsolatedShard, ShardFailedNoRetry
-from batch_llm.stages import RunLayout
+from batch_llm.stages.evaluate import EvaluationBelowThreshold
 
 from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.params import overrides_from_params
 from batch_llm_airflow.storage_bridge import StorageTarget, split_conn, storage_errors
+from batch_llm_airflow.table_catalog import catalog_properties
 
 
 def run_date(context: Context) -> str:
@@ -44,7 +47,7 @@ def names_storage_errors(execute):
 
 
 def fetch_storage_options(cfg: PipelineConfig) -> dict:
-    """``stages.fetch``'s storage keyword arguments: the model's and the LoRA adapter's connections."""
+    """``api.fetch``'s storage keyword arguments: the model's and the LoRA adapter's connections."""
     lora = cfg.model.lora
     return {"storage_options": BatchLlmStorageHook(cfg.model.conn_id).storage_options(),
             "adapter_storage_options": BatchLlmStorageHook(lora.conn_id).storage_options() if lora else None}
@@ -87,12 +90,12 @@ class FetchModelOperator(PipelineStageOperator):
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
-        from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
-        from batch_llm.lora import AdapterInvalid
+        from batch_llm.stages.fetch import ModelFolderIncomplete, NoChatTemplate
+        from batch_llm.stages.lora import AdapterInvalid
 
         cfg, layout = self.resolve(context)
         try:
-            m = stages.fetch(cfg, layout, **fetch_storage_options(cfg))
+            m = api.fetch(cfg, layout, **fetch_storage_options(cfg))
         except (ModelFolderIncomplete, NoChatTemplate, AdapterInvalid) as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("model %s resolved to %s (cache hit: %s, %.1f MB)", m.id, m.local_dir, m.cache_hit,
@@ -110,7 +113,7 @@ class AwqExportOperator(PipelineStageOperator):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        m = stages.quantize(cfg, layout, self.model)
+        m = api.quantize(cfg, layout, self.model)
         self.log.info("quantize: %s", m.quantization or "disabled; serving the model as fetched")
         return m.ref().model_dump(mode="json")
 
@@ -121,10 +124,10 @@ class PlanShardsOperator(PipelineStageOperator):
     @names_storage_errors
     def execute(self, context: Context) -> list:
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it; with
-        ``sharding.shards_per_task`` > 1, one list of consecutive shards per task (``stages.shard_tasks``)."""
+        ``sharding.shards_per_task`` > 1, one list of consecutive shards per task (``api.shard_tasks``)."""
         cfg, layout = self.resolve(context)
-        m = stages.plan_shards(cfg, layout)
-        tasks = stages.shard_tasks(cfg, m)
+        m = api.plan_shards(cfg, layout)
+        tasks = api.shard_tasks(cfg, m)
         self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs, %d inference task(s)",
                       m.rows_read, m.valid, m.invalid, m.errors, len(m.shards), m.seconds, len(tasks))
         if cfg.sharding.shards_per_task == 1:
@@ -134,7 +137,7 @@ class PlanShardsOperator(PipelineStageOperator):
 
 class BatchInferenceOperator(PipelineStageOperator):
     """Runs one shard on the configured engine in a spawned worker process of its own: one library call,
-    ``batch_llm.shard_process.IsolatedShard`` (lease, worker, wait, release; the benchmarks run the same).
+    ``batch_llm.isolation.shard_process.IsolatedShard`` (lease, worker, wait, release; the benchmarks run the same).
     ``shard`` a list (``sharding.shards_per_task`` > 1): the worker runs those shards in turn on one engine,
     and the task returns the list of their results.
 
@@ -177,7 +180,7 @@ class BatchInferenceOperator(PipelineStageOperator):
             self._run.stop()  # the worker's whole process group, then the lease
 
 
-#: What emit_shard_metrics pushes (batch_llm.metrics_push: counters ``batch_llm_shard_<name>_total``, gauges
+#: What emit_shard_metrics pushes (batch_llm.analysis.metrics_push: counters ``batch_llm_shard_<name>_total``, gauges
 #: ``batch_llm_shard_<name>``; docker/observability's Prometheus scrapes the Pushgateway, Grafana queries them).
 SHARD_COUNTERS = tuple(metrics_push.COUNTERS)
 SHARD_GAUGES = tuple(metrics_push.GAUGES)
@@ -210,8 +213,8 @@ class ContentFilterOperator(PipelineStageOperator):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        plan = stages.read_manifest_at(layout, "plan")
-        m = stages.content_filter(cfg, layout, plan, list(self.shards))
+        plan = read_manifest_at(layout, "plan")
+        m = api.content_filter(cfg, layout, plan, list(self.shards))
         s = m.summary
         self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.rows_scanned,
                       s.rows_affected, s.rows_dropped, s.hits_per_list)
@@ -223,9 +226,9 @@ class EvalScopeOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         try:
-            m = stages.evaluate(cfg, layout, stages.read_manifest_at(layout, "plan"),
-                                stages.read_manifest_at(layout, "filter"))
-        except stages.EvaluationBelowThreshold as e:
+            m = api.evaluate(cfg, layout, read_manifest_at(layout, "plan"),
+                                read_manifest_at(layout, "filter"))
+        except EvaluationBelowThreshold as e:
             raise AirflowFailException(str(e)) from None
         self.log.info("evaluate: %s%s", m.skipped or m.metrics,
                       f" (a sample of {m.num_samples} of {m.rows_with_references} rows)" if m.sampled else "")
@@ -260,16 +263,19 @@ class PublishOperator(PipelineStageOperator):
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        get = lambda s: stages.read_manifest_at(layout, s)  # noqa: E731
+        get = lambda s: read_manifest_at(layout, s)  # noqa: E731
         fetched = get("fetch")
-        m = stages.publish(cfg, layout, get("plan"), get("filter"), get("evaluate"),
+        m = api.publish(cfg, layout, get("plan"), get("filter"), get("evaluate"),
                            extra_manifests={"fetch": fetched, "quantize": get("quantize"),
-                                            "infer": stages.shard_manifests(layout)})
-        self.log.info("published %d rows to %s", m.rows, m.dataset)
+                                            "infer": shard_manifests(layout)},
+                           catalog_properties=catalog_properties(cfg))
+        self.log.info("published %d rows to %s", m.rows, m.version if m.table else m.dataset)
         self._lineage_of_run = (cfg, layout, m, fetched)  # read by get_openlineage_facets_on_complete
+        # with output.table, the snapshot that holds the day: what a consumer pins its read to
+        table = {"table_format": m.table["format"], "snapshot_id": m.table["snapshot_id"]} if m.table else {}
         for outlet in self.outlets:
             context["outlet_events"][outlet].extra = {"partition": layout.partition, "dataset": m.dataset,
-                                                      "rows": m.rows, "run_id": layout.run_id}
+                                                      "rows": m.rows, "run_id": layout.run_id, **table}
         return m.ref().model_dump(mode="json")  # XCom: the published version; the manifest is in the run folder
 
     def get_openlineage_facets_on_complete(self, task_instance):

@@ -12,7 +12,7 @@ Who may read what:
 - Only files under an allowed root: ``<output.path>/<name>`` of every pipeline YAML the DAGs are built from
   (``$BATCH_LLM_PIPELINES_DIR`` or ``<dags_folder>/pipelines``), plus the prefixes in
   ``$BATCH_LLM_REPORT_ROOTS`` (comma separated output roots, ``s3://conn@bucket/prefix`` names a connection).
-  Local paths (plain, ``file://``, ``local://``: ``batch_llm.path_policy`` decides) are compared after ``realpath``
+  Local paths (plain, ``file://``, ``local://``: ``batch_llm.io.path_policy`` decides) are compared after ``realpath``
   (no ``..`` or symlink escapes), object-store URLs segment by segment; wrapped (``simplecache::``) and other URLs
   are refused; only ``*.html`` files are served. Anything else: 403.
 - Only reports of DAGs the user may read: the path's pipeline (``<root>/<pipeline>/...``, the pipeline name
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from batch_llm import path_policy
+from batch_llm.io import path_policy
 
 from batch_llm_airflow.storage_bridge import split_conn
 
@@ -110,7 +110,7 @@ def pipeline_root(path: Path) -> Root:
     """``<output.path>/<name>`` of one pipeline YAML, from those keys alone (ValueError when they are not
     usable): the full config is not validated here, as that imports an output schema's ``module:Class``."""
     import yaml
-    from batch_llm.storage import join_url
+    from batch_llm.io.storage import join_url
 
     try:  # bounded as every pipeline file is read: an alias bomb must not stall the API server
         data = path_policy.load_yaml(path_policy.read_local_bounded(str(path), path_policy.MAX_PIPELINE_FILE_BYTES)
@@ -235,7 +235,7 @@ def can_read_dag(user: Any, dag_id: str) -> bool:
 
 # ------------------------------------------------------------------------------------------ reading
 def _location(r: Resolved, conn_id: str | None):
-    from batch_llm.storage import Location
+    from batch_llm.io.storage import Location
 
     if r.root.local:
         return Location(r.url)
@@ -270,7 +270,7 @@ def read_report(path: str, conn_id: str | None, user: Any) -> bytes:
 def recent_reports(user: Any, limit: int = INDEX_MAX) -> list[dict]:
     """``report.html`` of published versions (``<root>/[<pipeline>/]<partition>/v-*/report.html``) under
     the roots of DAGs the user may read, newest version name first."""
-    from batch_llm.storage import Location
+    from batch_llm.io.storage import Location
 
     from batch_llm_airflow.hooks import BatchLlmStorageHook
 
@@ -305,7 +305,7 @@ def report_href(url: str, conn_id: str | None = None) -> str:
 
 def render_index(reports: list[dict]) -> str:
     """The list page. Its links open in place: inside the UI it is an iframe sandboxed without popups."""
-    from batch_llm.templates import render
+    from batch_llm.analysis.templates import render
 
     rows = [{"dag_id": r["dag_id"], "partition": r["partition"], "version": r["version"],
              "href": report_href(r["url"], r["conn_id"])} for r in reports]

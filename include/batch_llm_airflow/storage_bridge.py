@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batch_llm import path_policy
+from batch_llm.io import path_policy
 
 if TYPE_CHECKING:
-    from batch_llm.storage import Location
+    from batch_llm.io.storage import Location
 
 
 def split_conn(url: str) -> tuple[str, str | None]:

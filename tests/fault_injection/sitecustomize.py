@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"  # the name in batch_llm/infer.py
+CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"  # the name in batch_llm/stages/infer.py
 _spec = os.environ.get("BATCH_LLM_FAULT", "")
 _point, _, _nth = _spec.partition(":")
 _file = os.environ.get("BATCH_LLM_FAULT_FILE", "")

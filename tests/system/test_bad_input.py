@@ -5,9 +5,10 @@ import json
 import shutil
 
 import pytest
-from batch_llm import stages
-from batch_llm.infer import ShardFailed
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm import api
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.layout import RunLayout
+from batch_llm.stages.infer import ShardFailed
 from helpers import ROOT, demo_config
 
 EXPECTED_PLAN_REASONS = {
@@ -42,9 +43,9 @@ def planned(corpus, demo_model_dir):
     d, path = corpus
     cfg = demo_config(d, input__path=str(path), sharding__num_shards=1, engine__max_model_len=512,
                       engine__max_error_rate=0.0)
-    layout = stages.RunLayout.for_run(cfg, run_id="bad-input", ds="2026-11-03")
-    model = stages.fetch(cfg, layout)
-    return cfg, layout, model, stages.plan_shards(cfg, layout)
+    layout = RunLayout.for_run(cfg, run_id="bad-input", ds="2026-11-03")
+    model = api.fetch(cfg, layout)
+    return cfg, layout, model, api.plan_shards(cfg, layout)
 
 
 def test_planner_reports_each_bad_row(planned):
@@ -61,7 +62,7 @@ def test_shard_turns_long_prompt_into_error_row_and_completes_the_rest(planned):
     cfg, layout, model, plan = planned
     # max_error_rate 0: the one error row fails the shard, with counts and the errors file in the message
     with pytest.raises(ShardFailed, match=r"1 of 5 rows failed .* reasons are in .*errors.jsonl"):
-        stages.infer_shard(cfg, layout, model, plan.shards[0])
+        api.infer_shard(cfg, layout, model, plan.shards[0])
     shard_dir = layout.stage("infer").child("shard-00000")
     errors = list(iter_jsonl(shard_dir.child("errors.jsonl").path()))
     assert [e["id"] for e in errors] == ["huge-prompt"]
@@ -71,5 +72,5 @@ def test_shard_turns_long_prompt_into_error_row_and_completes_the_rest(planned):
     assert all(r["output"].strip() for r in outputs)
     # A retry with a tolerant threshold takes the committed shard as is: no engine start, same rows.
     tolerant = cfg.with_overrides({"engine.max_error_rate": 0.5})
-    m = stages.infer_shard(tolerant, layout, model, plan.shards[0])
+    m = api.infer_shard(tolerant, layout, model, plan.shards[0])
     assert m.metrics.ok == 4 and m.metrics.errors == 1

@@ -45,7 +45,7 @@ from airflow_services import (
     print_on_failure,
     write_test_pipeline,
 )
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm.io.storage import Location, iter_jsonl, read_json
 
 pytestmark = pytest.mark.slow
 

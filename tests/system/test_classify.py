@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from batch_llm.engines.base import EngineCannotRun
 from batch_llm.engines.vllm_engine import classify_labels
-from batch_llm.storage import Location
+from batch_llm.io.storage import Location
 from helpers import run_demo_cli
 
 DS = "2026-12-02"

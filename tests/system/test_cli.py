@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from batch_llm.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
+from batch_llm.frontends.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
+from batch_llm.io.storage import Location, write_json, write_manifest
 from batch_llm.manifests import RunSummary
-from batch_llm.storage import Location, write_json, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
@@ -35,7 +35,7 @@ def test_run_arguments():
 
 
 def test_run_shard_tells_how_to_finish_the_run():
-    from batch_llm.cli import _finish_command
+    from batch_llm.frontends.cli import _finish_command
 
     argv = ["run-shard", "p.yaml", "--shard", "2", "--output", "/o", "--set", "a.b=1 2"]
     a = build_parser().parse_args(argv)
@@ -181,7 +181,7 @@ LINE = "progress: 10/20 rows, 35.0 output tok/s, ETA 3s"
 def test_progress_line_format_matches_the_shard_runner():
     import inspect
 
-    from batch_llm import infer
+    from batch_llm.stages import infer
 
     assert 'f"progress: {self.done}/{self.total} rows, {self.out_tokens / el:.1f} output tok/s, "' in \
         inspect.getsource(infer._Progress.tick)
@@ -216,7 +216,7 @@ def test_reporter_progress_bar_on_a_terminal():
 
 
 def test_console_script_is_declared():
-    assert 'batch-llm = "batch_llm.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'batch-llm = "batch_llm.frontends.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_cli_run_end_to_end_then_report_and_doctor(tmp_path, demo_model_dir):

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm.io.storage import Location, iter_jsonl, read_json
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import math
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm.storage import Location
+from batch_llm.io.storage import Location
 from helpers import run_demo_cli
 
 DS = "2026-12-01"

@@ -19,10 +19,11 @@ import threading
 import time
 
 import pytest
-from batch_llm import stages
+from batch_llm import api
 from batch_llm.engines.base import EngineFailed, EngineStartError, GenRequest, classify_start_failure
-from batch_llm.storage import Location, iter_jsonl, list_files, read_json
-from batch_llm.worker import EXIT_ERROR, WorkerFailed, WorkerHandle
+from batch_llm.io.storage import Location, iter_jsonl, list_files, read_json
+from batch_llm.isolation.worker_parent import EXIT_ERROR, WorkerFailed, WorkerHandle
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 ROWS = 20  # valid rows of the bundled demo prompts
@@ -36,9 +37,9 @@ def _prepare(tmp, run_id, **over):
                                      engine__max_num_seqs=2,  # two rows at a time: rows finish over the shard
                                      engine__commit_every_rows=1, sharding__num_shards=1, sampling__max_tokens=16,
                                      sampling__ignore_eos=True, cache__enabled=False), **over})
-    layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds="2026-11-04")
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
+    layout = RunLayout.for_run(cfg, run_id=run_id, ds="2026-11-04")
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model.ref().model_dump(),
             "shard": plan.shards[0].model_dump()}
     return layout, spec

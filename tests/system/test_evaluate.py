@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from batch_llm.evaluate import score_with_evalscope
+from batch_llm.stages.evaluate import score_with_evalscope
 
 EXACT = [
     {"id": "e1", "question": "What is the capital of France?", "reference": "The capital of France is Paris."},

@@ -16,13 +16,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-from batch_llm import stages, storage
-from batch_llm.cli import main
+from batch_llm import api
 from batch_llm.config import ConfigError, load_config
 from batch_llm.demo_model import DEMO_MODEL_ID, snapshot_dir
-from batch_llm.fetch import ModelFolderIncomplete, NoChatTemplate
+from batch_llm.frontends.cli import main
+from batch_llm.io import storage
+from batch_llm.io.storage import write_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult
-from batch_llm.storage import write_jsonl
+from batch_llm.stages.fetch import ModelFolderIncomplete, NoChatTemplate
 from helpers import DEMO_YAML, demo_config
 
 ROOT = DEMO_YAML.parents[2]
@@ -73,7 +75,7 @@ def test_typo_names_key_section_file_and_the_closest_key(tmp_path, replace, key,
 def test_typo_through_the_cli(tmp_path):
     """``batch-llm validate``: exit 1, the message on stderr, no traceback; a typo'd --set key alike."""
     path = write_pipeline(tmp_path, **{"max_tokens: 48": "max_token: 48"})
-    proc = subprocess.run([sys.executable, "-m", "batch_llm.cli", "validate", str(path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "batch_llm.frontends.cli", "validate", str(path)], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1, proc
     assert proc.stdout == ""
@@ -138,14 +140,14 @@ def test_object_storage_word_list_is_checked_when_the_filter_starts(tmp_path):
     url = f"memory://lists-{uuid.uuid4().hex}/block.txt"
     path = write_pipeline(tmp_path, **{"./wordlists/demo_watchlist.txt": url})
     cfg = load_config(path).with_overrides({"output.path": str(tmp_path / "out")})
-    layout = stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
+    layout = RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
     plan = PlanManifest(input=cfg.input.path, format="jsonl", rows_read=2, valid=2, invalid=0, has_references=False,
                         errors=str(tmp_path / "errors.jsonl"), records=str(tmp_path / "records.jsonl"), shards=[])
     # The shard files do not exist either: the word list's error comes first, so no row was read.
     shards = [ShardResult(shard=0, outputs=str(tmp_path / "shard-0" / "outputs.jsonl"),
                           errors=str(tmp_path / "shard-0" / "e.jsonl"), metrics=ShardMetrics(rows=2))]
     with pytest.raises(FileNotFoundError) as ei:
-        stages.content_filter(cfg, layout, plan, shards)
+        api.content_filter(cfg, layout, plan, shards)
     assert ei.value.filename == url and "word list 'watchlist'" in str(ei.value), str(ei.value)
     assert leftovers(Path(layout.stage("filter").url)) == []  # no outputs, no dropped.jsonl, no temporary file
 
@@ -197,9 +199,9 @@ def test_local_model_folder_missing_a_file(tmp_path, demo_model_dir, home, fault
     model = copy_model(demo_model_dir, tmp_path / "model")
     fault(model)
     cfg = demo_config(tmp_path, model__ref=str(model))
-    layout = stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
+    layout = RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
     with pytest.raises(ModelFolderIncomplete) as ei:
-        stages.fetch(cfg, layout)
+        api.fetch(cfg, layout)
     msg = str(ei.value)
     assert ei.value.filename == str(model) and "the model folder lacks" in msg and missing in msg, msg
     assert "copy them into it" in msg
@@ -213,7 +215,7 @@ def test_modelscope_cache_folder_missing_a_file(tmp_path, demo_model_dir, home):
     cfg = demo_config(tmp_path, model__cache_dir=str(cache))
     assert cfg.model.ref == DEMO_MODEL_ID
     with pytest.raises(ModelFolderIncomplete) as ei:
-        stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
+        api.fetch(cfg, RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
     msg = str(ei.value)
     assert ei.value.filename == str(folder) and "lacks config.json" in msg, msg
     assert "delete the folder so that the next fetch downloads the model again" in msg
@@ -222,7 +224,7 @@ def test_modelscope_cache_folder_missing_a_file(tmp_path, demo_model_dir, home):
 def test_a_missing_local_folder(tmp_path, home):
     cfg = demo_config(tmp_path, model__ref=str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="no such folder") as ei:
-        stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
+        api.fetch(cfg, RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
     assert ei.value.filename == str(tmp_path / "nowhere")
 
 
@@ -235,9 +237,9 @@ def test_model_without_chat_template_is_refused_at_fetch(tmp_path, demo_model_di
     (model / "chat_template.jinja").unlink()
     assert "chat_template" not in json.loads((model / "tokenizer_config.json").read_text())
     cfg = demo_config(tmp_path, model__ref=str(model))
-    layout = stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
+    layout = RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
     with pytest.raises(NoChatTemplate) as ei:
-        stages.fetch(cfg, layout)
+        api.fetch(cfg, layout)
     msg = str(ei.value)
     assert str(model) in msg and "has no chat template" in msg and "set model.chat_template" in msg, msg
     assert not Path(layout.run_dir.url).exists()
@@ -252,12 +254,12 @@ def test_model_without_chat_template_is_refused_at_fetch(tmp_path, demo_model_di
 
 
 def test_chat_template_set_in_the_config_is_used(tmp_path, demo_model_dir, home):
-    from batch_llm.infer import chat_template_text
+    from batch_llm.stages.infer import chat_template_text
 
     model = copy_model(demo_model_dir, tmp_path / "model")
     (model / "chat_template.jinja").unlink()
     cfg = demo_config(tmp_path, model__ref=str(model), model__chat_template=TEMPLATE)
-    m = stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
+    m = api.fetch(cfg, RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
     assert m.chat_template == "model.chat_template" and m.local_dir == str(model)
     assert chat_template_text(m.local_dir, cfg.model.chat_template) == TEMPLATE  # what the shards render with
 
@@ -269,7 +271,7 @@ def test_model_template_source_recorded(tmp_path, demo_model_dir, home):
     tc = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": template}))
     cfg = demo_config(tmp_path, model__ref=str(model))
-    assert stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-30")).chat_template \
+    assert api.fetch(cfg, RunLayout.for_run(cfg, run_id="a", ds="2026-11-30")).chat_template \
         == "tokenizer_config.json"
 
 
@@ -278,8 +280,8 @@ def test_pre_tokenized_input_can_go_without_a_template(tmp_path, demo_model_dir,
     model = copy_model(demo_model_dir, tmp_path / "model")
     (model / "chat_template.jinja").unlink()
     cfg = demo_config(tmp_path, model__ref=str(model), model__require_chat_template=False)
-    with caplog.at_level("WARNING", logger="batch_llm.fetch"):
-        m = stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
+    with caplog.at_level("WARNING", logger="batch_llm.stages.fetch"):
+        m = api.fetch(cfg, RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30"))
     assert m.chat_template is None
     assert "only pre-tokenized rows will succeed" in caplog.text
 
@@ -361,11 +363,11 @@ def test_full_disk_stage_manifest_then_run_again(tmp_path, demo_model_dir, home,
     half one); with space again the same stage commits once."""
     model = copy_model(demo_model_dir, tmp_path / "model")
     cfg = demo_config(tmp_path, model__ref=str(model)).with_overrides({"output.path": str(full_disk.dir / "out")})
-    layout = stages.RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
+    layout = RunLayout.for_run(cfg, run_id="faults", ds="2026-11-30")
     manifest = Path(layout.stage("fetch").url) / "manifest.json"
     full_disk.fill()
     with pytest.raises(OSError) as ei:
-        stages.fetch(cfg, layout)
+        api.fetch(cfg, layout)
     assert ei.value.errno == errno.ENOSPC and ei.value.filename == str(manifest), repr(ei.value)
     assert full_disk.files() == []
     # The CLI says so in one line, no traceback.
@@ -376,6 +378,6 @@ def test_full_disk_stage_manifest_then_run_again(tmp_path, demo_model_dir, home,
     assert "No space left on device" in err and "manifest.json" in err and "free space" in err, err
     assert full_disk.files() == []
     full_disk.free()
-    m = stages.fetch(cfg, layout)
+    m = api.fetch(cfg, layout)
     assert storage.read_json(storage.as_path(str(manifest)))["content_hash"] == m.content_hash
     assert full_disk.files() == [str(manifest.relative_to(full_disk.dir))]

@@ -145,8 +145,9 @@ class Opinion(BaseModel):
 
 
 def _prepared(tmp_path, requests, *, overrides=None, request_params=None):
-    from batch_llm import llm_batch, stages
-    from batch_llm.storage import Location
+    from batch_llm import api
+    from batch_llm.frontends import common_ai as llm_batch
+    from batch_llm.io.storage import Location
 
     out = llm_batch.OutputType.of(Opinion)
     cfg = llm_batch.batch_config(name="opinions", model_id="/models/any", result_path=str(tmp_path / "res"),
@@ -156,7 +157,7 @@ def _prepared(tmp_path, requests, *, overrides=None, request_params=None):
     batch = llm_batch.prepare(cfg, Location(str(tmp_path / "res")).child(llm_batch.STATE_DIR), key=key,
                               requests=llm_batch.normalize_requests(requests), system_prompt="Rate it.",
                               request_params=request_params)
-    return batch, stages.plan_shards(batch.config, batch.layout), out
+    return batch, api.plan_shards(batch.config, batch.layout), out
 
 
 def _commit_shard(batch, spec, rows: list[dict]) -> None:
@@ -176,8 +177,8 @@ def _shard_row(custom_id: str, text: str | None, error: str | None = None, kind:
 
 
 def test_every_bucket_lands_in_index_order_over_shards(tmp_path):
-    from batch_llm import llm_batch
-    from batch_llm.storage import Location
+    from batch_llm.frontends import common_ai as llm_batch
+    from batch_llm.io.storage import Location
 
     requests = ["good", {"prompt": "range", "max_tokens": 8}, "shard said invalid", "engine failed",
                 {"prompt": "penalty", "params": {"presence_penalty": 0.5}},     # transformers: refused by the plan
@@ -240,8 +241,8 @@ def test_every_bucket_lands_in_index_order_over_shards(tmp_path):
 
 
 def test_requests_from_a_file_are_streamed_and_bad_rows_land_as_errors(tmp_path):
-    from batch_llm import llm_batch
-    from batch_llm.storage import Location
+    from batch_llm.frontends import common_ai as llm_batch
+    from batch_llm.io.storage import Location
 
     src = tmp_path / "requests.jsonl"
     src.write_text('{"id": 7, "prompt": "a", "max_tokens": 16}\n{"prompt": "b", "max_tokens": "many"}\nnot json\n'
@@ -271,7 +272,7 @@ def test_same_input_reattaches_and_changed_input_starts_fresh(tmp_path):
 
 def test_refused_when_the_batch_cannot_run():
     from airflow.sdk import DAG
-    from batch_llm import llm_batch
+    from batch_llm.frontends import common_ai as llm_batch
     from batch_llm_airflow.llm_batch import GPULLMBatchOperator
 
     for bad in ("one prompt", {"prompt": "x"}, [], [{"promt": "x"}]):

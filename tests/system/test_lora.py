@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_llm import stages
-from batch_llm.storage import iter_jsonl
+from batch_llm import api
+from batch_llm.io.storage import iter_jsonl
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea.",
@@ -54,11 +55,11 @@ def _run(tmp: Path, base: Path, run: str, **over) -> tuple[dict[str, str], objec
     cfg = demo_config(tmp / run, model__ref=str(base), model__cache_dir=str(tmp / "model-cache"),
                       input__path=str(inp), sharding__num_shards=1,
                       sampling__max_tokens=16, engine__dtype="float32", cache__enabled=False, **over)
-    layout = stages.RunLayout.for_run(cfg, run_id=run, ds="2026-12-01")
-    fetched = stages.fetch(cfg, layout)
-    model = stages.quantize(cfg, layout, fetched)
-    plan = stages.plan_shards(cfg, layout)
-    shard = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+    layout = RunLayout.for_run(cfg, run_id=run, ds="2026-12-01")
+    fetched = api.fetch(cfg, layout)
+    model = api.quantize(cfg, layout, fetched)
+    plan = api.plan_shards(cfg, layout)
+    shard = api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     rows = {r["id"]: r["output"] for r in iter_jsonl(Path(shard.outputs))}
     assert len(rows) == len(PROMPTS) and all(isinstance(v, str) for v in rows.values()), rows
     return rows, fetched, shard.engine.settings
@@ -88,5 +89,5 @@ def test_served_and_merged_agree_and_differ_from_base(tmp_path, base_and_adapter
     # A second fetch of the same pair is a cache hit of the merge: same folder, no work
     cfg = demo_config(tmp_path / "again", model__ref=str(base), model__cache_dir=str(tmp_path / "model-cache"),
                       model__lora={**lora, "merge": True})
-    again = stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="again", ds="2026-12-01"))
+    again = api.fetch(cfg, RunLayout.for_run(cfg, run_id="again", ds="2026-12-01"))
     assert again.adapter.merge_cache_hit is True and again.local_dir == merged_fetch.local_dir

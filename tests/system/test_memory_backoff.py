@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from batch_llm.engines.base import EngineStartError, classify_start_failure
-from batch_llm.infer import _smaller_settings, start_engine
+from batch_llm.stages.infer import _smaller_settings, start_engine
 from helpers import demo_config
 
 

@@ -14,9 +14,9 @@ import struct
 import threading
 from pathlib import Path
 
-from batch_llm import fetch
 from batch_llm.config import ModelConfig
-from batch_llm.fetch import fetch_model
+from batch_llm.stages import fetch
+from batch_llm.stages.fetch import fetch_model
 
 OLD_WEIGHTS = bytes(range(64))
 NEW_WEIGHTS = bytes(reversed(range(64)))  # retrained: same shape, same size, other values

@@ -14,11 +14,11 @@ import subprocess
 import sys
 
 import pytest
-from batch_llm import plan as plan_mod
 from batch_llm.engines.probes import cpu_dtype
-from batch_llm.formats import PromptRow, RawRow, to_prompt_row
+from batch_llm.io.formats import PromptRow, RawRow, to_prompt_row
+from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.row_params import RowParams, engine_refusal, resolve
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm.stages import plan as plan_mod
 from helpers import DEMO_YAML, demo_config
 
 CHAT = "/v1/chat/completions"
@@ -36,7 +36,7 @@ def _plan(tmp_path, lines, **over):
     p = tmp_path / "batch.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cfg = demo_config(tmp_path, input__path=str(p), **over)
-    m = plan_mod.plan_shards(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
     rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
     errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
     return m, rows, errors
@@ -121,7 +121,7 @@ def test_table_columns_as_row_parameters(tmp_path):
     p = tmp_path / "in.csv"
     p.write_text('id,prompt,max_tokens,temperature,stop\na,hi,12,0.5,"[""\\n"", ""END""]"\nb,hi,,,\nc,hi,lots,,\n')
     cfg = demo_config(tmp_path, input__path=str(p), input__sampling_columns=["max_tokens", "temperature", "stop"])
-    m = plan_mod.plan_shards(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
     rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
     errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
     assert rows["a"]["params"] == {"max_tokens": 12, "temperature": 0.5, "stop": ["\n", "END"]}
@@ -130,7 +130,7 @@ def test_table_columns_as_row_parameters(tmp_path):
 
 
 def test_row_keys_differ_by_parameters_and_keep_the_old_max_tokens_key():
-    from batch_llm.result_cache import prompt_key
+    from batch_llm.cache.results import prompt_key
 
     basis = ["chat", _chat("hi")]
     old_style = prompt_key(basis, {"max_tokens": 5})

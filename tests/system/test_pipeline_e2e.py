@@ -7,7 +7,7 @@ import json
 
 import pytest
 from batch_llm.config import load_config
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm.io.storage import Location, iter_jsonl, read_json
 
 DS = "2026-11-02"
 
@@ -71,7 +71,7 @@ def test_planted_invalid_rows_reported(demo_run):
 
 
 def test_listed_word_masked(demo_run):
-    from batch_llm.content_filter import ContentFilter
+    from batch_llm.stages.content_filter import ContentFilter
 
     cfg, _, part = demo_run
     current = read_json(part.child("_CURRENT.json").path())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from batch_llm import metrics_push
+from batch_llm.analysis import metrics_push
 from helpers import demo_config, run_demo_cli
 
 ROOT = Path(__file__).resolve().parents[2]

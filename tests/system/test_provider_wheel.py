@@ -232,7 +232,7 @@ def test_wheel_installs_into_a_stock_airflow(tmp_path):
         tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
         assert tops == {"batch_llm", "batch_llm_airflow"}, tops
         assert "batch_llm_airflow/get_provider_info.py" in names and "batch_llm/wordlists/zh.txt" in names
-        assert "batch_llm/templates/report.html.j2" in names and "batch_llm/templates/report.css" in names
+        assert "batch_llm/analysis/templates/report.html.j2" in names and "batch_llm/analysis/templates/report.css" in names
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
         metadata = zf.read(f"{dist_info}/METADATA").decode()

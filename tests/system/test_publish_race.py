@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from batch_llm.api import publish
 from batch_llm.config import parse_config
-from batch_llm.current_pointer import PointerConflict, read_pointer, switch_pointer, write_pointer
+from batch_llm.io.current_pointer import PointerConflict, read_pointer, switch_pointer, write_pointer
+from batch_llm.io.storage import Location, exists, iter_jsonl, list_files, write_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, ShardSpec
-from batch_llm.stages import RunLayout, publish
-from batch_llm.storage import Location, exists, iter_jsonl, list_files, write_jsonl
 
 IDS = ["a", "b", "c"]
 
@@ -60,7 +61,7 @@ def test_a_slow_publisher_keeps_its_version_while_two_others_publish(output_root
     deleted under it, A then becomes current with all its rows, and retention removed only B1 (a version that
     was current once and is now two switches old). Before the compare-and-swap and the history, B1's publish
     deleted every version but its own and the previous one: A's, half written."""
-    import batch_llm.report as report
+    import batch_llm.analysis.report as report
 
     a_wrote_summary, others_done = threading.Event(), threading.Event()
     real = report.write_run_report

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import time
 
-import batch_llm.report as report
+import batch_llm.analysis.report as report
 import pytest
-from batch_llm.current_pointer import read_pointer
-from batch_llm.retention import VERSION_MARKER, Partition
-from batch_llm.stages import publish
-from batch_llm.storage import Location, exists, write_json
+from batch_llm.api import publish
+from batch_llm.io.current_pointer import read_pointer
+from batch_llm.io.retention import VERSION_MARKER, Partition
+from batch_llm.io.storage import Location, exists, write_json
 from publish_runs import PARTITION, PIPELINE, has_data, partition, ready_to_publish
 
 

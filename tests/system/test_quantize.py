@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from batch_llm import quantize as q
 from batch_llm.config import QuantizeConfig
 from batch_llm.demo_model import default_cache_dir, snapshot_dir
+from batch_llm.stages import quantize as q
 from helpers import vllm_cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_concurrent_calls_export_once(tmp_path):
     """Two tasks asking for the same export at once: one exports, the other waits and gets a cache hit."""
     runs = tmp_path / "runs.txt"
     fake = tmp_path / "fake-python"
-    # argv: -m batch_llm.quantize MODEL_DIR OUT_DIR CFG_JSON
+    # argv: -m batch_llm.stages.quantize MODEL_DIR OUT_DIR CFG_JSON
     fake.write_text(textwrap.dedent(f"""\
         #!/bin/sh
         echo run >> {runs}

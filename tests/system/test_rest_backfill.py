@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from airflow_services import AirflowServices, print_on_failure, write_test_pipeline
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm.io.storage import Location, iter_jsonl, read_json
 from helpers import FAULT_INJECTION
 
 pytestmark = pytest.mark.slow

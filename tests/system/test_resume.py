@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from batch_llm import stages
-from batch_llm.storage import Location, iter_jsonl, list_files
-from batch_llm.worker import WorkerFailed, WorkerHandle
+from batch_llm import api
+from batch_llm.io.storage import Location, iter_jsonl, list_files
+from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
+from batch_llm.layout import RunLayout
 from helpers import demo_config, fault_env
 
 # batch_size 1: no padding, so greedy outputs do not depend on which rows share a batch after a resume.
@@ -21,9 +22,9 @@ SPEC_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=1, engine_
 
 def _prepare(tmp, run_id, **over):
     cfg = demo_config(tmp, **{**SPEC_OVERRIDES, **over})
-    layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds="2026-11-04")
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
+    layout = RunLayout.for_run(cfg, run_id=run_id, ds="2026-11-04")
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model.ref().model_dump(),
             "shard": plan.shards[0].model_dump()}
     return cfg, layout, spec
@@ -75,7 +76,7 @@ def test_task_killed_mid_shard_resumes(tmp_path, baseline):
         time.sleep(0.2)
     handle.stop(grace_seconds=5)
     assert handle.proc.poll() is not None
-    from batch_llm.worker import process_group_alive
+    from batch_llm.isolation.worker_parent import process_group_alive
 
     assert not process_group_alive(handle.pid)
     # the first attempt was cut short: some rows committed, not all, and no shard manifest
@@ -106,8 +107,8 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     row committed twice (an interrupted commit), and a missing row, which fails the merge with its id."""
     import random
 
-    from batch_llm import infer, shard_merge
-    from batch_llm.storage import write_jsonl
+    from batch_llm.io.storage import write_jsonl
+    from batch_llm.stages import infer, shard_merge
 
     monkeypatch.setattr(shard_merge, "MERGE_FAN_IN", 3)
     shard_dir = Location(str(tmp_path / "shard"))

@@ -16,8 +16,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from batch_llm import stages
-from batch_llm.storage import Location, iter_jsonl, read_json
+from batch_llm import api
+from batch_llm.io.storage import Location, iter_jsonl, read_json
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 FORMATS = ("jsonl", "csv", "parquet", "openai_batch")
@@ -139,13 +140,13 @@ def published(request, tmp_path_factory, demo_model_dir):
                       engine__kind="transformers", engine__max_model_len=MAX_MODEL_LEN, engine__max_error_rate=0.5,
                       engine__commit_every_rows=4, sampling__max_tokens=16, evaluate__enabled=False,
                       filter__lists=[{"name": "drops", "path": str(words), "action": "drop"}])
-    layout = stages.RunLayout.for_run(cfg, run_id=f"accounting-{fmt}", ds="2026-11-30")
-    model = stages.quantize(cfg, layout, stages.fetch(cfg, layout))
-    plan = stages.plan_shards(cfg, layout)
-    shards = [stages.infer_shard(cfg, layout, model, s, say=lambda _: None) for s in plan.shards]
-    filtered = stages.content_filter(cfg, layout, plan, shards)
-    scores = stages.evaluate(cfg, layout, plan, filtered)
-    m = stages.publish(cfg, layout, plan, filtered, scores)
+    layout = RunLayout.for_run(cfg, run_id=f"accounting-{fmt}", ds="2026-11-30")
+    model = api.quantize(cfg, layout, api.fetch(cfg, layout))
+    plan = api.plan_shards(cfg, layout)
+    shards = [api.infer_shard(cfg, layout, model, s, say=lambda _: None) for s in plan.shards]
+    filtered = api.content_filter(cfg, layout, plan, shards)
+    scores = api.evaluate(cfg, layout, plan, filtered)
+    m = api.publish(cfg, layout, plan, filtered, scores)
     version = Location(m.version).path()
     return {"fmt": fmt, "dataset": Location(m.dataset).path(), "errors": version / "errors.jsonl",
             "summary": read_json(version / "summary.json")}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from batch_llm.config import load_config
-from batch_llm.storage import as_path, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
+from batch_llm.io.storage import as_path, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
 
 ROOT_INPUT = os.path.join(os.path.dirname(__file__), "..", "..", "include", "sample_data", "demo_prompts.jsonl")
 

@@ -13,7 +13,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm.io.storage import Location, iter_jsonl
 from helpers import run_demo_cli
 
 DS = "2026-11-21"

@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_llm import stages
-from batch_llm.storage import iter_jsonl
+from batch_llm import api
+from batch_llm.io.storage import iter_jsonl
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 # The demo model's own template with its assistant's name as a variable (default: the name it has)
@@ -42,10 +43,10 @@ def _run(tmp: Path, lines: list[dict], kind: str) -> dict[str, dict]:
     cfg = demo_config(tmp / kind, input__path=str(src), sharding__num_shards=1, engine__kind=kind,
                       engine__dtype="float32", cache__enabled=False, model__chat_template=TEMPLATE,
                       engine__max_error_rate=1.0)
-    layout = stages.RunLayout.for_run(cfg, run_id=kind, ds="2026-12-04")
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
-    shard = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+    layout = RunLayout.for_run(cfg, run_id=kind, ds="2026-12-04")
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
+    shard = api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     rows = {r["id"]: r for r in iter_jsonl(Path(shard.outputs))}
     rows.update({r["id"]: r for r in iter_jsonl(Path(shard.errors))})
     return rows

@@ -37,7 +37,7 @@ def test_trust_remote_code_is_off_by_default(tmp_path):
 
 
 def test_tokenizer_runs_shipped_code_only_when_trusted(custom_model):
-    from batch_llm.infer import _load_tokenizer
+    from batch_llm.stages.infer import _load_tokenizer
 
     with pytest.raises(ValueError, match="custom code"):
         _load_tokenizer(str(custom_model), None)
@@ -47,16 +47,17 @@ def test_tokenizer_runs_shipped_code_only_when_trusted(custom_model):
 
 def test_transformers_shard_runs_a_custom_code_model_only_when_trusted(tmp_path, custom_model):
     """End to end through the shard runner: its tokenizer and the transformers engine both get the flag."""
-    from batch_llm import stages
+    from batch_llm import api
+    from batch_llm.layout import RunLayout
 
     def run(trust: bool, sub: str):
         cfg = demo_config(tmp_path / sub, model__ref=str(custom_model), model__trust_remote_code=trust,
                           engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=4,
                           cache__enabled=False, engine__max_error_rate=1.0)
-        layout = stages.RunLayout.for_run(cfg, run_id=sub, ds="2026-11-04")
-        model = stages.fetch(cfg, layout)
-        plan = stages.plan_shards(cfg, layout)
-        return stages.infer_shard(cfg, layout, model, plan.shards[0].model_dump(), say=lambda _: None)
+        layout = RunLayout.for_run(cfg, run_id=sub, ds="2026-11-04")
+        model = api.fetch(cfg, layout)
+        plan = api.plan_shards(cfg, layout)
+        return api.infer_shard(cfg, layout, model, plan.shards[0].model_dump(), say=lambda _: None)
 
     with pytest.raises(EngineStartError, match="custom code"):
         run(False, "untrusted")
@@ -200,7 +201,7 @@ def _model(tmp_path, name, **config):
 
 
 def test_group_size_is_chosen_from_the_model_when_unset(tmp_path, demo_model_dir):
-    from batch_llm import quantize as q
+    from batch_llm.stages import quantize as q
 
     assert QuantizeConfig().group_size is None
     assert q.choose_group_size(demo_model_dir) == 64  # SmolLM2-135M: hidden 576 = 4.5 x 128
@@ -222,7 +223,7 @@ def test_group_size_is_chosen_from_the_model_when_unset(tmp_path, demo_model_dir
 def test_chosen_group_size_is_recorded_and_keys_the_cache(tmp_path, demo_model_dir):
     """quantize_model with group_size unset: the exporter gets the chosen size, the result records it, and
     the cache entry is the one an explicit 64 would use (the AWQ export itself is faked: it is slow)."""
-    from batch_llm import quantize as q
+    from batch_llm.stages import quantize as q
 
     seen = tmp_path / "seen.json"
     fake = tmp_path / "fake-python"

@@ -17,9 +17,10 @@ import json
 import os
 
 import pytest
-from batch_llm import stages
-from batch_llm.storage import Location, iter_jsonl, list_files, read_json
-from batch_llm.worker import WorkerFailed, WorkerHandle
+from batch_llm import api
+from batch_llm.io.storage import Location, iter_jsonl, list_files, read_json
+from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
+from batch_llm.layout import RunLayout
 from helpers import FAULT_INJECTION, ROOT, demo_config, run_demo_cli
 
 DS = "2026-11-06"
@@ -57,10 +58,10 @@ WORKER_OVERRIDES = dict(engine__kind="transformers", engine__batch_size=1, engin
 
 def _spec(tmp, run_id):
     cfg = demo_config(tmp, **WORKER_OVERRIDES)
-    layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds=DS)
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
-    (task,) = stages.shard_tasks(cfg, plan)
+    layout = RunLayout.for_run(cfg, run_id=run_id, ds=DS)
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
+    (task,) = api.shard_tasks(cfg, plan)
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": model.ref().model_dump(),
             "shards": [s.model_dump() for s in task]}
     return layout, plan, spec
@@ -146,8 +147,8 @@ def test_a_failing_shard_does_not_stop_the_tasks_later_shards(tmp_path, demo_mod
     """max_error_rate 0 and a prompt over max_model_len in the task's first shard: that shard fails (its error
     row and outputs written), the second still runs and commits on the same engine, then the task fails naming
     the first; a re-run with a tolerant threshold takes both committed shards as they are, starting no engine."""
-    from batch_llm.infer import ShardFailed
     from batch_llm.manifests import ShardManifest
+    from batch_llm.stages.infer import ShardFailed
 
     src = tmp_path / "input.jsonl"
     rows = [{"id": "huge", "prompt": "lorem ipsum " * 2_000}] + [{"id": f"ok-{i}", "prompt": f"Say {i}."}
@@ -155,14 +156,14 @@ def test_a_failing_shard_does_not_stop_the_tasks_later_shards(tmp_path, demo_mod
     src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     cfg = demo_config(tmp_path, **{**WORKER_OVERRIDES, "engine__max_model_len": 256, "engine__max_error_rate": 0.0,
                                    "input__path": str(src)})
-    layout = stages.RunLayout.for_run(cfg, run_id="fail-first", ds=DS)
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
-    (task,) = stages.shard_tasks(cfg, plan)
+    layout = RunLayout.for_run(cfg, run_id="fail-first", ds=DS)
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
+    (task,) = api.shard_tasks(cfg, plan)
     assert "huge" in {r["id"] for r in iter_jsonl(Location(task[0].url).path())}  # the first shard fails
     said: list[str] = []
     with pytest.raises(ShardFailed, match=r"1 of 2 shards of this task failed \(the others committed\): shard 0: "):
-        stages.infer_shards(cfg, layout, model, task, say=said.append)
+        api.infer_shards(cfg, layout, model, task, say=said.append)
     assert any("the task's other shards go on" in s for s in said), said
     first, second = (ShardManifest.read_if_done(_shard_dir(layout, i)) for i in (0, 1))
     assert first is not None and first.metrics.errors == 1 and first.metrics.ok == 3
@@ -170,5 +171,5 @@ def test_a_failing_shard_does_not_stop_the_tasks_later_shards(tmp_path, demo_mod
     assert second.metrics.engine_shared_from == 0  # the second shard ran on the first's engine
     tolerant = cfg.with_overrides({"engine.max_error_rate": 0.5})
     again: list[str] = []
-    ms = stages.infer_shards(tolerant, layout, model, task, say=again.append)
+    ms = api.infer_shards(tolerant, layout, model, task, say=again.append)
     assert [m.metrics.ok for m in ms] == [3, 4] and "started 0 time(s)" in again[-1], again

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_llm.config import ConfigError, load_config, parse_config
-from batch_llm.formats import output_record, write_rows
+from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.storage import Location, as_path, iter_jsonl, read_json
 from batch_llm.output_schema import OutputSchema, load_schema
-from batch_llm.storage import Location, as_path, iter_jsonl, read_json
 from helpers import ROOT
 
 YAML = ROOT / "dags" / "pipelines" / "review_extraction.yaml"

@@ -10,15 +10,15 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm import formats
-from batch_llm import plan as plan_mod
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm.io import formats
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.stages import plan as plan_mod
 from helpers import demo_config
 
 
 def _plan(tmp_path, path, **over):
     cfg = demo_config(tmp_path, input__path=str(path), **over)
-    return plan_mod.plan_shards(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
+    return plan_mod.write_plan(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
 
 
 def _planned(tmp_path, path, **over) -> tuple[set[str], dict[int, dict]]:
@@ -222,7 +222,7 @@ def test_parquet_text_that_is_not_utf8_is_a_row_error(tmp_path):
 def test_writing_a_lone_surrogate_writes_its_escape_in_every_format(tmp_path, fmt):
     """Text UTF-8 cannot hold (a lone surrogate, from a library caller or a filter's mask) never fails the write
     of outputs or errors: the character is written as its escape text."""
-    from batch_llm.storage import write_jsonl
+    from batch_llm.io.storage import write_jsonl
 
     path = Location(str(tmp_path / f"out{formats.FILE_SUFFIX[fmt]}")).path()
     assert formats.write_rows(path, [{"id": "a", "output": "x \ud800 y"}, {"id": "b", "output": "ok"}], fmt) == 2

@@ -8,9 +8,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from batch_llm.api import plan_shards
+from batch_llm.io.storage import Location, exists, write_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import ShardResult
-from batch_llm.stages import RunLayout, _drop_stale_shard, check_shards_of_plan, plan_shards
-from batch_llm.storage import Location, exists, write_jsonl
+from batch_llm.stages.content_filter import check_shards_of_plan
+from batch_llm.stages.infer import _drop_stale_shard
 from batch_llm_airflow.operators import PlanShardsOperator
 from helpers import demo_config
 

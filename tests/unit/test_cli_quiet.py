@@ -1,7 +1,7 @@
 """``batch-llm run`` is quiet (issue 36, item 8): the terminal shows the stages and the progress; what the engine
 libraries print goes to the run's log file, whose path is printed first; ``--verbose`` shows everything.
 
-The run is the real command (``batch_llm.cli.main`` in a process of its own, real file descriptors) over stub
+The run is the real command (``batch_llm.frontends.cli.main`` in a process of its own, real file descriptors) over stub
 stages whose shard writes as an engine does: a logger with a handler on ``sys.stdout`` (as vLLM configures its
 own), transformers' logger (on ``sys.stderr``), a Python warning, a C-level write to descriptor 2, and a process
 it spawns (as vLLM's engine core) writing to the descriptors it inherits. No engine starts here; the same check
@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from batch_llm.cli import Reporter, build_parser, engine_line
+from batch_llm.frontends.cli import Reporter, build_parser, engine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
@@ -58,20 +58,23 @@ SCRIPT = textwrap.dedent('''
 
 
     def stub_stages(summary_path):
-        from batch_llm import cli, doctor, stages
+        from batch_llm.frontends import cli
+        from batch_llm.analysis import doctor
+        from batch_llm import api
+        from batch_llm import layout
 
-        stages.fetch = lambda cfg, layout: NS(id="m", cache_hit=True, total_bytes=1e6)
-        stages.quantize = lambda cfg, layout, model: NS(quantized=False, local_dir="m")
-        stages.plan_shards = lambda cfg, layout: NS(rows_read=2, valid=2, invalid=0, seconds=0.1,
+        api.fetch = lambda cfg, layout: NS(id="m", cache_hit=True, total_bytes=1e6)
+        api.quantize = lambda cfg, layout, model: NS(quantized=False, local_dir="m")
+        api.plan_shards = lambda cfg, layout: NS(rows_read=2, valid=2, invalid=0, seconds=0.1,
                                                     shards=[NS(index=0, rows=2)])
-        stages.infer_shard = infer_shard
-        stages.content_filter = lambda *a: NS(summary=NS(rows_scanned=2, rows_affected=0, rows_dropped=0))
-        stages.evaluate = lambda *a: NS(num_samples=0, rows_with_references=0, sampled=False, skipped="off",
+        api.infer_shard = infer_shard
+        api.content_filter = lambda *a: NS(summary=NS(rows_scanned=2, rows_affected=0, rows_dropped=0))
+        api.evaluate = lambda *a: NS(num_samples=0, rows_with_references=0, sampled=False, skipped="off",
                                         metrics={})
-        stages.publish = lambda *a, **k: NS(rows=2, dataset="D", errors="E", error_rows=0, summary=summary_path,
+        api.publish = lambda *a, **k: NS(rows=2, dataset="D", errors="E", error_rows=0, summary=summary_path,
                                             report=None)
-        stages.read_manifest_at = lambda *a: None
-        stages.shard_manifests = lambda *a: []
+        layout.read_manifest_at = lambda *a: None
+        layout.shard_manifests = lambda *a: []
         cli.RunSummary = NS(read=lambda path: None)
         doctor.diagnose = lambda *a, **k: []
         doctor.format_findings = lambda findings: "DOCTOR-FINDINGS"
@@ -79,7 +82,7 @@ SCRIPT = textwrap.dedent('''
 
     if __name__ == "__main__":
         stub_stages(sys.argv[1])
-        from batch_llm.cli import main
+        from batch_llm.frontends.cli import main
         sys.exit(main(sys.argv[2:]))
 ''')
 

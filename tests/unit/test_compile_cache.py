@@ -12,10 +12,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from batch_llm import compile_cache, engine_start
+from batch_llm.cache import compile as compile_cache
 from batch_llm.config import EngineConfig
+from batch_llm.engines import start as engine_start
 from batch_llm.engines.base import EngineInfo
-from batch_llm.storage import Location, write_bytes_atomic
+from batch_llm.io.storage import Location, write_bytes_atomic
 from helpers import demo_config
 
 
@@ -252,7 +253,7 @@ def test_the_archive_writer_is_a_file_object_gzip_can_flush(tmp_path):
     """The archive goes through gzip into the atomic writer; gzip's flush() flushes the file object under it."""
     import gzip
 
-    from batch_llm.storage import atomic_writer
+    from batch_llm.io.storage import atomic_writer
 
     with atomic_writer(Location(str(tmp_path / "a.tar.gz")).path()) as w, \
             gzip.GzipFile(fileobj=w, mode="wb", compresslevel=1) as gz:

@@ -192,8 +192,8 @@ def test_fp8_dynamic_takes_no_w4a16_settings():
 
 
 def test_fp8_dynamic_cache_key_is_model_and_scheme_only(tmp_path):
-    from batch_llm import quantize as q
     from batch_llm.config import QuantizeConfig
+    from batch_llm.stages import quantize as q
 
     fp8 = QuantizeConfig(enabled=True, scheme="FP8_DYNAMIC", cache_dir=str(tmp_path))
     w4 = QuantizeConfig(enabled=True, scheme="W4A16", group_size=64, cache_dir=str(tmp_path))
@@ -206,7 +206,7 @@ def test_fp8_dynamic_cache_key_is_model_and_scheme_only(tmp_path):
 
 
 def test_recommend_reads_the_quantize_scheme_and_fp8_checkpoints():
-    from batch_llm.recommend import scheme_of
+    from batch_llm.sizing.recommend import scheme_of
 
     assert scheme_of(None, "FP8_DYNAMIC") == "fp8" and scheme_of(None, "W4A16") == "w4a16"
     assert scheme_of(None, None) == "bf16" and scheme_of(None, None, "float16") == "fp16"

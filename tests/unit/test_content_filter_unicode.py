@@ -13,7 +13,7 @@ import json
 
 import pytest
 from batch_llm.config import FilterConfig, WordListConfig
-from batch_llm.content_filter import ContentFilter, filter_rows
+from batch_llm.stages.content_filter import ContentFilter, filter_rows
 
 # Invisible characters between letters: zero-width space, non-joiner, joiner, word joiner, BOM, soft hyphen,
 # invisible times (another Cf), Mongolian vowel separator (Cf) and a variation selector (not Cf, but invisible).

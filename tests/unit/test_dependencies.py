@@ -112,9 +112,9 @@ IMPORTS = scan()
 
 def test_the_scan_sees_the_known_imports():
     found = {(f, m.split(".")[0], inside) for f, m, inside in IMPORTS}
-    assert ("include/batch_llm/templates/__init__.py", "jinja2", False) in found
-    assert ("include/batch_llm/report.py", "matplotlib", True) in found
-    assert ("include/batch_llm/fetch.py", "modelscope", True) in found
+    assert ("include/batch_llm/analysis/templates/__init__.py", "jinja2", False) in found
+    assert ("include/batch_llm/analysis/report.py", "matplotlib", True) in found
+    assert ("include/batch_llm/stages/fetch.py", "modelscope", True) in found
     assert ("dags/example_llm_batch_switch.py", "airflow", True) in found  # common-ai, inside the backend switch
     probe = "try:\n    import a\nexcept ImportError:\n    a = None\nimport b\nif TYPE_CHECKING:\n    import c\n"
     assert list(_imports(ast.parse(probe))) == [("a", True), ("b", False), ("c", True)]
@@ -215,7 +215,7 @@ def test_the_import_map_matches_the_installed_distributions():
 # --- the amazon provider only where an s3 connection is read -------------------------------------------------
 
 def test_the_hook_needs_no_amazon_provider_until_a_connection_is_read(monkeypatch):
-    from batch_llm.storage import Location
+    from batch_llm.io.storage import Location
     from batch_llm_airflow.hooks import BatchLlmStorageHook
 
     monkeypatch.setitem(sys.modules, "airflow.providers.amazon.aws.hooks.s3", None)  # import fails: not installed

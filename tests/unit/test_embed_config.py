@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from batch_llm.config import ConfigError
-from batch_llm.storage import Location
+from batch_llm.io.storage import Location
 from helpers import cache_namespace, demo_config
 
 
@@ -58,11 +58,11 @@ def test_the_cache_never_serves_text_for_an_embed_request(tmp_path):
 
 @pytest.mark.parametrize("task, made", [("embed", "vectors"), ("classify", "class probabilities")])
 def test_openai_batch_input_refused_for_pooling_tasks(tmp_path, task, made):
-    from batch_llm.plan import plan_shards
+    from batch_llm.stages.plan import write_plan
 
     src = tmp_path / "batch.jsonl"
     src.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
                    '"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n')
     cfg = demo_config(tmp_path, engine__task=task, input__path=str(src))
     with pytest.raises(ValueError, match=rf"OpenAI Batch input .* engine.task: {task} writes {made}"):
-        plan_shards(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
+        write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from batch_llm import stages
+from batch_llm import api
 from batch_llm.config import ConfigError
-from batch_llm.evaluate import METRICS, MetricNotScored
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import EvaluateManifest
+from batch_llm.stages.evaluate import METRICS, EvaluationBelowThreshold, MetricNotScored
 from helpers import demo_config
 
 
@@ -33,15 +34,15 @@ def test_the_known_names_are_evalscopes():
 
 def _gate(tmp_path, manifest: EvaluateManifest, **overrides):
     cfg = demo_config(tmp_path, **overrides)
-    layout = stages.RunLayout.for_run(cfg, run_id="manual__gate", ds="2026-01-01")
+    layout = RunLayout.for_run(cfg, run_id="manual__gate", ds="2026-01-01")
     manifest.write(layout.stage("evaluate").path())  # a committed evaluation: the gate alone runs
     filtered = SimpleNamespace(generation=getattr(manifest, "filter_generation", None))  # the pass it scored
-    return stages.evaluate(cfg, layout, None, filtered)
+    return api.evaluate(cfg, layout, None, filtered)
 
 
 def test_a_score_under_another_spelling_is_gated(tmp_path):
     m = EvaluateManifest(metrics={"Rouge-L-F": 0.05, "bleu-1": 0.5}, num_samples=4)
-    with pytest.raises(stages.EvaluationBelowThreshold, match="Rouge-L-F = 0.0500"):
+    with pytest.raises(EvaluationBelowThreshold, match="Rouge-L-F = 0.0500"):
         _gate(tmp_path, m, evaluate__metric="rouge_l_f", evaluate__min_score=0.1)
     assert _gate(tmp_path, m, evaluate__metric="bleu_1", evaluate__min_score=0.1) == m
 

@@ -7,10 +7,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm import plan as plan_mod
 from batch_llm.config import ShardingConfig
-from batch_llm.formats import output_record, write_rows
-from batch_llm.storage import Location, as_path, iter_jsonl
+from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.storage import Location, as_path, iter_jsonl
+from batch_llm.stages import plan as plan_mod
 from helpers import demo_config
 
 ROWS = [{"id": f"r{i}", "text": "x" * (10 - i), "lang": "French", "reference": f"ref {i}"} for i in range(7)]
@@ -18,7 +18,7 @@ ROWS = [{"id": f"r{i}", "text": "x" * (10 - i), "lang": "French", "reference": f
 
 def _plan(tmp_path, path, **over):
     cfg = demo_config(tmp_path, input__path=str(path), **over)
-    return plan_mod.plan_shards(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
+    return plan_mod.write_plan(cfg, input_loc=Location(str(path)), plan_dir=Location(str(tmp_path / "plan")))
 
 
 def test_csv_with_template_over_columns(tmp_path):

@@ -8,8 +8,8 @@ import textwrap
 import time
 
 import pytest
-from batch_llm.gpu_lease import GpuLease, NoGpuFree
-from batch_llm.worker import process_group_alive
+from batch_llm.isolation.gpu_lease import GpuLease, NoGpuFree
+from batch_llm.isolation.worker_parent import process_group_alive
 
 GPUS = ["0", "1", "2", "3"]
 
@@ -35,7 +35,7 @@ def test_lease_of_a_killed_task_is_reclaimed_and_its_orphan_ended(tmp_path):
     # A "task" takes GPU 0, starts a worker in its own process group, records it, then dies by SIGKILL.
     script = textwrap.dedent(f"""
         import subprocess, sys, time
-        from batch_llm.gpu_lease import GpuLease
+        from batch_llm.isolation.gpu_lease import GpuLease
         lease = GpuLease.acquire(1, gpus=["0"], lease_dir={str(tmp_path)!r}, timeout=5)
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         lease.record_worker(worker.pid)
@@ -65,7 +65,7 @@ def test_a_reused_pid_is_not_killed(tmp_path):
     by an unrelated process (here: one started after the record's start time), which must survive."""
     import json
 
-    from batch_llm.gpu_lease import process_start_time
+    from batch_llm.isolation.gpu_lease import process_start_time
 
     innocent = _own_session("import time; time.sleep(600)")
     try:
@@ -89,7 +89,7 @@ def test_a_reused_pid_is_not_killed(tmp_path):
 def test_orphans_of_a_dead_worker_leader_are_ended(tmp_path):
     """The worker (group leader) died, its engine process lives on in the group: the recorded start time is
     the dead leader's, the survivor started after it, so the group is the recorded one and is ended."""
-    from batch_llm.gpu_lease import is_recorded_group, process_start_time
+    from batch_llm.isolation.gpu_lease import is_recorded_group, process_start_time
 
     leader = _own_session(textwrap.dedent("""
         import subprocess, sys
@@ -119,7 +119,7 @@ def test_orphans_of_a_dead_worker_leader_are_ended(tmp_path):
 # ------------------------------------------------------------------------------------ a private lease folder
 # A lease record names a process group that the next holder kills: only this user may be able to write one.
 def test_the_lease_folder_is_made_private_and_per_user(tmp_path, monkeypatch):
-    from batch_llm import gpu_lease
+    from batch_llm.isolation import gpu_lease
 
     assert str(os.getuid()) in gpu_lease.default_lease_dir()  # not one fixed name anyone may create first
     monkeypatch.setenv("BATCH_LLM_LEASE_DIR", str(tmp_path / "leases"))
@@ -176,7 +176,7 @@ def test_a_recorded_group_of_another_user_is_not_killed(tmp_path):
     alone, even when the start time matches."""
     import json
 
-    from batch_llm.gpu_lease import process_start_time
+    from batch_llm.isolation.gpu_lease import process_start_time
 
     other = subprocess.Popen(["sleep", "600"], start_new_session=True, user=65534)
     try:

@@ -112,9 +112,9 @@ def test_cycles_are_found():
 
 def test_graph_sees_function_level_and_submodule_imports():
     graph = import_graph()
-    assert "batch_llm.stages" in graph["batch_llm.cli"]  # `from batch_llm import stages` inside a function
-    assert "batch_llm.engines.base" in graph["batch_llm.engine_start"]
-    assert "batch_llm.stages" in graph["batch_llm.worker_main"]  # worker_main.main's import, inside a function
+    assert "batch_llm.api" in graph["batch_llm.frontends.cli"]  # `from batch_llm import stages` inside a function
+    assert "batch_llm.engines.base" in graph["batch_llm.engines.start"]
+    assert "batch_llm.api" in graph["batch_llm.isolation.worker_child"]  # worker_main.main's import, inside a function
 
 
 def test_include_has_no_import_cycle():

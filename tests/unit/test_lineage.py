@@ -7,8 +7,8 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import FetchManifest, PublishManifest, TokenUsage
-from batch_llm.stages import RunLayout
 from batch_llm_airflow.lineage import dataset_name
 from batch_llm_airflow.operators import PublishOperator
 from helpers import demo_config

@@ -35,7 +35,7 @@ def _common_ai_stub() -> types.ModuleType:
 
 
 def test_errors_are_common_ais_names_and_subclass_common_ais_classes():
-    from batch_llm import llm_batch
+    from batch_llm.frontends import common_ai as llm_batch
     from batch_llm_airflow.llm_batch import as_common_ai, common_ai_errors
 
     theirs = _common_ai_stub()
@@ -64,8 +64,8 @@ def test_errors_are_common_ais_names_and_subclass_common_ais_classes():
 
 def test_where_each_error_is_raised():
     from airflow.sdk import DAG
-    from batch_llm import llm_batch
-    from batch_llm.storage import Location
+    from batch_llm.frontends import common_ai as llm_batch
+    from batch_llm.io.storage import Location
 
     with pytest.raises(llm_batch.LLMBatchModelMismatchError):
         llm_batch._request_problem(llm_batch.BatchRequest(prompt="x", model="other"), "/models/m")
@@ -81,8 +81,8 @@ def test_where_each_error_is_raised():
 
 
 def test_response_format_is_the_output_schema(tmp_path):
-    from batch_llm import llm_batch
-    from batch_llm.storage import Location
+    from batch_llm.frontends import common_ai as llm_batch
+    from batch_llm.io.storage import Location
 
     text, typed = llm_batch.OutputType.of(str), llm_batch.OutputType.of(int)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError
-from batch_llm.fetch import fetch_model
-from batch_llm.lora import AdapterInvalid, check_adapter, vllm_max_lora_rank
+from batch_llm.stages.fetch import fetch_model
+from batch_llm.stages.lora import AdapterInvalid, check_adapter, vllm_max_lora_rank
 from helpers import demo_config
 
 HIDDEN = 576  # SmolLM2-135M's hidden size; its k/v projections are 192 wide (3 KV heads of 64)
@@ -127,17 +127,18 @@ def test_the_fetch_task_fails_without_retries_on_a_bad_adapter(tmp_path, demo_mo
 def test_a_served_adapter_travels_with_the_model_reference(tmp_path, demo_model_dir):
     """merge: false keeps the model folder and hands the adapter's folder on: through the quantize stage and the
     reference's JSON form (XCom, the worker's stdin) to the shard; an engine that cannot serve one refuses it."""
-    from batch_llm import stages
+    from batch_llm import api
     from batch_llm.engines.registry import make_engine
+    from batch_llm.layout import RunLayout
     from batch_llm.manifests import ModelRef
 
     adapter = _fitting(tmp_path / "a")
     cfg = demo_config(tmp_path, model__ref=str(demo_model_dir), model__lora={"ref": str(adapter), "merge": False})
-    layout = stages.RunLayout.for_run(cfg, run_id="t", ds="2026-12-01")
-    fetched = stages.fetch(cfg, layout)
+    layout = RunLayout.for_run(cfg, run_id="t", ds="2026-12-01")
+    fetched = api.fetch(cfg, layout)
     assert fetched.local_dir == str(demo_model_dir) and fetched.adapter.mode == "serve" and fetched.adapter.rank == 8
     assert "+lora#" in fetched.model_key
-    ref = ModelRef.of(stages.quantize(cfg, layout, fetched.ref().model_dump(mode="json")).ref().model_dump(mode="json"))
+    ref = ModelRef.of(api.quantize(cfg, layout, fetched.ref().model_dump(mode="json")).ref().model_dump(mode="json"))
     assert ref.lora_dir == str(adapter) and ref.model_key == fetched.model_key
     with pytest.raises(ValueError, match="engine transformers cannot serve a LoRA adapter unmerged"):
         make_engine(ref.local_dir, cfg.engine.model_copy(update={"kind": "transformers"}), cfg.sampling,

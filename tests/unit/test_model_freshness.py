@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from batch_llm.config import ModelConfig
-from batch_llm.fetch import fetch_model
+from batch_llm.stages.fetch import fetch_model
 
 OLD_WEIGHTS = bytes(range(64))
 NEW_WEIGHTS = bytes(reversed(range(64)))  # retrained: same shape, same size, other values

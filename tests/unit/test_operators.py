@@ -106,7 +106,7 @@ def test_a_gpu_task_of_several_shards_returns_each_shards_result_and_pushes_each
 
 
 def test_the_gpu_operator_fails_without_retry_only_when_the_library_says_so(tmp_path, monkeypatch):
-    from batch_llm.shard_process import ShardFailedNoRetry, ShardWorkerFailed
+    from batch_llm.isolation.shard_process import ShardFailedNoRetry, ShardWorkerFailed
 
     op, _ = _inference_op(tmp_path, monkeypatch, ShardFailedNoRetry("too many error rows", 3))
     with pytest.raises(AirflowFailException, match="too many error rows"):
@@ -129,7 +129,7 @@ def test_the_gpu_operator_is_thin():
 def test_every_operator_builds_the_layout_as_the_library_does_with_the_run_id_unchanged(tmp_path):
     """One way to build a run's layout (issue 36, item 4): the operators' resolve is RunLayout.for_run with the
     locations their storage hook resolved; a cleared run (clear_number 2) keeps the DAG run's run_id."""
-    from batch_llm.stages import RunLayout
+    from batch_llm.layout import RunLayout
 
     cfg = demo_config(tmp_path)
     ctx = _context()
@@ -156,8 +156,8 @@ def test_publish_hands_on_a_typed_reference_with_what_steps_after_it_read():
 
 def test_for_run_takes_locations_already_resolved(tmp_path):
     """The operators hand RunLayout.for_run the Locations of their storage hook (with the connection's options)."""
-    from batch_llm.stages import RunLayout
-    from batch_llm.storage import Location
+    from batch_llm.io.storage import Location
+    from batch_llm.layout import RunLayout
 
     cfg = demo_config(tmp_path)
     out, inp = Location(str(tmp_path / "o"), {"key": "k"}), Location(str(tmp_path / "in.jsonl"), {"key": "i"})

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from batch_llm import identity, stages
+from batch_llm import api
 from batch_llm.config import EngineConfig
 from batch_llm.engines import probes
+from batch_llm.io import identity
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardSpec
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm.stages.infer import shard_input_key, shard_inputs
 from helpers import cache_namespace, demo_config
 
 LABELS = ["yes", "no"]
@@ -58,7 +61,7 @@ def _keys(tmp_path, overrides: dict) -> tuple[str, str, dict[str, str]]:
     ref = ModelRef(local_dir=str(model), model_key="m@main#abc")
     shard = ShardSpec(index=0, rows=1, url=str(tmp_path / "rows.jsonl"), plan_key="p" * 16)
     ns = cache_namespace(tmp_path, **{k.replace(".", "__"): v for k, v in overrides.items()})
-    return stages.shard_input_key(cfg, ref, shard), ns, stages.shard_inputs(cfg, ref, shard)
+    return shard_input_key(cfg, ref, shard), ns, shard_inputs(cfg, ref, shard)
 
 
 @pytest.mark.parametrize("field", sorted(ENGINE_CHANGES))
@@ -89,7 +92,7 @@ def test_the_weights_and_the_adapter_change_both_keys(tmp_path):
     shard = ShardSpec(index=0, rows=1, url="x", plan_key="p" * 16)
 
     def key(model_key: str) -> str:
-        return stages.shard_input_key(cfg, ModelRef(local_dir=str(tmp_path), model_key=model_key), shard)
+        return shard_input_key(cfg, ModelRef(local_dir=str(tmp_path), model_key=model_key), shard)
 
     assert len({key("m@main#abc"), key("m@main#abd"), key("m@main#abc+lora#0123")}) == 3
 
@@ -123,8 +126,8 @@ class _EchoEngine:
 
 @pytest.fixture
 def echo_engine(monkeypatch, demo_model_dir):
-    from batch_llm import infer
     from batch_llm.engines.base import EngineInfo
+    from batch_llm.stages import infer
 
     monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
     _EchoEngine.requests = 0
@@ -132,9 +135,9 @@ def echo_engine(monkeypatch, demo_model_dir):
 
 
 def _run(cfg, run_id: str, said: list[str] | None = None):
-    layout = stages.RunLayout.for_run(cfg, run_id=run_id, ds="2026-12-04")
-    plan = stages.plan_shards(cfg, layout)
-    return stages.infer_shard(cfg, layout, stages.fetch(cfg, layout), plan.shards[0],
+    layout = RunLayout.for_run(cfg, run_id=run_id, ds="2026-12-04")
+    plan = api.plan_shards(cfg, layout)
+    return api.infer_shard(cfg, layout, api.fetch(cfg, layout), plan.shards[0],
                               say=(said.append if said is not None else lambda _: None))
 
 
@@ -163,6 +166,6 @@ def test_a_row_failed_as_too_long_is_run_again_once_max_model_len_is_raised(tmp_
     m = _run(demo_config(tmp_path, engine__max_model_len=1024, **base), "r", said)  # the same run, re-run
     assert m.metrics.errors == 0 and sorted(r["id"] for r in iter_jsonl(Location(m.outputs).path())) == ["long", "short"]
     assert any("engine settings changed: max_model_len" in line for line in said), said
-    layout = stages.RunLayout.for_run(demo_config(tmp_path, **base), run_id="r", ds="2026-12-04")
+    layout = RunLayout.for_run(demo_config(tmp_path, **base), run_id="r", ds="2026-12-04")
     marker = json.loads(layout.stage("infer").child("shard-00000", "inputs.json").path().read_text())
     assert marker["started_over"] == "engine settings changed: max_model_len"

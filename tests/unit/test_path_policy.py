@@ -1,4 +1,4 @@
-"""The path policy (batch_llm/path_policy.py): every path a user can name is classified the way it will be opened,
+"""The path policy (batch_llm/io/path_policy.py): every path a user can name is classified the way it will be opened,
 local ones are checked against the allowed roots after ``..`` and symlinks, files read whole are bounded, YAML is
 bounded before it is built, and the templates of paths are checked when a pipeline file is validated."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ import time
 
 import fsspec
 import pytest
-from batch_llm import cli, path_policy
 from batch_llm.config import ConfigError, load_config
-from batch_llm.content_filter import load_words
-from batch_llm.storage import as_path
+from batch_llm.frontends import cli
+from batch_llm.io import path_policy
+from batch_llm.io.storage import as_path
+from batch_llm.stages.content_filter import load_words
 from helpers import DEMO_YAML, ROOT, demo_config
 
 
@@ -282,7 +283,7 @@ def test_validate_names_an_unknown_placeholder_in_one_line(capsys):
 
 
 def test_a_run_date_cannot_fill_the_partition_out_of_the_pipeline(tmp_path):
-    from batch_llm.stages import RunLayout
+    from batch_llm.layout import RunLayout
 
     cfg = demo_config(tmp_path, output__partition="{ds}")
     assert RunLayout.for_run(cfg, run_id="r", ds="2026-01-02").partition == "2026-01-02"

@@ -2,11 +2,11 @@
 a memory back-off lowered max_model_len below engine.max_model_len (the engine would fail the shard for it)."""
 from __future__ import annotations
 
-from batch_llm import engine_start
+from batch_llm.engines import start as engine_start
 from batch_llm.engines.base import EngineInfo, EngineStartError, GenResult
-from batch_llm.infer import run_shard
+from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
 from batch_llm.manifests import ShardSpec
-from batch_llm.storage import Location, iter_jsonl, write_jsonl
+from batch_llm.stages.infer import run_shard
 from helpers import demo_config
 
 

@@ -8,13 +8,13 @@ import os
 import shutil
 import time
 
-import batch_llm.current_pointer as current_pointer
-import batch_llm.report as report
+import batch_llm.analysis.report as report
+import batch_llm.io.current_pointer as current_pointer
 import pytest
-from batch_llm.current_pointer import PointerConflict, read_pointer
-from batch_llm.retention import VERSION_MARKER, VersionGone
-from batch_llm.stages import publish
-from batch_llm.storage import Location, exists, write_json
+from batch_llm.api import publish
+from batch_llm.io.current_pointer import PointerConflict, read_pointer
+from batch_llm.io.retention import VERSION_MARKER, VersionGone
+from batch_llm.io.storage import Location, exists, write_json
 from publish_runs import has_data, partition, ready_to_publish
 
 

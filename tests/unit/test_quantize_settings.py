@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from batch_llm import quantize as q
 from batch_llm.config import QuantizeConfig
+from batch_llm.stages import quantize as q
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import sys
 import textwrap
 
 import pytest
-from batch_llm import quantize
-from batch_llm.worker import live_group_members
+from batch_llm.isolation.worker_parent import live_group_members
+from batch_llm.stages import quantize
 
 
 def _exporter_with_child(child_on_sigterm: str) -> tuple[subprocess.Popen, int]:

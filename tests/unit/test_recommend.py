@@ -1,4 +1,4 @@
-"""batch_llm.recommend: shapes, memory, the throughput model against what was measured, the CLI, the fetch
+"""batch_llm.sizing.recommend: shapes, memory, the throughput model against what was measured, the CLI, the fetch
 warning and the doctor's expected-rate check. Pure Python; the only model file is a config.json (the
 Qwen2.5-7B architecture, no weights) in tests/data.
 
@@ -13,12 +13,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from batch_llm import recommend as R
-from batch_llm import sizing_inputs as S
-from batch_llm.cli import main
+from batch_llm.analysis.doctor import diagnose
 from batch_llm.config import load_config
-from batch_llm.doctor import diagnose
+from batch_llm.frontends.cli import main
 from batch_llm.manifests import RunSummary
+from batch_llm.sizing import inputs as S
+from batch_llm.sizing import recommend as R
 from synthetic_runs import fetch_manifest, plan_manifest, run_summary, shard_manifest
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -253,12 +253,13 @@ def test_doctor_says_when_a_gpu_run_is_far_below_the_prediction(tmp_path, monkey
 
 
 def test_fetch_stage_logs_the_warning(demo_model_dir, tmp_path, monkeypatch, caplog):
-    """stages.fetch runs the check with this worker's GPUs (injected here: one of 0.3 GiB) and goes on."""
-    from batch_llm import stages
+    """api.fetch runs the check with this worker's GPUs (injected here: one of 0.3 GiB) and goes on."""
+    from batch_llm import api
+    from batch_llm.layout import RunLayout
 
     cfg = load_config(DEMO).with_overrides({"output.path": str(tmp_path)})
     monkeypatch.setattr(S, "worker_gpu_memory_gib", lambda: [0.3])
-    with caplog.at_level(logging.WARNING, logger="batch_llm.fetch"):
-        stages.fetch(cfg, stages.RunLayout.for_run(cfg, run_id="r", ds="2026-12-01"))
+    with caplog.at_level(logging.WARNING, logger="batch_llm.stages.fetch"):
+        api.fetch(cfg, RunLayout.for_run(cfg, run_id="r", ds="2026-12-01"))
     warned = [r.getMessage() for r in caplog.records if "will not start" in r.getMessage()]
     assert len(warned) == 1 and "0.3 GiB" in warned[0] and "SmolLM2" in warned[0]

@@ -13,11 +13,11 @@ import sys
 from collections import Counter
 
 import pytest
-from batch_llm.doctor import Finding, diagnose, format_findings
+from batch_llm.analysis.doctor import Finding, diagnose, format_findings
+from batch_llm.analysis.report import write_run_report
+from batch_llm.analysis.run_stats import PrefixStats, TokenStats, read_token_stats
+from batch_llm.io.storage import Location, exists, read_json, write_jsonl
 from batch_llm.manifests import EvaluateManifest, FilterSummary
-from batch_llm.report import write_run_report
-from batch_llm.run_stats import PrefixStats, TokenStats, read_token_stats
-from batch_llm.storage import Location, exists, read_json, write_jsonl
 from synthetic_runs import fetch_manifest, make_run, plan_manifest, run_summary, shard_manifest
 
 SECTIONS = ("doctor", "outcomes", "throughput", "time", "timeline", "lengths", "filter", "scores", "shards", "config")
@@ -127,9 +127,10 @@ def test_token_stats_stream_the_shard_outputs(tmp_path):
 
 
 def test_publish_writes_the_report_and_points_to_it(tmp_path):
+    from batch_llm.api import publish
     from batch_llm.config import parse_config
+    from batch_llm.layout import RunLayout
     from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest
-    from batch_llm.stages import RunLayout, publish
 
     cfg = parse_config({"name": "pub", "model": {"ref": "m"}, "input": {"path": str(tmp_path / "in.jsonl")},
                         "output": {"path": str(tmp_path / "out")}})
@@ -433,7 +434,7 @@ def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
 def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
     """The page is a jinja2 template with autoescape: a pipeline name, a model ref or a config value that holds
     HTML shows as text; the notes the report builds with markup (code, bold) keep it."""
-    from batch_llm.report import render_report
+    from batch_llm.analysis.report import render_report
     from batch_llm_airflow.report_app import render_index
 
     summary = run_summary(pipeline="<script>alert(1)</script>", partition="2026-01-01", run_id="r&1",
@@ -450,7 +451,7 @@ def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
 def test_score_trend_reads_only_the_newest_partitions_it_shows(tmp_path, monkeypatch):
     """A pipeline with many earlier partitions: the trend holds the newest ``limit - 1`` of them, oldest first,
     and checks no older partition's pointer (each check is a request on object storage)."""
-    import batch_llm.report as report
+    import batch_llm.analysis.report as report
 
     earlier = tuple(f"dt=2026-11-{d:02d}" for d in range(1, 13))
     summary, _, pipe = make_run(tmp_path, 2, earlier=earlier)

@@ -8,9 +8,11 @@ import sys
 import threading
 
 import pytest
-from batch_llm import result_cache, stages
-from batch_llm.result_cache import ResultCache, namespace, prompt_key
-from batch_llm.storage import Location, write_jsonl
+from batch_llm import api
+from batch_llm.cache import results as result_cache
+from batch_llm.cache.results import ResultCache, namespace, prompt_key
+from batch_llm.io.storage import Location, write_jsonl
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 DAY = 86400.0
@@ -66,8 +68,8 @@ class _EchoEngine:
 def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, request, dedupe):
     """The first attempt dies after its first chunk commit (before any table is written); the retry generates
     the rest and writes one table with every generated row, so the next run is served from the cache."""
-    from batch_llm import infer
     from batch_llm.engines.base import EngineInfo
+    from batch_llm.stages import infer
 
     cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
                       engine__commit_every_rows=4, engine__dedupe_prompts=dedupe)
@@ -83,22 +85,22 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
     request.addfinalizer(lambda: armed.clear())
     monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
     _EchoEngine.requests = 0
-    layout = stages.RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")
-    model = stages.fetch(cfg, layout)
-    plan = stages.plan_shards(cfg, layout)
+    layout = RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")
+    model = api.fetch(cfg, layout)
+    plan = api.plan_shards(cfg, layout)
     with pytest.raises(RuntimeError, match="injected"):
-        stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+        api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     cache_dir = layout.cache_root(cfg).path()
     assert not list(cache_dir.rglob("*.sst")), "no table before the shard ends"
     first = _EchoEngine.requests
-    m = stages.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
+    m = api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     assert m.metrics.cached_rows == 0 and m.metrics.rows == 20
     assert 4 <= first < _EchoEngine.requests
     assert len(list(cache_dir.rglob("*.sst"))) == 1
-    layout_b = stages.RunLayout.for_run(cfg, run_id="b", ds="2026-11-07")
-    plan_b = stages.plan_shards(cfg, layout_b)
+    layout_b = RunLayout.for_run(cfg, run_id="b", ds="2026-11-07")
+    plan_b = api.plan_shards(cfg, layout_b)
     before = _EchoEngine.requests
-    m = stages.infer_shard(cfg, layout_b, stages.fetch(cfg, layout_b), plan_b.shards[0], say=lambda _: None)
+    m = api.infer_shard(cfg, layout_b, api.fetch(cfg, layout_b), plan_b.shards[0], say=lambda _: None)
     assert m.metrics.cached_rows == 20 and _EchoEngine.requests == before
     assert len(list(cache_dir.rglob("*.sst"))) == 1, "a fully cached shard writes no table"
 
@@ -389,7 +391,7 @@ def _publish_maintenance(tmp_path, **cache_settings) -> tuple:
     from batch_llm.manifests import ShardManifest, ShardMetrics
 
     cfg = demo_config(tmp_path, **{f"cache__{k}": v for k, v in cache_settings.items()})
-    layout = stages.RunLayout.for_run(cfg, run_id="manual__cache", ds="2026-01-01")
+    layout = RunLayout.for_run(cfg, run_id="manual__cache", ds="2026-01-01")
     ShardManifest(shard=0, outputs="o", errors="e", metrics=ShardMetrics(rows=0), checksum="c",
                   cache_lookup={"namespace": "mine", "keys": 0}).write(layout.stage("infer").child("shard-00000").path())
     return cfg, layout, layout.cache_root(cfg)
@@ -400,7 +402,7 @@ def test_publish_expires_by_each_namespaces_own_settings(tmp_path):
     mine, other = _old_table(root, "mine"), _old_table(root, "other")
     result_cache.record_retention(root, "other", "keeps_forever", max_age_days=None, compact_after_tables=64,
                                   max_runs=8)
-    got = stages.maintain_cache(cfg, layout)
+    got = api.maintain_cache(cfg, layout)
     assert got["recorded"] == ["mine"] and mine.tables() == [], got
     assert len(other.tables()) == 1, got  # another pipeline's "keep forever" is not overridden by this one's 30 days
     assert result_cache.recorded_settings(mine)["pipelines"] == [cfg.name]
@@ -413,13 +415,13 @@ def test_publish_cache_maintenance_never_raises(tmp_path, monkeypatch):
         raise OSError("the store is down")
 
     monkeypatch.setattr(result_cache, "maintain_all", broken)
-    assert stages.maintain_cache(cfg, layout) == {"error": "OSError: the store is down"}
+    assert api.maintain_cache(cfg, layout) == {"error": "OSError: the store is down"}
     monkeypatch.undo()
     monkeypatch.setattr(ResultCache, "maintain", broken)
-    got = stages.maintain_cache(cfg, layout)
+    got = api.maintain_cache(cfg, layout)
     assert got["namespaces"] == {} or all("error" in s for s in got["namespaces"].values()), got
     _old_table(root, "a")
-    assert stages.maintain_cache(cfg, layout)["namespaces"]["a"]["error"] == "OSError: the store is down"
+    assert api.maintain_cache(cfg, layout)["namespaces"]["a"]["error"] == "OSError: the store is down"
 
 
 # ------------------------------------------------------------------------------------------ on S3

@@ -1,4 +1,4 @@
-"""``batch-llm run-batch`` (include/batch_llm/run_batch.py): vLLM's ``vllm run-batch`` flags onto one pipeline,
+"""``batch-llm run-batch`` (include/batch_llm/frontends/run_batch.py): vLLM's ``vllm run-batch`` flags onto one pipeline,
 no YAML: each flag's key, vLLM's sampling defaults for a request that sets none, and the output in input order.
 No engine."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_llm import run_batch as rb
-from batch_llm.cli import build_parser
 from batch_llm.config import ConfigError
+from batch_llm.frontends import run_batch as rb
+from batch_llm.frontends.cli import build_parser
 
 
 def _model(tmp_path: Path, **generation) -> Path:

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 
 from batch_llm.config import parse_config
+from batch_llm.io.storage import Location, read_json, write_json, write_jsonl
 from batch_llm.manifests import (
     EngineRecord,
     EvaluateManifest,
@@ -21,7 +22,6 @@ from batch_llm.manifests import (
     ShardSpec,
     TokenUsage,
 )
-from batch_llm.storage import Location, read_json, write_json, write_jsonl
 
 KEYS = ["pipeline", "run_id", "partition", "rows_published", "format", "dataset", "errors", "config", "manifests",
         "published_at", "usage", "report"]
@@ -99,7 +99,8 @@ def test_shards_handed_on_through_xcom_and_stages_left_out(tmp_path):
 
 
 def test_publish_writes_the_summary_model(tmp_path):
-    from batch_llm.stages import RunLayout, publish
+    from batch_llm.api import publish
+    from batch_llm.layout import RunLayout
 
     plan, filtered, scores, fetched, quantized, shard = _manifests(tmp_path)
     cfg = parse_config({"name": "pub", "model": {"ref": "org/m"}, "input": {"path": str(tmp_path / "in.jsonl")},

@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm import plan as plan_mod
+from batch_llm.cache.results import namespace, prompt_key
 from batch_llm.config import ConfigError, FilterConfig, WordListConfig
-from batch_llm.content_filter import ContentFilter
 from batch_llm.engines.base import GenResult, Sample, TokenLogprob, TopLogprob
 from batch_llm.engines.vllm_engine import gen_result, token_logprobs
-from batch_llm.formats import output_record, write_rows
-from batch_llm.infer import SAMPLE_FIELDS, _result_row, _sample_fields, sampling_identity
-from batch_llm.result_cache import namespace, prompt_key
+from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.storage import Location, as_path, iter_jsonl, write_jsonl
 from batch_llm.row_params import RowParams, engine_refusal, resolve
-from batch_llm.shard_merge import finish_shard
-from batch_llm.storage import Location, as_path, iter_jsonl, write_jsonl
+from batch_llm.stages import plan as plan_mod
+from batch_llm.stages.content_filter import ContentFilter
+from batch_llm.stages.infer import SAMPLE_FIELDS, _result_row, _sample_fields, sampling_identity
+from batch_llm.stages.shard_merge import finish_shard
 from helpers import demo_config
 
 CHAT = "/v1/chat/completions"
@@ -94,14 +94,14 @@ def test_table_columns_n_and_logprobs_reach_the_shard_rows(tmp_path):
     p = tmp_path / "in.csv"
     p.write_text("id,prompt,n,logprobs\na,hi,3,2\nb,hi,,\nc,hi,0,\nd,hi,,25\n")
     cfg = demo_config(tmp_path, input__path=str(p), input__sampling_columns=["n", "logprobs"])
-    m = plan_mod.plan_shards(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
     rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
     errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
     assert rows["a"]["params"] == {"n": 3, "logprobs": 2} and "params" not in rows["b"]
     assert errors == {"c": "n must be in [1, 128], got 0", "d": "logprobs must be in [0, 20], got 25"}
     cfg_t = demo_config(tmp_path / "t", input__path=str(p), input__sampling_columns=["n", "logprobs"],
                         engine__kind="transformers")
-    m = plan_mod.plan_shards(cfg_t, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan_t")))
+    m = plan_mod.write_plan(cfg_t, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan_t")))
     errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
     assert errors["a"] == "engine transformers cannot apply per-row logprobs, n (vllm can)"
 

@@ -15,11 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_llm import plan as plan_mod
 from batch_llm.config import ConfigError, SamplingConfig
 from batch_llm.engines.capabilities import EXTRA_SAMPLING_KEYS, serving
 from batch_llm.engines.vllm_engine import sampling_kwargs
-from batch_llm.infer import ShardRun, sampling_identity
+from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.row_params import (
     HONOURED,
     NO_EFFECT,
@@ -30,7 +29,8 @@ from batch_llm.row_params import (
     response_schema,
     template_kwargs,
 )
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm.stages import plan as plan_mod
+from batch_llm.stages.infer import ShardRun, sampling_identity
 from helpers import demo_config
 
 # What OpenAI's chat and completions endpoints take (openai 3.57's CompletionCreateParams), where the openai
@@ -228,7 +228,7 @@ def test_the_chat_is_rendered_with_the_pipelines_and_the_rows_template_variables
 
 # ------------------------------------------------------------------------------------------ inputs
 def _plan(tmp_path, cfg, src):
-    m = plan_mod.plan_shards(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
     rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
     return rows, {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
 

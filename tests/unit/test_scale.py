@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from batch_llm import plan as plan_mod
 from batch_llm.config import parse_config
-from batch_llm.formats import write_rows
-from batch_llm.storage import Location, iter_jsonl
+from batch_llm.io.formats import write_rows
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.stages import plan as plan_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = ROOT / "bench" / "scale.py"
@@ -65,7 +65,7 @@ def test_external_sort_equals_in_memory_sort(tmp_path, monkeypatch):
 
     def shard_ids(out: str, run_rows: int) -> list[list[str]]:
         monkeypatch.setattr(plan_mod, "SORT_RUN_ROWS", run_rows)
-        m = plan_mod.plan_shards(cfg, input_loc=Location(str(tmp_path / "in.jsonl")),
+        m = plan_mod.write_plan(cfg, input_loc=Location(str(tmp_path / "in.jsonl")),
                                  plan_dir=Location(str(tmp_path / out)))
         return [[r["id"] for r in iter_jsonl(Location(s.url).path())] for s in m.shards]
 
@@ -84,7 +84,7 @@ def test_duplicates_found_exactly_even_when_every_hash_collides(tmp_path, monkey
     results = []
     for name, hasher in (("real", hash), ("colliding", lambda _: 0)):
         monkeypatch.setattr(plan_mod, "id_hash", hasher)
-        m = plan_mod.plan_shards(cfg, input_loc=Location(str(tmp_path / "in.jsonl")),
+        m = plan_mod.write_plan(cfg, input_loc=Location(str(tmp_path / "in.jsonl")),
                                  plan_dir=Location(str(tmp_path / name)))
         errors = list(iter_jsonl(Location(m.errors).path()))
         kept = sorted(r["id"] for s in m.shards for r in iter_jsonl(Location(s.url).path()))
@@ -108,7 +108,7 @@ def test_a_folder_of_parts_is_read_in_order_with_errors_naming_file_and_line(tmp
     (lake / "part-00001.jsonl").write_text((lake / "part-00001.jsonl").read_text()
                                            + json.dumps({"id": "p0-1", "prompt": "again"}) + "\n")
     cfg = parse_config(_cfg(tmp_path, lake))
-    m = plan_mod.plan_shards(cfg, input_loc=Location(str(lake)), plan_dir=Location(str(tmp_path / "plan")))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(lake)), plan_dir=Location(str(tmp_path / "plan")))
     assert (m.input_files, m.rows_read, m.valid, m.invalid) == (3, 13, 11, 2)
     records = [r["id"] for r in iter_jsonl(Location(m.records).path())]
     assert records == [f"p{p}-{i}" for p in range(3) for i in range(4) if (p, i) != (1, 2)]
@@ -120,7 +120,7 @@ def test_a_folder_of_parts_is_read_in_order_with_errors_naming_file_and_line(tmp
 
 
 def test_scoring_sample_is_seeded_bounded_and_grows_as_a_superset():
-    from batch_llm.evaluate import sample_for_scoring
+    from batch_llm.stages.evaluate import sample_for_scoring
 
     records = [{"idx": i, "id": f"r{i}", "reference": f"ref {i}" if i % 3 else None} for i in range(3000)]
     outputs = [{"idx": i, "id": f"r{i}", "output": f"out {i}"} for i in range(3000) if i % 7]

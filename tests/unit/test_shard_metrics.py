@@ -1,4 +1,4 @@
-"""Shard metrics as they leave a task: a push to the Prometheus Pushgateway (batch_llm.metrics_push), caught here by
+"""Shard metrics as they leave a task: a push to the Prometheus Pushgateway (batch_llm.analysis.metrics_push), caught here by
 an HTTP server on loopback that reads what a Pushgateway would (method, grouping key in the path, text format);
 nothing without BATCH_LLM_PUSHGATEWAY_URL; a refused, rejected or hanging gateway is a warning, never a failure;
 and the observability files (Prometheus scrape config, Grafana dashboard) agreeing with what is pushed.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from batch_llm import metrics_push
+from batch_llm.analysis import metrics_push
 from batch_llm.manifests import ShardManifest
 from batch_llm_airflow.operators import SHARD_COUNTERS, SHARD_GAUGES, emit_shard_metrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -115,7 +115,7 @@ def test_nothing_is_pushed_without_a_gateway(monkeypatch, gateway):
 
 
 def test_a_failed_push_is_a_warning_never_the_shards_failure(gateway, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING, logger="batch_llm.metrics_push")
+    caplog.set_level(logging.WARNING, logger="batch_llm.analysis.metrics_push")
     gateway.status = 400  # what a Pushgateway answers to an inconsistent push
     assert emit_shard_metrics("demo", MANIFEST, run_id=RUN_ID) is False
     assert "not pushed to the Pushgateway" in caplog.text and "HTTP Error 400" in caplog.text

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from batch_llm import shard_process
-from batch_llm.shard_process import IsolatedShard, ShardFailedNoRetry, ShardWorkerFailed, run_shard_isolated
-from batch_llm.stages import RunLayout
-from batch_llm.worker import WorkerFailed
+from batch_llm.isolation import shard_process
+from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry, ShardWorkerFailed, run_shard_isolated
+from batch_llm.isolation.worker_parent import WorkerFailed
+from batch_llm.layout import RunLayout
 from helpers import demo_config
 
 MANIFEST = {"stage": "infer", "shard": 3, "outputs": "o.jsonl", "errors": "e.jsonl", "metrics": {"rows": 2},

@@ -8,10 +8,11 @@ import datetime as dt
 from types import SimpleNamespace
 
 import pytest
+from batch_llm.api import content_filter, plan_shards, shard_tasks
 from batch_llm.config import ConfigError
+from batch_llm.io.storage import Location, write_jsonl
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import ShardManifest
-from batch_llm.stages import RunLayout, content_filter, plan_shards, shard_tasks
-from batch_llm.storage import Location, write_jsonl
 from batch_llm_airflow.operators import PlanShardsOperator
 from helpers import demo_config
 

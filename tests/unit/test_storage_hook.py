@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from batch_llm.storage import Location, atomic_writer
+from batch_llm.io.storage import Location, atomic_writer
 from batch_llm_airflow import get_provider_info as gpi
 from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.storage_bridge import split_conn

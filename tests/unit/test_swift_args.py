@@ -1,4 +1,4 @@
-"""``batch-llm infer``'s ms-swift flags (include/batch_llm/swift_args.py): each flag's YAML key, refusals and
+"""``batch-llm infer``'s ms-swift flags (include/batch_llm/frontends/swift.py): each flag's YAML key, refusals and
 warnings, the rows swift reads, the result line's shape, and docs/ms-swift.md's table against ``FLAGS``. No engine."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from batch_llm import swift_args as sa
-from batch_llm.cli import build_parser
 from batch_llm.config import ConfigError
+from batch_llm.frontends import swift as sa
+from batch_llm.frontends.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 # the `swift infer` command of a real run on this project's CPU machines (ms-swift 4.6.0, vLLM backend)
@@ -273,7 +273,7 @@ def test_result_lines_have_swifts_shape(tmp_path):
 def test_docs_table_is_the_flag_table():
     text = (ROOT / "docs" / "ms-swift.md").read_text(encoding="utf-8")
     block = text.split("<!-- swift-flags:start -->\n", 1)[1].split("\n<!-- swift-flags:end -->", 1)[0]
-    assert block == sa.markdown_table(), "docs/ms-swift.md: regenerate the table with python -m batch_llm.swift_args"
+    assert block == sa.markdown_table(), "docs/ms-swift.md: regenerate the table with python -m batch_llm.frontends.swift"
     for f in sa.FLAGS:
         assert f"`--{f.name}`" in block
     assert "[docs/ms-swift.md](docs/ms-swift.md)" in (ROOT / "README.md").read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The worker's end once its shard is committed (``batch_llm.worker_main._FastEnd``), on real processes.
+"""The worker's end once its shard is committed (``batch_llm.isolation.worker_child._FastEnd``), on real processes.
 
 A worker leading its own process group, with a child standing in for vLLM's engine-core process (the kill is
 what is tested, not the engine: tests/system/test_engine_faults.py runs the real worker with a real engine
@@ -17,14 +17,14 @@ import textwrap
 import time
 from pathlib import Path
 
-from batch_llm.worker import RESULT_PREFIX
+from batch_llm.isolation.worker_parent import RESULT_PREFIX
 
 INCLUDE = str(Path(__file__).resolve().parents[2] / "include")
 
 WORKER = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from types import SimpleNamespace
-    from batch_llm.worker_main import _FastEnd
+    from batch_llm.isolation.worker_child import _FastEnd
 
     tp = int(sys.argv[1])
     fast_end = _FastEnd(SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=tp)))
@@ -95,7 +95,7 @@ def _stand_in(tmp_path: Path) -> str:
 
 
 def test_the_handle_gives_each_attempt_a_socket_folder_and_removes_it_after_a_sigkill(tmp_path):
-    from batch_llm.worker import WorkerFailed, WorkerHandle
+    from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 
     lines: list[str] = []
     h = WorkerHandle.start({}, python=_stand_in(tmp_path))
@@ -110,7 +110,7 @@ def test_the_handle_gives_each_attempt_a_socket_folder_and_removes_it_after_a_si
 
 
 def test_the_handle_removes_the_folder_when_it_stops_a_worker(tmp_path):
-    from batch_llm.worker import WorkerHandle
+    from batch_llm.isolation.worker_parent import WorkerHandle
 
     sleeper = tmp_path / "python-sleeper"
     sleeper.write_text("#!/bin/sh\nexec sleep 60\n")
@@ -122,7 +122,7 @@ def test_the_handle_removes_the_folder_when_it_stops_a_worker(tmp_path):
 
 
 def test_the_handle_leaves_a_socket_folder_the_user_chose(tmp_path):
-    from batch_llm.worker import WorkerFailed, WorkerHandle
+    from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 
     chosen = tmp_path / "rpc"
     chosen.mkdir()

@@ -13,8 +13,8 @@ import textwrap
 import time
 
 import pytest
-from batch_llm import worker
-from batch_llm.worker import RESULT_PREFIX, WorkerHandle, process_group_alive
+from batch_llm.isolation import worker_parent as worker
+from batch_llm.isolation.worker_parent import RESULT_PREFIX, WorkerHandle, process_group_alive
 
 
 def _own_session(code: str) -> subprocess.Popen:

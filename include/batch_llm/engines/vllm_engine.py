@@ -127,7 +127,7 @@ class VllmEngine(Engine):
         """A served adapter: LoRA on, one adapter slot, the rank the adapter needs (engine.extra may override)."""
         if self.lora_dir is None:
             return {}
-        from batch_llm.lora import adapter_rank, vllm_max_lora_rank
+        from batch_llm.stages.lora import adapter_rank, vllm_max_lora_rank
 
         args = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(adapter_rank(self.lora_dir)))
         return {k: v for k, v in args.items() if k not in self.cfg.extra}
@@ -437,7 +437,7 @@ def _cuda_visible() -> bool:
 
 
 def _gpu_name(device: str) -> str | None:
-    """The GPU's name as CUDA reports it (the doctor compares the run with batch_llm.recommend for it)."""
+    """The GPU's name as CUDA reports it (the doctor compares the run with batch_llm.sizing.recommend for it)."""
     if not device.startswith("cuda"):
         return None
     try:

@@ -1,0 +1,121 @@
+"""The stage library's facade: one function per stage, each delegating to the stage's own module under
+``batch_llm.stages``. The Airflow operators, the CLI, the benchmarks and the tests call these::
+
+    layout = RunLayout.for_run(cfg, run_id="manual__1", ds="2026-11-30")   # batch_llm.layout
+    model = api.fetch(cfg, layout)
+    model = api.quantize(cfg, layout, model)
+    plan = api.plan_shards(cfg, layout)
+    shards = [api.infer_shard(cfg, layout, model, s) for s in plan.shards]
+    # or, one engine for k consecutive shards (sharding.shards_per_task):
+    shards = [m for group in api.shard_tasks(cfg, plan) for m in api.infer_shards(cfg, layout, model, group)]
+    filtered = api.content_filter(cfg, layout, plan, shards)
+    scores = api.evaluate(cfg, layout, plan, filtered)
+    api.publish(cfg, layout, plan, filtered, scores)
+
+Each stage takes the pipeline config, the run's layout and what it needs of the stages before it, writes its
+artifacts plus ``manifest.json`` under ``<run>/<stage>/``, and returns that manifest. Hand-off between stages
+(the rule ``batch_llm.manifests`` states; the operators follow it): a stage's manifest lives in its run folder
+in storage and is the record of what it did; between Airflow tasks XCom carries only a small typed reference
+(``ModelRef``, the ``ShardSpec`` list (or one list per task: ``shard_tasks``), ``ShardResult``,
+``PublishedRef``). A stage that needs more of an upstream stage than its reference reads the manifest from the
+run folder (``batch_llm.layout.read_manifest_at``, ``shard_manifests``).
+
+Nothing is implemented here: each function only names the stage's module, so a reader goes from here to the
+code that acts. The stage modules import their heavy dependencies (vLLM, EvalScope, matplotlib) inside the
+functions that need them, so importing this facade is cheap (DAG parsing does).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from batch_llm.stages import content_filter as _content_filter
+from batch_llm.stages import evaluate as _evaluate
+from batch_llm.stages import fetch as _fetch
+from batch_llm.stages import infer as _infer
+from batch_llm.stages import plan as _plan
+from batch_llm.stages import publish as _publish
+from batch_llm.stages import quantize as _quantize
+
+if TYPE_CHECKING:
+    from batch_llm.config import PipelineConfig
+    from batch_llm.layout import RunLayout
+    from batch_llm.manifests import (
+        EvaluateManifest,
+        FetchManifest,
+        FilterManifest,
+        ModelRef,
+        PlanManifest,
+        PublishManifest,
+        QuantizeManifest,
+        ShardManifest,
+        ShardResult,
+        ShardSpec,
+    )
+    from batch_llm.stages.infer import SharedEngine
+
+__all__ = ["content_filter", "evaluate", "fetch", "infer_shard", "infer_shards", "maintain_cache", "plan_shards",
+           "publish", "quantize", "shard_tasks"]
+
+
+def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None,
+          adapter_storage_options: dict | None = None) -> FetchManifest:
+    """The model (and its LoRA adapter): ``batch_llm.stages.fetch``."""
+    return _fetch.fetch(cfg, layout, storage_options=storage_options, adapter_storage_options=adapter_storage_options)
+
+
+def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | dict) -> QuantizeManifest:
+    """The AWQ W4A16 or FP8 export when enabled, else the model as is: ``batch_llm.stages.quantize``."""
+    return _quantize.quantize(cfg, layout, model)
+
+
+def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    """The run's plan (reused while its inputs are unchanged): ``batch_llm.stages.plan``."""
+    return _plan.plan_shards(cfg, layout)
+
+
+def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]]:
+    """The plan's shards grouped as the inference tasks run them: ``batch_llm.stages.infer``."""
+    return _infer.shard_tasks(cfg, plan)
+
+
+def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
+                shard: ShardSpec | dict, say: Callable[[str], None] = print, started: dict | None = None,
+                on_committed: Callable[[ShardManifest], None] | None = None,
+                shared_engine: SharedEngine | None = None) -> ShardManifest:
+    """One shard in this process: ``batch_llm.stages.infer``. The GPU operator runs shards in a worker of their
+    own instead (``batch_llm.isolation``)."""
+    return _infer.infer_shard(cfg, layout, model, shard, say=say, started=started, on_committed=on_committed,
+                              shared_engine=shared_engine)
+
+
+def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
+                 shards: list[ShardSpec | dict], say: Callable[[str], None] = print, started: dict | None = None,
+                 on_committed: Callable[[list[ShardManifest]], None] | None = None) -> list[ShardManifest]:
+    """One task's shards on one engine: ``batch_llm.stages.infer``."""
+    return _infer.infer_shards(cfg, layout, model, shards, say=say, started=started, on_committed=on_committed)
+
+
+def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
+                   shards: Sequence[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
+    """The shards' outputs merged in input order, the word lists applied: ``batch_llm.stages.content_filter``."""
+    return _content_filter.content_filter(cfg, layout, plan, shards)
+
+
+def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest) -> EvaluateManifest:
+    """EvalScope's scores and the ``min_score`` gate: ``batch_llm.stages.evaluate``."""
+    return _evaluate.evaluate(cfg, layout, plan, filtered)
+
+
+def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
+            scores: EvaluateManifest, extra_manifests: dict | None = None, *,
+            catalog_properties: dict[str, str] | None = None) -> PublishManifest:
+    """A new version of the partition, made current, or with ``output.table`` the table's partition replaced in
+    one commit (``catalog_properties``: the Iceberg catalog's connection): ``batch_llm.stages.publish``."""
+    return _publish.publish(cfg, layout, plan, filtered, scores, extra_manifests=extra_manifests,
+                            catalog_properties=catalog_properties)
+
+
+def maintain_cache(cfg: PipelineConfig, layout: RunLayout) -> dict | None:
+    """The result cache's retention and compaction, once per run: ``batch_llm.stages.publish``."""
+    return _publish.maintain_cache(cfg, layout)

@@ -1,0 +1,686 @@
+"""``batch-llm infer``: ms-swift's ``swift infer`` batch flags, mapped onto one pipeline configuration.
+
+::
+
+    batch-llm infer --model Qwen/Qwen2.5-7B-Instruct --infer_backend vllm --val_dataset rows.jsonl \\
+        --max_new_tokens 512 --temperature 0 --vllm_max_model_len 8192 --result_path out.jsonl
+
+The flags are spelled as ms-swift 4.x spells them (``swift/arguments/infer_args.py``, ``base_args/``,
+``rlhf_trainers/args_mixin.py``'s ``VllmArguments``); ``FLAGS`` below says what each one becomes: a key of the
+pipeline YAML (``config.py``), a setting of this command, accepted without effect (a note or a warning), or refused
+with the reason. A flag that is in no row is an error naming it. ``docs/ms-swift.md`` holds the same table
+(``markdown_table()``; a unit test checks that they agree).
+
+The command builds one ``PipelineConfig`` (one shard, no content filter, no scoring: ``swift infer`` does neither),
+writes it as a pipeline YAML in the work folder (``batch-llm run`` takes that file as it is), runs the stages in this
+process through ``batch-llm run``'s own function, and writes ``--result_path`` as ``swift infer`` does: one JSON line
+per input row, in input order, appended to the file (swift's ``JsonlWriter`` appends too)::
+
+    {"response": "...", "labels": null, "logprobs": null,
+     "messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+
+``response`` the completion, ``labels`` the row's trailing assistant message (removed from the prompt, as
+``InferRequest.remove_response`` does) or its ``response`` column, ``logprobs`` OpenAI's chat ``logprobs`` object
+(``--logprobs true``) or null, ``messages`` the prompt's messages with the completion appended; the row's other
+standard keys of ms-swift (``label``, ``channel``, ``margin``) follow; its other columns are dropped, as swift's
+loader drops them. A row that failed carries ``"response": null`` and ``"error"`` (swift has no such line: it stops).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.engines.capabilities import engine_kinds
+
+PIPELINE_NAME = "swift_infer"
+MAP, OWN, NOTE, WARN, REFUSE = "map", "own", "note", "warn", "refuse"
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _json(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("none", "null") else int(text)
+
+
+@dataclass(frozen=True)
+class SwiftFlag:
+    """One flag of ``swift infer``: what ``batch-llm infer`` makes of it.
+
+    ``action``: ``map`` (sets ``key`` of the pipeline YAML), ``own`` (a setting of this command: ``key`` names it),
+    ``note`` (accepted, no effect here, a note is printed), ``warn`` (accepted, no effect here, a warning is
+    printed: the outputs may differ from swift's), ``refuse`` (an error). ``neutral``: values that change nothing
+    (a refused flag at one of them is accepted). ``backend``: the ``--infer_backend`` it belongs to (vllm,
+    lmdeploy, transformers); with another backend it is ignored with a warning, as swift ignores it."""
+
+    name: str
+    action: str
+    key: str | None = None
+    type: Callable[[str], Any] = str
+    how: str = ""
+    backend: str | None = None
+    many: bool = False
+    neutral: tuple = ()
+
+
+def _f(name, action, key=None, type=str, how="", backend=None, many=False, neutral=()):  # noqa: A002
+    return SwiftFlag(name, action, key, type, how, backend, many, neutral)
+
+
+_VLLM_ONLY = "vLLM engine argument"
+FLAGS: tuple[SwiftFlag, ...] = (
+    # ---- model and template (swift/arguments/base_args/model_args.py, template_args.py, base_args.py)
+    _f("model", MAP, "model.ref", how="a local model folder or a ModelScope id (fetched into the model cache)"),
+    _f("model_revision", MAP, "model.revision"),
+    _f("model_type", NOTE, how="not needed: the model folder's config.json names the architecture"),
+    _f("template", NOTE, how="not needed: prompts are rendered with the model's own chat template (swift's "
+       "--template_backend jinja); a different template: model.chat_template"),
+    _f("template_backend", NOTE, how="jinja is what batch-llm does; swift (ms-swift's default): a warning, the "
+       "model's chat template is used all the same (outputs may differ where swift's template does)"),
+    _f("use_chat_template", REFUSE, type=_bool, neutral=(True,), how="true only: rows are chats"),
+    _f("system", MAP, "input.system_prompt", how="added to rows that have no system message"),
+    _f("torch_dtype", MAP, "engine.dtype", how="bfloat16, float16, float32 (auto: the checkpoint's)"),
+    _f("max_model_len", MAP, "engine.max_model_len", type=_optional_int),
+    _f("adapters", MAP, "model.lora.ref", many=True, how="one LoRA adapter folder (a swift checkpoint: its "
+       "args.json gives what --model and the others do not, as swift reads it; --load_args false: not read), "
+       "merged into the model at fetch unless --merge_lora false"),
+    _f("merge_lora", MAP, "model.lora.merge", type=_bool, how="true (the default here): the adapter merged into the "
+       "model at fetch (cached by model and adapter), every engine runs it; false: vLLM serves it unmerged"),
+    _f("load_args", OWN, type=_bool, how="false: the --adapters checkpoint's args.json is not read (true: as swift, "
+       "it fills model, model_type, model_revision, torch_dtype, max_model_len, template, system)"),
+    _f("max_length", WARN, type=_optional_int, how="prompts are not truncated: a prompt longer than "
+       "engine.max_model_len is a row error"),
+    _f("use_hf", REFUSE, type=_bool, neutral=(False,), how="models come from ModelScope or a local folder"),
+    _f("attn_impl", NOTE, how="the engine picks its attention kernels"),
+    _f("device_map", NOTE, how="the engine places the model (engine.tensor_parallel_size)"),
+    _f("seed", MAP, "sampling.seed", type=int),
+    _f("enable_thinking", MAP, "sampling.chat_template_kwargs.enable_thinking", type=_bool,
+       how="the chat template's enable_thinking variable (Qwen3's and others'), as swift passes it"),
+    # ---- data (base_args/data_args.py, infer_args.py)
+    _f("val_dataset", OWN, "input.path", many=True, how="local .jsonl / .json files of swift rows (messages, or "
+       "query / response / system / history), converted in input order; name#N takes the first N rows"),
+    _f("val_dataset_sample", OWN, type=int, how="the first N rows (swift samples at random unless "
+       "--dataset_shuffle false)"),
+    _f("dataset", REFUSE, many=True, how="give the rows to infer as --val_dataset"),
+    _f("split_dataset_ratio", REFUSE, type=float, how="give the rows to infer as --val_dataset"),
+    _f("dataset_shuffle", NOTE, type=_bool, how="rows keep their input order"),
+    _f("val_dataset_shuffle", NOTE, type=_bool, how="rows keep their input order"),
+    _f("data_seed", NOTE, type=int, how="no sampling of rows"),
+    _f("dataset_num_proc", NOTE, type=int, how="rows are converted in this process"),
+    _f("load_from_cache_file", NOTE, type=_bool, how="no dataset cache"),
+    _f("columns", REFUSE, how="rename the columns of the file (messages, or query / response)"),
+    _f("streaming", REFUSE, type=_bool, neutral=(False,), how="the rows are read from local files"),
+    # ---- generation (base_args/generation_args.py)
+    _f("max_new_tokens", MAP, "sampling.max_tokens", type=int, how="not given: sampling.max_tokens's default "
+       "(256); swift: up to the model length"),
+    _f("temperature", MAP, "sampling.temperature", type=float, how="not given: 0 (greedy); swift: the model's "
+       "generation_config.json"),
+    _f("top_p", MAP, "sampling.top_p", type=float),
+    _f("top_k", MAP, "sampling.top_k", type=int, how="-1 or 0: off (vllm, lmdeploy, transformers apply it)"),
+    _f("repetition_penalty", MAP, "sampling.repetition_penalty", type=float),
+    _f("num_beams", REFUSE, type=int, neutral=(1,), how="no beam search"),
+    _f("stop_words", MAP, "sampling.stop", many=True),
+    _f("logprobs", MAP, "sampling.logprobs", type=_bool, how="true: sampling.logprobs = --top_logprobs or 0 "
+       "(vLLM); the result's logprobs is OpenAI's chat logprobs object"),
+    _f("top_logprobs", MAP, "sampling.logprobs", type=int, how="with --logprobs true"),
+    _f("stream", NOTE, type=_bool, how="a batch: results are written when the run ends"),
+    _f("structured_outputs_regex", REFUSE, how="sampling.output_schema (a JSON schema) instead"),
+    # ---- inference (infer_args.py)
+    _f("infer_backend", MAP, "engine.kind", how="vllm -> vllm, lmdeploy -> lmdeploy, transformers / pt -> "
+       "transformers; sglang: refused"),
+    _f("result_path", OWN, how="the result JSONL, appended to (as swift does)"),
+    _f("max_batch_size", MAP, "engine.batch_size", type=int, backend="transformers", how="rows per batch of the "
+       "transformers engine (-1: all rows)"),
+    _f("write_batch_size", NOTE, type=int, how="results are written once, when the run ends"),
+    _f("metric", WARN, how="not computed (batch-llm's scoring: evaluate.*, with references)"),
+    # ---- vLLM (swift/rlhf_trainers/args_mixin.py VllmArguments)
+    _f("vllm_gpu_memory_utilization", MAP, "engine.gpu_memory_utilization", type=float, backend="vllm"),
+    _f("vllm_tensor_parallel_size", MAP, "engine.tensor_parallel_size", type=int, backend="vllm"),
+    _f("vllm_max_model_len", MAP, "engine.max_model_len", type=_optional_int, backend="vllm"),
+    _f("vllm_max_num_seqs", MAP, "engine.max_num_seqs", type=int, backend="vllm"),
+    _f("vllm_enforce_eager", MAP, "engine.enforce_eager", type=_bool, backend="vllm"),
+    _f("vllm_enable_prefix_caching", MAP, "engine.enable_prefix_caching", type=_bool, backend="vllm"),
+    _f("vllm_quantization", MAP, "engine.quantization", backend="vllm"),
+    _f("vllm_speculative_config", MAP, "engine.extra.speculative_config", type=_json, backend="vllm",
+       how="JSON, passed to vLLM as is (n-gram only: engine.speculative)"),
+    _f("vllm_engine_kwargs", MAP, "engine.extra", type=_json, backend="vllm", how="JSON: each key into "
+       "engine.extra (passed to vLLM's LLM as is)"),
+    _f("vllm_disable_custom_all_reduce", MAP, "engine.extra.disable_custom_all_reduce", type=_bool,
+       backend="vllm", how=_VLLM_ONLY),
+    _f("vllm_enable_expert_parallel", MAP, "engine.extra.enable_expert_parallel", type=_bool, backend="vllm",
+       how=_VLLM_ONLY),
+    _f("vllm_disable_cascade_attn", MAP, "engine.extra.disable_cascade_attn", type=_bool, backend="vllm",
+       how=_VLLM_ONLY),
+    _f("vllm_pipeline_parallel_size", REFUSE, type=int, neutral=(1,), backend="vllm",
+       how="one model over several GPUs: --vllm_tensor_parallel_size"),
+    _f("vllm_data_parallel_size", REFUSE, type=int, neutral=(1,), backend="vllm", how="data parallel runs are "
+       "shards: the Airflow DAG runs them on several GPUs (sharding.num_shards)"),
+    _f("vllm_use_async_engine", NOTE, type=_bool, backend="vllm", how="vLLM's offline LLM is used"),
+    _f("vllm_max_lora_rank", REFUSE, type=int, neutral=(16,), backend="vllm", how="a served adapter's rank is read from "
+       "its adapter_config.json"),
+    _f("vllm_limit_mm_per_prompt", REFUSE, backend="vllm", how="text rows only"),
+    _f("vllm_mm_processor_cache_gb", REFUSE, backend="vllm", how="text rows only"),
+    _f("vllm_reasoning_parser", REFUSE, backend="vllm", how="the response is the model's whole output"),
+    # swift 3.x spellings (before the vllm_ prefix), which its 3.x example scripts use
+    _f("gpu_memory_utilization", MAP, "engine.gpu_memory_utilization", type=float, backend="vllm",
+       how="swift 3.x spelling of --vllm_gpu_memory_utilization"),
+    _f("tensor_parallel_size", MAP, "engine.tensor_parallel_size", type=int, backend="vllm",
+       how="swift 3.x spelling of --vllm_tensor_parallel_size"),
+    _f("max_num_seqs", MAP, "engine.max_num_seqs", type=int, backend="vllm",
+       how="swift 3.x spelling of --vllm_max_num_seqs"),
+    _f("enforce_eager", MAP, "engine.enforce_eager", type=_bool, backend="vllm",
+       how="swift 3.x spelling of --vllm_enforce_eager"),
+    # ---- LMDeploy (infer_args.py LmdeployArguments)
+    _f("lmdeploy_tp", MAP, "engine.tensor_parallel_size", type=int, backend="lmdeploy", how="LMDeploy's tp"),
+    _f("lmdeploy_session_len", MAP, "engine.max_model_len", type=_optional_int, backend="lmdeploy",
+       how="LMDeploy's session_len"),
+    _f("lmdeploy_cache_max_entry_count", MAP, "engine.gpu_memory_utilization", type=float, backend="lmdeploy",
+       how="LMDeploy's cache_max_entry_count"),
+    _f("lmdeploy_quant_policy", MAP, "engine.kv_cache_dtype", type=int, backend="lmdeploy",
+       how="0 -> auto, 4 -> int4, 8 -> int8 (LMDeploy's quant_policy)"),
+    _f("lmdeploy_vision_batch_size", REFUSE, type=int, neutral=(1,), backend="lmdeploy", how="text rows only"),
+    # ---- batch-llm's own options (spelled with '-')
+)
+BY_NAME = {f.name: f for f in FLAGS}
+# swift's backend names that are this project's engine kinds, and swift 3.x's "pt" for the transformers engine
+BACKENDS = {**{kind: kind for kind in engine_kinds()}, "pt": "transformers"}
+KV_POLICY = {0: "auto", 4: "int4", 8: "int8"}
+#: ms-swift's standard row keys that a result line carries over (RowPreprocessor.standard_keys, text only).
+PASSED_KEYS = ("label", "channel", "margin")
+#: Standard keys of media, tools and preference pairs: a row with one of them set is refused.
+REFUSED_KEYS = ("images", "videos", "audios", "tools", "objects", "rejected_response", "rejected_messages",
+                "rejected_images", "positive_messages", "negative_messages")
+
+
+# ------------------------------------------------------------------------------------------ parsing
+@dataclass
+class SwiftInvocation:
+    """The parsed words of a ``swift infer`` command line: each flag's typed value, and batch-llm's own options."""
+
+    values: dict[str, Any]
+    work_dir: str | None = None
+    plain: bool = False
+    verbose: bool = False
+    print_config: bool = False
+    help: bool = False
+
+
+OWN_OPTIONS = {"--work-dir": "a folder for the run (kept: its report, its pipeline.yaml, the result cache; default: "
+                             "a temporary folder, removed at the end)",
+               "--plain": "plain progress lines even on a terminal",
+               "--verbose": "the engine libraries' logs on the terminal (-v)",
+               "--print-config": "print the pipeline YAML the flags make, and stop"}
+
+
+def parse_swift_args(words: Sequence[str]) -> SwiftInvocation:
+    """Parses ``--flag value`` / ``--flag=value`` words as swift does (a bare boolean flag is true; a list flag takes
+    every word up to the next flag). An unknown flag, a missing or malformed value: ConfigError naming the flag."""
+    inv = SwiftInvocation(values={})
+    words = list(words)
+    i = 0
+    while i < len(words):
+        i = _own_option(inv, words, i) or _swift_flag(inv, words, i)
+    return inv
+
+
+_SWITCHES = {"-h": "help", "--help": "help", "-v": "verbose", "--verbose": "verbose", "--plain": "plain",
+             "--print-config": "print_config"}
+
+
+def _own_option(inv: SwiftInvocation, words: list[str], i: int) -> int | None:
+    """The index after batch-llm's own option at ``words[i]``; None where it is not one."""
+    w = words[i]
+    if w in _SWITCHES:
+        setattr(inv, _SWITCHES[w], True)
+        return i + 1
+    if w.startswith("--work-dir="):
+        inv.work_dir = w.split("=", 1)[1]
+        return i + 1
+    if w == "--work-dir":
+        if i + 1 >= len(words):
+            raise ConfigError("--work-dir: expected a folder")
+        inv.work_dir = words[i + 1]
+        return i + 2
+    return None
+
+
+def _swift_flag(inv: SwiftInvocation, words: list[str], i: int) -> int:
+    """Reads the swift flag at ``words[i]`` and its values into ``inv.values``; the index after them."""
+    w = words[i]
+    i += 1
+    if not w.startswith("--"):
+        raise ConfigError(f"{w!r}: expected a --flag (swift infer's flags are --name value)")
+    name, eq, inline = w[2:].partition("=")
+    name = name.replace("-", "_")
+    flag = BY_NAME.get(name)
+    if flag is None:
+        raise ConfigError(f"--{name}: not a flag batch-llm infer knows (its swift flags: docs/ms-swift.md; "
+                          f"anything else: write a pipeline YAML and use batch-llm run)")
+    raw: list[str] = [inline] if eq else []
+    while not eq and i < len(words) and not (words[i].startswith("--") or words[i] in _SWITCHES):
+        raw.append(words[i])
+        i += 1
+    if not raw and flag.type is _bool:
+        raw = ["true"]
+    if not raw:
+        raise ConfigError(f"--{name}: expected a value")
+    if len(raw) > 1 and not flag.many:
+        raise ConfigError(f"--{name}: expected one value, got {len(raw)}: {' '.join(raw)}")
+    try:
+        vals = [flag.type(r) for r in raw]
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"--{name}: {e}") from None
+    if flag.many:
+        inv.values.setdefault(name, []).extend(vals)
+    else:
+        inv.values[name] = vals[0]
+    return i
+
+
+# ------------------------------------------------------------------------------------------ the config
+@dataclass
+class InferPlan:
+    """What the flags make: the pipeline config's overrides, the notes and warnings, the result path."""
+
+    overrides: dict[str, Any]
+    notes: list[str]
+    warnings: list[str]
+    backend: str
+    datasets: list[str]
+    sample: int | None
+    result_path: str
+
+
+def plan_invocation(inv: SwiftInvocation) -> InferPlan:
+    """The dotted YAML keys the flags set, and what is said about the others. ConfigError for a refused flag, a
+    missing --model / --val_dataset / --result_path, or an unknown backend."""
+    v = inv.values
+    notes: list[str] = []
+    notes += checkpoint_args(v)
+    for required in ("model", "val_dataset"):
+        if required not in v:
+            raise ConfigError(f"--{required}: required (batch-llm infer runs a dataset through a model: "
+                              f"--model DIR_OR_ID --val_dataset rows.jsonl --result_path out.jsonl; or --adapters "
+                              f"CHECKPOINT whose args.json names the model)")
+    raw_backend = str(v.get("infer_backend", "transformers"))
+    if raw_backend not in BACKENDS:
+        raise ConfigError(f"--infer_backend {raw_backend}: batch-llm runs vllm, lmdeploy or transformers (pt); "
+                          f"no {raw_backend} engine")
+    backend = BACKENDS[raw_backend]
+    over: dict[str, Any] = {"engine.kind": backend}
+    warnings: list[str] = []
+    for name, value in v.items():
+        _judge(BY_NAME[name], value, v, raw_backend, backend, over, notes, warnings)
+    if "result_path" not in v:
+        raise ConfigError("--result_path: required (swift's default, a timestamped file under result/, is not "
+                          "made here): --result_path out.jsonl")
+    return InferPlan(over, notes, warnings, backend, list(v["val_dataset"]), v.get("val_dataset_sample"),
+                     os.path.abspath(os.path.expanduser(v["result_path"])))
+
+
+def _judge(flag: SwiftFlag, value: Any, values: dict[str, Any], raw_backend: str, backend: str,
+           over: dict[str, Any], notes: list[str], warnings: list[str]) -> None:
+    """What one flag does: a key set in ``over``, a note, a warning, or ConfigError (refused)."""
+    name = flag.name
+    if flag.backend and flag.backend != backend:
+        warnings.append(f"--{name}: ignored: it is an option of the {flag.backend} backend and --infer_backend "
+                        f"is {raw_backend} (swift ignores it too)")
+    elif flag.action == REFUSE:
+        if not (value in flag.neutral or (flag.many and not value)):
+            raise ConfigError(f"--{name} {_shown(value)}: not supported by batch-llm infer: {flag.how}")
+    elif name == "template_backend" and value == "swift":
+        warnings.append("--template_backend swift: batch-llm renders prompts with the model's own chat template "
+                        "(swift's jinja backend); outputs may differ where swift's template does")
+    elif flag.action == NOTE:
+        notes.append(f"--{name}: no effect here: {flag.how}")
+    elif flag.action == WARN:
+        warnings.append(f"--{name} {_shown(value)}: no effect here: {flag.how}")
+    elif flag.action == MAP and name != "infer_backend":
+        _map(flag, value, values, over)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def _map(flag: SwiftFlag, value: Any, values: dict[str, Any], over: dict[str, Any]) -> None:
+    name, key = flag.name, flag.key
+    assert key is not None
+    if name in ("adapters", "merge_lora"):
+        _map_adapter(values, over)
+        return
+    if name == "model":
+        value = os.path.abspath(os.path.expanduser(value)) if os.path.exists(os.path.expanduser(value)) else value
+    elif name == "logprobs":
+        if not value:
+            return
+        value = values.get("top_logprobs") or 0
+    elif name == "top_logprobs" and not values.get("logprobs"):
+        raise ConfigError("--top_logprobs: needs --logprobs true (as in swift)")
+    elif name == "max_batch_size" and value <= 0:
+        return  # -1: no limit; set from the row count once the rows are read (InferRun)
+    elif name == "lmdeploy_quant_policy":
+        if value not in KV_POLICY:
+            raise ConfigError(f"--lmdeploy_quant_policy {value}: 0, 4 or 8")
+        value = KV_POLICY[value]
+    elif name == "vllm_engine_kwargs":
+        for k, x in value.items():
+            over[f"engine.extra.{k}"] = x
+        return
+    over[key] = value
+
+
+#: The keys of a swift checkpoint's args.json that ``swift infer --adapters CKPT`` fills where the command line leaves
+#: them unset (ms-swift's BaseArguments.load_args_from_ckpt, load_keys) and that are flags here. swift does not load
+#: the training's max_length for inference (and --max_length has no effect here: prompts are not truncated).
+CHECKPOINT_KEYS = ("model", "model_type", "model_revision", "torch_dtype", "max_model_len", "template", "system")
+
+
+def checkpoint_args(values: dict[str, Any]) -> list[str]:
+    """Fills ``values`` from the args.json of the first --adapters folder (then --model) that has one, as swift
+    does: only the ``CHECKPOINT_KEYS`` the command line left unset; --load_args false reads none. Returns the note
+    saying what was read."""
+    if not values.get("load_args", True):
+        return []
+    folders = [*values.get("adapters", []), *([values["model"]] if "model" in values else [])]
+    ckpt = next((Path(os.path.expanduser(f)) for f in folders
+                 if (Path(os.path.expanduser(f)) / "args.json").is_file()), None)
+    if ckpt is None:
+        return []
+    path = ckpt / "args.json"
+    try:
+        trained = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable as JSON ({e}); --load_args false skips it") from None
+    if not isinstance(trained, dict):
+        raise ConfigError(f"{path}: expected a JSON object of swift's arguments")
+    read = []
+    for key in CHECKPOINT_KEYS:
+        old = trained.get(key)
+        if old is None or values.get(key) not in (None, []):
+            continue
+        try:  # as the flag's own value would be
+            values[key] = BY_NAME[key].type(old) if isinstance(old, str) else old
+        except ValueError as e:
+            raise ConfigError(f"{path}: {key}: {e}") from None
+        read.append(f"--{key} {_shown(values[key])}")
+    return [f"{path}: {', '.join(read)} (the training's, as swift reads them)"] if read else []
+
+
+def _map_adapter(values: dict[str, Any], over: dict[str, Any]) -> None:
+    """--adapters and --merge_lora: one model.lora."""
+    adapters = values.get("adapters")
+    if not adapters:
+        raise ConfigError("--merge_lora: needs --adapters (the LoRA checkpoint to merge)")
+    if len(adapters) != 1:
+        raise ConfigError(f"--adapters {_shown(adapters)}: one adapter (it is merged into the model at fetch)")
+    ref = adapters[0]
+    over["model.lora"] = {"ref": os.path.abspath(ref) if os.path.exists(ref) else ref,
+                          "merge": values.get("merge_lora", True)}
+
+
+def base_config(work_dir: Path) -> dict[str, Any]:
+    """The pipeline every ``batch-llm infer`` starts from: one shard, no content filter (swift filters nothing), no
+    scoring, its output under the work folder."""
+    return {"name": PIPELINE_NAME, "description": "batch-llm infer (ms-swift's swift infer flags)",
+            "model": {"ref": "unset"}, "input": {"path": str(work_dir / "rows.jsonl"), "format": "jsonl",
+                                                  "sampling_columns": ["chat_template_kwargs"]},
+            "sharding": {"num_shards": 1}, "filter": {"enabled": False}, "evaluate": {"enabled": False},
+            "output": {"path": str(work_dir / "output")}}
+
+
+def build_config(plan: InferPlan, work_dir: Path) -> PipelineConfig:
+    """One typed PipelineConfig: the base pipeline with the flags' keys set, validated by the config model (its
+    errors name the key; the flag that set it is in ``FLAGS``)."""
+    cfg = parse_config(base_config(work_dir), "batch-llm infer")
+    return cfg.with_overrides(plan.overrides, source="batch-llm infer (swift flags)")
+
+
+# ------------------------------------------------------------------------------------------ rows
+def read_swift_rows(datasets: Sequence[str], sample: int | None) -> list[dict]:
+    """The rows of the --val_dataset files, in order (``file#N``: its first N rows; then --val_dataset_sample)."""
+    rows: list[dict] = []
+    for spec in datasets:
+        path, _, count = spec.partition("#")
+        p = Path(os.path.expanduser(path))
+        if not p.is_file():
+            raise ConfigError(f"--val_dataset {spec}: no such file (batch-llm infer reads local .jsonl / .json files; "
+                              f"download a hub dataset first)")
+        text = p.read_text(encoding="utf-8")
+        if p.suffix == ".json":
+            try:
+                got = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--val_dataset {spec}: not valid JSON: {e}") from None
+            if not isinstance(got, list):
+                raise ConfigError(f"--val_dataset {spec}: a .json file holds a list of rows")
+            file_rows = [(i + 1, r) for i, r in enumerate(got)]
+        else:
+            file_rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        file_rows.append((n, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{p}: line {n}: not valid JSON: {e}") from None
+        if count:
+            file_rows = file_rows[:int(count)]
+        for n, r in file_rows:
+            if not isinstance(r, dict):
+                raise ConfigError(f"{p}: line {n}: a row is a JSON object")
+            rows.append({"_where": f"{p}: line {n}", **r})
+    return rows[:sample] if sample is not None else rows
+
+
+def split_row(row: dict) -> tuple[list[dict], Any, dict]:
+    """(prompt messages, labels, the standard keys passed on) of one swift row: ``messages`` (a trailing assistant
+    message is the label, as swift's remove_response takes it), or ``query`` with ``system``, ``history`` (pairs)
+    and ``response`` (the label). ConfigError for a row of another shape, or one with media or tools."""
+    where = row.get("_where", "a row")
+    for k in REFUSED_KEYS:
+        if row.get(k):
+            raise ConfigError(f"{where}: {k!r}: text rows only (no media, tools or preference pairs)")
+    if isinstance(row.get("messages"), list):
+        messages = [dict(m) for m in row["messages"]]
+        labels = messages.pop()["content"] if messages and isinstance(messages[-1], dict) and \
+            messages[-1].get("role") == "assistant" else None
+    elif isinstance(row.get("query"), str):
+        messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        for pair in row.get("history") or []:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+                raise ConfigError(f"{where}: 'history': a list of [query, response] pairs")
+            messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        messages.append({"role": "user", "content": row["query"]})
+        labels = row.get("response")
+    else:
+        raise ConfigError(f"{where}: a row needs 'messages' (a list of {{role, content}}) or 'query'")
+    if not messages:
+        raise ConfigError(f"{where}: no prompt: its only message is the assistant's")
+    return messages, labels, {k: row[k] for k in PASSED_KEYS if k in row}
+
+
+def row_id(i: int) -> str:
+    return f"r{i:09d}"
+
+
+def input_rows(rows: Sequence[dict]) -> list[dict]:
+    """The pipeline's input: each row's prompt under an id of its position, and its own chat template variables
+    (swift's ``chat_template_kwargs`` row key, laid over --enable_thinking as swift does)."""
+    return [{"id": row_id(i), "messages": split_row(r)[0],
+             **({"chat_template_kwargs": r["chat_template_kwargs"]} if r.get("chat_template_kwargs") else {})}
+            for i, r in enumerate(rows)]
+
+
+def result_lines(rows: Sequence[dict], outputs: dict[str, dict], errors: dict[str, str]) -> list[dict]:
+    """swift infer's result lines, one per input row in input order, from the published rows (by id) and the run's
+    errors (id -> reason)."""
+    lines = []
+    for i, row in enumerate(rows):
+        messages, labels, passed = split_row(row)
+        out = outputs.get(row_id(i))
+        if out is not None and out.get("error") is None and isinstance(out.get("output"), str):
+            response = out["output"]
+            lines.append({"response": response, "labels": labels, "logprobs": swift_logprobs(out.get("logprobs")),
+                          "messages": [*messages, {"role": "assistant", "content": response}], **passed})
+        else:
+            reason = (out or {}).get("error") or errors.get(row_id(i)) or "no output published for this row"
+            lines.append({"response": None, "labels": labels, "logprobs": None, "messages": messages, **passed,
+                          "error": reason})
+    return lines
+
+
+def swift_logprobs(tokens: list[dict] | None) -> dict | None:
+    """A row's token log-probabilities (``infer.py``: token, logprob, top) as swift's engines return them
+    (``InferEngine._get_logprobs``): ``{"content": [{token, logprob, bytes, top_logprobs}]}``, ``top_logprobs`` only
+    where candidates were asked for (--top_logprobs)."""
+    if tokens is None:
+        return None
+
+    def entry(t: dict) -> dict:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+
+    return {"content": [{**entry(t), **({"top_logprobs": [entry(c) for c in t["top"]]} if t.get("top") else {})}
+                        for t in tokens]}
+
+
+def published_rows(cfg: PipelineConfig, ds: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """The published rows of the run of ``ds`` (by id) and its error file (id -> reason)."""
+    from batch_llm.io.storage import Location, iter_jsonl, read_json
+
+    part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
+    current = read_json(part.child("_CURRENT.json").path())
+    summary = read_json(Location(current["version"]).child("summary.json").path())
+    outputs = {str(r["id"]): r for r in iter_jsonl(Location(summary["dataset"]).path())}
+    errors = {str(e.get("id")): str(e.get("reason")) for e in iter_jsonl(Location(summary["errors"]).path())}
+    return outputs, errors
+
+
+def append_jsonl(path: str, lines: Sequence[dict]) -> None:
+    """Appends the lines (swift's JsonlWriter appends to an existing file; ensure_ascii off, as swift writes)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+
+
+# ------------------------------------------------------------------------------------------ the command
+def add_infer_parser(sub, commands: dict, run: Callable[[argparse.Namespace], int]) -> None:
+    """Registers ``batch-llm infer`` on cli.py's subparsers: every word after ``infer`` goes to
+    ``parse_swift_args`` (swift's flags, not argparse's), and ``commands["infer"]`` runs it through ``run``
+    (cli.py's cmd_run; passed in, so this module does not import cli)."""
+    sp = sub.add_parser("infer", help="ms-swift's `swift infer` batch flags (--model, --infer_backend, --val_dataset, "
+                        "--result_path, --vllm_* ...): the pipeline on them, swift's result JSONL (docs/ms-swift.md)",
+                        prefix_chars="+", add_help=False)
+    sp.add_argument("swift_args", nargs="*", metavar="SWIFT_FLAGS")
+    commands["infer"] = lambda args: cmd_infer(args, run)
+
+
+def usage() -> str:
+    own = "\n".join(f"  {k:<16} {v}" for k, v in OWN_OPTIONS.items())
+    return ("usage: batch-llm infer --model DIR_OR_ID --val_dataset ROWS.jsonl --result_path OUT.jsonl "
+            "[--infer_backend vllm|lmdeploy|pt] [swift flags ...]\n\nms-swift's `swift infer` flags; what each one "
+            f"becomes: docs/ms-swift.md.\n\nbatch-llm's own options:\n{own}\n\nswift flags:\n"
+            + "\n".join(f"  --{f.name:<32} {f.key or f.action}" for f in FLAGS))
+
+
+def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
+    inv = parse_swift_args(args.swift_args)
+    if inv.help:
+        print(usage())
+        return 0
+    plan = plan_invocation(inv)
+    rows = read_swift_rows(plan.datasets, plan.sample)
+    if not rows:
+        raise ConfigError(f"--val_dataset {' '.join(plan.datasets)}: no rows")
+    pipeline_in = input_rows(rows)  # ConfigError on a row of another shape, before any engine starts
+    if inv.values.get("max_batch_size", 1) <= 0 and plan.backend == "transformers":
+        plan.overrides["engine.batch_size"] = len(rows)
+    keep = inv.work_dir is not None
+    work = Path(os.path.abspath(os.path.expanduser(inv.work_dir))) if inv.work_dir is not None else \
+        Path(tempfile.mkdtemp(prefix="batch-llm-infer-"))
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        cfg = build_config(plan, work)
+        config_path = work / "pipeline.yaml"
+        config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True))
+        for n in plan.notes:
+            print(f"note: {n}", file=sys.stderr)
+        for w in plan.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if inv.print_config:
+            print(config_path.read_text(), end="")
+            return 0
+        with open(work / "rows.jsonl", "w", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pipeline_in))
+        ds = dt.date.today().isoformat()
+        run_args = argparse.Namespace(command="run", config=str(config_path), overrides=[], input=None, output=None,
+                                      ds=ds, run_id=f"infer__{dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}",
+                                      plain=inv.plain, verbose=inv.verbose,
+                                      argv=["run", str(config_path), "--ds", ds])
+        rc = run(run_args)
+        if getattr(run_args, "log_file", None):
+            args.log_file = run_args.log_file  # main() names it when the command fails
+        if rc != 0:
+            return rc
+        outputs, errors = published_rows(cfg, ds)
+        lines = result_lines(rows, outputs, errors)
+        append_jsonl(plan.result_path, lines)
+        failed = sum(1 for x in lines if x["response"] is None)
+        print(f"result: {plan.result_path} ({len(lines)} lines appended, {failed} without a response)")
+        if keep:
+            print(f"  pipeline: {config_path} (batch-llm run {shlex.quote(str(config_path))})")
+        return 0
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ the docs table
+ACTION_WORDS = {MAP: "", OWN: "batch-llm infer", NOTE: "no effect (note)", WARN: "no effect (warning)",
+                REFUSE: "refused"}
+
+
+def markdown_table() -> str:
+    """The flag table of docs/ms-swift.md (between its swift-flags markers), made from ``FLAGS``."""
+    lines = ["| swift flag | pipeline YAML key | backend | notes |", "| --- | --- | --- | --- |"]
+    for f in FLAGS:
+        key = f"`{f.key}`" if f.key and f.action in (MAP, OWN) else ACTION_WORDS[f.action]
+        if f.action == OWN and f.key:
+            key += " (batch-llm infer)"
+        neutral = f" (accepted at {', '.join(_shown(x) for x in f.neutral)})" if f.neutral else ""
+        how = (f.how + neutral).replace("|", "\\|")
+        lines.append(f"| `--{f.name}` | {key} | {f.backend or 'all'} | {how} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m batch_llm.frontends.swift: the table of docs/ms-swift.md
+    print(markdown_table())

@@ -1,0 +1,336 @@
+"""Object-storage helpers: one place for paths, atomic commits and manifests.
+
+Stages work on ``upath.UPath`` objects (local folders, ``s3://``, anything fsspec speaks). Airflow's
+``ObjectStoragePath`` is converted at the operator boundary into a ``Location`` (URL + fsspec options),
+which also crosses the process boundary into the engine worker, where no Airflow is installed.
+
+Commit rule, everywhere: data first, manifest last. A reader goes by the manifest, so it never sees a
+half-written artifact, on a local disk (write to a temporary name, then rename) or on S3 (one PUT, or one
+completed multipart upload, is atomic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from upath import UPath
+
+from batch_llm.io import path_policy
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A storage location that survives JSON: the URL plus the fsspec options (credentials, endpoint).
+
+    ``options`` may hold secrets: it is passed to child processes over a pipe, never on a command line,
+    and ``__repr__`` hides it.
+    """
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def path(self) -> UPath:
+        return as_path(self.url, self.options)
+
+    def child(self, *parts: str) -> "Location":
+        return Location(join_url(self.url, *parts), self.options)
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "options": self.options}
+
+    @classmethod
+    def from_any(cls, value: "Location | dict | str") -> "Location":
+        if isinstance(value, Location):
+            return value
+        if isinstance(value, dict):
+            return cls(value["url"], dict(value.get("options") or {}))
+        return cls(str(value))
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+
+def join_url(url: str, *parts: str) -> str:
+    out = url.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
+    """The path ``url`` names; a local one at exactly the path the path policy classified (``path_policy``)."""
+    resolved = path_policy.resolve(url)
+    if resolved.kind == "builtin":
+        return UPath(path_policy.builtin_file(url))
+    if resolved.is_local:
+        return UPath(resolved.local_path)
+    opts = dict(options or {})
+    if url.startswith(("s3://", "s3a://")):
+        # dag.test() and the CLI run every stage in one process; a cached listing would hide later writes.
+        opts.setdefault("use_listings_cache", False)
+    return UPath(url, **opts)
+
+
+def is_local(path: UPath) -> bool:
+    return getattr(path, "protocol", "") in ("", "file", "local")
+
+
+# Objects smaller than this are one PUT; others a multipart upload of parts this size (boto3's default
+# multipart threshold and chunk size). s3fs's own default block is 50 MiB, and without fixed_upload_size it
+# sends everything buffered as one part: writing block-sized slices gives parts of one block each.
+MULTIPART_PART_BYTES = 8 * 2**20
+
+
+class AtomicWriter:
+    """Streams bytes into an object that becomes visible only when complete: a temporary file renamed on a
+    local disk; elsewhere one PUT, or from ``MULTIPART_PART_BYTES`` on one multipart upload of block-sized
+    parts, which the store makes visible only when it completes. Use ``atomic_writer(path)``.
+
+    A local write that fails (a full disk: ENOSPC) raises OSError naming the final path, and leaves neither the
+    object nor the temporary file behind."""
+
+    def __init__(self, path: UPath):
+        self.path = path
+        self._buf = bytearray()
+        if is_local(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                self._f = open(self._tmp, "wb")
+            except OSError as e:
+                raise self._named(e) from e
+        else:
+            self._tmp = None
+            self._f = path.open("wb", block_size=MULTIPART_PART_BYTES)
+
+    def _named(self, e: OSError) -> OSError:
+        """The error with the final path (the temporary name means nothing to a reader); same errno, same type."""
+        return OSError(e.errno, e.strerror or os.strerror(e.errno), str(self.path)) if e.errno else e
+
+    def write(self, data: bytes) -> None:
+        if self._tmp is not None:
+            try:
+                self._f.write(data)
+            except OSError as e:
+                raise self._named(e) from e
+            return
+        self._buf += data
+        while len(self._buf) >= MULTIPART_PART_BYTES:  # a full block uploads one part
+            self._f.write(bytes(self._buf[:MULTIPART_PART_BYTES]))
+            del self._buf[:MULTIPART_PART_BYTES]
+
+    def flush(self) -> None:
+        """A file object's flush (gzip's writer wraps this one): a local file's buffer goes to the temporary file;
+        elsewhere the bytes wait for a full part (only complete parts are uploaded before the commit)."""
+        if self._tmp is not None:
+            try:
+                self._f.flush()
+            except OSError as e:
+                raise self._named(e) from e
+
+    def commit(self) -> None:
+        if self._tmp is not None:
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+                os.replace(self._tmp, self.path)
+            except OSError as e:
+                raise self._named(e) from e
+            return
+        self._f.write(bytes(self._buf))
+        self._buf.clear()
+        self._f.close()  # the single PUT, or the last part and CompleteMultipartUpload
+
+    def abort(self) -> None:
+        if self._tmp is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass  # a full disk fails the buffered rest again; the file is closed all the same, and goes
+            self._tmp.unlink(missing_ok=True)
+            return
+        # Not close(): fsspec's close() would complete the upload with the parts sent so far, committing a
+        # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
+        try:
+            if hasattr(self._f, "discard"):
+                self._f.discard()
+        except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
+            pass
+        try:
+            self._f.closed = True  # fsspec files: no completing close() from __del__ later
+        except AttributeError:
+            pass
+
+
+@contextmanager
+def atomic_writer(path: UPath) -> Iterator[AtomicWriter]:
+    w = AtomicWriter(path)
+    try:
+        yield w
+        w.commit()  # a commit that fails (the last bytes on a full disk) leaves no temporary file either
+    except BaseException:
+        w.abort()
+        raise
+
+
+def write_bytes_atomic(path: UPath, data: bytes) -> None:
+    """Writes the whole object at once (see ``AtomicWriter``)."""
+    with atomic_writer(path) as w:
+        w.write(data)
+
+
+def write_text_atomic(path: UPath, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json(path: UPath, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False, default=str) + "\n")
+
+
+def read_json(path: UPath) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# msgspec (an Airflow dependency) encodes and decodes JSON several times faster than the json module; the
+# project's own files are read and written with it (user input is parsed with json, for its error messages).
+# Values JSON has no type for are written as str(value), as json.dumps(default=str) did.
+_ENCODER = msgspec.json.Encoder(enc_hook=str)
+_DECODER = msgspec.json.Decoder()
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact UTF-8 JSON (non-ASCII kept as is). A string UTF-8 cannot hold (a lone UTF-16 surrogate, as
+    Python's json reads ``"\\ud800"``) is written with that character as its escape text, not a crash."""
+    try:
+        return _ENCODER.encode(obj)
+    except UnicodeEncodeError:
+        return _ENCODER.encode(utf8_safe(obj))
+
+
+def utf8_safe(obj: Any) -> Any:
+    """``obj`` with every lone surrogate of its strings (keys too) replaced by its escape text (``\\ud800``)."""
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {utf8_safe(k): utf8_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [utf8_safe(v) for v in obj]
+    return obj
+
+
+def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
+    """Writes JSON lines atomically, streaming (rows are not held in memory); returns the row count."""
+    n = 0
+    buf = bytearray()
+    with atomic_writer(path) as w:
+        for row in rows:
+            at = len(buf)
+            try:
+                _ENCODER.encode_into(row, buf, at)
+            except UnicodeEncodeError:  # a lone surrogate: json_bytes writes it as its escape text
+                del buf[at:]
+                buf += json_bytes(row)
+            buf += b"\n"
+            n += 1
+            if len(buf) >= 1 << 16:
+                w.write(bytes(buf))
+                buf.clear()
+        w.write(bytes(buf))
+    return n
+
+
+def iter_jsonl(path: UPath) -> Iterator[dict]:
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield _DECODER.decode(line)
+
+
+def write_manifest(directory: UPath, manifest: dict) -> UPath:
+    """The last write of a stage: the manifest that readers go by."""
+    path = directory / MANIFEST
+    write_json(path, manifest)
+    return path
+
+
+def read_manifest(directory_or_file: UPath) -> dict:
+    p = directory_or_file
+    if p.name != MANIFEST:
+        p = p / MANIFEST
+    return read_json(p)
+
+
+def exists(path: UPath) -> bool:
+    try:
+        return path.exists()
+    except FileNotFoundError:
+        return False
+
+
+def list_files(directory: UPath, suffix: str = "") -> list[UPath]:
+    """Files directly under ``directory`` (sorted by name); none when it does not exist.
+
+    On object stores a zero-byte ``prefix/`` "folder marker" (S3 consoles and some tools create them) is
+    listed by s3fs as a child of the prefix, which ``UPath.iterdir`` turns into a phantom ``<prefix>/<name>``
+    entry: the listing is read from the filesystem here and the marker left out."""
+    if not exists(directory):
+        return []
+    if is_local(directory):
+        children = list(directory.iterdir())
+    else:
+        own = directory.path.rstrip("/")
+        children = [directory / entry.rstrip("/").rsplit("/", 1)[-1]
+                    for entry in directory.fs.ls(directory.path, detail=False) if entry.rstrip("/") != own]
+    return sorted((p for p in children if p.name.endswith(suffix) and not p.name.startswith(".")),
+                  key=lambda p: p.name)
+
+
+def modified_at(info: dict) -> float | None:
+    """An fsspec listing entry's modification time, seconds since the epoch: a local file's ``mtime``, an
+    object's ``LastModified`` (the store's clock); None for entries without one (S3 "directories")."""
+    t = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if t is None:
+        return None
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+
+def newest_change(path: UPath) -> float | None:
+    """When anything under ``path`` last changed (the newest modification time of its files); None when it
+    holds no file."""
+    times = [t for info in path.fs.find(path.path, detail=True).values() if (t := modified_at(info)) is not None]
+    return max(times, default=None)
+
+
+def remove_tree(path: UPath) -> None:
+    if not exists(path):
+        return
+    if is_local(path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.fs.rm(path.path, recursive=True)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MB. Linux's VmHWM belongs to this program's own memory;
+    ru_maxrss survives exec, so a child started by a large process would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

@@ -1,0 +1,415 @@
+"""Content filter: scan outputs against sensitive-word lists, each with an action (flag, mask, drop).
+
+Lists are Aho-Corasick automata (pyahocorasick), so a scan costs one pass over the text however many words
+the lists hold. Words made of ASCII letters and digits match whole words only; others (Chinese has no word
+boundaries) match anywhere.
+
+Text and words are compared folded (``fold_text``): NFKC (full-width ``ＢＡＤ`` is ``bad``, the ligature ``ﬁ``
+is ``fi``), case-folded unless ``filter.case_sensitive`` (``Straße`` is ``strasse``; ``İ`` is ``i``), and without
+invisible characters (zero-width spaces and joiners, soft hyphens, word joiners, BOMs, all of category Cf, and
+variation selectors), so none of these hides a listed word. The folded text keeps a map back to the original
+characters: hits, their offsets and the masks are in the original text, the text around them untouched.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import heapq
+import json
+import re
+import unicodedata
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import ahocorasick
+
+from batch_llm.config import FilterConfig, PipelineConfig, WordListConfig
+from batch_llm.io import path_policy
+from batch_llm.io.path_policy import BUILTIN_WORDLISTS
+from batch_llm.io.storage import (
+    Location,
+    as_path,
+    atomic_writer,
+    iter_jsonl,
+    write_jsonl,
+)
+from batch_llm.manifests import (
+    FilterManifest,
+    FilterSummary,
+    PlanManifest,
+    ShardManifest,
+    ShardResult,
+)
+
+if TYPE_CHECKING:
+
+    pass
+from batch_llm.layout import RunLayout
+
+BUILTIN = BUILTIN_WORDLISTS
+
+
+def load_words(path: str, options: dict | None = None) -> list[str]:
+    """The words of a list: ``builtin:NAME`` (a shipped list only), a local file or an object, read with the
+    path policy's bound (a device, a FIFO or a file over ``MAX_WORD_LIST_BYTES`` is refused, not read)."""
+    if path.startswith(path_policy.BUILTIN_PREFIX):
+        try:
+            p = path_policy.builtin_file(path)
+        except path_policy.PathRefused as e:
+            raise FileNotFoundError(str(e)) from None
+        text = p.read_text(encoding="utf-8")
+    else:
+        text = path_policy.read_file_bounded(as_path(path, options), path_policy.MAX_WORD_LIST_BYTES).decode("utf-8")
+    words = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return [w for w in words if w]
+
+
+def _list_words(wl: WordListConfig, options: dict | None) -> list[str]:
+    """The list's words; a list that is not there fails naming the list and its path. The lists load when the
+    filter stage starts, before a row is read: an object-storage list is checked here (local files already
+    when the pipeline file loads, ``config.word_list_problems``)."""
+    try:
+        return load_words(wl.path, options)
+    except FileNotFoundError as e:
+        why = str(e) if wl.path.startswith("builtin:") else "no such file"
+        raise FileNotFoundError(errno.ENOENT, f"word list {wl.name!r} (filter.lists): {why}; fix its path or "
+                                f"create the file", wl.path) from None
+    except path_policy.PathRefused as e:
+        raise path_policy.PathRefused(f"word list {wl.name!r} (filter.lists): {e}") from None
+
+
+@dataclass
+class _List:
+    cfg: WordListConfig
+    automaton: ahocorasick.Automaton
+
+
+def _is_word_char(c: str) -> bool:
+    return c.isascii() and (c.isalnum() or c == "_")
+
+
+# Invisible characters that are not of category Cf (Unicode's Default_Ignorable_Code_Point less Cf): the
+# combining grapheme joiner, Hangul fillers, Khmer inherent vowels, Mongolian and other variation selectors.
+_INVISIBLE_RANGES = ((0x034F, 0x034F), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x3164, 0x3164),
+                     (0xFE00, 0xFE0F), (0xFFA0, 0xFFA0), (0xE0100, 0xE01EF))
+_FOLD_CACHE_MAX = 1 << 16  # characters remembered per table: a run's texts use a few thousand
+
+
+def _is_invisible(c: str) -> bool:
+    cp = ord(c)
+    return unicodedata.category(c) == "Cf" or any(lo <= cp <= hi for lo, hi in _INVISIBLE_RANGES)
+
+
+def _char_class(ranges: list[tuple[int, int]]) -> re.Pattern:
+    """A regex matching one character of the given code point ranges (merged where they touch)."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return re.compile("[" + "".join(f"{re.escape(chr(lo))}-{re.escape(chr(hi))}" for lo, hi in merged) + "]")
+
+
+@functools.cache
+def _invisible_patterns() -> tuple[re.Pattern, re.Pattern]:
+    """(quick, exact): ``exact`` matches every invisible character; ``quick`` those of the Basic Multilingual
+    Plane and any character beyond it, five times faster a search (one bitmap). Built once (~0.1 s, on the
+    first row that is not ASCII)."""
+    cf = [(cp, cp) for cp in range(0x110000) if unicodedata.category(chr(cp)) == "Cf"]
+    ranges = cf + list(_INVISIBLE_RANGES)
+    return (_char_class([r for r in ranges if r[1] < 0x10000] + [(0x10000, 0x10FFFF)]), _char_class(ranges))
+
+
+def _has_invisible(text: str) -> bool:
+    quick, exact = _invisible_patterns()
+    return quick.search(text) is not None and exact.search(text) is not None
+
+
+def _fold_string(s: str, casefold: bool) -> str:
+    """Invisible characters dropped, NFKD, (casefold) full case folding, NFKC: Unicode's compatibility caseless
+    match, composed. ``İ`` folds to ``i`` (Unicode's Turkic folding) rather than ``i`` plus a combining dot, so
+    ``SHİT`` reads as ``shit``."""
+    invisible = _invisible_patterns()[1]
+    s = unicodedata.normalize("NFKD", invisible.sub("", s))  # first: they would keep an accent off its letter
+    if casefold:
+        s = (_without_dot_above_capital_i(s) if "\u0307" in s else s).casefold()
+    return invisible.sub("", unicodedata.normalize("NFKC", s))
+
+
+def _without_dot_above_capital_i(s: str) -> str:
+    """``s`` (decomposed) without the combining dot above of each ``İ``: the dot follows its ``I`` after any
+    marks that sort before it (a dot below)."""
+    out, after_i = [], False
+    for c in s:
+        if c == "\u0307" and after_i:
+            after_i = False
+            continue
+        if c == "I":
+            after_i = True
+        elif unicodedata.combining(c) in (0, 230):  # another letter, or another mark above: not İ's dot
+            after_i = False
+        out.append(c)
+    return "".join(out)
+
+
+class _FoldTable(dict):
+    """Each character's folded form (``""`` for an invisible one), computed once: a dict lookup per character
+    is what keeps folding cheap on the rows that need it character by character."""
+
+    def __init__(self, casefold: bool):
+        super().__init__()
+        self.casefold = casefold
+
+    def __missing__(self, c: str) -> str:
+        if len(self) >= _FOLD_CACHE_MAX:  # bounded whatever the texts hold
+            self.clear()
+        folded = self[c] = "" if _is_invisible(c) else _fold_string(c, self.casefold)
+        return folded
+
+
+_TABLES = {True: _FoldTable(casefold=True), False: _FoldTable(casefold=False)}
+
+
+@dataclass
+class Folded:
+    """A text as the word lists see it (``text``), with each of its characters' place in the original:
+    ``starts[k]``/``ends[k]`` are the first and last original characters that folded character ``k`` came
+    from; ``None``: the same place, the common case of ASCII and most other text. Where the characters folded
+    one by one (``pieces``, one per original character), the places are counted on the first hit: most rows
+    have none."""
+
+    text: str
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+    pieces: list[str] | None = None
+
+    def span(self, first: int, last: int) -> tuple[int, int]:
+        """The original characters (start, end) that folded characters ``first``..``last`` came from, any
+        invisible ones between them included."""
+        if self.pieces is not None and self.starts is None:
+            self.starts = self.ends = [i for i, piece in enumerate(self.pieces) for _ in piece]
+        if self.starts is None:
+            return first, last + 1
+        return self.starts[first], self.ends[last] + 1
+
+
+def fold_text(text: str, casefold: bool = True) -> Folded:
+    """``text`` folded as the module docstring says, with the map back to it. Most rows fold in C calls: ASCII,
+    and text that is NFKC already, whose every character case-folds to one character, with nothing invisible
+    (Chinese, accented Latin, Cyrillic). Other rows fold character by character (cached); where that leaves
+    characters that compose with the one before them (a letter followed by its combining accent, Hangul jamo),
+    those fold together, as NFKC of the whole text would."""
+    if text.isascii():  # NFKC leaves ASCII as it is, and ASCII has no invisible characters
+        return Folded(text.lower() if casefold else text)
+    hay = text.casefold() if casefold else text
+    if len(hay) == len(text) and "\u0307" not in text and unicodedata.is_normalized("NFKC", text) and \
+            unicodedata.is_normalized("NFKC", hay) and not _has_invisible(text):
+        return Folded(hay)  # one character each (folding never shortens one): the places are unchanged
+    pieces = list(map(_TABLES[casefold].__getitem__, text))
+    hay = "".join(pieces)
+    # Folded one by one, characters are folded as in the whole text unless the result composes further (not
+    # NFC), or holds what case folding and İ treat apart from their neighbours: a dot above, a Greek iota
+    # (the fold of U+0345, which moves it among the accents). Only then is the whole text folded to compare.
+    if (not unicodedata.is_normalized("NFC", hay) or "\u0307" in hay or "\u03b9" in hay) and \
+            hay != _fold_string(text, casefold):
+        return _fold_by_cluster(text, pieces, casefold)
+    if len(hay) == len(text) and "" not in pieces:
+        return Folded(hay)
+    return Folded(hay, pieces=pieces)
+
+
+def _fold_by_cluster(text: str, pieces: list[str], casefold: bool) -> Folded:
+    """``fold_text`` for a text with characters that compose with the previous one: a cluster (a character and
+    those that combine with it) folds as one string, and each of its folded characters maps to all of it."""
+    clusters: list[list] = []  # [first, last, source, folded] each, in the original's order
+    for i, piece in enumerate(pieces):
+        if not piece:  # invisible: no part of a cluster, inside whichever span surrounds it
+            continue
+        cur = clusters[-1] if clusters else None
+        if cur and (unicodedata.combining(piece[0]) or not unicodedata.is_normalized("NFC", cur[3] + piece)):
+            cur[1], cur[2] = i, cur[2] + text[i]
+            cur[3] = _fold_string(cur[2], casefold)
+        else:
+            clusters.append([i, i, text[i], piece])
+    return Folded("".join(c[3] for c in clusters), [c[0] for c in clusters for _ in c[3]],
+                  [c[1] for c in clusters for _ in c[3]])
+
+
+def _splits_a_word(hay: str, first: int, last: int, word: str) -> bool:
+    """Whether a hit of an ASCII word is part of a longer word (``ass`` in ``class``): whole words only."""
+    if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]):
+        return True
+    return _is_word_char(word[-1]) and last + 1 < len(hay) and _is_word_char(hay[last + 1])
+
+
+class ContentFilter:
+    def __init__(self, cfg: FilterConfig, storage_options: dict | None = None):
+        self.cfg = cfg
+        self.casefold = not cfg.case_sensitive
+        self.lists: list[_List] = []
+        for wl in cfg.lists:
+            a = ahocorasick.Automaton()
+            for w in _list_words(wl, storage_options):
+                key = fold_text(w, self.casefold).text  # words fold as the texts do
+                if key:
+                    a.add_word(key, key)
+            if len(a):
+                a.make_automaton()
+                self.lists.append(_List(wl, a))
+
+    def scan(self, text: str) -> list[tuple[_List, int, int, str]]:
+        """Every hit as (list, start, end, word): offsets in ``text``, the word as folded; whole-word rule for
+        ASCII words."""
+        if not self.lists:
+            return []
+        folded = fold_text(text, self.casefold)
+        hay = folded.text
+        hits = []
+        for lst in self.lists:
+            for last, word in lst.automaton.iter(hay):
+                first = last - len(word) + 1
+                if not _splits_a_word(hay, first, last, word):
+                    hits.append((lst, *folded.span(first, last), word))
+        return hits
+
+    def apply(self, row: dict, text_key: str = "output") -> tuple[dict | None, list[dict]]:
+        """(the row after its actions, or None when dropped; the hits as dicts). A row with several samples
+        (``outputs``, n > 1) is scanned in every sample: a drop hit in any drops the row, masks apply to each,
+        and each hit names its ``sample``; ``output`` stays the first sample, masked as it is."""
+        samples = row.get("outputs") if text_key == "output" else None
+        texts = samples if isinstance(samples, list) and samples else [row.get(text_key)]
+        hits = [(i, h) for i, text in enumerate(texts) if text for h in self.scan(text)]
+        if not hits:
+            return row, []
+        found = [_hit(h, i if texts is samples else None) for i, h in hits]
+        if any(h[0].cfg.action == "drop" for _, h in hits):
+            return None, found
+        out = dict(row)
+        masked = [self._masked(text, [h for j, h in hits if j == i]) for i, text in enumerate(texts)]
+        if texts is samples:
+            out["outputs"] = masked
+        out[text_key] = masked[0]
+        out["filter_hits"] = found
+        return out, found
+
+    def _masked(self, text: str | None, hits: list) -> str | None:
+        if not text or not hits:
+            return text
+        chars = list(text)
+        for lst, start, end, _ in hits:
+            if lst.cfg.action == "mask":
+                chars[start:end] = self.cfg.mask_char * (end - start)
+        return "".join(chars)
+
+
+def _hit(h, sample: int | None = None) -> dict:
+    lst, start, end, word = h
+    hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
+    if sample is not None:
+        hit["sample"] = sample
+    return hit
+
+
+# Dropped ids listed in the manifest; every dropped row is in ``dropped.jsonl``.
+DROPPED_IDS_SHOWN = 100
+
+
+class FilteredRows:
+    """The rows that survive the lists (masked or flagged), streamed; dropped rows' ids and hits go to
+    ``dropped`` (a writer) as they pass. Counts per list and word are bounded by the word lists."""
+
+    def __init__(self, rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
+                 dropped=None):
+        self.rows, self.filter, self.dropped = rows, ContentFilter(cfg, storage_options), dropped
+        self.per_list: Counter = Counter()
+        self.per_word: dict[str, Counter] = defaultdict(Counter)
+        self.counts: Counter = Counter()
+        self.dropped_ids: list[str] = []
+
+    def __iter__(self) -> Iterator[dict]:
+        for row in self.rows:
+            self.counts["scanned"] += 1
+            out, hits = self.filter.apply(row)
+            if hits:
+                self.counts["affected"] += 1
+                for h in hits:
+                    self.per_list[h["list"]] += 1
+                    self.per_word[h["list"]][h["word"]] += 1
+                actions = {h["action"] for h in hits}
+                self.counts["flagged"] += "flag" in actions
+                self.counts["masked"] += "mask" in actions
+            if out is None:
+                self.counts["dropped"] += 1
+                if len(self.dropped_ids) < DROPPED_IDS_SHOWN:
+                    self.dropped_ids.append(row["id"])
+                if self.dropped is not None:
+                    self.dropped.write((json.dumps({"id": row["id"], "idx": row["idx"], "hits": hits},
+                                                   ensure_ascii=False) + "\n").encode("utf-8"))
+                continue
+            yield out
+
+    def summary(self, *, dropped: str | None = None) -> FilterSummary:
+        c = self.counts
+        return FilterSummary(
+            rows_scanned=c["scanned"], rows_affected=c["affected"], rows_dropped=c["dropped"],
+            rows_flagged=c["flagged"], rows_masked=c["masked"], hits_per_list=dict(self.per_list),
+            hits_per_word={k: dict(v) for k, v in self.per_word.items()}, dropped_ids=self.dropped_ids,
+            dropped=dropped, lists=[{"name": lst.cfg.name, "path": lst.cfg.path, "action": lst.cfg.action}
+                                    for lst in self.filter.lists])
+
+
+def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
+                dropped=None) -> FilteredRows:
+    """The surviving rows (iterate once); ``.summary()`` afterwards says what the lists did."""
+    return FilteredRows(rows, cfg, storage_options, dropped=dropped)
+
+
+def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
+                   shards: Sequence[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
+    """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
+    ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
+
+    Done again each time it runs (a retry or a Clear: the word lists may have changed); each pass is a new
+    ``generation``, which evaluate and publish go by. ``shards``: one result per shard, or, from tasks of
+    several shards (``sharding.shards_per_task``), one list of results per task."""
+    out_dir = layout.stage("filter")
+    opts = layout.output_root.options
+    results = [ShardResult.of(s) for t in shards for s in (t if isinstance(t, (list, tuple)) else [t])]
+    check_shards_of_plan(plan, results)
+
+    def merged(key: str) -> Iterator[dict]:
+        # Each shard's files are in input order: a streamed merge puts the run in input order.
+        return heapq.merge(*(iter_jsonl(Location(getattr(s, key), opts).path()) for s in results),
+                           key=lambda r: r["idx"])
+
+    skipped = f"task {cfg.engine.task}" if cfg.engine.task != "generate" else None  # vectors, classes: no words
+    if cfg.filter.enabled and skipped is None:
+
+        dropped_loc = out_dir.child("dropped.jsonl")
+        with atomic_writer(dropped_loc.path()) as dropped:
+            kept = filter_rows(merged("outputs"), cfg.filter, opts, dropped=dropped)
+            n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), kept)
+        summary = kept.summary(dropped=dropped_loc.url)
+    else:
+        n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), merged("outputs"))
+        summary = FilterSummary(enabled=False, rows_scanned=n_kept)
+    n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
+    m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept, plan_key=plan.input_key,
+                       inference_errors=out_dir.child("errors.jsonl").url, inference_error_rows=n_errors,
+                       summary=summary, skipped=skipped)
+    m.write(out_dir.path())
+    return m
+
+
+def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult]) -> None:
+    """Every planned shard committed, for this plan (a plan made again after its shards ran has other rows)."""
+    got = {s.shard: s for s in shards}
+    missing = [s.index for s in plan.shards if s.index not in got]
+    stale = [s.shard for s in shards if s.plan_key and plan.input_key and s.plan_key != plan.input_key[:16]]
+    if missing or stale:
+        raise ValueError(f"the shards handed over do not match the run's plan ({len(plan.shards)} shards): "
+                         f"missing {missing or 'none'}, made for another plan {stale or 'none'}; clear the plan "
+                         f"task with its downstream tasks so that every shard runs on the current plan")

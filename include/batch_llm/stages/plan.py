@@ -1,0 +1,421 @@
+"""Plan shards: read the run's input, validate every row, split the valid rows into shards, in bounded memory.
+
+Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on; a file none
+of whose rows can be read or be valid (corrupt Parquet, a table without a prompt column) fails the plan, naming
+the file (``formats.InputFileError``). Shards are contiguous ranges of the input (so outputs merge back in input
+order), sorted inside by output budget, largest first, then by prompt length (``shard_order``): the longest
+generations start first instead of trailing a shard's end on a near-empty batch, and similar prompt lengths
+batch together (less padding for static batching).
+
+Memory does not grow with the input. How, in three streamed passes over local temporary files::
+
+    input files ─> validate ─> spool (valid rows, input order) + row errors + one 8-byte id hash per row
+    id hashes (an array, sorted) ─> candidate duplicates ─> one pass over the spool confirms them by id
+    spool ─> records.jsonl + shard files (each sorted by shard_order: in-memory runs spilled and merged)
+
+The spool is a local file of tab-separated fields whose JSON parts are written once in the first pass and
+copied as bytes afterwards (JSON escapes tabs and newlines, so a field never holds one). Planning needs
+about three times the input's size in local temporary space (``$TMPDIR``).
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+import tempfile
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from batch_llm.config import PipelineConfig, ShardingConfig
+from batch_llm.io.formats import (
+    SUFFIX_FORMAT,
+    InputFileError,
+    PromptRow,
+    RawRow,
+    detect_format,
+    input_files,
+    read_file_rows,
+    sniff_openai_batch,
+    to_prompt_row,
+)
+from batch_llm.io.storage import (
+    Location,
+    atomic_writer,
+    json_bytes,
+    peak_rss_mb,
+)
+from batch_llm.manifests import (
+    PlanManifest,
+    ShardSpec,
+)
+from batch_llm.row_params import engine_refusal
+
+if TYPE_CHECKING:
+
+    pass
+from batch_llm.layout import RunLayout
+
+# 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
+id_hash = hash
+
+# Rows sorted in memory at once inside a shard; larger shards are sorted in runs and merged.
+SORT_RUN_ROWS = 100_000
+
+
+def default_rows_per_shard(s: ShardingConfig, max_tokens: int) -> int:
+    """Rows per shard that keep engine start under ``max_engine_start_share`` of the shard's time:
+
+        start / (start + rows * max_tokens / tok_s) <= share  <=>  rows >= start * tok_s * (1 - share) / (share * max_tokens)
+
+    e.g. 70 s start, 15k tok/s, 256 tokens, 10 % → 36,915 rows (docs/benchmarks.md, "Engine start")."""
+    share = s.max_engine_start_share
+    rows = s.expected_engine_start_seconds * s.expected_output_tokens_per_second * (1 - share) / (share * max_tokens)
+    return max(256, math.ceil(rows))
+
+
+def shard_sizes(n: int, s: ShardingConfig, max_tokens: int = 256) -> list[int]:
+    if n == 0:
+        return []
+    if s.num_shards:
+        k = min(s.num_shards, n)
+    else:
+        k = math.ceil(n / (s.rows_per_shard or default_rows_per_shard(s, max_tokens)))
+    base, extra = divmod(n, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def prompt_chars(r: PromptRow) -> int:
+    """A prompt's length in characters (token ids count as 4 characters)."""
+    if r.prompt_token_ids:
+        return len(r.prompt_token_ids) * 4
+    return len(r.text) if r.text is not None else sum(len(m["content"]) for m in r.messages)
+
+
+# shard_order's weight of one output token: above any prompt's length in characters.
+_BUDGET_STEP = 1 << 40
+
+
+def shard_order(r: PromptRow, default_max_tokens: int) -> int:
+    """The sort key inside a shard: the row's output budget, largest first, then its prompt length, as one
+    integer (ascending = that order), so the sort and its spilled runs carry one number a row.
+
+    Engines that batch continuously (vLLM, LMDeploy) admit requests in shard order. A long generation
+    admitted late runs on after the rest have finished, in ever smaller decode batches; started first, it
+    overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md).
+    Rows of one budget (a pipeline-wide ``sampling.max_tokens``) keep the prompt-length order."""
+    budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
+    return prompt_chars(r) - budget * _BUDGET_STEP
+
+
+_dumps = json_bytes
+
+
+def _with_idx(body: bytes, idx: int) -> bytes:
+    """``{"idx": N, ...body's fields}``: the idx is known only after duplicates are found."""
+    return b'{"idx": %d, %s\n' % (idx, body[1:])
+
+
+class _Scan:
+    """Pass 1: every input row validated once; valid rows spooled, row errors written, id hashes kept."""
+
+    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path):
+        self.cfg, self.fmt = cfg, fmt
+        self.spool_path, self.errors_path = tmp / "spool.tsv", tmp / "errors-rows.tsv"
+        self.id_hashes = array("q")   # hash(id) of spooled row i: duplicates are found from these alone
+        self.rows_read = 0
+        self.capped = 0               # rows whose max_tokens was lowered to sampling.max_tokens_cap
+        self.has_references = False
+
+    def run(self, files: list) -> None:
+        read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
+        with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
+            for file_no, f in enumerate(files):
+                rows = read_file_rows(f, read_fmt, self.cfg.input)
+                if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
+                    rows = _of_kind(rows, f, files[0], self.fmt)
+                for raw in rows:
+                    self.rows_read += 1
+                    where = b"%d\t%d\t" % (file_no, raw.line)
+                    if raw.error:
+                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": None,
+                                                     "reason": raw.error}) + b"\n")
+                        continue
+                    try:
+                        row = self._checked(to_prompt_row(raw, 0, self.cfg.input, self.fmt))
+                    except ValueError as e:
+                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
+                                                     "reason": str(e)}) + b"\n")
+                        continue
+                    self.id_hashes.append(id_hash(row.id))
+                    self.has_references = self.has_references or bool(row.reference)
+                    shard_body = _dumps(_shard_fields(row))
+                    record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
+                    spool.write(b"\t".join((where[:-1], b"%d" % shard_order(row, self.cfg.sampling.max_tokens),
+                                            _dumps(row.id), shard_body, record_body)) + b"\n")
+
+    def _checked(self, row: PromptRow) -> PromptRow:
+        """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them."""
+        if row.params is not None:
+            row.params, capped = row.params.capped(self.cfg.sampling.max_tokens_cap)
+            self.capped += capped
+            why = engine_refusal(row.params, self.cfg.engine.kind)
+            if why:
+                raise ValueError(why)
+        return row
+
+    def _raw_id(self, raw) -> str | int | None:
+        rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
+        return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def _of_kind(rows: Iterator[RawRow], f, first, fmt: str) -> Iterator[RawRow]:
+    """A JSONL file's rows, its first row checked to be of the run's kind, as ``resolve_format`` told the first
+    file's (OpenAI Batch lines or prompt rows): told here, from the row the scan reads anyway, not by reading
+    every file's start twice."""
+    for n, raw in enumerate(rows):
+        if n == 0:
+            rec = raw.record
+            kind = "openai_batch" if isinstance(rec, dict) and "custom_id" in rec and "body" in rec else "jsonl"
+            if kind != fmt:
+                raise _mixed_formats(f.parent, {fmt: [first.name], kind: [f.name]})
+        yield raw
+
+
+def _mixed_formats(folder, names: dict[str, list[str]]) -> InputFileError:
+    listing = "; ".join(f"{kind}: {', '.join(n[:3])}" + (f" and {len(n) - 3} more" if len(n) > 3 else "")
+                        for kind, n in sorted(names.items()))
+    return InputFileError(f"{folder}: the input holds files of {len(names)} formats ({listing}); a run reads one "
+                          f"format and publishes in it: give each format an input folder of its own")
+
+
+def _shard_fields(r: PromptRow) -> dict:
+    row: dict = {"id": r.id, "messages": r.messages}
+    if r.prompt_token_ids:
+        row["prompt_token_ids"] = r.prompt_token_ids
+    if r.text is not None:
+        row["text"] = r.text
+    if r.params is not None:
+        row["params"] = r.params.to_json()
+    return row
+
+
+def _spool_lines(path: Path) -> Iterator[list[bytes]]:
+    """Spool rows as their fields: file_no, line, shard_order, id (JSON), shard body, record body."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            yield line.rstrip(b"\n").split(b"\t")
+
+
+def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
+    """Spool positions of rows whose id an earlier row has, sorted; their errors go to ``errors-dups.tsv``.
+
+    Equal hashes only make candidates: one pass over the spool compares the candidates' ids, so a hash
+    collision never drops a row. Memory: the hash array (8 bytes a row) and the ids of candidate rows."""
+    out = tmp / "errors-dups.tsv"
+    h = np.frombuffer(scan.id_hashes, dtype=np.int64)
+    order = np.argsort(h, kind="stable")
+    sh = h[order]
+    same = sh[1:] == sh[:-1]
+    if not same.any():
+        out.write_bytes(b"")
+        return np.empty(0, dtype=np.int64)
+    member = np.zeros(len(h), dtype=bool)
+    member[1:] |= same
+    member[:-1] |= same
+    candidates = np.sort(order[member])
+    first_seen: dict[bytes, tuple[int, int]] = {}
+    dups = array("q")
+    ptr = 0
+    with open(out, "wb") as errors:
+        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+            if ptr == len(candidates):
+                break
+            if seq != candidates[ptr]:
+                continue
+            ptr += 1
+            file_no, line, rid = int(fields[0]), int(fields[1]), fields[3]
+            first = first_seen.setdefault(rid, (file_no, line))
+            if first != (file_no, line):
+                dups.append(seq)
+                where = f" of {files[first[0]].name}" if first[0] != file_no else ""
+                rid_s = json.loads(rid)
+                errors.write(b"%d\t%d\t" % (file_no, line) + _dumps({
+                    "source": files[file_no].name, "line": line, "id": rid_s,
+                    "reason": f"duplicate id {rid_s!r} (first at line {first[1]}{where})"}) + b"\n")
+    return np.frombuffer(dups, dtype=np.int64)
+
+
+class _SortedShardWriter:
+    """Writes one shard's rows sorted by (``shard_order``, input position), in bounded memory: runs of
+    ``SORT_RUN_ROWS`` rows are sorted in memory and spilled to local files, then merged into the shard."""
+
+    def __init__(self, loc: Location, tmp: Path, *, sort: bool):
+        self.loc, self.tmp, self.sort = loc, tmp, sort
+        self.buf: list[tuple[int, int, bytes]] = []
+        self.runs: list[Path] = []
+
+    def add(self, order: int, idx: int, line: bytes) -> None:
+        self.buf.append((order, idx, line))
+        if len(self.buf) >= SORT_RUN_ROWS:
+            self._spill()
+
+    def _spill(self) -> None:
+        run = self.tmp / f"run-{len(self.runs):05d}.tsv"
+        with open(run, "wb") as fh:
+            fh.writelines(b"%d\t%d\t%s" % item for item in self._sorted_buf())
+        self.runs.append(run)
+        self.buf = []
+
+    def _sorted_buf(self) -> list[tuple[int, int, bytes]]:
+        return sorted(self.buf) if self.sort else self.buf
+
+    def close(self) -> None:
+        with atomic_writer(self.loc.path()) as w:
+            if not self.runs:
+                for _, _, line in self._sorted_buf():
+                    w.write(line)
+                return
+            self._spill()
+            handles = [open(run, "rb") for run in self.runs]
+            try:
+                # Unsorted runs are consecutive input ranges: chaining them keeps input order.
+                items = heapq.merge(*map(_run_items, handles)) if self.sort else \
+                    (item for h in handles for item in _run_items(h))
+                for _, _, line in items:
+                    w.write(line)
+            finally:
+                for h in handles:
+                    h.close()
+        for run in self.runs:
+            run.unlink(missing_ok=True)
+
+
+def _run_items(fh) -> Iterator[tuple[int, int, bytes]]:
+    for ln in fh:
+        order, idx, line = ln.split(b"\t", 2)
+        yield int(order), int(idx), line
+
+
+def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
+    """Row errors and duplicate errors in input order (file, line), as JSON lines."""
+    def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
+        with open(p, "rb") as fh:
+            for ln in fh:
+                file_no, line, body = ln.split(b"\t", 2)
+                yield int(file_no), int(line), body
+
+    for _, _, body in heapq.merge(*(items(p) for p in paths)):
+        yield body
+
+
+def resolve_format(files: list, configured: str) -> str:
+    """The run's one input format, which it publishes in: ``input.format``, or the first file's (its name, and
+    for JSONL its first line: OpenAI Batch lines have ``custom_id`` and ``body``). A folder whose file names
+    tell several formats is refused here, before any row is read, naming files of each; JSONL prompt rows
+    beside OpenAI Batch files are refused by the scan, at each file's first row (``_of_kind``)."""
+    names: dict[str, list[str]] = {}
+    for f in files:
+        if (kind := SUFFIX_FORMAT.get(f.suffix.lower())) is not None:
+            names.setdefault(kind, []).append(f.name)
+    if len(names) > 1:
+        raise _mixed_formats(files[0].parent, names)
+    fmt = detect_format(files[0], configured)
+    if fmt == "jsonl" and configured == "auto":
+        fmt = sniff_openai_batch(files[0]) or fmt
+    return fmt
+
+
+def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
+                input_key: str | None = None) -> PlanManifest:
+    """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
+    listed for mapping)."""
+    t0 = time.perf_counter()
+    files = input_files(input_loc.path())
+    fmt = resolve_format(files, cfg.input.format)
+    if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
+        made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
+        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
+                         f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
+    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        scan = _Scan(cfg, fmt, tmp)
+        scan.run(files)
+        dups = _find_duplicates(scan, files, tmp)
+        n_valid = len(scan.id_hashes) - len(dups)
+        sizes = shard_sizes(n_valid, cfg.sharding, cfg.sampling.max_tokens)
+        shards = _write_shards(scan, dups, sizes, plan_dir, tmp, sort=cfg.sharding.sort_by_length)
+        errors_loc = plan_dir.child("errors.jsonl")
+        n_errors = 0
+        with atomic_writer(errors_loc.path()) as w:
+            for line in _merged_errors([scan.errors_path, tmp / "errors-dups.tsv"]):
+                w.write(line)
+                n_errors += 1
+    manifest = PlanManifest(
+        input=input_loc.url, input_files=len(files), format=fmt, rows_read=scan.rows_read, valid=n_valid,
+        invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
+        records=plan_dir.child("records.jsonl").url,
+        shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_mb=peak_rss_mb(), input_key=input_key)
+    manifest.write(plan_dir.path())
+    return manifest
+
+
+def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Location, tmp: Path, *,
+                  sort: bool) -> list[ShardSpec]:
+    """Pass 3: the spool, less duplicates, into records.jsonl and the shard files (contiguous ranges)."""
+    shards: list[ShardSpec] = []
+    bounds = iter(sizes)
+    writer: _SortedShardWriter | None = None
+    left = 0
+    idx = 0
+    dup_ptr = 0
+    with atomic_writer(plan_dir.child("records.jsonl").path()) as records:
+        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+            if dup_ptr < len(dups) and dups[dup_ptr] == seq:
+                dup_ptr += 1
+                continue
+            if left == 0:
+                if writer is not None:
+                    writer.close()
+                left = next(bounds)
+                loc = plan_dir.child(f"shard-{len(shards):05d}.jsonl")
+                shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
+                writer = _SortedShardWriter(loc, tmp, sort=sort)
+            writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
+            records.write(_with_idx(fields[5], idx))
+            idx += 1
+            left -= 1
+        if writer is not None:
+            writer.close()
+    return shards
+
+
+def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    """The run's plan: the committed one while the input files and the settings it was made from are unchanged
+    (a retry, a Clear), else a new one (a Clear after late files landed or a file was fixed); its shards carry
+    its key, so chunks committed for an earlier plan are not resumed."""
+    key = plan_input_key(cfg, layout.input)
+    done = PlanManifest.read_if_done(layout.stage("plan").path())
+    if done is not None and done.input_key == key:
+        return done
+    if done is not None:
+        logging.getLogger("batch_llm.stages.plan").info("the input or the plan's settings changed since the run's last "
+                                                 "plan: planning again")
+    return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key)
+
+
+def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
+    """What a plan is made from: the input files' fingerprints and every setting the planner reads."""
+    from batch_llm.io.formats import input_files
+    from batch_llm.io.identity import files_key, stable_hash
+
+    settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
+    settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
+    return stable_hash({"files": files_key(input_files(input_loc.path())), "settings": settings,
+                        "task": cfg.engine.task})
