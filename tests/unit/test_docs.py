@@ -101,3 +101,19 @@ def test_configuration_reference_is_current():
     current = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert current == module.render(), ("docs/configuration.md is not what include/batch_llm/config.py gives "
                                         f"today; regenerate it: {module.REGENERATE}")
+
+
+def test_layout_table_lists_every_module_of_the_tree(tmp_path):
+    """The user guide's layout table is the tree today (issue 45, item 6): every package and module under include/,
+    one line each from its docstring. A module added, moved or removed without the table following fails here."""
+    spec = importlib.util.spec_from_file_location("layout_reference", ROOT / "scripts" / "layout_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    guide = (ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    table = guide[guide.index(module.BEGIN):guide.index(module.END) + len(module.END)]
+    assert table == module.render(), "docs/user-guide.md's layout table is stale: run scripts/layout_reference.py"
+    listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
+    on_disk = {str(p.relative_to(ROOT / "include")) for pkg in module.PACKAGES
+               for p in (ROOT / "include" / pkg).rglob("*.py")
+               if p.name not in {"__init__.py", "__main__.py"} and "__pycache__" not in p.parts}
+    assert on_disk <= listed, f"modules missing from the layout table: {sorted(on_disk - listed)}"
