@@ -1,0 +1,201 @@
+"""An Apache Iceberg table through a pyiceberg catalog: a SQL catalog (SQLite for one machine, PostgreSQL in
+production) or a REST catalog. Data and metadata files go to the catalog's warehouse (a local folder or
+``s3://``).
+
+A publish is one catalog commit of one transaction: a delete of the partition (whole files: the table is
+identity-partitioned by the partition columns) and an append of the run's data files, written batch by batch
+(pyiceberg's own ``overwrite`` takes the whole run as one Arrow table; it makes the same two snapshots). The
+catalog accepts the commit only against the metadata it was made from; pyiceberg re-applies a commit that lost
+to a concurrent one and validates it first: when the winner added files to the same partition it raises
+``ValidationException`` (a conflict, written again by ``TableSink.publish``; the loser's data files are
+deleted), when the winner wrote another partition the commit goes through after it.
+
+Schema changes follow Iceberg's rules (``union_by_name``): a new column is added (null in earlier rows), a
+column a run lacks is null in its rows; a column's type does not change. The commit's
+metadata is in both snapshots' summaries (the snapshot log, ``<table>.snapshots`` in Spark or Trino).
+Retention expires snapshots older than the window (never the current one) and deletes the files only they
+reached.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batch_llm.sinks.base import COMMIT_TOKEN, TableSchemaError, TableSink
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+log = logging.getLogger("batch_llm.sinks")
+
+
+class IcebergSink(TableSink):
+    """The table ``identifier`` (``namespace.name``) of the catalog that ``catalog_properties`` describe (pyiceberg's
+    ``load_catalog`` properties: ``type``, ``uri``, ``warehouse``, ``s3.*``, credentials)."""
+
+    format = "iceberg"
+
+    def __init__(self, catalog_properties: dict[str, str], identifier: str, *, catalog_name: str = "batch_llm",
+                 partition_columns: list[str], attempts: int = 5, backoff_s: float = 0.5):
+        super().__init__(partition_columns=partition_columns, attempts=attempts, backoff_s=backoff_s)
+        namespace, _, table = identifier.rpartition(".")
+        if not namespace or not table:
+            raise ValueError(f"Iceberg table {identifier!r}: name it as namespace.table")
+        self.identifier, self.namespace = identifier, namespace
+        self.catalog_name, self.properties = catalog_name, dict(catalog_properties)
+        self._catalog = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.catalog_name}.{self.identifier}"
+
+    @property
+    def catalog(self):
+        if self._catalog is None:
+            from pyiceberg.catalog import load_catalog
+
+            uri = self.properties.get("uri", "")
+            if self.properties.get("type") == "sql" and uri.startswith("sqlite:///"):
+                Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            self._catalog = load_catalog(self.catalog_name, **self.properties)
+        return self._catalog
+
+    def table(self):
+        """The pyiceberg ``Table``; None where there is no table yet."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            return self.catalog.load_table(self.identifier)
+        except NoSuchTableError:
+            return None
+
+    def _table_schema(self) -> pa.Schema | None:
+        table = self.table()
+        return table.schema().as_arrow() if table is not None else None
+
+    def _table_for(self, schema: pa.Schema):
+        """The table, made (with its partition spec, in one commit) when there is none yet."""
+        from pyiceberg.exceptions import TableAlreadyExistsError
+
+        table = self.table()
+        if table is None:
+            self.catalog.create_namespace_if_not_exists(self.namespace)
+            try:
+                txn = self.catalog.create_table_transaction(self.identifier, schema=schema)
+                with txn.update_spec() as spec:
+                    for c in self.partition_columns:
+                        spec.add_identity(c)
+                txn.commit_transaction()
+            except TableAlreadyExistsError:  # a concurrent publisher made it first
+                pass
+            table = self.catalog.load_table(self.identifier)
+        cols = [table.schema().find_column_name(f.source_id) for f in table.spec().fields]
+        if cols != self.partition_columns:
+            raise TableSchemaError(f"table {self.name} is partitioned by {cols}, this pipeline by "
+                                   f"{self.partition_columns}")
+        return table
+
+    def _replace_partition(self, schema: pa.Schema, batches: Iterator[pa.RecordBatch], partition: dict[str, str],
+                           metadata: dict[str, str]) -> tuple[int, int | None]:
+        from functools import reduce
+
+        from pyiceberg.exceptions import ValidationError
+        from pyiceberg.expressions import And, EqualTo
+        from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
+        table = self._table_for(schema)
+        txn = table.transaction()
+        if set(schema.names) - set(table.schema().column_names):  # a changed type was refused before (_fitted)
+            try:
+                with txn.update_schema() as update:
+                    update.union_by_name(schema)
+            except (ValidationError, ValueError) as e:
+                raise TableSchemaError(f"table {self.name}: the rows do not fit its schema: {e}") from None
+        target = txn.table_metadata.schema().as_arrow()
+        condition = reduce(And, [EqualTo(c, v) for c, v in partition.items()]) if len(partition) > 1 \
+            else EqualTo(*next(iter(partition.items())))
+        written: list[str] = []
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Delete operation did not match any records")
+                txn.delete(condition, snapshot_properties=metadata)
+            # The append snapshot of the same transaction, fed one batch at a time (a private producer: the
+            # public overwrite wants the whole run as one Arrow table)
+            with txn._append_snapshot_producer(metadata) as append:
+                counter = itertools.count(0)
+                for batch in batches:
+                    for data_file in _dataframe_to_data_files(
+                            table_metadata=txn.table_metadata, write_uuid=append.commit_uuid,
+                            df=_conform(batch, target), io=table.io, counter=counter):
+                        written.append(data_file.file_path)
+                        append.append_data_file(data_file)
+            committed = txn.commit_transaction()
+        except BaseException:
+            _delete_files(table.io, written)  # none of them is in a snapshot
+            raise
+        return _snapshots_of(committed, metadata[COMMIT_TOKEN], self.name)
+
+    def _is_conflict(self, error: Exception) -> bool:
+        from pyiceberg.exceptions import CommitFailedException, ValidationException
+
+        return isinstance(error, (CommitFailedException, ValidationException))
+
+    def expire(self, retention_hours: float, *, now: dt.datetime | None = None) -> dict[str, Any]:
+        table = self.table()
+        if table is None:
+            return {"expired_snapshots": 0, "removed_files": 0}
+        cutoff_ms = int(((now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(hours=retention_hours))
+                        .timestamp() * 1000)
+        protected = {ref.snapshot_id for ref in table.metadata.refs.values()}
+        expired = [s for s in table.snapshots() if s.timestamp_ms < cutoff_ms and s.snapshot_id not in protected]
+        if not expired:
+            return {"expired_snapshots": 0, "removed_files": 0}
+        reached_by_expired = _files_of(expired, table.io)
+        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
+        table.refresh()
+        gone = reached_by_expired - _files_of(table.snapshots(), table.io)
+        _delete_files(table.io, sorted(gone))
+        return {"expired_snapshots": len(expired), "removed_files": len(gone)}
+
+
+def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.Table:
+    """The batch in the table's column order and types; a column the run lacks is null."""
+    import pyarrow as pa
+
+    cols = []
+    for f in target:
+        i = batch.schema.get_field_index(f.name)
+        cols.append(batch.column(i).cast(f.type) if i >= 0 else pa.nulls(batch.num_rows, f.type))
+    return pa.Table.from_arrays(cols, schema=target)
+
+
+def _snapshots_of(table, token: str, name: str) -> tuple[int, int | None]:
+    """(the append snapshot of this attempt's commit, the snapshot before its first one)."""
+    ours = [s for s in table.snapshots() if (s.summary and s.summary.get(COMMIT_TOKEN)) == token]
+    if not ours:
+        raise RuntimeError(f"table {name}: the commit just made is not in its snapshot log")
+    return ours[-1].snapshot_id, ours[0].parent_snapshot_id
+
+
+def _files_of(snapshots: Iterable, io) -> set[str]:
+    """Every file the snapshots read: their manifest lists, manifests and live data files."""
+    out: set[str] = set()
+    for s in snapshots:
+        out.add(s.manifest_list)
+        for m in s.manifests(io):
+            out.add(m.manifest_path)
+            out.update(e.data_file.file_path for e in m.fetch_manifest_entry(io, discard_deleted=True))
+    return out
+
+
+def _delete_files(io, paths: Iterable[str]) -> None:
+    for p in paths:
+        try:
+            io.delete(p)
+        except Exception as e:  # noqa: BLE001 - an orphan left behind is a cost, not a wrong result
+            log.warning("could not delete %s: %s", p, e)
