@@ -82,6 +82,15 @@ def _type_name(annotation: Any, anchors: dict[type, str]) -> str:
     return str(annotation).replace("typing.", "")
 
 
+def _input_type(model: type[BaseModel], name: str, field: FieldInfo) -> Any:
+    """What a YAML key accepts: the field's type, or the wider input a before-validator declares and converts
+    (``sampling.output_schema``: the schema or a string naming it)."""
+    for dec in model.__pydantic_decorators__.field_validators.values():
+        if name in dec.info.fields and dec.info.json_schema_input_type is not PydanticUndefined:
+            return dec.info.json_schema_input_type
+    return field.annotation
+
+
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "**required**"
@@ -167,7 +176,7 @@ def render() -> str:
             lines += [f"`{model.__name__}`.", ""]
         lines += ["| key | type | default | bounds | description |", "| --- | --- | --- | --- | --- |"]
         for name, field in model.model_fields.items():
-            lines.append(f"| `{name}` | {_type_name(field.annotation, anchors)} | {_default(field)} | "
+            lines.append(f"| `{name}` | {_type_name(_input_type(model, name, field), anchors)} | {_default(field)} | "
                          f"{_bounds(field)} | {_cell(field.description or '')} |")
         lines.append("")
     return "\n".join(lines)

@@ -119,6 +119,14 @@ class QuantizeConfig(_Section):
 
 
 Format = Literal["auto", "jsonl", "parquet", "csv", "openai_batch"]
+# The table columns that may carry a row's own sampling (row_params reads them)
+SamplingColumn = Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+                         "n", "logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+                         "include_stop_str_in_output", "chat_template_kwargs"]
+
+
+def _only_max_tokens() -> list[SamplingColumn]:
+    return ["max_tokens"]
 
 
 class InputConfig(_Section):
@@ -138,10 +146,8 @@ class InputConfig(_Section):
     template: str | None = None
     system_prompt: str | None = None
     reference_column: str = Field("reference", description="Reference answers for scoring, when present")
-    sampling_columns: list[Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-                                   "frequency_penalty", "n", "logprobs", "top_k", "min_p", "repetition_penalty",
-                                   "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs"]] = Field(
-        default_factory=lambda: ["max_tokens"],
+    sampling_columns: list[SamplingColumn] = Field(
+        default_factory=_only_max_tokens,
         description="Columns whose value, where a row has one, overrides the sampling section for that row "
                     "(OpenAI Batch input reads these from each request body)")
 
@@ -403,9 +409,10 @@ class SamplingConfig(_Section):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables of the chat template "
                                                  "(e.g. enable_thinking: false for Qwen3); a row's own are laid over "
                                                  "these. Every engine: the prompts are rendered before the engine")
-    output_schema: dict | str | None = Field(None, description="A JSON Schema file (./relative to this YAML) "
-                                             "or a pydantic model (module:Class) every output must match; "
-                                             "loaded into the schema itself when the config loads")
+    output_schema: dict | None = Field(None, description="The JSON Schema every output must match: the schema, "
+                                       "or a string naming it, a JSON Schema file (./relative to this YAML) or a "
+                                       "pydantic model (module:Class), loaded into the schema itself when the "
+                                       "config loads")
     guided_decoding: bool | Literal["fallback"] = Field(
         True, description="Decode under output_schema (vLLM, xgrammar); false: outputs are only checked against it; "
         "fallback: decoded freely first (at the plain rate), and only the rows whose output does not match are "
@@ -422,14 +429,15 @@ class SamplingConfig(_Section):
     output_retries: int = Field(0, ge=0, le=5, description="Ask again, with another seed, for a sampled row "
                                 "(temperature > 0) whose output does not match output_schema")
 
-    @field_validator("output_schema")
+    # before the type check, so the field holds only the schema itself (a name is loaded here, on assignment too)
+    @field_validator("output_schema", mode="before", json_schema_input_type=dict | str | None)
     @classmethod
-    def _load_output_schema(cls, v: dict | str | None) -> dict | None:
+    def _load_output_schema(cls, v: Any) -> Any:
         from batch_llm.output_schema import check_schema, load_schema
 
-        if v is None:
-            return None
-        return check_schema(load_schema(v) if isinstance(v, str) else v)
+        if isinstance(v, str):
+            return check_schema(load_schema(v))
+        return check_schema(v) if isinstance(v, dict) else v  # anything else: the dict | None check refuses it
 
     @field_validator("top_k")
     @classmethod

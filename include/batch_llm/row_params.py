@@ -14,8 +14,9 @@ refused naming the engines with them (the capability table).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, overload
 
 from batch_llm.config import RESERVED_TEMPLATE_KWARGS, SamplingConfig
 from batch_llm.engines.capabilities import ENGINES, who_can
@@ -86,10 +87,7 @@ _SPECIAL_TOKENS_NEUTRAL = {False: (None, False), True: (None, True)}
 # The per-row parameters each engine applies come from its row of the capability table (``row_params``); any
 # other set parameter is a row error on that engine.
 
-# Table columns that may carry per-row parameters (``input.sampling_columns`` picks which are read).
-COLUMNS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "n",
-           "logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-           "chat_template_kwargs")
+# Table columns that may carry per-row parameters: config.SamplingColumn (``input.sampling_columns`` picks which).
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
 
 
@@ -167,7 +165,7 @@ class RowParams:
         return cls.from_values(values)
 
     @classmethod
-    def from_columns(cls, record: dict, columns: list[str]) -> RowParams | None:
+    def from_columns(cls, record: dict, columns: Sequence[str]) -> RowParams | None:
         """The parameters a table row carries in the configured columns (empty cells are unset)."""
         return cls.from_values({c: record.get(c) for c in columns})
 
@@ -184,7 +182,10 @@ class RowParams:
     def from_json(cls, d: dict | None) -> RowParams | None:
         if not d:
             return None
-        return cls(**{k: (tuple(v) if k in _TUPLES else _canonical(v) if k in _OBJECTS else v) for k, v in d.items()})
+        # each field as the dataclass holds it: lists as tuples, objects as canonical JSON, the rest as they are
+        values: dict[str, Any] = {k: (tuple(v) if k in _TUPLES else _canonical(v) if k in _OBJECTS else v)
+                                  for k, v in d.items()}
+        return cls(**values)
 
     # ------------------------------------------------------------------ use
     def to_json(self) -> dict:
@@ -229,6 +230,14 @@ def resolve(p: RowParams | None, s: SamplingConfig) -> Sampling:
 def template_kwargs(p: RowParams | None, s: SamplingConfig) -> dict:
     """The chat template variables of a row: the pipeline's, under the row's own."""
     return {**s.chat_template_kwargs, **(p.template_kwargs() if p is not None else {})}
+
+
+@overload
+def response_schema(response_format: str) -> dict: ...
+
+
+@overload
+def response_schema(response_format: None) -> None: ...
 
 
 def response_schema(response_format: str | None) -> dict | None:

@@ -405,7 +405,6 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
         digest = hashlib.sha256(_fingerprint_config(cfg))
         n = n_refused = 0
         schema = cfg.sampling.output_schema
-        assert not isinstance(schema, str)  # SamplingConfig's validator (assignments too) loads a named schema
         with open(lines, "wb") as ok, open(refused, "wb") as bad:
             for i, req in enumerate(requests):
                 n += 1

@@ -16,7 +16,7 @@ import string
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -480,7 +480,7 @@ def _with_system(messages: list[dict], cfg: InputConfig) -> list[dict]:
     return messages
 
 
-def _typed_cells(rec: dict, columns: list[str]) -> dict:
+def _typed_cells(rec: dict, columns: Sequence[str]) -> dict:
     """The parameter cells of a row; CSV cells are text, so numbers are read from it (a stop cell may hold a
     JSON list; stop_token_ids a JSON list, chat_template_kwargs a JSON object, include_stop_str_in_output
     true or false)."""
