@@ -17,6 +17,7 @@ from batch_llm.manifests import (
     EvaluateManifest,
     FetchManifest,
     FilterManifest,
+    Manifest,
     PlanManifest,
     PublishManifest,
     QuantizeManifest,
@@ -85,8 +86,9 @@ class RunLayout:
                    partition=d["partition"], run_id=d["run_id"], input=Location.from_any(d["input"]))
 
 
-STAGE_MANIFESTS = {"fetch": FetchManifest, "quantize": QuantizeManifest, "plan": PlanManifest,
-                   "filter": FilterManifest, "evaluate": EvaluateManifest, "publish": PublishManifest}
+STAGE_MANIFESTS: dict[str, type[Manifest]] = {
+    "fetch": FetchManifest, "quantize": QuantizeManifest, "plan": PlanManifest, "filter": FilterManifest,
+    "evaluate": EvaluateManifest, "publish": PublishManifest}
 
 
 def read_manifest_at(layout: RunLayout, stage: str):

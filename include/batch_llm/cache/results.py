@@ -71,6 +71,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -206,6 +207,12 @@ def _coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarra
                    (starts[1:] // MAX_RANGE_BYTES != starts[:-1] // MAX_RANGE_BYTES))
     first = np.flatnonzero(brk)
     return np.cumsum(brk) - 1, starts[first], np.maximum.reduceat(ends, first)
+
+
+def _all_read(parts: list[bytes | FileNotFoundError]) -> list[bytes] | None:
+    """The bytes of every part, or None when one was missing (its table deleted under the reader)."""
+    found = [p for p in parts if not isinstance(p, FileNotFoundError)]
+    return found if len(found) == len(parts) else None
 
 
 class _Reader:
@@ -387,7 +394,7 @@ class ResultCache:
             items = sorter.sorted_items()
             stats = _merge_stats()
             out = self._write_sorted(items, kind, max_t, None, stats)
-        return out and {"name": out, "entries": stats["entries_written"], "bytes": stats["bytes_written"]}
+        return {"name": out, "entries": stats["entries_written"], "bytes": stats["bytes_written"]} if out else None
 
     def _write_sorted(self, items: Iterator[tuple], kind: str, max_t: float, cutoff: float | None,
                       stats: dict) -> str | None:
@@ -498,7 +505,9 @@ class ResultCache:
     def _delete_expired(self, tables: list[_Table], cutoff: float | None, stats: dict) -> list[_Table]:
         """Deletes the tables whose newest entry is older than ``cutoff``, once their footer is read and says
         so; returns the others, less those it could not read (kept, named in the stats, not merged)."""
-        expired = [t for t in tables if cutoff is not None and t.max_t < cutoff]
+        if cutoff is None:
+            return tables
+        expired = [t for t in tables if t.max_t < cutoff]
         if not expired:
             return tables
         reader = _Reader(self.fs, self.local, stats)
@@ -733,7 +742,7 @@ class Lookup:
         self._cutoff = cache._cutoff(cache.max_age_days)
         listed = cache.tables()
         self._tables = [t for t in listed if self._cutoff is None or t.max_t >= self._cutoff]
-        self.stats = {"namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
+        self.stats: dict[str, Any] = {"namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
                       "ranges_read": 0, "bytes_read": 0, "cache_bytes": 0, "retried": False,
                       "seconds": time.perf_counter() - t0}
         self._it: Iterator[dict] | None = None
@@ -785,7 +794,7 @@ class Lookup:
         w_all = self._k64[todo]
         # Round 1: the key pages that can hold a wanted key.
         plans = []
-        reqs = []
+        reqs: list[tuple[str, int, int]] = []
         for rank, m in enumerate(metas):
             if m.table.name in gone or m.n == 0:
                 continue
@@ -794,10 +803,10 @@ class Lookup:
                 continue
             hi = np.searchsorted(m.top, w, "right") - 1
             lo = np.maximum(np.searchsorted(m.top, w, "left") - 1, 0)
-            pages = [hi]
+            page_runs = [hi]
             for i in np.flatnonzero(lo < hi):  # a key64 equal to a page's first: the run may start a page back
-                pages.append(np.arange(lo[i], hi[i]))
-            pages = np.unique(np.concatenate(pages))
+                page_runs.append(np.arange(lo[i], hi[i]))
+            pages = np.unique(np.concatenate(page_runs))
             e0 = pages * PAGE
             e1 = np.minimum(e0 + PAGE, m.n)
             _, gs, ge = _coalesce(m.keys_off + e0 * 8, m.keys_off + e1 * 8, gap)
@@ -807,8 +816,8 @@ class Lookup:
         # Candidates: (rank, entry index, key64) for every key-page slot equal to a wanted key64.
         cands = []
         for rank, m, w, gs, ge, at in plans:
-            parts = got[at:at + len(gs)]
-            if any(isinstance(p, FileNotFoundError) for p in parts):
+            parts = _all_read(got[at:at + len(gs)])
+            if parts is None:
                 gone.add(m.table.name)
                 continue
             kc = np.concatenate([np.frombuffer(p, dtype="<u8") for p in parts])
@@ -829,16 +838,17 @@ class Lookup:
         if not cands:
             return
         # Round 2: the offsets of the candidates, hence their value ranges.
-        reqs, plans = [], []
+        reqs = []
+        offset_plans = []
         for rank, m, idx, ks in cands:
             gid, gs, ge = _coalesce(m.offsets_off + idx * 8, m.offsets_off + idx * 8 + 16, gap)
-            plans.append((rank, m, idx, ks, gid, gs, len(reqs)))
+            offset_plans.append((rank, m, idx, ks, gid, gs, len(reqs)))
             reqs.extend((m.table.path, int(s), int(e)) for s, e in zip(gs, ge))
         got = reader.read(reqs)
         rows = []  # (key64, rank, value start, value end, table) per candidate
-        for rank, m, idx, ks, gid, gs, at in plans:
-            parts = got[at:at + len(gs)]
-            if any(isinstance(p, FileNotFoundError) for p in parts):
+        for rank, m, idx, ks, gid, gs, at in offset_plans:
+            parts = _all_read(got[at:at + len(gs)])
+            if parts is None:
                 gone.add(m.table.name)
                 continue
             starts, ends = np.empty(len(idx), dtype=np.int64), np.empty(len(idx), dtype=np.int64)

@@ -309,8 +309,9 @@ class VllmEngine(Engine):
                 self._watch.set()
 
     def close(self) -> None:
-        if getattr(self, "_watch", None) is not None:
-            self._watch.set()
+        watch = getattr(self, "_watch", None)  # set by the first generate()
+        if watch is not None:
+            watch.set()
         llm = getattr(self, "llm", None)
         if llm is not None:
             try:
@@ -542,7 +543,8 @@ def _wake_reader_on_engine_death(core) -> threading.Event | None:
 
 def _exception_text(e: BaseException) -> str:
     parts = []
-    while e is not None:
-        parts.append(f"{type(e).__name__}: {e}")
-        e = e.__cause__ or e.__context__
+    cur: BaseException | None = e
+    while cur is not None:
+        parts.append(f"{type(cur).__name__}: {cur}")
+        cur = cur.__cause__ or cur.__context__
     return "\n".join(parts)

@@ -14,9 +14,10 @@ import json
 import os
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import msgspec
 from upath import UPath
@@ -70,7 +71,7 @@ def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
     resolved = path_policy.resolve(url)
     if resolved.kind == "builtin":
         return UPath(path_policy.builtin_file(url))
-    if resolved.is_local:
+    if resolved.is_local and resolved.local_path is not None:  # a local path always has one
         return UPath(resolved.local_path)
     opts = dict(options or {})
     if url.startswith(("s3://", "s3a://")):
@@ -102,9 +103,10 @@ class AtomicWriter:
         self._buf = bytearray()
         if is_local(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            # the file system path (a local UPath's .path is what os.fspath gives, for file:// URLs too)
+            self._tmp: str | None = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp").path
             try:
-                self._f = open(self._tmp, "wb")
+                self._f: BinaryIO = open(self._tmp, "wb")
             except OSError as e:
                 raise self._named(e) from e
         else:
@@ -142,7 +144,7 @@ class AtomicWriter:
                 self._f.flush()
                 os.fsync(self._f.fileno())
                 self._f.close()
-                os.replace(self._tmp, self.path)
+                os.replace(self._tmp, self.path.path)
             except OSError as e:
                 raise self._named(e) from e
             return
@@ -156,17 +158,19 @@ class AtomicWriter:
                 self._f.close()
             except OSError:
                 pass  # a full disk fails the buffered rest again; the file is closed all the same, and goes
-            self._tmp.unlink(missing_ok=True)
+            with suppress(FileNotFoundError):
+                os.unlink(self._tmp)
             return
         # Not close(): fsspec's close() would complete the upload with the parts sent so far, committing a
         # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
+        upload: Any = self._f  # fsspec's buffered file (untyped): discard() and a settable closed flag
         try:
-            if hasattr(self._f, "discard"):
-                self._f.discard()
+            if hasattr(upload, "discard"):
+                upload.discard()
         except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
             pass
         try:
-            self._f.closed = True  # fsspec files: no completing close() from __del__ later
+            upload.closed = True  # fsspec files: no completing close() from __del__ later
         except AttributeError:
             pass
 
@@ -248,7 +252,8 @@ def write_jsonl(path: UPath, rows: Iterable[dict]) -> int:
     return n
 
 
-def iter_jsonl(path: UPath) -> Iterator[dict]:
+def iter_jsonl(path: UPath | Path) -> Iterator[dict]:
+    """The records of a JSON-lines file, local (a spool: ``pathlib.Path``) or anywhere fsspec reaches."""
     with path.open("rb") as f:
         for line in f:
             if line.strip():
@@ -316,7 +321,7 @@ def remove_tree(path: UPath) -> None:
     if is_local(path):
         import shutil
 
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path.path, ignore_errors=True)
     else:
         path.fs.rm(path.path, recursive=True)
 

@@ -191,7 +191,7 @@ class Folded:
         invisible ones between them included."""
         if self.pieces is not None and self.starts is None:
             self.starts = self.ends = [i for i, piece in enumerate(self.pieces) for _ in piece]
-        if self.starts is None:
+        if self.starts is None or self.ends is None:  # set together: both None or both lists
             return first, last + 1
         return self.starts[first], self.ends[last] + 1
 

@@ -32,10 +32,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 from batch_llm.analysis.timeline import Timeline
-from batch_llm.cache.results import ResultCache, namespace, prompt_key
+from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
 from batch_llm.engines.start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
@@ -67,7 +67,7 @@ from batch_llm.row_params import RowParams, resolve, response_schema, template_k
 from batch_llm.stages.shard_merge import committed_ids, finish_shard
 
 if TYPE_CHECKING:
-    pass
+    from transformers import PreTrainedTokenizerBase
 
 from batch_llm.layout import RunLayout
 
@@ -128,7 +128,7 @@ def chat_template_text(model_dir: str, override: str | None) -> str:
     return value if isinstance(value, str) else json.dumps(value or "")
 
 
-def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False):
+def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -166,7 +166,8 @@ class _RequestSpool:
     held in memory)."""
 
     def __init__(self, path: Path):
-        self.path, self.count, self._fh = path, 0, None
+        self.path, self.count = path, 0
+        self._fh: BinaryIO | None = None
 
     def add(self, req: GenRequest) -> None:
         if self._fh is None:
@@ -268,7 +269,9 @@ class _EngineStarter(threading.Thread):
         self.model_dir, self.cfg, self.say, self.timeline = model_dir, cfg, say, timeline
         self.lora_dir = lora_dir
         self.storage_options = storage_options  # engine.compile_cache's store: the output's
-        self.engine = self.info = self.error = None
+        self.engine: Engine | None = None
+        self.info: EngineInfo | None = None
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         t0 = time.time()
@@ -358,8 +361,8 @@ class ShardRun:
         self.last_commit = time.perf_counter()
         self.n_rows = self.n_cached = self.gen_tokens = 0
         self.gen_seconds = 0.0
-        self.tokenizer = None
-        self.lookup = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.lookup: Lookup | None = None
         self.info: EngineInfo | None = None
         schema = cfg.sampling.output_schema
         self.schema = OutputSchema(schema) if schema is not None else None
@@ -431,7 +434,9 @@ class ShardRun:
                 self.sent_by[r["id"]] = key.request_id
             group.rows.append((r["id"], r["idx"]))
             if (params := _row_params(r)) and params.get("response_format"):
-                self.row_formats[key.request_id] = RowParams.from_json(params).response_format
+                own = RowParams.from_json(params)  # its response_format as canonical JSON text
+                if own is not None and own.response_format is not None:
+                    self.row_formats[key.request_id] = own.response_format
         self.n_prompts = len({g.key.content for g in self.groups.values()})
 
     def _serve_cache(self) -> None:
@@ -441,15 +446,15 @@ class ShardRun:
         by_content: dict[str, list[str]] = {}
         for rid, g in self.groups.items():
             by_content.setdefault(g.key.content, []).append(rid)
-        self.lookup = self.cache.lookup(by_content)  # streamed: each key found, once
-        for hit in self.lookup:
+        self.lookup = lookup = self.cache.lookup(by_content)  # streamed: each key found, once
+        for hit in lookup:
             for rid in by_content[hit["key"]]:
                 for r in self.groups.pop(rid).rows:
                     self.pending.append(_result_row(r, hit, cached=True, key=hit["key"]))
                     self.n_cached += 1
                     self.progress.tick(1, 0)
             self._commit()
-        self.say(f"cache: {self.n_cached} rows cached; lookup {self.lookup.stats}")
+        self.say(f"cache: {self.n_cached} rows cached; lookup {lookup.stats}")
         self._commit()
 
     def _generate(self) -> None:
@@ -598,6 +603,7 @@ class ShardRun:
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
+            assert self.retry is not None  # req is retryable: only _generate fills that, while it holds the spool
             self.retry.add(req)  # asked again once the first pass is through; the group stays open
             return
         group = self.groups.pop(res.key)

@@ -380,7 +380,7 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
             if dup_ptr < len(dups) and dups[dup_ptr] == seq:
                 dup_ptr += 1
                 continue
-            if left == 0:
+            if left == 0 or writer is None:  # the shard is full, or this is the first row
                 if writer is not None:
                     writer.close()
                 left = next(bounds)
