@@ -60,7 +60,7 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
     dumped = cfg.model_dump(mode="json")  # once: a config's size is paid once per DAG, not once per param
     out = {}
     for name, (key, typ, desc) in PARAM_KEYS.items():
-        extra = {}
+        extra: dict[str, Any] = {}  # more JSON Schema keywords of the param
         if name == "engine":  # every kind of the capability table, read when the DAG is parsed (a dropdown)
             extra = {"enum": engine_kinds()}
         default = _get(dumped, key)

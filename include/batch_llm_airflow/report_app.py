@@ -43,12 +43,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from batch_llm.io import path_policy
 
 from batch_llm_airflow.storage_bridge import split_conn
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("batch_llm_airflow.report_app")
 
@@ -313,7 +316,7 @@ def render_index(reports: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the app
-def create_app():
+def create_app() -> "FastAPI":
     from fastapi import Depends, FastAPI, HTTPException, Query, Request
     from fastapi.responses import HTMLResponse, JSONResponse
     from starlette.concurrency import run_in_threadpool
@@ -366,7 +369,7 @@ class LazyReportApp:
     plugin (in every Airflow process, task processes too) imports neither FastAPI nor Airflow's API code."""
 
     def __init__(self) -> None:
-        self._app = None
+        self._app: "FastAPI | None" = None
         self._lock = threading.Lock()
 
     async def __call__(self, scope, receive, send) -> None:

@@ -45,11 +45,12 @@ def _from_object_store(e: BaseException) -> bool:
     except ImportError:  # pragma: no cover - the amazon provider brings botocore
         return False
     seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (ClientError, BotoCoreError)):
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (ClientError, BotoCoreError)):
             return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
     return False
 
 

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from airflow.sdk import Asset, TaskGroup, TriggerRule
 from batch_llm.config import PipelineConfig
 
@@ -36,7 +38,8 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
     so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
     """
-    common = dict(pipeline_config=cfg.model_dump(mode="json"), config_overrides=overrides)
+    # the arguments every operator of the group takes
+    common: dict[str, Any] = {"pipeline_config": cfg.model_dump(mode="json"), "config_overrides": overrides}
     with TaskGroup(group_id=group_id) as group:
         model = FetchModelOperator(task_id="fetch_model", **common)
         quantized = AwqExportOperator(task_id="awq_export", model=model.output, **common)

@@ -742,9 +742,9 @@ class Lookup:
         self._cutoff = cache._cutoff(cache.max_age_days)
         listed = cache.tables()
         self._tables = [t for t in listed if self._cutoff is None or t.max_t >= self._cutoff]
-        self.stats: dict[str, Any] = {"namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
-                      "ranges_read": 0, "bytes_read": 0, "cache_bytes": 0, "retried": False,
-                      "seconds": time.perf_counter() - t0}
+        self.stats: dict[str, Any] = {
+            "namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
+            "ranges_read": 0, "bytes_read": 0, "cache_bytes": 0, "retried": False, "seconds": time.perf_counter() - t0}
         self._it: Iterator[dict] | None = None
 
     def __iter__(self) -> Iterator[dict]:
