@@ -8,6 +8,8 @@ properties reach the stage library as plain values; Airflow masks the connection
 """
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from batch_llm.config import PipelineConfig
 
 SQL_DRIVERS = {"postgres": "postgresql+psycopg2", "postgresql": "postgresql+psycopg2", "mysql": "mysql+pymysql",
@@ -23,17 +25,15 @@ def catalog_properties(cfg: PipelineConfig) -> dict[str, str] | None:
 
     conn = BaseHook.get_connection(table.catalog.conn_id)
     if table.catalog.type == "sql":
-        from sqlalchemy.engine import URL
-
         driver = SQL_DRIVERS.get(conn.conn_type or "")
         if driver is None:
             raise ValueError(f"output.table.catalog.conn_id {conn.conn_id!r}: a {conn.conn_type!r} connection is "
                              f"not a SQL catalog's database (one of {', '.join(SQL_DRIVERS)})")
         if driver == "sqlite":
             return {"uri": f"sqlite:///{conn.host}"}
-        url = URL.create(driver, username=conn.login or None, password=conn.password or None,
-                         host=conn.host or None, port=conn.port or None, database=conn.schema or None)
-        return {"uri": url.render_as_string(hide_password=False)}
+        user = quote(conn.login or "", safe="") + (f":{quote(conn.password, safe='')}" if conn.password else "")
+        where = (conn.host or "") + (f":{conn.port}" if conn.port else "")
+        return {"uri": f"{driver}://{user + '@' if user else ''}{where}/{conn.schema or ''}"}
     host = conn.host or ""
     uri = host if "://" in host else f"{conn.schema or 'https'}://{host}" + (f":{conn.port}" if conn.port else "")
     props = {k: str(v) for k, v in conn.extra_dejson.items()}

