@@ -34,10 +34,10 @@ def catalog_properties(cfg: PipelineConfig) -> dict[str, str] | None:
         user = quote(conn.login or "", safe="") + (f":{quote(conn.password, safe='')}" if conn.password else "")
         where = (conn.host or "") + (f":{conn.port}" if conn.port else "")
         return {"uri": f"{driver}://{user + '@' if user else ''}{where}/{conn.schema or ''}"}
-    host = conn.host or ""
-    uri = host if "://" in host else f"{conn.schema or 'https'}://{host}" + (f":{conn.port}" if conn.port else "")
     props = {k: str(v) for k, v in conn.extra_dejson.items()}
-    props["uri"] = uri
+    if host := conn.host or "":  # else the catalog's uri from the YAML stays
+        props["uri"] = host if "://" in host else f"{conn.schema or 'https'}://{host}" + (
+            f":{conn.port}" if conn.port else "")
     if conn.login:
         props["credential"] = f"{conn.login}:{conn.password or ''}"
     elif conn.password:

@@ -90,6 +90,8 @@ def test_an_iceberg_warehouse_on_s3_gets_the_outputs_credentials_and_a_connectio
      {"uri": "https://catalog.example:8181", "credential": "client:secret", "warehouse": "lake"}),
     ({"type": "rest", "conn_id": "cat"}, {"conn_type": "http", "password": "tok", "host": "http://cat:8181"},
      {"uri": "http://cat:8181", "token": "tok"}),
+    ({"type": "rest", "uri": "https://cat.example", "conn_id": "cat"}, {"conn_type": "http", "password": "tok"},
+     {"token": "tok"}),   # no host: the YAML's uri stays (iceberg_catalog_properties lays these over it)
 ])
 def test_the_catalog_connection_as_pyiceberg_properties(monkeypatch, catalog, conn, expected):
     pytest.importorskip("airflow")
