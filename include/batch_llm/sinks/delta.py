@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batch_llm.sinks.base import COMMIT_TOKEN, TableSchemaError, TableSink, sql_literal
@@ -36,7 +37,8 @@ class DeltaSink(TableSink):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, partition_columns: list[str],
                  attempts: int = 5, backoff_s: float = 0.5):
         super().__init__(partition_columns=partition_columns, attempts=attempts, backoff_s=backoff_s)
-        self.url = url.removeprefix("file://")
+        local = url.removeprefix("file://")
+        self.url = local if "://" in local else str(Path(local).absolute())  # a relative folder: one table wherever
         self._options = S3Access.of(storage_options).delta_options() if is_s3(url) else None
 
     @property
