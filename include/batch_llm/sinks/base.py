@@ -19,7 +19,7 @@ import random
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -147,7 +147,7 @@ class TableSink(ABC):
         return {c: str(partition[c]) for c in self.partition_columns}
 
     @abstractmethod
-    def _replace_partition(self, schema: pa.Schema, batches: Iterator[pa.RecordBatch], partition: dict[str, str],
+    def _replace_partition(self, schema: pa.Schema, batches: Iterable[pa.RecordBatch], partition: dict[str, str],
                            metadata: dict[str, str]) -> tuple[int, int | None]:
         """One attempt: writes ``batches`` (the partition columns added) and commits them as the replacement of
         ``partition`` with ``metadata``; returns (the commit's snapshot, the one before it). Raises what

@@ -18,7 +18,7 @@ and the log's own clean-up (``delta.logRetentionDuration``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ class DeltaSink(TableSink):
         table = self.table()
         return pa.schema(table.schema().to_arrow()) if table is not None else None
 
-    def _replace_partition(self, schema: pa.Schema, batches: Iterator[pa.RecordBatch], partition: dict[str, str],
+    def _replace_partition(self, schema: pa.Schema, batches: Iterable[pa.RecordBatch], partition: dict[str, str],
                            metadata: dict[str, str]) -> tuple[int, int | None]:
         import pyarrow as pa
         from deltalake import CommitProperties, write_deltalake

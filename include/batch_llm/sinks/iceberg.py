@@ -22,7 +22,7 @@ import datetime as dt
 import itertools
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from batch_llm.sinks.base import COMMIT_TOKEN, TableSchemaError, TableSink
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from pyiceberg.catalog import Catalog
 
 log = logging.getLogger("batch_llm.sinks")
 
@@ -48,7 +49,7 @@ class IcebergSink(TableSink):
             raise ValueError(f"Iceberg table {identifier!r}: name it as namespace.table")
         self.identifier, self.namespace = identifier, namespace
         self.catalog_name, self.properties = catalog_name, dict(catalog_properties)
-        self._catalog = None
+        self._catalog: Catalog | None = None
 
     @property
     def name(self) -> str:
@@ -100,12 +101,12 @@ class IcebergSink(TableSink):
                                    f"{self.partition_columns}")
         return table
 
-    def _replace_partition(self, schema: pa.Schema, batches: Iterator[pa.RecordBatch], partition: dict[str, str],
+    def _replace_partition(self, schema: pa.Schema, batches: Iterable[pa.RecordBatch], partition: dict[str, str],
                            metadata: dict[str, str]) -> tuple[int, int | None]:
         from functools import reduce
 
         from pyiceberg.exceptions import ValidationError
-        from pyiceberg.expressions import And, EqualTo
+        from pyiceberg.expressions import And, BooleanExpression, EqualTo
         from pyiceberg.io.pyarrow import _dataframe_to_data_files
 
         table = self._table_for(schema)
@@ -117,8 +118,9 @@ class IcebergSink(TableSink):
             except (ValidationError, ValueError) as e:
                 raise TableSchemaError(f"table {self.name}: the rows do not fit its schema: {e}") from None
         target = txn.table_metadata.schema().as_arrow()
-        condition = reduce(And, [EqualTo(c, v) for c, v in partition.items()]) if len(partition) > 1 \
-            else EqualTo(*next(iter(partition.items())))
+        # keywords: pydantic's checker reads pyiceberg's predicates by their fields; one column: its condition alone
+        conditions: list[BooleanExpression] = [EqualTo(term=c, value=v) for c, v in partition.items()]
+        condition = reduce(And, conditions)
         written: list[str] = []
         try:
             with warnings.catch_warnings():
