@@ -36,6 +36,7 @@ from batch_llm.stages import infer as _infer
 from batch_llm.stages import plan as _plan
 from batch_llm.stages import publish as _publish
 from batch_llm.stages import quantize as _quantize
+from batch_llm.stages import review as _review
 
 if TYPE_CHECKING:
     from batch_llm.config import PipelineConfig
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from batch_llm.stages.infer import SharedEngine
 
 __all__ = ["content_filter", "evaluate", "fetch", "infer_shard", "infer_shards", "maintain_cache", "plan_shards",
-           "publish", "quantize", "shard_tasks"]
+           "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]
 
 
 def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None,
@@ -82,24 +83,41 @@ def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                 shard: ShardSpec | dict, say: Callable[[str], None] = print, started: dict | None = None,
                 on_committed: Callable[[ShardManifest], None] | None = None,
-                shared_engine: SharedEngine | None = None) -> ShardManifest:
+                shared_engine: SharedEngine | None = None, stage: str = "infer") -> ShardManifest:
     """One shard in this process: ``batch_llm.stages.infer``. The GPU operator runs shards in a worker of their
-    own instead (``batch_llm.isolation``)."""
+    own instead (``batch_llm.isolation``). ``stage``: review for a shard of the content review's pass."""
     return _infer.infer_shard(cfg, layout, model, shard, say=say, started=started, on_committed=on_committed,
-                              shared_engine=shared_engine)
+                              shared_engine=shared_engine, stage=stage)
 
 
 def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                  shards: list[ShardSpec | dict], say: Callable[[str], None] = print, started: dict | None = None,
-                 on_committed: Callable[[list[ShardManifest]], None] | None = None) -> list[ShardManifest]:
+                 on_committed: Callable[[list[ShardManifest]], None] | None = None,
+                 stage: str = "infer") -> list[ShardManifest]:
     """One task's shards on one engine: ``batch_llm.stages.infer``."""
-    return _infer.infer_shards(cfg, layout, model, shards, say=say, started=started, on_committed=on_committed)
+    return _infer.infer_shards(cfg, layout, model, shards, say=say, started=started, on_committed=on_committed,
+                               stage=stage)
+
+
+def review_fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> FetchManifest:
+    """The content review's model (``filter.review.model``), fetched as the model is: ``batch_llm.stages.review``."""
+    return _review.review_fetch(cfg, layout, storage_options=storage_options)
+
+
+def review_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | dict, plan: PlanManifest,
+                  shards: Sequence[ShardResult | ShardManifest | dict | list],
+                  say: Callable[[str], None] = print) -> list[ShardManifest]:
+    """The content review's pass over the given shards in this process, on one engine (``filter.review``):
+    ``batch_llm.stages.review``. The Airflow task runs it in an isolated worker instead."""
+    return _review.review_shards(cfg, layout, model, plan, list(shards), say=say)
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
-                   shards: Sequence[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
-    """The shards' outputs merged in input order, the word lists applied: ``batch_llm.stages.content_filter``."""
-    return _content_filter.content_filter(cfg, layout, plan, shards)
+                   shards: Sequence[ShardResult | ShardManifest | dict | list],
+                   reviews: Sequence[ShardResult | ShardManifest | dict | list] | None = None) -> FilterManifest:
+    """The shards' outputs merged in input order, the word lists applied, and with ``filter.review`` the review's
+    verdicts (``reviews``: its shards' results): ``batch_llm.stages.content_filter``."""
+    return _content_filter.content_filter(cfg, layout, plan, shards, reviews)
 
 
 def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest) -> EvaluateManifest:

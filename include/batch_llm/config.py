@@ -483,6 +483,103 @@ class WordListConfig(_Section):
     name: str
     path: str = Field(description="A file (one word per line, # comments) or builtin:en / builtin:zh")
     action: Literal["flag", "mask", "drop"] = "mask"
+    fold: list[Literal["confusables", "separators"]] = Field(
+        default_factory=list, description="Look-alike spellings this list also matches (stages/confusables.py). "
+        "confusables: each character as its Unicode TR39 skeleton (a Cyrillic а in an English word is a), "
+        "combining accents dropped; ASCII stays as it is. separators: separators inside a CJK word (傻 逼, 傻*逼) "
+        "and between spaced-out letters (b a d, b.a.d) dropped. Their false positives on the sample data: "
+        "docs/user-guide.md")
+
+    @field_validator("fold")
+    @classmethod
+    def _each_fold_once(cls, v: list[str]) -> list[str]:
+        return sorted(set(v))  # one spelling per set of folds: lists of the same folds share one folded text
+
+
+# The review template's placeholders (stages/review.py fills them; any other {...} is left as written)
+REVIEW_PLACEHOLDERS = ("prompt", "output", "reasoning", "categories")
+REVIEW_CATEGORIES = ["violence", "sexual", "hate", "harassment", "self_harm", "illegal", "privacy", "other"]
+_REVIEW_ACTIONS = Literal["flag", "mask", "drop"]
+
+
+class ReviewConfig(_Section):
+    """Content review by a model (``stages/review.py``): after the shards, a guard or classifier model reads each
+    (prompt, output) and says ``safe`` or ``unsafe`` with categories, in a second inference pass of its own
+    (mapped over the shards like ``batch_inference``: lease, worker, chunk commits, resume, result cache). The
+    verdict becomes the row's ``review_verdict`` and ``review_categories``; ``action`` / ``actions`` say what an
+    unsafe verdict does (flag the row, mask the output, drop the row), as the word lists' actions do.
+
+    ``engine.task: generate`` (a guard model asked by ``template``, its answer decoded under the JSON schema
+    ``{"verdict": "safe" | "unsafe", "categories": [...]}``) or ``engine.task: classify`` (a classifier: its top
+    class mapped to a verdict by ``labels``; an unsafe class is the category)."""
+
+    enabled: bool = True
+    model: ModelConfig = Field(description="The review model, fetched like model: a ModelScope id, a local "
+                               "folder or an object-storage prefix")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The review model's engine (its own "
+                                 "settings: a guard model is often smaller than the model it reviews); task: "
+                                 "generate or classify")
+    template: str | None = Field(None, description="The review prompt; {prompt}, {output}, {reasoning} and "
+                                 "{categories} are filled per row (other braces stay as written). null: a prompt "
+                                 "asking for the JSON verdict (generate), {output} alone (classify)")
+    system_prompt: str | None = Field(None, description="A system message before the review prompt (chat only)")
+    chat: bool | None = Field(None, description="Send the review prompt as a chat (the model's chat template) or "
+                              "as plain text; null: chat for generate, plain text for classify")
+    reasoning: bool = Field(False, description="Show the row's reasoning (the reasoning column of a reasoning "
+                            "model) to the review model too: the template's {reasoning}")
+    categories: list[str] = Field(default_factory=lambda: list(REVIEW_CATEGORIES), min_length=1,
+                                  description="generate: the categories a verdict may name (the schema's enum)")
+    max_tokens: int = Field(64, gt=0, description="generate: the verdict's token limit")
+    guided_decoding: bool = Field(True, description="generate: decode the verdict under its JSON schema (vLLM); "
+                                  "false: only check it (a verdict that does not parse is a review error)")
+    labels: dict[str, Literal["safe", "unsafe"]] = Field(
+        default_factory=dict, description="classify: each class of the model and its verdict; an unsafe class is "
+        "the row's category. With engine.classify.labels, the same classes")
+    action: _REVIEW_ACTIONS = Field("flag", description="What an unsafe verdict does: flag (the row keeps its "
+                                    "output, review_verdict says unsafe), mask (the whole output masked), drop (the "
+                                    "row goes to the errors: dropped by review: <category>)")
+    actions: dict[str, _REVIEW_ACTIONS] = Field(default_factory=dict, description="Per category, overriding "
+                                                "action; a verdict of several categories takes the strongest "
+                                                "(drop, then mask, then flag)")
+    on_error: Literal["flag", "drop"] = Field("drop", description="A row the review could not judge (the review "
+                                              "model failed on it, or its answer did not parse): drop (to the errors: "
+                                              "review failed: <reason>) or flag (kept, review_verdict: error)")
+
+    @model_validator(mode="after")
+    def _settings_of_the_task(self) -> "ReviewConfig":
+        task, problems = self.engine.task, []
+        if task == "embed":
+            problems.append("engine.task: embed gives vectors, not a verdict: use generate (a guard model) or "
+                            "classify (a classifier)")
+        if task == "classify":
+            # compared with the defaults, not model_fields_set: with_overrides dumps every field
+            defaults = type(self).model_fields
+            given = [k for k in ("categories", "max_tokens", "guided_decoding")
+                     if getattr(self, k) != defaults[k].get_default(call_default_factory=True)]
+            problems += [f"{k}: a setting of engine.task: generate (remove it)" for k in given]
+            if not self.labels:
+                problems.append("labels: map each class of the classifier to safe or unsafe")
+            head = self.engine.classify.labels
+            if head is not None and set(head) != set(self.labels):
+                problems.append(f"labels {sorted(self.labels)}: name the classes of engine.classify.labels "
+                                f"{sorted(head)}, each once")
+        elif self.labels:
+            problems.append("labels: a setting of engine.task: classify (remove it)")
+        if task == "generate" and self.guided_decoding and not self.engine.caps.guided_decoding:
+            problems.append(f"guided_decoding: engine {self.engine.kind} cannot decode under a schema "
+                            f"({who_can('guided_decoding')}); set guided_decoding: false to only check the verdicts")
+        known = set(self.categories) if task == "generate" else {k for k, v in self.labels.items() if v == "unsafe"}
+        problems += [f"actions.{k}: not a category of the review ({', '.join(sorted(known))})"
+                     for k in self.actions if k not in known]
+        if self.template is not None:
+            named = set(re.findall(r"\{(" + "|".join(REVIEW_PLACEHOLDERS) + r")\}", self.template))
+            if "output" not in named:
+                problems.append("template: it never shows the output to review: put {output} in it")
+            if self.reasoning and "reasoning" not in named:
+                problems.append("template: reasoning is true but the template has no {reasoning}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class FilterConfig(_Section):
@@ -493,6 +590,8 @@ class FilterConfig(_Section):
     ])
     mask_char: str = Field("*", min_length=1, max_length=1)
     case_sensitive: bool = False
+    review: ReviewConfig | None = Field(None, description="Content review by a model after the word lists' "
+                                        "scan (stages/review.py); null: none")
 
 
 class EvaluateConfig(_Section):
@@ -705,6 +804,13 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _review_needs_text(self) -> "PipelineConfig":
+        if self.filter.review is not None and self.filter.review.enabled and self.engine.task != "generate":
+            raise ValueError(f"filter.review: engine.task {self.engine.task} writes no text to review; remove "
+                             "filter.review or set filter.review.enabled: false")
+        return self
+
+    @model_validator(mode="after")
     def _pooling_tasks_take_no_generation_settings(self) -> "PipelineConfig":
         task = self.engine.task
         if task == "generate":
@@ -871,4 +977,9 @@ def _resolve_relative_paths(data: dict, base: Path) -> dict:
     for wl in (data.get("filter") or {}).get("lists") or []:
         if isinstance(wl, dict) and "path" in wl:
             wl["path"] = fix(wl["path"])
+    review = (data.get("filter") or {}).get("review")
+    if isinstance(review, dict) and isinstance(review.get("model"), dict):
+        for key in ("ref", "cache_dir"):
+            if key in review["model"]:
+                review["model"][key] = fix(review["model"][key])
     return data

@@ -274,6 +274,28 @@ class PlanManifest(Manifest):
         return self
 
 
+class ReviewSummary(BaseModel):
+    """What the content review by a model did (``filter.review``, ``stages.review``): rows by verdict (``safe``,
+    ``unsafe``, ``error``: the review could not judge the row) and by category, the actions taken, and the review
+    pass's requests (one per row and sample) and tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = ""                    # the review model's key
+    task: str = "generate"
+    rows_reviewed: int = 0
+    verdicts: dict[str, int] = Field(default_factory=dict)
+    categories: dict[str, int] = Field(default_factory=dict)
+    rows_flagged: int = 0
+    rows_masked: int = 0
+    rows_dropped: int = 0              # part of FilterSummary.rows_dropped
+    requests: int = 0
+    cached_requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    shards: list[int] = Field(default_factory=list)
+
+
 class FilterSummary(BaseModel):
     """What the content filter did; per-word counts are bounded by the word lists, not by the run."""
 
@@ -290,6 +312,8 @@ class FilterSummary(BaseModel):
     dropped_ids: list[str] = Field(default_factory=list, description="the first DROPPED_IDS_SHOWN dropped ids")
     dropped: str | None = Field(None, description="dropped.jsonl: every dropped row's id and hits")
     lists: list[dict[str, Any]] = Field(default_factory=list)
+    review: ReviewSummary | None = Field(None, description="filter.review: the verdicts; rows_dropped above "
+                                         "counts the rows the review dropped too")
 
 
 class FilterManifest(Manifest):

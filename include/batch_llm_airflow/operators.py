@@ -203,21 +203,77 @@ def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait
                                       url=url)
 
 
-class ContentFilterOperator(PipelineStageOperator):
-    template_fields = (*PipelineStageOperator.template_fields, "shards")
+class FetchReviewModelOperator(PipelineStageOperator):
+    """Fetches the content review's model (``filter.review.model``) as ``FetchModelOperator`` fetches the model;
+    its manifest in ``<run>/review/model/``. A folder missing files fails without retries."""
 
-    def __init__(self, *, shards: Any, **kwargs: Any):
+    @names_storage_errors
+    def execute(self, context: Context) -> dict | None:
+        from batch_llm.stages.fetch import ModelFolderIncomplete, NoChatTemplate
+        from batch_llm.stages.review import review_active
+
+        cfg, layout = self.resolve(context)
+        if not review_active(cfg) or cfg.filter.review is None:  # turned off by the run's Params
+            self.log.info("filter.review is off for this run: nothing to fetch")
+            return None
+        try:
+            m = api.review_fetch(cfg, layout,
+                                 storage_options=BatchLlmStorageHook(cfg.filter.review.model.conn_id).storage_options())
+        except (ModelFolderIncomplete, NoChatTemplate) as e:
+            raise AirflowFailException(f"filter.review.model: {e}") from None
+        self.log.info("review model %s resolved to %s (cache hit: %s)", m.id, m.local_dir, m.cache_hit)
+        return m.ref().model_dump(mode="json")
+
+
+class ReviewOperator(BatchInferenceOperator):
+    """The content review's pass over one shard task's outputs (``filter.review``, ``batch_llm.stages.review``):
+    builds the review requests from the shard's outputs, then runs them as ``BatchInferenceOperator`` runs a shard
+    (lease, isolated worker, chunk commits, resume; the review model's engine), committed under
+    ``<run>/review/``. Mapped over the shard tasks' results; returns the review shards' results."""
+
+    @names_storage_errors
+    def execute(self, context: Context) -> dict | list[dict] | None:
+        from batch_llm.stages.review import flat_results, prepare_review, review_active, review_pipeline_config
+
+        cfg, layout = self.resolve(context)
+        if not review_active(cfg):  # turned off by the run's Params: the content filter joins no verdicts
+            self.log.info("filter.review is off for this run: nothing to review")
+            return None
+        group = isinstance(self.shard, list)
+        plan = read_manifest_at(layout, "plan")
+        specs = [prepare_review(cfg, layout, plan, s) for s in flat_results(self.shard if group else [self.shard])]
+        ti = context["ti"]
+        self._run = IsolatedShard(review_pipeline_config(cfg), layout, self.model,
+                                  [s.model_dump() for s in specs] if group else specs[0].model_dump(),
+                                  holder=f"{ti.dag_id}.{ti.task_id}", stage="review")
+        try:
+            manifests = self._run.run_all(on_line=self.log.info)
+        except ShardFailedNoRetry as e:
+            raise AirflowFailException(f"review: {e}") from None
+        results = [m.result().model_dump(mode="json") for m in manifests]
+        return results if group else results[0]
+
+
+class ContentFilterOperator(PipelineStageOperator):
+    template_fields = (*PipelineStageOperator.template_fields, "shards", "reviews")
+
+    def __init__(self, *, shards: Any, reviews: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.shards = shards
+        self.reviews = reviews  # filter.review: the review tasks' results
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         plan = read_manifest_at(layout, "plan")
-        m = api.content_filter(cfg, layout, plan, list(self.shards))
+        reviews = [r for r in self.reviews if r is not None] if self.reviews is not None else None
+        m = api.content_filter(cfg, layout, plan, list(self.shards), reviews)
         s = m.summary
         self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.rows_scanned,
                       s.rows_affected, s.rows_dropped, s.hits_per_list)
+        if s.review is not None:
+            self.log.info("review: %s rows reviewed, verdicts %s, categories %s, %s dropped", s.review.rows_reviewed,
+                          s.review.verdicts, s.review.categories, s.review.rows_dropped)
         return m.model_dump(include={"outputs", "rows", "inference_error_rows"})  # XCom tab only
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from airflow.sdk import Asset, TaskGroup, TriggerRule
 from batch_llm.config import PipelineConfig
+from batch_llm.stages.review import review_active
 
 from batch_llm_airflow.operators import (
     AwqExportOperator,
@@ -19,8 +20,10 @@ from batch_llm_airflow.operators import (
     ContentFilterOperator,
     EvalScopeOperator,
     FetchModelOperator,
+    FetchReviewModelOperator,
     PlanShardsOperator,
     PublishOperator,
+    ReviewOperator,
 )
 
 
@@ -33,7 +36,8 @@ def pipeline_asset(cfg: PipelineConfig) -> Asset:
 
 def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                          overrides: dict | None = None) -> TaskGroup:
-    """fetch model → AWQ export → plan shards → batch inference × N → content filter → EvalScope → publish.
+    """fetch model → AWQ export → plan shards → batch inference × N (→ review × N, with ``filter.review``) →
+    content filter → EvalScope → publish.
 
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
     so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
@@ -52,7 +56,17 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
             task_id="batch_inference", pool=cfg.airflow.gpu_pool, queue=cfg.airflow.gpu_queue,
             pool_slots=cfg.engine.tensor_parallel_size, model=quantized.output, **common,
         ).expand(shard=plan.output)
+        reviews = None
+        if review_active(cfg) and cfg.filter.review is not None:
+            # The content review's pass: mapped over the shard tasks' results, a GPU task like the shards (its own
+            # engine: the review model's; stages/review.py says why it is a task of its own)
+            review_model = FetchReviewModelOperator(task_id="fetch_review_model", **common)
+            reviews = ReviewOperator.partial(
+                task_id="review", pool=cfg.airflow.gpu_pool, queue=cfg.airflow.gpu_queue,
+                pool_slots=cfg.filter.review.engine.tensor_parallel_size, model=review_model.output, **common,
+            ).expand(shard=shards.output)
         filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output,
+                                         reviews=reviews.output if reviews is not None else None,
                                          trigger_rule=TriggerRule.NONE_FAILED, **common)
         scores = EvalScopeOperator(task_id="evalscope_score", **common)
         published = PublishOperator(task_id="publish", outlets=[pipeline_asset(cfg)], **common)

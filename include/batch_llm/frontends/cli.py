@@ -356,6 +356,22 @@ def _shard_task(cfg: PipelineConfig, layout, model: QuantizeManifest, shards: li
         rep.end()
 
 
+def _review(cfg: PipelineConfig, layout, plan: PlanManifest, shards: list, rep: Reporter) -> list | None:
+    """The content review's pass (``filter.review``) over every shard, on one engine; None without a review."""
+    from batch_llm import api
+    from batch_llm.stages.review import review_active
+
+    if not review_active(cfg):
+        return None
+    model = api.review_fetch(cfg, layout)
+    rep.say(f"review model {model.id} ({'cache hit' if model.cache_hit else 'fetched'})")
+    rep.begin("review", sum(ShardResult.of(s).metrics.ok for s in shards))
+    try:
+        return list(api.review_shards(cfg, layout, model, plan, shards, say=rep.say))
+    finally:
+        rep.end()
+
+
 def _push_metrics(pipeline: str, run_id: str, manifests: list[ShardManifest]) -> None:
     """Each committed shard's metrics to the Pushgateway of ``BATCH_LLM_PUSHGATEWAY_URL``, as the Airflow task
     pushes them (none configured: nothing; a failed push is a warning, not the run's failure)."""
@@ -380,10 +396,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             done = _shard_task(cfg, layout, model, task, rep)
             _push_metrics(cfg.name, layout.run_id, done)
             shards += done
-        filtered = api.content_filter(cfg, layout, plan, shards)
+        reviews = _review(cfg, layout, plan, shards, rep)
+        filtered = api.content_filter(cfg, layout, plan, shards, reviews)
         fs = filtered.summary
         rep.say(f"content filter: {fs.rows_scanned} rows scanned, {fs.rows_affected} affected, "
                 f"{fs.rows_dropped} dropped")
+        if fs.review is not None:
+            rep.say(f"content review: {fs.review.rows_reviewed} rows reviewed, verdicts {fs.review.verdicts}, "
+                    f"categories {fs.review.categories}, {fs.review.rows_dropped} dropped")
         scores = api.evaluate(cfg, layout, plan, filtered)
         sample = f" (a sample of {scores.num_samples} of {scores.rows_with_references} rows)" if scores.sampled else ""
         rep.say(f"evaluate: {scores.skipped or scores.metrics.get(cfg.evaluate.metric)}{sample}")

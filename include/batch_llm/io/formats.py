@@ -634,7 +634,8 @@ def structured_column(name: str, record: dict) -> str:
 
 
 _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
-              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding", "label", "scores")
+              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding", "label", "scores",
+              "review_verdict", "review_categories", "review_error")
 
 _SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
 
@@ -648,6 +649,14 @@ def _sample_types() -> dict:
     token = pa.struct([("token", pa.string()), ("logprob", pa.float64()), ("top", pa.list_(top))])
     return {"outputs": pa.list_(pa.string()), "finish_reasons": pa.list_(pa.string()),
             "logprobs": pa.list_(token), "outputs_logprobs": pa.list_(pa.list_(token))}
+
+
+def _review_types() -> dict:
+    """The content review's columns (``filter.review``), fixed: a batch whose rows all have empty categories would
+    otherwise type them as a list of nulls."""
+    import pyarrow as pa
+
+    return {"review_verdict": pa.string(), "review_categories": pa.list_(pa.string()), "review_error": pa.string()}
 
 
 def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -> dict:
@@ -753,7 +762,7 @@ class _ArrowSchema:
         import pyarrow as pa
 
         schema = self.schema or pa.schema([])
-        for name, typ in _sample_types().items():  # only where present: other runs' files keep their columns
+        for name, typ in {**_sample_types(), **_review_types()}.items():  # only where present: other runs' files keep theirs
             i = schema.get_field_index(name)
             if i >= 0:
                 schema = schema.set(i, pa.field(name, typ))

@@ -54,10 +54,11 @@ def _json(x: Any) -> Any:
 
 
 def worker_spec(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict,
-                shard: ShardSpec | dict | list[ShardSpec | dict]) -> dict:
+                shard: ShardSpec | dict | list[ShardSpec | dict], stage: str = "infer") -> dict:
     """What ``python -m batch_llm.isolation.worker_parent`` reads from stdin: config, layout, model reference, shard (or
-    ``shards``: a task's shards, run in turn on one engine)."""
-    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": _json(model)}
+    ``shards``: a task's shards, run in turn on one engine) and the run's folder they commit in (``stage``: infer,
+    or review for the content review's pass)."""
+    spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": _json(model), "stage": stage}
     if isinstance(shard, list):
         return {**spec, "shards": [_json(s) for s in shard]}
     return {**spec, "shard": _json(shard)}
@@ -71,8 +72,9 @@ class IsolatedShard:
 
     def __init__(self, cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict,
                  shard: ShardSpec | dict | list[ShardSpec | dict], *,
-                 holder: str, python: str | None = None, lease_poll: float = 2.0):
+                 holder: str, python: str | None = None, lease_poll: float = 2.0, stage: str = "infer"):
         self.cfg, self.layout, self.model, self.holder = cfg, layout, model, holder
+        self.stage = stage  # the run's folder the shards commit in: infer, or review (stages.review)
         self.group = isinstance(shard, list)  # a task's shards, run in turn on one engine
         self._shard_json: Any = [_json(s) for s in shard] if isinstance(shard, list) else _json(shard)
         self.shards = [ShardSpec.model_validate(s) for s in (self._shard_json if self.group else [self._shard_json])]
@@ -109,7 +111,7 @@ class IsolatedShard:
         self._say = on_line
         try:
             env = self._lease()
-            spec = worker_spec(self.cfg, self.layout, self.model, self._shard_json)
+            spec = worker_spec(self.cfg, self.layout, self.model, self._shard_json, stage=self.stage)
             self.worker = WorkerHandle.start(spec, python=self.python, env=env)
             if self.lease is not None:
                 self.lease.record_worker(self.worker.pid)

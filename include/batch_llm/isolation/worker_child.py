@@ -88,12 +88,13 @@ def main() -> int:
     try:
         say, clock = (lambda m: print(m, flush=True)), {"spawned_at": spec.get("spawned_at"), "worker_started_at": started}
         on_committed = fast_end if fast_end.enabled else None
+        stage = spec.get("stage", "infer")  # review: the content review's pass (stages.review)
         if "shards" in spec:  # a task of several shards: one engine serves them in turn
             result: Any = infer_shards(cfg, layout, spec["model"], spec["shards"], say=say, started=clock,
-                                       on_committed=on_committed)
+                                       on_committed=on_committed, stage=stage)
         else:
             result = infer_shard(cfg, layout, spec["model"], spec["shard"], say=say, started=clock,
-                                 on_committed=on_committed)
+                                 on_committed=on_committed, stage=stage)
     except (ShardFailed, EngineCannotRun) as e:
         print(f"WORKER_ERROR {e}", flush=True)
         return EXIT_SHARD_FAILED

@@ -32,15 +32,25 @@ from batch_llm.io.storage import (
     Location,
     as_path,
     atomic_writer,
+    exists,
     iter_jsonl,
     write_jsonl,
 )
 from batch_llm.manifests import (
+    FetchManifest,
     FilterManifest,
     FilterSummary,
     PlanManifest,
     ShardManifest,
     ShardResult,
+)
+from batch_llm.stages.confusables import fold_pieces
+from batch_llm.stages.review import (
+    ReviewedRows,
+    check_reviews,
+    flat_results,
+    review_active,
+    review_verdict_rows,
 )
 
 if TYPE_CHECKING:
@@ -238,6 +248,24 @@ def _fold_by_cluster(text: str, pieces: list[str], casefold: bool) -> Folded:
                   [c[1] for c in clusters for _ in c[3]])
 
 
+def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Folded:
+    """``folded`` with a list's look-alike folds applied (``filter.lists[].fold``: ``stages.confusables``), its
+    map back to the original text kept: each character maps to the original characters of the one it came from."""
+    if not folds:
+        return folded
+    pieces = fold_pieces(folded.text, folds, casefold)
+    if pieces is None:
+        return folded
+    starts: list[int] = []
+    ends: list[int] = []
+    for j, piece in enumerate(pieces):
+        if piece:
+            start, end = folded.span(j, j)
+            starts += [start] * len(piece)
+            ends += [end - 1] * len(piece)
+    return Folded("".join(pieces), starts, ends)
+
+
 def _splits_a_word(hay: str, first: int, last: int, word: str) -> bool:
     """Whether a hit of an ASCII word is part of a longer word (``ass`` in ``class``): whole words only."""
     if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]):
@@ -253,7 +281,7 @@ class ContentFilter:
         for wl in cfg.lists:
             a = ahocorasick.Automaton()
             for w in _list_words(wl, storage_options):
-                key = fold_text(w, self.casefold).text  # words fold as the texts do
+                key = self._fold(w, tuple(wl.fold)).text  # words fold as the texts do
                 if key:
                     a.add_word(key, key)
             if len(a):
@@ -265,15 +293,23 @@ class ContentFilter:
         ASCII words."""
         if not self.lists:
             return []
-        folded = fold_text(text, self.casefold)
-        hay = folded.text
+        base = fold_text(text, self.casefold)
+        by_folds: dict[tuple[str, ...], Folded] = {(): base}  # lists of the same folds share one folded text
         hits = []
         for lst in self.lists:
+            folds = tuple(lst.cfg.fold)
+            if folds not in by_folds:
+                by_folds[folds] = refold(base, folds, self.casefold)
+            folded = by_folds[folds]
+            hay = folded.text
             for last, word in lst.automaton.iter(hay):
                 first = last - len(word) + 1
                 if not _splits_a_word(hay, first, last, word):
                     hits.append((lst, *folded.span(first, last), word))
         return hits
+
+    def _fold(self, text: str, folds: tuple[str, ...]) -> Folded:
+        return refold(fold_text(text, self.casefold), folds, self.casefold)
 
     def apply(self, row: dict, text_key: str = "output") -> tuple[dict | None, list[dict]]:
         """(the row after its actions, or None when dropped; the hits as dicts). A row with several samples
@@ -322,8 +358,9 @@ class FilteredRows:
     ``dropped`` (a writer) as they pass. Counts per list and word are bounded by the word lists."""
 
     def __init__(self, rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
-                 dropped=None):
+                 dropped=None, review: ReviewedRows | None = None):
         self.rows, self.filter, self.dropped = rows, ContentFilter(cfg, storage_options), dropped
+        self.review = review  # filter.review: the verdicts, joined after the word lists
         self.per_list: Counter = Counter()
         self.per_word: dict[str, Counter] = defaultdict(Counter)
         self.counts: Counter = Counter()
@@ -341,12 +378,17 @@ class FilteredRows:
                 actions = {h["action"] for h in hits}
                 self.counts["flagged"] += "flag" in actions
                 self.counts["masked"] += "mask" in actions
+            reason = None
+            if out is not None and self.review is not None:
+                out, reason = self.review.take(out)
             if out is None:
                 self.counts["dropped"] += 1
                 if len(self.dropped_ids) < DROPPED_IDS_SHOWN:
                     self.dropped_ids.append(row["id"])
                 if self.dropped is not None:
-                    self.dropped.write((json.dumps({"id": row["id"], "idx": row["idx"], "hits": hits},
+                    # a row the review dropped says why (stage review); the word lists' drops carry their hits
+                    why = {"stage": "review", "reason": reason} if reason else {}
+                    self.dropped.write((json.dumps({"id": row["id"], "idx": row["idx"], "hits": hits, **why},
                                                    ensure_ascii=False) + "\n").encode("utf-8"))
                 continue
             yield out
@@ -362,19 +404,23 @@ class FilteredRows:
 
 
 def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
-                dropped=None) -> FilteredRows:
-    """The surviving rows (iterate once); ``.summary()`` afterwards says what the lists did."""
-    return FilteredRows(rows, cfg, storage_options, dropped=dropped)
+                dropped=None, review: ReviewedRows | None = None) -> FilteredRows:
+    """The surviving rows (iterate once); ``.summary()`` afterwards says what the lists (and ``review``: the
+    review's verdicts, ``stages.review``) did."""
+    return FilteredRows(rows, cfg, storage_options, dropped=dropped, review=review)
 
 
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
-                   shards: Sequence[ShardResult | ShardManifest | dict | list]) -> FilterManifest:
+                   shards: Sequence[ShardResult | ShardManifest | dict | list],
+                   reviews: Sequence[ShardResult | ShardManifest | dict | list] | None = None) -> FilterManifest:
     """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
     ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
 
     Done again each time it runs (a retry or a Clear: the word lists may have changed); each pass is a new
     ``generation``, which evaluate and publish go by. ``shards``: one result per shard, or, from tasks of
-    several shards (``sharding.shards_per_task``), one list of results per task."""
+    several shards (``sharding.shards_per_task``), one list of results per task. ``reviews``: the review pass's
+    shard results (``filter.review``, ``stages.review``), handed over the same way; their verdicts join the rows
+    after the word lists."""
     out_dir = layout.stage("filter")
     opts = layout.output_root.options
     results = [ShardResult.of(s) for t in shards for s in (t if isinstance(t, (list, tuple)) else [t])]
@@ -389,10 +435,14 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
     if cfg.filter.enabled and skipped is None:
 
         dropped_loc = out_dir.child("dropped.jsonl")
+        review = _reviewed_rows(cfg, layout, results, reviews)
         with atomic_writer(dropped_loc.path()) as dropped:
-            kept = filter_rows(merged("outputs"), cfg.filter, opts, dropped=dropped)
+            kept = filter_rows(merged("outputs"), cfg.filter, opts, dropped=dropped,
+                               review=review[0] if review else None)
             n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), kept)
         summary = kept.summary(dropped=dropped_loc.url)
+        if review:
+            summary.review = review[0].summary(review[1])
     else:
         n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), merged("outputs"))
         summary = FilterSummary(enabled=False, rows_scanned=n_kept)
@@ -402,6 +452,26 @@ def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                        summary=summary, skipped=skipped)
     m.write(out_dir.path())
     return m
+
+
+def _reviewed_rows(cfg: PipelineConfig, layout: RunLayout, shards: list[ShardResult],
+                   reviews: Sequence | None) -> tuple[ReviewedRows, list[ShardResult]] | None:
+    """The review's verdicts to join (``filter.review``), checked against the shards; None without a review."""
+    if not review_active(cfg):
+        return None
+    assert cfg.filter.review is not None
+    if reviews is None:
+        raise ValueError("filter.review is set but no review results were handed to the content filter; run the "
+                         "review of every shard first (the review task)")
+    opts = layout.output_root.options
+    results = flat_results(reviews)
+    check_reviews(cfg, shards, results, opts)
+    model = ""
+    fetched = layout.stage("review").child("model").path()
+    if exists(fetched / "manifest.json"):
+        model = FetchManifest.read(fetched).model_key
+    return (ReviewedRows(cfg.filter.review, review_verdict_rows(results, opts), cfg.filter.mask_char, model),
+            results)
 
 
 def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult]) -> None:

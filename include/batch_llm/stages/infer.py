@@ -813,7 +813,8 @@ def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]
 
 def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                  shards: list[ShardSpec | dict], say: Callable[[str], None] = print, started: dict | None = None,
-                 on_committed: Callable[[list[ShardManifest]], None] | None = None) -> list[ShardManifest]:
+                 on_committed: Callable[[list[ShardManifest]], None] | None = None,
+                 stage: str = "infer") -> list[ShardManifest]:
     """Runs one task's shards in turn on one engine (``infer.SharedEngine``): the first shard that generates
     starts it, the others use it, and it is closed after the last. Each shard keeps its own folder, chunk
     commits and manifest, so a retry skips the shards already committed and resumes the one that was cut
@@ -828,7 +829,7 @@ def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetch
     specs = [ShardSpec.model_validate(s) for s in shards]
     if len(specs) == 1:
         last = (lambda m: on_committed([m])) if on_committed is not None else None
-        return [infer_shard(cfg, layout, model, specs[0], say=say, started=started, on_committed=last)]
+        return [infer_shard(cfg, layout, model, specs[0], say=say, started=started, on_committed=last, stage=stage)]
     engine = SharedEngine()
     done: list[ShardManifest] = []
     failed: list[str] = []
@@ -839,7 +840,7 @@ def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetch
                 last = lambda m: on_committed([*done, m])  # noqa: E731
             try:
                 done.append(infer_shard(cfg, layout, model, spec, say=say, started=started if i == 0 else None,
-                                        on_committed=last, shared_engine=engine))
+                                        on_committed=last, shared_engine=engine, stage=stage))
             except ShardFailed as e:
                 failed.append(str(e))
                 say(f"{e}; the task's other shards go on")
@@ -856,14 +857,15 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
                 shard: ShardSpec | dict,
                 say: Callable[[str], None] = print, started: dict | None = None,
                 on_committed: Callable[[ShardManifest], None] | None = None,
-                shared_engine: "SharedEngine | None" = None) -> ShardManifest:
+                shared_engine: "SharedEngine | None" = None, stage: str = "infer") -> ShardManifest:
     """Runs one shard in this process (the GPU operator runs it in a spawned worker instead, which passes its
     own start times as ``started`` and reports from ``on_committed``, before the engine's shutdown).
-    ``shared_engine``: the ``infer.SharedEngine`` of the task's shards (``infer_shards``)."""
+    ``shared_engine``: the ``infer.SharedEngine`` of the task's shards (``infer_shards``). ``stage``: the run's
+    folder the shard commits in (``review``: the content review's pass, ``stages.review``)."""
 
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
-    shard_dir = layout.stage("infer").child(f"shard-{shard.index:05d}")
+    shard_dir = layout.stage(stage).child(f"shard-{shard.index:05d}")
     _drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,

@@ -49,12 +49,14 @@ from batch_llm.layout import RunLayout, shard_manifests
 
 def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
     """Every row that has no output, with its stage and reason: the planner's (input order), inference's, then
-    the rows the content filter dropped. For OpenAI Batch input, as the lines of an OpenAI Batch error file."""
+    the rows the content filter dropped (its word lists, or the content review: stage ``review``). For OpenAI
+    Batch input, as the lines of an OpenAI Batch error file."""
     errors = _row_errors(plan, filtered, opts)
     if plan.format != "openai_batch":
         yield from errors
         return
-    codes = {"plan": "invalid_request", "infer": "generation_failed", "content_filter": "content_filter"}
+    codes = {"plan": "invalid_request", "infer": "generation_failed", "content_filter": "content_filter",
+             "review": "content_review"}
     for e in errors:
         where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
         yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]])
@@ -67,6 +69,9 @@ def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Ite
         yield {"id": e["id"], "reason": e["error"], "stage": "infer"}
     if filtered.summary.dropped:
         for d in iter_jsonl(Location(filtered.summary.dropped, opts).path()):
+            if d.get("reason"):  # dropped by the content review (filter.review), which says why
+                yield {"id": d["id"], "reason": d["reason"], "stage": d.get("stage", "review")}
+                continue
             words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
             yield {"id": d["id"], "reason": f"dropped by the content filter: {words}", "stage": "content_filter"}
 
