@@ -30,7 +30,7 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from airflow.sdk import BaseOperator, Context, TaskGroup, TriggerRule
@@ -47,6 +47,9 @@ from pydantic import BaseModel
 from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.operators import BatchInferenceOperator, PipelineStageOperator, fetch_storage_options, names_storage_errors
 from batch_llm_airflow.storage_bridge import StorageTarget, split_conn
+
+if TYPE_CHECKING:
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
 
 # common-ai arguments that mean something only for a hosted API: refused by name, with what to do instead.
 HOSTED_ONLY = {
@@ -271,7 +274,7 @@ class GPUBatchInferenceOperator(_BatchStage, BatchInferenceOperator):
     """``BatchInferenceOperator`` on one shard of the batch: the same worker process, GPU lease, committed chunks
     and resume, in the batch's run folder (so a retry resumes after the last committed chunk)."""
 
-    template_fields: Sequence[str] = ("batch", "shard", "model")
+    template_fields = ("batch", "shard", "model")
 
 
 class GPUBatchLandOperator(_BatchStage):
@@ -441,14 +444,11 @@ class GPULLMBatchOperator:
         plan_args = dict(result_path=result_path, model_id=model_id, requests=requests, input_path=input_path,
                          input_format=input_format, system_prompt=system_prompt, max_tokens=max_tokens,
                          request_params=request_params)
+        make_plan: Callable[..., BaseOperator] = GPUBatchPlanOperator
         if python_callable is not None:  # @task.gpu_llm_batch: the function returns the requests
             plan_args.pop("requests")
-
-            def make_plan(**kw: Any) -> BaseOperator:
-                return _GPUBatchDecoratedPlanOperator(python_callable=python_callable, op_args=op_args,
-                                                      op_kwargs=op_kwargs, **kw)
-        else:
-            make_plan = GPUBatchPlanOperator
+            make_plan = functools.partial(_GPUBatchDecoratedPlanOperator, python_callable=python_callable,
+                                          op_args=op_args, op_kwargs=op_kwargs)
         self._build(task_id, plan_args, make_plan, mapped=False, output_type=output_type,
                     fail_on_partial_error=fail_on_partial_error, config=config, config_overrides=config_overrides,
                     task_kwargs=task_kwargs)
@@ -493,6 +493,8 @@ class GPULLMBatchOperator:
                    "pool_slots": cfg.engine.tensor_parallel_size}
             land = dict(task_id=full_id, output_type=output_type, fail_on_partial_error=fail_on_partial_error,
                         **common, **outcome)
+            model: GPUBatchModelOperator | MappedOperator  # one task, or one per batch (mapped)
+            self.operator: GPUBatchLandOperator | MappedOperator  # the landing task: the same
             if not mapped:
                 batch = XComArg(plan, key="batch")
                 model = GPUBatchModelOperator(task_id=f"{full_id}.fetch_model", batch=batch, **common)
