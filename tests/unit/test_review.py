@@ -126,7 +126,8 @@ def test_requests_show_each_prompt_and_sample_to_the_reviewer(tmp_path):
             {"id": "r2", "idx": 2, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "s3://b/cat.png"}}, {"type": "text", "text": "What is it?"}]}]},
             {"id": "r3", "idx": 3, "messages": [{"role": "user", "content": "hi"}]}]
-    outputs = [_out(0, "blue"), _out(1, "first", outputs=["first", "second"], reasoning="Think of pins."),
+    outputs = [_out(0, "blue"), _out(1, "first", outputs=["first", "second"], reasoning="Think of pins.",
+                                      outputs_reasoning=["Think of pins.", "Think of keys."]),
                _out(2, "a cat"), {**_out(3, None), "error": "engine failed"}]
     cfg, layout, plan, shard = _run(tmp_path, {"model": GUARD, "system_prompt": "You are a guard.", "reasoning": True},
                                     outputs, rows)
@@ -140,7 +141,7 @@ def test_requests_show_each_prompt_and_sample_to_the_reviewer(tmp_path):
     text = first[1]["content"]
     assert "How do I pick a lock?" in text and "first" in text and "Think of pins." in text and "Be brief" not in text
     assert '"verdict": "safe" or "unsafe"' in text and "violence, sexual" in text
-    assert "second" in reqs[1]["messages"][1]["content"]
+    assert "second" in reqs[1]["messages"][1]["content"] and "Think of keys." in reqs[1]["messages"][1]["content"]
     assert "Complete: the sky is" in reqs[2]["messages"][1]["content"]
     image_turn = reqs[3]["messages"][1]["content"]  # an image part is kept for a vision-language reviewer
     assert image_turn[0]["type"] == "image_url" and "What is it?" in image_turn[1]["text"]
@@ -277,3 +278,24 @@ def test_the_task_group_reviews_each_shard_task_on_the_gpu_pool():
     with DAG("no_review", start_date=dt.datetime(2026, 1, 1), schedule=None) as plain:
         batch_llm_task_group(demo)
     assert not {"batch_llm.review", "batch_llm.fetch_review_model"} & set(plain.task_dict)
+
+
+def test_the_report_shows_the_verdicts(tmp_path):
+    import re
+
+    from batch_llm.analysis.report import write_run_report
+    from batch_llm.manifests import FilterSummary, ReviewSummary
+    from synthetic_runs import make_run
+
+    summary, version, pipe = make_run(tmp_path, 2, earlier=())
+    page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
+    assert "No content review by a model" in page
+    summary.manifests.filter.summary = FilterSummary(rows_scanned=12, rows_dropped=2, review=ReviewSummary(
+        model="guard@master#ab12", rows_reviewed=12, verdicts={"safe": 9, "unsafe": 2, "error": 1},
+        categories={"violence": 2, "privacy": 1}, rows_dropped=2, rows_flagged=1, requests=12, cached_requests=4))
+    page = Location(write_run_report(summary, version, pipe)).path().read_text(encoding="utf-8")
+    section = page[page.index('id="review"'):]
+    section = re.sub(r"<[^>]+>", " ", section[:section.index("</section>")])
+    for text in ("safe 9 75.0%", "unsafe 2 16.7%", "error 1 8.3%", "violence 2", "privacy 1",
+                 "12 rows reviewed by guard@master#ab12", "2 dropped", "4 from the result cache"):
+        assert text in " ".join(section.split()), text

@@ -11,6 +11,7 @@ has the same sections with tables in place of the plots, and says which extra ad
 - time per shard: engine start against generation
 - input and output token lengths (per row, from the shards' ``outputs.jsonl``)
 - content-filter hits by list
+- the content review's verdicts (``filter.review``): rows by verdict and by category, and what was done
 - EvalScope scores, with the pipeline's previous partitions as a trend
 - the shards (every one for small runs, the slowest for large ones), the configuration used
 
@@ -91,6 +92,7 @@ def render_report(summary: RunSummary, *, pipeline_root: Location | None = None,
                 ("throughput", "Throughput", _throughput), ("time", "Time per shard", _time),
                 ("timeline", "Timeline", _timeline),
                 ("lengths", "Token lengths", _lengths), ("filter", "Content filter", _filter),
+                ("review", "Content review", _review),
                 ("scores", "EvalScope scores", _scores), ("shards", "Shards", _shards_table),
                 ("config", "Configuration used", _config)]
     rendered = []
@@ -483,6 +485,25 @@ def _filter_plot(lists: list[dict], hits: dict) -> Figure:
               bbox_to_anchor=(1.0, 1.0), title="action", fontsize=7.5)
     _integer_axis(ax.xaxis)
     return _img(fig, "content filter hits by list")
+
+
+def _review(r: _Page) -> list:
+    """The content review by a model (``filter.review``): rows by verdict and by category, what was done."""
+    rv = r.run.filter.summary.review
+    if rv is None:
+        return [Note("No content review by a model (filter.review is not set).")]
+    n = rv.rows_reviewed or 1
+    verdicts = [[v, _num(rv.verdicts.get(v, 0)), f"{rv.verdicts.get(v, 0) / n:.1%}"]
+                for v in ("safe", "unsafe", "error") if v in rv.verdicts]
+    cats = [[c, _num(k)] for c, k in sorted(rv.categories.items(), key=lambda kv: -kv[1])]
+    note = (f"{_num(rv.rows_reviewed)} rows reviewed by {rv.model or 'the review model'} ({rv.task}): "
+            f"{_num(rv.rows_flagged)} flagged, {_num(rv.rows_masked)} masked, {_num(rv.rows_dropped)} dropped; "
+            f"{_num(rv.requests)} review requests ({_num(rv.cached_requests)} from the result cache), "
+            f"{_num(rv.input_tokens)} prompt and {_num(rv.output_tokens)} verdict tokens.")
+    blocks: list = [_table(["verdict", "rows", "share"], verdicts)]
+    if cats:
+        blocks.append(_table(["category", "rows"], cats))
+    return [*blocks, Note(note)]
 
 
 def _scores(r: _Page) -> list:

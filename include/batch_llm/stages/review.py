@@ -178,6 +178,14 @@ def _samples(out: dict) -> list[str]:
     return [out["output"] if isinstance(out.get("output"), str) else ""]
 
 
+def _reasoning(out: dict, sample: int) -> str:
+    """A sample's reasoning (a reasoning model's thinking: ``reasoning``, or each sample's in ``outputs_reasoning``)."""
+    samples = out.get("outputs_reasoning")
+    value = samples[sample] if isinstance(samples, list) and sample < len(samples) else \
+        out.get("reasoning") if sample == 0 else None
+    return value if isinstance(value, str) else ""
+
+
 def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = None) -> str:
     """What a shard's review requests are made from: its outputs file (as stored: size and change markers) and
     the review's prompting. Keys the requests file and the review shard's plan part, so a shard generated again, or
@@ -218,9 +226,8 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                 if out is None:  # an error row: nothing to review
                     continue
                 prompt, parts = prompt_of(row)
-                reasoning = out.get("reasoning") if isinstance(out.get("reasoning"), str) else ""
                 for k, text in enumerate(_samples(out)):
-                    filled = fill(template, {"prompt": prompt, "output": text, "reasoning": reasoning,
+                    filled = fill(template, {"prompt": prompt, "output": text, "reasoning": _reasoning(out, k),
                                              "categories": categories})
                     rid = row["id"] if k == 0 else f"{row['id']}#sample{k}"
                     w.write(json_bytes(_request(r, rid, row["idx"] * SAMPLE_SLOTS + k, filled, parts)) + b"\n")
