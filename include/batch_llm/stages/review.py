@@ -241,7 +241,7 @@ def review_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetc
     shards in an isolated worker: ``isolation.shard_process`` with ``stage="review"``)."""
     from batch_llm.stages.infer import infer_shards
 
-    specs = [prepare_review(cfg, layout, plan, s) for s in flat_results(shards)]
+    specs: list[ShardSpec | dict] = [prepare_review(cfg, layout, plan, s) for s in flat_results(shards)]
     return infer_shards(review_pipeline_config(cfg), layout, model, specs, say=say, stage="review")
 
 
@@ -258,7 +258,7 @@ def verdict_of(r: ReviewConfig, row: dict) -> tuple[str, list[str], str | None]:
     if r.engine.task == "classify":
         label = row.get("label")
         verdict = r.labels.get(label) if isinstance(label, str) else None
-        if verdict is None:
+        if verdict is None or not isinstance(label, str):
             return "error", [], f"the review model's class {label!r} is not in filter.review.labels"
         return verdict, [label] if verdict == "unsafe" else [], None
     try:
@@ -285,7 +285,7 @@ class ReviewedRows:
         self.actions: Counter = Counter()
 
     def _verdicts_of(self, idx: int) -> list[dict]:
-        found = []
+        found: list[dict] = []
         while True:
             if self._next is None:
                 self._next = next(self.verdicts, None)
@@ -316,7 +316,8 @@ class ReviewedRows:
             return out, None
         if verdict == "safe":
             return out, None
-        action = max((self.r.actions.get(c, self.r.action) for c in cats or [None]), key=_STRENGTH.__getitem__)
+        # an unsafe verdict without a category takes the default action
+        action = max([self.r.actions.get(c, self.r.action) for c in cats] or [self.r.action], key=_STRENGTH.__getitem__)
         if action == "drop":
             self.actions["dropped"] += 1
             return None, f"dropped by review: {', '.join(cats) or 'unsafe'}"
