@@ -166,7 +166,7 @@ def _refreshing_profile(conn_id: str, conn_json: str) -> dict:
         name = f"batch-llm-{re.sub(r'[^A-Za-z0-9_-]', '_', conn_id)}-{digest[:8]}"
         spec, config = folder / f"{digest}.json", folder / f"{digest}.config"
         _write_private(spec, json.dumps({"conn_id": conn_id, "conn": conn_json}))
-        command = " ".join(shlex.quote(a) for a in (sys.executable, "-c", _PROCESS, str(spec)))
+        command = " ".join(shlex.quote(a) for a in (sys.executable, "-c", CREDENTIAL_PROCESS, str(spec)))
         _write_private(config, f"[profile {name}]\ncredential_process = {command}\n")
         # JSON-safe (the worker gets its options over a pipe): aiobotocore's AioSession(profile=, session_vars=)
         # are s3fs's pass-through kwargs. session_vars entries are (config name, env var, default, converter):
@@ -204,7 +204,7 @@ def credentials_from_spec(spec_path: str) -> dict:
 
 # The credential_process. botocore parses all of its stdout as the credentials, and Airflow's logging writes to
 # stdout: file descriptor 1 is pointed at stderr before anything is imported, the JSON goes to the saved one.
-_PROCESS = ("import os, sys; out = os.dup(1); os.dup2(2, 1); "
+CREDENTIAL_PROCESS = ("import os, sys; out = os.dup(1); os.dup2(2, 1); "
             "from batch_llm_airflow.hooks import _main; sys.exit(_main(out, sys.argv[1]))")
 
 

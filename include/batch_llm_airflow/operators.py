@@ -180,12 +180,6 @@ class BatchInferenceOperator(PipelineStageOperator):
             self._run.stop()  # the worker's whole process group, then the lease
 
 
-#: What emit_shard_metrics pushes (batch_llm.analysis.metrics_push: counters ``batch_llm_shard_<name>_total``, gauges
-#: ``batch_llm_shard_<name>``; docker/observability's Prometheus scrapes the Pushgateway, Grafana queries them).
-SHARD_COUNTERS = tuple(metrics_push.COUNTERS)
-SHARD_GAUGES = tuple(metrics_push.GAUGES)
-
-
 def emit_shard_metrics(pipeline: str, manifest: ShardManifest, *, gpu_lease_wait_seconds: float = 0.0,
                        run_id: str | None = None) -> bool:
     """Pushes the finished shard's counts and timings, and how long it waited for its GPUs, to the Prometheus

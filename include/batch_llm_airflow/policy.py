@@ -36,7 +36,7 @@ def runs_on_gpu(task: Any) -> bool:
     return bool(getattr(cls, "runs_on_gpu", False))
 
 
-def _gpu_pod_override(gpus: int) -> Any:
+def gpu_pod_override(gpus: int) -> Any:
     from kubernetes.client import models as k8s
 
     amount = {"nvidia.com/gpu": str(gpus)}
@@ -52,7 +52,7 @@ def gpu_executor_config(existing: dict | None, pipeline: dict | None, template: 
     config["pod_template_file"] = template
     tp = int(((pipeline or {}).get("engine") or {}).get("tensor_parallel_size") or 1)
     if tp > TEMPLATE_GPUS and "pod_override" not in config:
-        config["pod_override"] = _gpu_pod_override(tp)
+        config["pod_override"] = gpu_pod_override(tp)
     return config
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from batch_llm.frontends.cli import PROGRESS, Reporter, _config, build_parser, find_summary, main
+from batch_llm.frontends.cli import PROGRESS, Reporter, build_parser, config_from_args, find_summary, main
 from batch_llm.io.storage import Location, write_json, write_manifest
 from batch_llm.manifests import RunSummary
 
@@ -35,12 +35,12 @@ def test_run_arguments():
 
 
 def test_run_shard_tells_how_to_finish_the_run():
-    from batch_llm.frontends.cli import _finish_command
+    from batch_llm.frontends.cli import finish_command
 
     argv = ["run-shard", "p.yaml", "--shard", "2", "--output", "/o", "--set", "a.b=1 2"]
     a = build_parser().parse_args(argv)
     a.argv = argv
-    assert _finish_command(a, "cli__2026-11-30", "2026-11-30") == \
+    assert finish_command(a, "cli__2026-11-30", "2026-11-30") == \
         "batch-llm run p.yaml --output /o --set 'a.b=1 2' --run-id cli__2026-11-30 --ds 2026-11-30"
 
 
@@ -55,7 +55,7 @@ def test_bad_arguments_exit_2(argv, capsys):
 def test_overrides_reach_the_config(tmp_path):
     a = build_parser().parse_args(["run", str(DEMO_YAML), "--output", str(tmp_path / "o"), "--input", "rel/in.jsonl",
                                    "--set", "engine.max_num_seqs=512", "--set", "sharding.num_shards=4"])
-    cfg = _config(a)
+    cfg = config_from_args(a)
     assert cfg.engine.max_num_seqs == 512 and cfg.sharding.num_shards == 4
     assert cfg.output.path == str(tmp_path / "o")
     assert Path(cfg.input.path).is_absolute() and cfg.input.path.endswith("rel/in.jsonl")
@@ -184,7 +184,7 @@ def test_progress_line_format_matches_the_shard_runner():
     from batch_llm.stages import infer
 
     assert 'f"progress: {self.done}/{self.total} rows, {self.out_tokens / el:.1f} output tok/s, "' in \
-        inspect.getsource(infer._Progress.tick)
+        inspect.getsource(infer.Progress.tick)
     m = PROGRESS.search(LINE)
     assert m and m.groups() == ("10", "20", "35.0", "3")
     assert PROGRESS.search("progress: 0/20 rows, 0.0 output tok/s, ETA infs").group(4) == "inf"

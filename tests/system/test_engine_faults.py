@@ -22,7 +22,8 @@ import pytest
 from batch_llm import api
 from batch_llm.engines.base import EngineFailed, EngineStartError, GenRequest, classify_start_failure
 from batch_llm.io.storage import Location, iter_jsonl, list_files, read_json
-from batch_llm.isolation.worker_parent import EXIT_ERROR, WorkerFailed, WorkerHandle
+from batch_llm.isolation.worker_child import EXIT_ERROR
+from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 from batch_llm.layout import RunLayout
 from helpers import demo_config
 

@@ -276,19 +276,19 @@ def test_refused_when_the_batch_cannot_run():
     from batch_llm_airflow.llm_batch import GPULLMBatchOperator
 
     for bad in ("one prompt", {"prompt": "x"}, [], [{"promt": "x"}]):
-        with pytest.raises(llm_batch.BatchInputError):
+        with pytest.raises(llm_batch.LLMBatchInputError):
             llm_batch.normalize_requests(bad)
     assert "'reasoning_effort': not a sampling parameter" in llm_batch.request_params_problem({"reasoning_effort": 1})
     assert llm_batch.request_params_problem({"temperature": 0.2, "user": "u", "model": "m"}) is None
-    with pytest.raises(llm_batch.BatchInputError, match="one model serves a batch"):
-        llm_batch._request_problem(llm_batch.BatchRequest(prompt="x", model="openai:gpt-5"), "Qwen/Qwen2.5-7B")
+    with pytest.raises(llm_batch.LLMBatchInputError, match="one model serves a batch"):
+        llm_batch.request_problem(llm_batch.BatchRequest(prompt="x", model="openai:gpt-5"), "Qwen/Qwen2.5-7B")
     args = dict(task_id="t", requests=["x"], result_path="/tmp/r")
     with DAG("refusals", start_date=dt.datetime(2026, 1, 1), schedule=None):
         with pytest.raises(TypeError, match="llm_conn_id: there is no API connection"):
             GPULLMBatchOperator(**args, model_id="m", llm_conn_id="pydanticai_default")
-        with pytest.raises(llm_batch.BatchInputError, match="names a hosted model"):
+        with pytest.raises(llm_batch.LLMBatchInputError, match="names a hosted model"):
             GPULLMBatchOperator(**args, model_id="openai:gpt-5-mini")
-        with pytest.raises(llm_batch.BatchInputError, match="has no JSON Schema"):
+        with pytest.raises(llm_batch.LLMBatchInputError, match="has no JSON Schema"):
             GPULLMBatchOperator(**args, model_id="m", output_type=type("Plain", (), {}))  # not a pydantic type
         with pytest.raises(TypeError, match="requests or input_path"):
             GPULLMBatchOperator(task_id="t", result_path="/tmp/r", model_id="m")

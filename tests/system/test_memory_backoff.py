@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from batch_llm.engines.base import EngineStartError, classify_start_failure
-from batch_llm.stages.infer import _smaller_settings, start_engine
+from batch_llm.engines.start import smaller_settings, start_engine
 from helpers import demo_config
 
 
@@ -19,11 +19,11 @@ def test_classify_start_failure():
 
 def test_smaller_settings_stay_within_bounds(tmp_path):
     e = demo_config(tmp_path).engine.model_copy(update={"gpu_memory_utilization": 0.9, "max_num_seqs": 64})
-    step = _smaller_settings(e, EngineStartError("oom", memory=True))
+    step = smaller_settings(e, EngineStartError("oom", memory=True))
     assert step == {"gpu_memory_utilization": 0.85, "max_num_seqs": 32}
     floor = e.model_copy(update={"gpu_memory_utilization": 0.5, "max_num_seqs": 8, "max_model_len": 512})
-    assert _smaller_settings(floor, EngineStartError("oom", memory=True)) is None
-    by_len = _smaller_settings(e, EngineStartError("kv", memory=True, suggested_max_model_len=1000))
+    assert smaller_settings(floor, EngineStartError("oom", memory=True)) is None
+    by_len = smaller_settings(e, EngineStartError("kv", memory=True, suggested_max_model_len=1000))
     assert by_len == {"max_model_len": 992}
 
 

@@ -76,7 +76,7 @@ def test_task_killed_mid_shard_resumes(tmp_path, baseline):
         time.sleep(0.2)
     handle.stop(grace_seconds=5)
     assert handle.proc.poll() is not None
-    from batch_llm.isolation.worker_parent import process_group_alive
+    from batch_llm.isolation.procgroup import process_group_alive
 
     assert not process_group_alive(handle.pid)
     # the first attempt was cut short: some rows committed, not all, and no shard manifest
@@ -108,7 +108,7 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     import random
 
     from batch_llm.io.storage import write_jsonl
-    from batch_llm.stages import infer, shard_merge
+    from batch_llm.stages import shard_merge
 
     monkeypatch.setattr(shard_merge, "MERGE_FAN_IN", 3)
     shard_dir = Location(str(tmp_path / "shard"))
@@ -123,8 +123,7 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
     chunks.append([rows[42]])  # committed twice
     for n, chunk in enumerate(chunks):
         write_jsonl(shard_dir.child("chunks").child(f"chunk-{n:05d}.jsonl").path(), chunk)
-    m = infer._finish_shard(0, shard_dir, shard_dir.child("chunks"), Location(str(shard_file)).path(),
-                            100)
+    m = shard_merge.finish_shard(0, shard_dir, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
     ok = list(iter_jsonl(shard_dir.child("outputs.jsonl").path()))
     bad = list(iter_jsonl(shard_dir.child("errors.jsonl").path()))
     assert [r["id"] for r in ok] == [r["id"] for r in rows if not r["error"]]
@@ -139,5 +138,5 @@ def test_merge_streams_chunks_in_input_order_each_id_once(tmp_path, monkeypatch)
             write_jsonl(f, [r for r in iter_jsonl(f) if r["id"] != "r55"])
     other = Location(str(tmp_path / "other"))
     with pytest.raises(RuntimeError, match=r"1 rows have no committed result \(first: \['r55'\]\)"):
-        infer._finish_shard(0, other, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
+        shard_merge.finish_shard(0, other, shard_dir.child("chunks"), Location(str(shard_file)).path(), 100)
     assert not (tmp_path / "other" / "outputs.jsonl").exists(), "a failed merge must not publish a partial file"

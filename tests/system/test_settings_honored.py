@@ -37,11 +37,11 @@ def test_trust_remote_code_is_off_by_default(tmp_path):
 
 
 def test_tokenizer_runs_shipped_code_only_when_trusted(custom_model):
-    from batch_llm.stages.infer import _load_tokenizer
+    from batch_llm.stages.infer import load_tokenizer
 
     with pytest.raises(ValueError, match="custom code"):
-        _load_tokenizer(str(custom_model), None)
-    tok = _load_tokenizer(str(custom_model), None, trust_remote_code=True)
+        load_tokenizer(str(custom_model), None)
+    tok = load_tokenizer(str(custom_model), None, trust_remote_code=True)
     assert type(tok).__name__ == "SmolCustomTokenizer"  # the class from the folder's custom_tokenizer.py
 
 

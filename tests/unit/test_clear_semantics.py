@@ -13,7 +13,7 @@ from batch_llm.io.storage import Location, exists, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ShardResult
 from batch_llm.stages.content_filter import check_shards_of_plan
-from batch_llm.stages.infer import _drop_stale_shard
+from batch_llm.stages.infer import drop_stale_shard
 from batch_llm_airflow.operators import PlanShardsOperator
 from helpers import demo_config
 
@@ -65,13 +65,13 @@ def test_a_shard_folder_made_for_other_inputs_starts_over_and_one_made_for_these
     chunk = shard_dir.child("chunks", "chunk-00000-ab.jsonl")
     write_jsonl(chunk.path(), [{"id": "r0", "idx": 0, "output": "old model's answer"}])
     a, b = {"plan": "p1", "model": "m1"}, {"plan": "p1", "model": "m2"}
-    _drop_stale_shard(shard_dir, a)             # a folder from before the keys: no marker, started over
+    drop_stale_shard(shard_dir, a)             # a folder from before the keys: no marker, started over
     assert not exists(chunk.path())
     write_jsonl(chunk.path(), [{"id": "r0", "idx": 0, "output": "answer"}])
-    _drop_stale_shard(shard_dir, dict(a))       # a retry or a Clear of the same inputs: resumed
+    drop_stale_shard(shard_dir, dict(a))       # a retry or a Clear of the same inputs: resumed
     assert exists(chunk.path())
     said: list[str] = []
-    _drop_stale_shard(shard_dir, b, said.append)  # the plan or the model changed since: started over, saying why
+    drop_stale_shard(shard_dir, b, said.append)  # the plan or the model changed since: started over, saying why
     assert not exists(chunk.path())
     marker = json.loads(shard_dir.child("inputs.json").path().read_text())
     assert marker["parts"] == b and marker["started_over"] == "the model changed" and "the model changed" in said[0]

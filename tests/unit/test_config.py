@@ -106,8 +106,8 @@ def _compilation(monkeypatch, tmp_path, *, gpu=True, takes=("mode", "cudagraph_m
     """The compilation_config the engine would hand vLLM, on a GPU or not, with a vLLM taking ``takes``."""
     from batch_llm.engines import vllm_engine
 
-    monkeypatch.setattr(vllm_engine, "_cuda_visible", lambda: gpu)
-    monkeypatch.setattr(vllm_engine, "_compilation_config_takes", lambda field: field in takes)
+    monkeypatch.setattr(vllm_engine, "cuda_visible", lambda: gpu)
+    monkeypatch.setattr(vllm_engine, "compilation_config_takes", lambda field: field in takes)
     cfg = demo_config(tmp_path, **{"engine__enforce_eager": False, **overrides})  # the demo runs eager (a CPU)
     engine = vllm_engine.VllmEngine("/m", cfg.engine, cfg.sampling, lora_dir=lora)
     # what reaches vLLM's constructor; with an adapter, that would read the adapter's rank from its folder

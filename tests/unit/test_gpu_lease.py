@@ -9,7 +9,7 @@ import time
 
 import pytest
 from batch_llm.isolation.gpu_lease import GpuLease, NoGpuFree
-from batch_llm.isolation.worker_parent import process_group_alive
+from batch_llm.isolation.procgroup import process_group_alive
 
 GPUS = ["0", "1", "2", "3"]
 

@@ -78,7 +78,7 @@ def test_unmapped_gpu_tasks_and_what_the_author_set(monkeypatch):
     from batch_llm_airflow.operators import BatchInferenceOperator, PublishOperator
 
     monkeypatch.setenv("BATCH_LLM_GPU_POD_TEMPLATE", TEMPLATE)
-    monkeypatch.setattr(policy, "_gpu_pod_override", lambda n: {"gpus": n})  # the kubernetes client: the image's
+    monkeypatch.setattr(policy, "gpu_pod_override", lambda n: {"gpus": n})  # the kubernetes client: the image's
     cfg = load_config(ROOT / "dags" / "pipelines" / "demo.yaml")
     mine = {"pod_override": "the author's pod"}
     kw = dict(result_path="/tmp/r/{{ run_id }}", model_id="/models/m", config_overrides={"engine.kind": "transformers"})

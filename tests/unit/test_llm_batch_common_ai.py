@@ -42,7 +42,6 @@ def test_errors_are_common_ais_names_and_subclass_common_ais_classes():
     for cls in llm_batch.COMMON_AI_ERRORS:  # the stage library's: common-ai's names, common-ai's bases
         assert cls.__name__ in vars(theirs)
         assert issubclass(cls, ValueError if issubclass(getattr(theirs, cls.__name__), ValueError) else RuntimeError)
-    assert llm_batch.BatchInputError is llm_batch.LLMBatchInputError
 
     made = common_ai_errors(theirs)  # with common-ai installed: subclasses of theirs as well
     assert set(made) == set(llm_batch.COMMON_AI_ERRORS) and common_ai_errors(None) == {}
@@ -68,7 +67,7 @@ def test_where_each_error_is_raised():
     from batch_llm.io.storage import Location
 
     with pytest.raises(llm_batch.LLMBatchModelMismatchError):
-        llm_batch._request_problem(llm_batch.BatchRequest(prompt="x", model="other"), "/models/m")
+        llm_batch.request_problem(llm_batch.BatchRequest(prompt="x", model="other"), "/models/m")
     with pytest.raises(llm_batch.LLMBatchOutputTypeError):
         llm_batch.OutputType.of(type("Plain", (), {}))
     with pytest.raises(llm_batch.LLMBatchStateReadError, match="cannot read the batch's state"):

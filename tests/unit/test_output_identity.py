@@ -100,9 +100,9 @@ def test_the_weights_and_the_adapter_change_both_keys(tmp_path):
 def test_auto_dtype_is_keyed_as_the_engine_will_run_it(tmp_path, monkeypatch):
     """auto on a CPU without native bfloat16 runs float32: the same key as float32 there, another on a GPU."""
     monkeypatch.setattr(probes, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(identity, "_engine_on_gpu", lambda: False)
+    monkeypatch.setattr(identity, "engine_on_gpu", lambda: False)
     assert _keys(tmp_path, {"engine.dtype": "auto"})[:2] == _keys(tmp_path, {"engine.dtype": "float32"})[:2]
-    monkeypatch.setattr(identity, "_engine_on_gpu", lambda: True)
+    monkeypatch.setattr(identity, "engine_on_gpu", lambda: True)
     assert _keys(tmp_path, {"engine.dtype": "auto"})[:2] != _keys(tmp_path, {"engine.dtype": "float32"})[:2]
 
 

@@ -1,7 +1,7 @@
 """Stopping the quantize exporter ends its whole process group before it reaps the exporter.
 
 The exporter runs in a process group of its own (``start_new_session``), named by its pid; a killed task stops
-it with ``quantize._stop``. Once the exporter is reaped its pid, and so that group id, may be handed to someone
+it with ``quantize.stop_exporter``. Once the exporter is reaped its pid, and so that group id, may be handed to someone
 else, so the group is signalled only while the exporter is unreaped (a zombie still holds its pid), and it is
 reaped only once no live member of its group is left: a child that outlives the exporter (slow to exit, or
 ignoring SIGTERM) is waited for, then killed, not left running.
@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from batch_llm.isolation.worker_parent import live_group_members
+from batch_llm.isolation.procgroup import live_group_members
 from batch_llm.stages import quantize
 
 
@@ -69,12 +69,11 @@ def _cleanup(proc: subprocess.Popen, child: int) -> None:
     ("signal.SIG_IGN", 1.0),                               # ignores SIGTERM: killed after the grace
 ])
 def test_stop_ends_the_group_before_it_reaps_the_exporter(monkeypatch, child_on_sigterm, grace):
-    # raising=False: the stop before this fix had no such setting (and waited for the exporter only)
-    monkeypatch.setattr(quantize, "_STOP_GRACE_SECONDS", grace, raising=False)
+    monkeypatch.setattr(quantize, "STOP_GRACE_SECONDS", grace)
     proc, child = _exporter_with_child(child_on_sigterm)
     try:
         calls = _spy_killpg(monkeypatch, proc)
-        quantize._stop(proc)
+        quantize.stop_exporter(proc)
         assert live_group_members(proc.pid) == [], "a member of the exporter's group outlived the stop"
         assert proc.returncode == -signal.SIGTERM  # reaped, after the group was gone
         assert calls and calls[0] == (signal.SIGTERM, False), calls
@@ -87,5 +86,5 @@ def test_stop_does_not_signal_the_group_of_a_reaped_exporter(monkeypatch):
     proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     proc.wait()  # reaped: its pid may now be anyone's
     calls = _spy_killpg(monkeypatch, proc)
-    quantize._stop(proc)
+    quantize.stop_exporter(proc)
     assert calls == []

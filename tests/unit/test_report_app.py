@@ -49,7 +49,7 @@ def test_roots_come_from_the_yaml_without_importing_pipeline_code(tmp_path, monk
     report = tmp_path / "out" / "spy_pipe" / "dt=2026-01-01" / "v-1" / "report.html"
     report.parent.mkdir(parents=True)
     report.write_text("<p>the report</p>")
-    monkeypatch.setattr(report_app, "_roots_cache", (0.0, []))  # a fresh refresh of the roots
+    monkeypatch.setattr(report_app, "ROOTS_TTL_SECONDS", -1.0)  # every call re-reads the roots
     monkeypatch.setattr(report_app, "can_read_dag", lambda user, dag_id: dag_id == "spy_pipe")
 
     roots = report_app.configured_roots()

@@ -85,7 +85,7 @@ def test_output_lines_follow_the_input_order_with_refusals_among_them(tmp_path):
 
     done = {"a": [line("a", 200)], "b": [line("b", 200)]}
     refused = {"7": [line("7", 400)], None: [line(None, 400)]}
-    got = list(rb._in_input_order([src], done, refused))
+    got = list(rb.in_input_order([src], done, refused))
     assert [(x["custom_id"], x["response"]["status_code"]) for x in got] == [("a", 200), (None, 400), ("7", 400),
                                                                             ("b", 200)]
 

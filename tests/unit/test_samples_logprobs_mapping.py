@@ -20,7 +20,7 @@ from batch_llm.io.storage import Location, as_path, iter_jsonl, write_jsonl
 from batch_llm.row_params import RowParams, engine_refusal, resolve
 from batch_llm.stages import plan as plan_mod
 from batch_llm.stages.content_filter import ContentFilter
-from batch_llm.stages.infer import SAMPLE_FIELDS, _result_row, _sample_fields, sampling_identity
+from batch_llm.stages.infer import SAMPLE_FIELDS, result_row, sample_fields, sampling_identity
 from batch_llm.stages.shard_merge import finish_shard
 from helpers import demo_config
 
@@ -171,9 +171,9 @@ RES = GenResult("k", text="Hi!", finish_reason="stop", prompt_tokens=4, completi
 
 
 def _row(res=RES):
-    return {**_result_row(("r1", 0), {"output": res.text, "finish_reason": res.finish_reason,
+    return {**result_row(("r1", 0), {"output": res.text, "finish_reason": res.finish_reason,
                                       "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-                                      **_sample_fields(res)}, cached=False, key="K"), "id": "r1"}
+                                      **sample_fields(res)}, cached=False, key="K"), "id": "r1"}
 
 
 def test_result_rows_carry_every_sample_and_the_first_ones_logprobs():
@@ -186,7 +186,7 @@ def test_result_rows_carry_every_sample_and_the_first_ones_logprobs():
     plain = _row(GenResult("k", text="x", finish_reason="stop", completion_tokens=1))
     assert not set(SAMPLE_FIELDS) & set(plain)  # a row that asked nothing more has none of the columns
     # a cache hit gives back what the entry stored
-    hit = _result_row(("r2", 1), {**{k: row[k] for k in row if k not in ("id", "idx")}, "key": "K"}, cached=True,
+    hit = result_row(("r2", 1), {**{k: row[k] for k in row if k not in ("id", "idx")}, "key": "K"}, cached=True,
                       key="K")
     assert {k: hit[k] for k in SAMPLE_FIELDS} == {k: row[k] for k in SAMPLE_FIELDS}
 

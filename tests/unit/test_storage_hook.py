@@ -92,18 +92,18 @@ def test_credential_process_prints_only_the_credentials_on_stdout(tmp_path):
     and a failure says why on stderr without the secret."""
     import subprocess
 
-    from batch_llm_airflow.hooks import _PROCESS
+    from batch_llm_airflow.hooks import CREDENTIAL_PROCESS
 
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"conn_id": "p", "conn": json.dumps(
         {"conn_type": "aws", "login": "AKIA-P", "password": "secret-p"})}))
-    done = subprocess.run([sys.executable, "-c", _PROCESS, str(spec)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", CREDENTIAL_PROCESS, str(spec)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"Version": 1, "AccessKeyId": "AKIA-P", "SecretAccessKey": "secret-p"}
     assert "credentials retrieved" in done.stderr  # the provider's log line, moved off stdout
     spec.write_text(json.dumps({"conn_id": "p", "conn": json.dumps(
         {"conn_type": "aws", "password": "secret-p", "extra": {"profile_name": "absent"}})}))
-    done = subprocess.run([sys.executable, "-c", _PROCESS, str(spec)], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", CREDENTIAL_PROCESS, str(spec)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "AWS_CONFIG_FILE": str(tmp_path / "none")})
     assert done.returncode == 1 and done.stdout == "" and "batch-llm credential_process" in done.stderr
     assert "secret-p" not in done.stderr

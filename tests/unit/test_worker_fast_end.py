@@ -1,4 +1,4 @@
-"""The worker's end once its shard is committed (``batch_llm.isolation.worker_child._FastEnd``), on real processes.
+"""The worker's end once its shard is committed (``batch_llm.isolation.worker_child.FastEnd``), on real processes.
 
 A worker leading its own process group, with a child standing in for vLLM's engine-core process (the kill is
 what is tested, not the engine: tests/system/test_engine_faults.py runs the real worker with a real engine
@@ -17,17 +17,17 @@ import textwrap
 import time
 from pathlib import Path
 
-from batch_llm.isolation.worker_parent import RESULT_PREFIX
+from batch_llm.isolation.worker_child import RESULT_PREFIX
 
 INCLUDE = str(Path(__file__).resolve().parents[2] / "include")
 
 WORKER = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from types import SimpleNamespace
-    from batch_llm.isolation.worker_child import _FastEnd
+    from batch_llm.isolation.worker_child import FastEnd
 
     tp = int(sys.argv[1])
-    fast_end = _FastEnd(SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=tp)))
+    fast_end = FastEnd(SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=tp)))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     print("STATE " + json.dumps({"enabled": fast_end.enabled, "child": child.pid}), flush=True)
     if fast_end.enabled:

@@ -13,8 +13,9 @@ import textwrap
 import time
 
 import pytest
-from batch_llm.isolation import worker_parent as worker
-from batch_llm.isolation.worker_parent import RESULT_PREFIX, WorkerHandle, process_group_alive
+from batch_llm.isolation.procgroup import process_group_alive
+from batch_llm.isolation.worker_child import RESULT_PREFIX
+from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 
 
 def _own_session(code: str) -> subprocess.Popen:
@@ -32,7 +33,7 @@ def _spy_killpg(monkeypatch, handle: WorkerHandle) -> list:
             calls.append((sig, handle.proc.returncode is not None))
         real(pgid, sig)
 
-    monkeypatch.setattr(worker.os, "killpg", spy)
+    monkeypatch.setattr(os, "killpg", spy)
     return calls
 
 
@@ -75,7 +76,7 @@ def test_stop_during_wait_ends_the_group_once_and_reaps_after(monkeypatch):
     stopper.start()
     try:
         handle.wait(on_line=lambda _: None)
-    except worker.WorkerFailed as e:
+    except WorkerFailed as e:
         assert e.returncode < 0
     stopper.join()
     assert calls and not any(reaped for _, reaped in calls), calls

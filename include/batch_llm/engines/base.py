@@ -15,16 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from batch_llm.config import EngineConfig, SamplingConfig
-from batch_llm.engines.output_capture import OutputTail  # noqa: F401 - re-exported
-from batch_llm.engines.probes import (  # noqa: F401 - re-exported
-    cpu_dtype,
-    cpu_has_native_bf16,
-    is_fp8_channel_weights,
-    is_int_weight_only,
-    model_config_json,
-    model_context_limit,
-    model_quantization,
-)
 from batch_llm.row_params import RowParams, Sampling, resolve
 
 

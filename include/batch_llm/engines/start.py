@@ -94,7 +94,7 @@ def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig,
             attempts.append({**tried, "error": str(e)[-500:], "memory": e.memory})
             if not (e.memory and b.enabled and attempt < b.max_attempts):
                 raise
-            smaller = _smaller_settings(ecfg, e)
+            smaller = smaller_settings(ecfg, e)
             if smaller is None:
                 raise EngineStartError(f"{e}\nno smaller setting is left within engine.memory_backoff bounds",
                                        memory=True) from e
@@ -110,7 +110,7 @@ def _start_with_backoff(model_dir: str, ecfg: EngineConfig, cfg: PipelineConfig,
     raise AssertionError("unreachable")
 
 
-def _smaller_settings(e: EngineConfig, err: EngineStartError) -> dict | None:
+def smaller_settings(e: EngineConfig, err: EngineStartError) -> dict | None:
     b = e.memory_backoff
     upd: dict = {}
     if err.suggested_max_model_len and e.max_model_len and err.suggested_max_model_len < e.max_model_len:

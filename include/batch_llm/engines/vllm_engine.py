@@ -70,7 +70,7 @@ class VllmEngine(Engine):
         return {k: v for k, v in args.items() if v is not None}
 
     def _constructor_dtype(self) -> str:
-        return cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=_cuda_visible())
+        return cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=cuda_visible())
 
     def _compilation_args(self) -> dict:
         """vLLM's compilation_config from engine.cuda_graphs and engine.torch_compile (docs/benchmarks.md measures
@@ -81,7 +81,7 @@ class VllmEngine(Engine):
         config = self._offline_graphs()
         torch_compile = c.torch_compile if c.torch_compile is not None else not config
         if not torch_compile:  # no torch.compile: Dynamo and Inductor never run (vLLM's mode, or level before it)
-            config["mode" if _compilation_config_takes("mode") else "level"] = 0
+            config["mode" if compilation_config_takes("mode") else "level"] = 0
         return {"compilation_config": config} if config else {}
 
     def _offline_graphs(self) -> dict:
@@ -95,7 +95,7 @@ class VllmEngine(Engine):
             return {}
         # A GPU (the CPU backend captures no graphs), and a vLLM that takes cudagraph_mode (0.10.2 on): an older
         # one keeps its own graphs rather than refusing the engine's start over an unknown argument.
-        if not (_cuda_visible() and _compilation_config_takes("cudagraph_mode")):
+        if not (cuda_visible() and compilation_config_takes("cudagraph_mode")):
             return {}
         return {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": list(OFFLINE_CAPTURE_SIZES)}
 
@@ -157,7 +157,7 @@ class VllmEngine(Engine):
         except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
             raise EngineStartError(f"vLLM failed to start: {e}", output=_exception_text(e)) from e
         missing = _missing_cpu_kernel(self.model_dir) or served_lora_refusal(
-            self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=_cuda_visible())
+            self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=cuda_visible())
         if missing:
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
@@ -424,14 +424,14 @@ def _graph_settings(compilation) -> dict:
 
 
 @functools.cache
-def _compilation_config_takes(field: str) -> bool:
+def compilation_config_takes(field: str) -> bool:
     """Whether this vLLM's CompilationConfig has ``field``: its config dataclasses refuse unknown ones."""
     from vllm.config import CompilationConfig
 
     return field in getattr(CompilationConfig, "__dataclass_fields__", {})
 
 
-def _cuda_visible() -> bool:
+def cuda_visible() -> bool:
     import torch
 
     return torch.cuda.is_available()

@@ -25,6 +25,7 @@ machine). ``--verbose`` leaves it all on the terminal, as before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import errno
 import os
@@ -282,7 +283,7 @@ def quiet_run(args: argparse.Namespace, layout, name: str) -> Iterator[Reporter]
 
 
 # ------------------------------------------------------------------------------------------ commands
-def _config(args: argparse.Namespace) -> PipelineConfig:
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(args.config)
     over: dict[str, Any] = {}
     for key in ("input", "output"):
@@ -297,7 +298,7 @@ def _abs(path: str) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = config_from_args(args)
     shards = f"num_shards {cfg.sharding.num_shards}" if cfg.sharding.num_shards else \
         f"rows_per_shard {cfg.sharding.rows_per_shard or 'default'}"
     print(f"OK: {args.config}: pipeline {cfg.name!r}, model {cfg.model.ref}, engine {cfg.engine.kind}, {shards}")
@@ -387,7 +388,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from batch_llm.analysis.doctor import diagnose, format_findings
     from batch_llm.layout import read_manifest_at, shard_manifests
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
@@ -423,7 +424,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_shard(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = config_from_args(args)
     ds = args.ds or dt.date.today().isoformat()
     layout = _layout(cfg, args, f"cli__{ds}")
     with quiet_run(args, layout, f"shard-{args.shard:05d}") as rep:
@@ -438,11 +439,11 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
     print(f"shard {m.shard}: {mm.ok} ok, {mm.errors} errors, {mm.output_tokens} output tokens, "
           f"{mm.output_tokens_per_second} tok/s")
     print(f"  outputs: {m.outputs}")
-    print(f"  finish the run with: {_finish_command(args, layout.run_id, ds)}")
+    print(f"  finish the run with: {finish_command(args, layout.run_id, ds)}")
     return 0
 
 
-def _finish_command(args: argparse.Namespace, run_id: str, ds: str) -> str:
+def finish_command(args: argparse.Namespace, run_id: str, ds: str) -> str:
     """The ``run`` command that completes this shard's run: the same arguments, without ``--shard``."""
     words, skip = [], False
     for w in getattr(args, "argv", None) or []:
@@ -519,11 +520,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     from batch_llm.sizing import recommend as rec
     from batch_llm.sizing.inputs import find_model_config
 
-    cfg = _config(args)
+    cfg = config_from_args(args)
     try:
-        path = rec.Path(args.model_config) if args.model_config else find_model_config(cfg)
+        path = Path(args.model_config) if args.model_config else find_model_config(cfg)
         shape = rec.load_model_shape(path)
-        shape = shape if args.model_config else rec.replace(shape, name=cfg.model.ref)
+        shape = shape if args.model_config else dataclasses.replace(shape, name=cfg.model.ref)
         config = json.loads((path / "config.json" if path.is_dir() else path).read_text(encoding="utf-8"))
         job = rec.job_from_config(cfg, args.rows, args.prompt_tokens, args.output_tokens, model_config=config)
         result = rec.recommend(shape, rec.parse_gpus(args.gpus), job)

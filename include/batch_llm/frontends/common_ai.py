@@ -120,7 +120,6 @@ class LLMBatchStateReadError(LLMBatchJobError):
     """The batch's state (its prepared run folder) exists but cannot be read: retryable, as common-ai's."""
 
 
-BatchInputError = LLMBatchInputError  # the earlier name
 # Parents first: the Airflow layer builds its common-ai subclasses in this order.
 COMMON_AI_ERRORS = (LLMBatchInputError, LLMBatchModelMismatchError, UnsupportedBatchProviderError,
                     LLMBatchOutputTypeError, LLMBatchJobError, LLMBatchPartialFailureError, LLMBatchStateReadError)
@@ -408,7 +407,7 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
         with open(lines, "wb") as ok, open(refused, "wb") as bad:
             for i, req in enumerate(requests):
                 n += 1
-                why = req if isinstance(req, str) else _request_problem(req, cfg.model.ref, schema)
+                why = req if isinstance(req, str) else request_problem(req, cfg.model.ref, schema)
                 if isinstance(req, BatchRequest) and not why:
                     line = json_bytes(request_line(req, i, prefix=key16, system_prompt=system_prompt,
                                                    max_tokens=cfg.sampling.max_tokens,
@@ -440,7 +439,7 @@ def prepare(cfg: PipelineConfig, state_root: Location, *, key: str, requests: It
     return Batch(cfg, layout, manifest, reattached=False)
 
 
-def _request_problem(req: BatchRequest, model_id: str, schema: dict | None = None) -> str | None:
+def request_problem(req: BatchRequest, model_id: str, schema: dict | None = None) -> str | None:
     if req.model is not None and req.model != model_id:
         raise LLMBatchModelMismatchError(f"a request sets model={req.model!r}; one model serves a batch here "
                                          f"({model_id!r}), as on OpenAI's batch API")

@@ -246,7 +246,7 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
         refused.setdefault(_key(line.get("custom_id")), []).append(line)
     from batch_llm.io.formats import input_files
 
-    lines = list(_in_input_order(input_files(Location(cfg.input.path).path()), done, refused))
+    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused))
     out = Path(os.path.expanduser(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -260,7 +260,7 @@ def _key(custom_id: Any) -> str | None:
     return str(custom_id) if isinstance(custom_id, (str, int)) and not isinstance(custom_id, bool) else None
 
 
-def _in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
+def in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
     """Each input line's answer in turn: its published line, else its error line (a line that could not be read
     has no custom_id: its error line has none either); whatever is left over (none, where every line was read
     once) after them."""

@@ -69,11 +69,11 @@ def engine_dtype(dtype: str, model_dir: str) -> str:
     without native bfloat16 (for an unquantized model), the checkpoint's dtype elsewhere."""
     from batch_llm.engines.probes import cpu_dtype
 
-    return cpu_dtype(dtype, model_dir, on_gpu=_engine_on_gpu())
+    return cpu_dtype(dtype, model_dir, on_gpu=engine_on_gpu())
 
 
 @functools.lru_cache(maxsize=1)
-def _engine_on_gpu() -> bool:
+def engine_on_gpu() -> bool:
     """Whether an engine started here runs on a GPU, told without initializing CUDA in this process (an engine
     forked from it needs CUDA untouched): CUDA_VISIBLE_DEVICES where set (a GPU lease sets it), else whether
     this worker has GPUs to hand out (``gpus.visible_gpus``)."""

@@ -27,7 +27,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from batch_llm.config import PipelineConfig
-from batch_llm.isolation.gpu_lease import GpuLease, visible_gpus
+from batch_llm.isolation.gpu_lease import GpuLease
+from batch_llm.isolation.gpus import visible_gpus
 from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardManifest, ShardSpec
@@ -55,7 +56,7 @@ def _json(x: Any) -> Any:
 
 def worker_spec(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | dict,
                 shard: ShardSpec | dict | list[ShardSpec | dict], stage: str = "infer") -> dict:
-    """What ``python -m batch_llm.isolation.worker_parent`` reads from stdin: config, layout, model reference, shard (or
+    """What ``python -m batch_llm.isolation.worker_child`` reads from stdin: config, layout, model reference, shard (or
     ``shards``: a task's shards, run in turn on one engine) and the run's folder they commit in (``stage``: infer,
     or review for the content review's pass)."""
     spec = {"config": cfg.model_dump(mode="json"), "layout": layout.to_dict(), "model": _json(model), "stage": stage}

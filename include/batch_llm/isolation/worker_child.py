@@ -1,4 +1,4 @@
-"""The engine worker's child side: what ``python -m batch_llm.isolation.worker_parent`` runs (``main``) in the process
+"""The engine worker's child side: ``python -m batch_llm.isolation.worker_child`` (``main``), the process
 ``batch_llm.isolation.worker_parent.WorkerHandle`` starts. Reads its spec from stdin, runs the shard (or, with ``shards`` in the
 spec, a task's shards in turn on one engine), and reports its manifest (``{"shards": [...]}``) as the last
 ``BATCH_LLM_RESULT {json}`` line of stdout, or ``WORKER_ERROR ...`` and an exit code the parent maps to a retry
@@ -22,7 +22,7 @@ EXIT_SHARD_FAILED = 3      # too many error rows, or an engine that cannot run t
 EXIT_ERROR = 1
 
 
-class _FastEnd:
+class FastEnd:
     """Reports a committed shard (or a task's committed shards, once the last is durable) and exits at once,
     ending the engine's processes with SIGKILL, as a stop does.
 
@@ -84,7 +84,7 @@ def main() -> int:
 
     cfg = parse_config(spec["config"], "worker spec")
     layout = RunLayout.from_dict(spec["layout"])
-    fast_end = _FastEnd(cfg)
+    fast_end = FastEnd(cfg)
     try:
         say, clock = (lambda m: print(m, flush=True)), {"spawned_at": spec.get("spawned_at"), "worker_started_at": started}
         on_committed = fast_end if fast_end.enabled else None
@@ -106,3 +106,7 @@ def main() -> int:
         return EXIT_ERROR
     report_result(result)
     return 0
+
+
+if __name__ == "__main__":  # as WorkerHandle.start runs it
+    sys.exit(main())

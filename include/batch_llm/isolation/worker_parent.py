@@ -1,7 +1,7 @@
 """The engine worker: a shard run in a spawned process of its own, in its own process group.
 
 Why a separate process: Airflow's task supervisor forks, and CUDA fails in forked processes; a fresh
-interpreter (``python -m batch_llm.isolation.worker_parent``) never inherits a CUDA context. Why its own process group: vLLM
+interpreter (``python -m batch_llm.isolation.worker_child``) never inherits a CUDA context. Why its own process group: vLLM
 starts engine-core processes of its own; ending the group ends them all, so a stopped task frees its GPU.
 
 Parent side::
@@ -14,7 +14,7 @@ The spec (config, layout, model manifest, shard, storage options with credential
 the command line; the result comes back as the last ``BATCH_LLM_RESULT {json}`` line of stdout.
 
 This module is the parent's side (``WorkerHandle``); the child's, the shard run and its fast end, is
-``batch_llm.isolation.worker_child``, which ``python -m batch_llm.isolation.worker_parent`` runs.
+``batch_llm.isolation.worker_child``, which ``WorkerHandle.start`` runs as ``python -m batch_llm.isolation.worker_child``.
 """
 from __future__ import annotations
 
@@ -30,18 +30,8 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from batch_llm.isolation.procgroup import (  # noqa: F401 - re-exported: worker's API before procgroup
-    GroupLeader,
-    live_group_members,
-    process_group_alive,
-    stop_process_group,
-)
-from batch_llm.isolation.worker_child import (  # noqa: F401 - re-exported: the child's protocol
-    EXIT_ERROR,
-    EXIT_SHARD_FAILED,
-    RESULT_PREFIX,
-    report_result,
-)
+from batch_llm.isolation.procgroup import GroupLeader
+from batch_llm.isolation.worker_child import EXIT_SHARD_FAILED, RESULT_PREFIX
 
 
 class WorkerFailed(RuntimeError):
@@ -73,7 +63,7 @@ class WorkerHandle(GroupLeader):
         if "VLLM_RPC_BASE_PATH" not in full_env:
             ipc_dir = full_env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="batch_llm_ipc_")
         spec = {**spec, "spawned_at": time.time()}  # the shard's timeline starts here
-        proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.isolation.worker_parent"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([python or sys.executable, "-m", "batch_llm.isolation.worker_child"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, text=True, bufsize=1)
         assert proc.stdin is not None  # stdin=PIPE above: Popen always opens it
@@ -155,9 +145,3 @@ class _WorkerOutput:
         if rc < 0:
             msg = f"worker killed by signal {-rc}; {msg}"
         return WorkerFailed(msg, rc, retryable=rc != EXIT_SHARD_FAILED)
-
-
-if __name__ == "__main__":  # the child: ``python -m batch_llm.isolation.worker_parent``, as WorkerHandle.start runs it
-    from batch_llm.isolation.worker_child import main
-
-    sys.exit(main())

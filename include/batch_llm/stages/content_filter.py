@@ -27,7 +27,6 @@ import ahocorasick
 
 from batch_llm.config import FilterConfig, PipelineConfig, WordListConfig
 from batch_llm.io import path_policy
-from batch_llm.io.path_policy import BUILTIN_WORDLISTS
 from batch_llm.io.storage import (
     Location,
     as_path,
@@ -57,8 +56,6 @@ if TYPE_CHECKING:
 
     pass
 from batch_llm.layout import RunLayout
-
-BUILTIN = BUILTIN_WORDLISTS
 
 
 def load_words(path: str, options: dict | None = None) -> list[str]:

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batch_llm.analysis.metric_names import METRICS, canonical_metric  # noqa: F401 - re-exported
-from batch_llm.analysis.metric_names import metric_key as _metric_key
+from batch_llm.analysis.metric_names import canonical_metric, metric_key
 from batch_llm.config import PipelineConfig
 from batch_llm.io.formats import (
     joined_outputs,
@@ -71,8 +70,8 @@ class MetricNotScored(RuntimeError):
 def metric_score(metrics: dict[str, float], name: str) -> float | None:
     """The score of ``name`` in ``metrics`` however either is spelled (a manifest may predate the canonical
     spelling), or None."""
-    key = _metric_key(name)
-    return next((v for k, v in metrics.items() if _metric_key(k) == key), None)
+    key = metric_key(name)
+    return next((v for k, v in metrics.items() if metric_key(k) == key), None)
 
 
 def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "Rouge-L-F") -> dict:

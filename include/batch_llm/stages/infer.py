@@ -38,7 +38,7 @@ from batch_llm.analysis.timeline import Timeline
 from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
-from batch_llm.engines.start import _smaller_settings, kv_cache_probe, start_engine  # noqa: F401 - re-exported
+from batch_llm.engines.start import start_engine
 from batch_llm.io.identity import ENGINE_FIELDS_NOT_IN_OUTPUT, OUTPUT_IDENTITY_FORMAT, engine_dtype
 from batch_llm.io.storage import (
     Location,
@@ -73,9 +73,6 @@ from batch_llm.layout import RunLayout
 
 log = logging.getLogger("batch_llm.stages.infer")
 
-_finish_shard = finish_shard  # the name the resume tests use
-
-
 class ShardFailed(RuntimeError):
     """The shard finished but too many rows failed; its outputs and errors were still written."""
 
@@ -92,7 +89,7 @@ def checkpoint(point: str, where: str = "") -> None:
 
 # ------------------------------------------------------------------------------------------ helpers
 @dataclass
-class _Progress:
+class Progress:
     total: int
     say: Callable[[str], None]
     every: float
@@ -128,7 +125,7 @@ def chat_template_text(model_dir: str, override: str | None) -> str:
     return value if isinstance(value, str) else json.dumps(value or "")
 
 
-def _load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -214,7 +211,7 @@ SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
 RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores")
 
 
-def _sample_fields(res: GenResult) -> dict:
+def sample_fields(res: GenResult) -> dict:
     """The result's ``SAMPLE_FIELDS`` (JSON-ready): ``outputs`` / ``finish_reasons`` where it has several
     samples, ``logprobs`` (the first sample's, as ``output`` is the first's) and ``outputs_logprobs`` where
     log-probabilities were asked for."""
@@ -230,7 +227,7 @@ def _sample_fields(res: GenResult) -> dict:
     return out
 
 
-def _result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
+def result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": entry["output"], "finish_reason": entry["finish_reason"],
             "prompt_tokens": entry["prompt_tokens"], "completion_tokens": entry["completion_tokens"],
             "cached_prompt_tokens": 0 if cached else entry.get("cached_prompt_tokens", 0),
@@ -248,7 +245,7 @@ def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
             "cached_prompt_tokens": res.cached_prompt_tokens, "cached": False,
-            "error": reason, "error_kind": "invalid_output", **_sample_fields(res)}
+            "error": reason, "error_kind": "invalid_output", **sample_fields(res)}
 
 
 # Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
@@ -398,7 +395,7 @@ class ShardRun:
         done = committed_ids(self.chunks_dir)
         if done:
             self.say(f"resuming shard {self.shard.index}: {len(done)} rows already committed")
-        self.progress = _Progress(total=0, say=self.say, every=self.cfg.engine.progress_every_seconds)
+        self.progress = Progress(total=0, say=self.say, every=self.cfg.engine.progress_every_seconds)
         self._read_requests(done)
         self.progress.total, self.progress.done = self.n_rows, len(done)
         self._serve_cache()
@@ -450,7 +447,7 @@ class ShardRun:
         for hit in lookup:
             for rid in by_content[hit["key"]]:
                 for r in self.groups.pop(rid).rows:
-                    self.pending.append(_result_row(r, hit, cached=True, key=hit["key"]))
+                    self.pending.append(result_row(r, hit, cached=True, key=hit["key"]))
                     self.n_cached += 1
                     self.progress.tick(1, 0)
             self._commit()
@@ -579,7 +576,7 @@ class ShardRun:
         if "prompt_token_ids" in r:  # pre-tokenized rows need no tokenizer
             return "", r["prompt_token_ids"]
         if self.tokenizer is None:
-            self.tokenizer = _load_tokenizer(self.model_dir, self.cfg.model.chat_template,
+            self.tokenizer = load_tokenizer(self.model_dir, self.cfg.model.chat_template,
                                              self.cfg.model.trust_remote_code)
         if "text" in r:  # a completion prompt: tokenized as vLLM's completions API does (special tokens added)
             return r["text"], self.tokenizer(r["text"], add_special_tokens=True)["input_ids"]
@@ -609,7 +606,7 @@ class ShardRun:
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                  "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens,
-                 **_sample_fields(res)}
+                 **sample_fields(res)}
         if res.embedding is not None:  # a vector, no text: output stays null
             entry.update(output=None, embedding=res.embedding)
         if res.scores is not None:  # class probabilities, no text: output stays null
@@ -620,7 +617,7 @@ class ShardRun:
             elif reason:
                 self.pending.append(_invalid_row(r, res, reason))
             else:
-                self.pending.append(_result_row(r, entry, cached=False, key=group.key.content))
+                self.pending.append(result_row(r, entry, cached=False, key=group.key.content))
         self.progress.tick(len(group.rows), res.completion_tokens)
         self._commit()
 
@@ -763,8 +760,6 @@ def check_error_rate(cfg: PipelineConfig, manifest: ShardManifest) -> None:
                           f"reasons are in {manifest.errors}")
 
 
-_check_error_rate = check_error_rate
-
 
 def shard_inputs(cfg: PipelineConfig, ref: ModelRef, shard: ShardSpec) -> dict[str, str]:
     """What a shard's committed chunks are made from, part by part (short hashes): its plan and everything that
@@ -782,7 +777,7 @@ def shard_input_key(cfg: PipelineConfig, ref: ModelRef, shard: ShardSpec) -> str
     return stable_hash(shard_inputs(cfg, ref, shard))
 
 
-def _drop_stale_shard(shard_dir: Location, inputs: dict[str, str], say: Callable[[str], None] = print) -> None:
+def drop_stale_shard(shard_dir: Location, inputs: dict[str, str], say: Callable[[str], None] = print) -> None:
     """Removes what the shard folder holds when it was made from other inputs (``shard_inputs``: the plan, the
     model, a setting that changes an output), saying which, then records the inputs it is now for (and why it
     started over) in ``inputs.json``. Chunks of the same inputs are kept: the shard resumes."""
@@ -866,7 +861,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
     shard_dir = layout.stage(stage).child(f"shard-{shard.index:05d}")
-    _drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
+    drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed,

@@ -113,9 +113,6 @@ def shard_order(r: PromptRow, default_max_tokens: int) -> int:
     return prompt_chars(r) - budget * _BUDGET_STEP
 
 
-_dumps = json_bytes
-
-
 def _with_idx(body: bytes, idx: int) -> bytes:
     """``{"idx": N, ...body's fields}``: the idx is known only after duplicates are found."""
     return b'{"idx": %d, %s\n' % (idx, body[1:])
@@ -143,21 +140,21 @@ class _Scan:
                     self.rows_read += 1
                     where = b"%d\t%d\t" % (file_no, raw.line)
                     if raw.error:
-                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": None,
+                        errors.write(where + json_bytes({"source": f.name, "line": raw.line, "id": None,
                                                      "reason": raw.error}) + b"\n")
                         continue
                     try:
                         row = self._checked(to_prompt_row(raw, 0, self.cfg.input, self.fmt))
                     except ValueError as e:
-                        errors.write(where + _dumps({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
+                        errors.write(where + json_bytes({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
                                                      "reason": str(e)}) + b"\n")
                         continue
                     self.id_hashes.append(id_hash(row.id))
                     self.has_references = self.has_references or bool(row.reference)
-                    shard_body = _dumps(_shard_fields(row))
-                    record_body = _dumps({"id": row.id, "reference": row.reference, "record": raw.record})
+                    shard_body = json_bytes(_shard_fields(row))
+                    record_body = json_bytes({"id": row.id, "reference": row.reference, "record": raw.record})
                     spool.write(b"\t".join((where[:-1], b"%d" % shard_order(row, self.cfg.sampling.max_tokens),
-                                            _dumps(row.id), shard_body, record_body)) + b"\n")
+                                            json_bytes(row.id), shard_body, record_body)) + b"\n")
 
     def _checked(self, row: PromptRow) -> PromptRow:
         """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them."""
@@ -245,7 +242,7 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
                 dups.append(seq)
                 where = f" of {files[first[0]].name}" if first[0] != file_no else ""
                 rid_s = json.loads(rid)
-                errors.write(b"%d\t%d\t" % (file_no, line) + _dumps({
+                errors.write(b"%d\t%d\t" % (file_no, line) + json_bytes({
                     "source": files[file_no].name, "line": line, "id": rid_s,
                     "reason": f"duplicate id {rid_s!r} (first at line {first[1]}{where})"}) + b"\n")
     return np.frombuffer(dups, dtype=np.int64)

@@ -276,17 +276,17 @@ def _run_exporter(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> None:
                 log.info("quantize| %s", line)
         rc = proc.wait()
     except BaseException:  # a killed task must not leave the exporter running
-        _stop(proc)
+        stop_exporter(proc)
         raise
     if rc != 0:
         raise QuantizeError(f"quantize: the exporter failed (exit code {rc}) for {model_dir}; "
                             f"last output:\n" + "\n".join(tail))
 
 
-_STOP_GRACE_SECONDS = 10.0  # how long a stop waits for the exporter's group to end after SIGTERM, then SIGKILL
+STOP_GRACE_SECONDS = 10.0  # how long a stop waits for the exporter's group to end after SIGTERM, then SIGKILL
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_exporter(proc: subprocess.Popen) -> None:
     """Ends the exporter's process group (SIGTERM, then SIGKILL, until no live member is left), then reaps it.
 
     The group is named by the exporter's pid, which names it only until the exporter is reaped (then the pid
@@ -294,7 +294,7 @@ def _stop(proc: subprocess.Popen) -> None:
     it after the group is gone, so a child of the exporter is not left running either."""
     from batch_llm.isolation.procgroup import GroupLeader  # WorkerHandle's group ending; worker itself sits above stages
 
-    GroupLeader(proc).stop(grace_seconds=_STOP_GRACE_SECONDS)
+    GroupLeader(proc).stop(grace_seconds=STOP_GRACE_SECONDS)
 
 
 # --------------------------------------------------------------------------------------------------------
