@@ -21,9 +21,14 @@ def duckdb_connection(s3=None):
     for ext in ("httpfs", "delta", "iceberg"):
         con.sql(f"LOAD {ext}")
     if s3 is not None:
-        con.sql(f"CREATE SECRET lake (TYPE s3, KEY_ID '{s3.key}', SECRET '{s3.secret}', "
-                f"ENDPOINT '{urlparse(s3.endpoint).netloc}', URL_STYLE 'path', USE_SSL false, REGION '{s3.region}')")
+        reads_s3(con, s3)
     return con
+
+
+def reads_s3(con, s3) -> None:
+    """Lets ``con`` read the bucket of ``s3`` (a ``tests.s3_server.S3Server``)."""
+    con.sql(f"CREATE OR REPLACE SECRET lake (TYPE s3, KEY_ID '{s3.key}', SECRET '{s3.secret}', "
+            f"ENDPOINT '{urlparse(s3.endpoint).netloc}', URL_STYLE 'path', USE_SSL false, REGION '{s3.region}')")
 
 
 def iceberg_metadata(catalog_db: str, identifier: str) -> str:

@@ -14,18 +14,28 @@ from batch_llm.api import publish
 from batch_llm.io.storage import Location, exists, write_jsonl
 from batch_llm.manifests import FetchManifest, QuantizeManifest, RunSummary
 from publish_runs import IDS, PARTITION, ready_to_publish
-from table_readers import duckdb_connection, scan_sql
+from table_readers import duckdb_connection, reads_s3, scan_sql
 
 DAY = PARTITION.removeprefix("dt=")
 
 
+@pytest.fixture(scope="module")
+def duckdb():
+    """One DuckDB for the module: loading its extensions takes seconds."""
+    con = duckdb_connection()
+    yield con
+    con.close()
+
+
 @pytest.fixture(params=["delta-local", "delta-s3", "iceberg-local"])
-def target(request, tmp_path):
+def target(request, tmp_path, duckdb):
     """(the output root, the output.table settings, what table_readers reads, a DuckDB connection)."""
     fmt, where = request.param.split("-")
     s3 = request.getfixturevalue("s3") if where == "s3" else None
     root = Location(f"s3://{s3.bucket}/{tmp_path.name}", s3.storage_options()) if s3 else Location(str(tmp_path))
-    con = duckdb_connection(s3)
+    con = duckdb
+    if s3:
+        reads_s3(con, s3)
     if fmt == "delta":
         return root, {"format": "delta"}, {"format": "delta", "url": root.child("race", "_table").url}, con
     return root, {"format": "iceberg"}, {"format": "iceberg", "catalog_db": str(tmp_path / "_iceberg" / "catalog.db"),
@@ -80,6 +90,7 @@ def test_runs_of_one_day_racing_leave_one_runs_rows(target):
     assert rows == [(k, "ok", f"answer of {winner}", None, winner) for k in IDS]
 
 
+@pytest.mark.parametrize("target", ["delta-s3", "iceberg-local"], indirect=True)   # S3: through the connection
 def test_the_publish_tasks_asset_event_carries_the_snapshot_id(target):
     from airflow.sdk import Asset
     from batch_llm_airflow import operators

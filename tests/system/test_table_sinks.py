@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from batch_llm.sinks import DeltaSink, IcebergSink, TableConflict, TableSchemaError, spooled_rows
 from batch_llm.sinks.s3 import S3Access
-from table_readers import duckdb_connection, rows_by_day, scan_sql
+from table_readers import duckdb_connection, reads_s3, rows_by_day, scan_sql
 
 D1, D2, D3 = "2026-11-28", "2026-11-29", "2026-11-30"
 
@@ -33,13 +33,23 @@ class Backend:
         return IcebergSink(self.catalog, self.table["identifier"], partition_columns=["dt"], **kw)
 
 
+@pytest.fixture(scope="module")
+def duckdb():
+    """One DuckDB for the module: loading its extensions takes seconds."""
+    con = duckdb_connection()
+    yield con
+    con.close()
+
+
 @pytest.fixture(params=["delta-local", "delta-s3", "iceberg-local", "iceberg-s3"])
-def backend(request, tmp_path) -> Backend:
+def backend(request, tmp_path, duckdb) -> Backend:
     fmt, where = request.param.split("-")
     s3 = request.getfixturevalue("s3") if where == "s3" else None
     base = f"s3://{s3.bucket}/{tmp_path.name}" if s3 else f"file://{tmp_path}"
     options = s3.storage_options() if s3 else None
-    con = duckdb_connection(s3)
+    con = duckdb
+    if s3:
+        reads_s3(con, s3)
     if fmt == "delta":
         url = f"{base}/reviews" if s3 else str(tmp_path / "reviews")
         return Backend(request.param, {"format": "delta", "url": url}, options, None, con)
