@@ -237,7 +237,7 @@ f.savefig('$tmp/plot.png'); print('matplotlib', matplotlib.__version__, 'Agg PNG
     # The run itself with the engine-bound tasks (and those after them) marked success without running: fetch
     # (modelscope's cache-hit path, offline), the AWQ step (off) and plan run for real, torch-free
     t=$(now)
-    airflow dags test "$DAG_ID" "$(date -u +%F)" --mark-success-pattern 'pipeline\.(batch_inference|content_filter|evalscope_score|publish)' \
+    airflow dags test "$DAG_ID" "$(date -u +%F)" --mark-success-pattern 'pipeline\.(batch_inference|content_filter|evaluate|publish)' \
       > "$tmp/dags_test_marked.log" 2>&1 || die run "airflow dags test (engine tasks marked success) failed" "$tmp/dags_test_marked.log"
     grep -oE "model .* resolved to .*cache hit: [A-Za-z]+|plan: [0-9]+ rows read, [^(]*|DagRun Finished: [^,]*" "$tmp/dags_test_marked.log"
     echo "check: dags test, engine tasks marked success, $(since "$t") s"

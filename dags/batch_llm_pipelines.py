@@ -1,7 +1,7 @@
 """Every pipeline under dags/pipelines/ (or $BATCH_LLM_PIPELINES_DIR) becomes a DAG:
 
-    fetch_model → awq_export → batch_inference × N (mapped over plan_shards) → content_filter
-    → evalscope_score → publish (Asset batch_llm.<name>)
+    fetch_model → quantize → batch_inference × N (mapped over plan_shards) → content_filter
+    → evaluate → publish (Asset batch_llm.<name>)
 """
 from pathlib import Path
 

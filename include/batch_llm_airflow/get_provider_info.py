@@ -48,7 +48,7 @@ def get_provider_info() -> dict[str, Any]:
     return {
         "package-name": PACKAGE,
         "name": "Batch LLM",
-        "description": "Offline batch LLM inference as Airflow 3 pipelines: fetch model, AWQ export, sharded "
+        "description": "Offline batch LLM inference as Airflow 3 pipelines: fetch model, quantize (AWQ or FP8 export), sharded "
                        "batch inference (vLLM, LMDeploy, transformers), content filter, EvalScope scoring, "
                        "publish with a run report.",
         "versions": [_version()],

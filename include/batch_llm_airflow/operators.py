@@ -103,7 +103,10 @@ class FetchModelOperator(PipelineStageOperator):
         return m.ref().model_dump(mode="json")  # XCom: the reference; the full manifest is in the run folder
 
 
-class AwqExportOperator(PipelineStageOperator):
+class QuantizeOperator(PipelineStageOperator):
+    """The quantize stage (config section ``quantize``): an llm-compressor export (AWQ W4A16 or FP8), cached; off,
+    the fetched model passes through."""
+
     template_fields = (*PipelineStageOperator.template_fields, "model")
 
     def __init__(self, *, model: Any, **kwargs: Any):
@@ -271,7 +274,9 @@ class ContentFilterOperator(PipelineStageOperator):
         return m.model_dump(include={"outputs", "rows", "inference_error_rows"})  # XCom tab only
 
 
-class EvalScopeOperator(PipelineStageOperator):
+class EvaluateOperator(PipelineStageOperator):
+    """The evaluate stage (config section ``evaluate``): EvalScope's scores; ``evaluate.min_score`` fails the run."""
+
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)

@@ -15,14 +15,14 @@ from batch_llm.config import PipelineConfig
 from batch_llm.stages.review import review_active
 
 from batch_llm_airflow.operators import (
-    AwqExportOperator,
     BatchInferenceOperator,
     ContentFilterOperator,
-    EvalScopeOperator,
+    EvaluateOperator,
     FetchModelOperator,
     FetchReviewModelOperator,
     PlanShardsOperator,
     PublishOperator,
+    QuantizeOperator,
     ReviewOperator,
 )
 
@@ -36,8 +36,8 @@ def pipeline_asset(cfg: PipelineConfig) -> Asset:
 
 def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                          overrides: dict | None = None) -> TaskGroup:
-    """fetch model → AWQ export → plan shards → batch inference × N (→ review × N, with ``filter.review``) →
-    content filter → EvalScope → publish.
+    """fetch model → quantize → plan shards → batch inference × N (→ review × N, with ``filter.review``) →
+    content filter → evaluate → publish.
 
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
     so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
@@ -46,7 +46,7 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
     common: dict[str, Any] = {"pipeline_config": cfg.model_dump(mode="json"), "config_overrides": overrides}
     with TaskGroup(group_id=group_id) as group:
         model = FetchModelOperator(task_id="fetch_model", **common)
-        quantized = AwqExportOperator(task_id="awq_export", model=model.output, **common)
+        quantized = QuantizeOperator(task_id="quantize", model=model.output, **common)
         plan = PlanShardsOperator(task_id="plan_shards", **common)
         # One pool slot per GPU the shard's engine leases (tensor parallelism): a pool sized to the GPUs of the
         # workers admits only the shards that fit. Taken from the config the DAG was built with (the trigger
@@ -68,7 +68,7 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
         filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output,
                                          reviews=reviews.output if reviews is not None else None,
                                          trigger_rule=TriggerRule.NONE_FAILED, **common)
-        scores = EvalScopeOperator(task_id="evalscope_score", **common)
+        scores = EvaluateOperator(task_id="evaluate", **common)
         published = PublishOperator(task_id="publish", outlets=[pipeline_asset(cfg)], **common)
         filtered >> scores >> published
     return group

@@ -178,7 +178,7 @@ def test_clearing_a_failed_shard_resumes_it_and_the_run_succeeds(services):
     after = {(t["task_id"], t["map_index"]): t for t in svc.task_instances(DAG_ID, run_id)}
     assert {t["state"] for t in after.values()} == {"success"}, after
     assert after[shard_key]["try_number"] == 3
-    upstream = [k for k in before if k[0].split(".")[-1] in ("fetch_model", "awq_export", "plan_shards")]
+    upstream = [k for k in before if k[0].split(".")[-1] in ("fetch_model", "quantize", "plan_shards")]
     assert len(upstream) == 3, sorted(before)
     for k in upstream:   # ran once, in the first attempt of the run, and not again
         assert after[k]["try_number"] == 1 and after[k]["end_date"] == before[k]["end_date"], (k, after[k])

@@ -23,9 +23,9 @@ def test_no_import_errors(dagbag):
 def test_pipeline_shape(dagbag):
     dag = dagbag.dags["batch_llm_demo"]
     ids = {t.task_id.split(".")[-1]: t for t in dag.tasks}
-    assert set(ids) == {"fetch_model", "awq_export", "plan_shards", "batch_inference", "content_filter",
-                        "evalscope_score", "publish"}
-    chain = ["fetch_model", "awq_export", "batch_inference", "content_filter", "evalscope_score", "publish"]
+    assert set(ids) == {"fetch_model", "quantize", "plan_shards", "batch_inference", "content_filter",
+                        "evaluate", "publish"}
+    chain = ["fetch_model", "quantize", "batch_inference", "content_filter", "evaluate", "publish"]
     for up, down in zip(chain, chain[1:]):
         assert ids[down].task_id in ids[up].downstream_task_ids, f"{up} -> {down}"
     assert ids["batch_inference"].task_id in ids["plan_shards"].downstream_task_ids
@@ -33,6 +33,21 @@ def test_pipeline_shape(dagbag):
     from airflow.sdk.definitions._internal.abstractoperator import AbstractOperator  # noqa: F401
     # topological sort raises on a cycle
     assert len(dag.topological_sort()) == len(dag.tasks)
+
+
+def test_a_stage_has_one_name(dagbag):
+    """A stage with a config section has that section's name as its task id, its api function, its module under
+    batch_llm.stages and its operator (``<Name>Operator``)."""
+    import importlib
+
+    from batch_llm import api
+    from batch_llm.config import PipelineConfig
+
+    tasks = {t.task_id.split(".")[-1]: t for t in dagbag.dags["batch_llm_demo"].tasks}
+    for stage in ("quantize", "evaluate"):
+        assert stage in PipelineConfig.model_fields and stage in api.__all__
+        importlib.import_module(f"batch_llm.stages.{stage}")
+        assert type(tasks[stage]).__name__ == f"{stage.capitalize()}Operator"
 
 
 def test_retries_and_gpu_routing(dagbag):
