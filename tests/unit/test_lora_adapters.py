@@ -97,7 +97,7 @@ def test_a_missing_adapter_folder_names_the_key(tmp_path, demo_model_dir):
 @pytest.mark.parametrize("kind", ["transformers", "lmdeploy"])
 def test_a_served_adapter_needs_vllm(tmp_path, kind):
     with pytest.raises(ConfigError, match=f"model.lora.merge: false serves the adapter unmerged, which engine {kind} "
-                                          "cannot .vllm can.; set model.lora.merge: true"):
+                                          "cannot .vllm and sglang can.; set model.lora.merge: true"):
         demo_config(tmp_path, engine__kind=kind, model__lora={"ref": "owner/adapter", "merge": False})
     # merged, any engine takes it; unknown keys are refused as everywhere
     assert demo_config(tmp_path, engine__kind=kind, model__lora={"ref": "owner/adapter"}).model.lora.merge

@@ -42,7 +42,7 @@ def test_pipeline_level_n_and_logprobs_and_their_bounds(tmp_path):
 
 def test_engines_without_samples_refuse_them_at_config_load(tmp_path):
     with pytest.raises(ConfigError, match=r"sampling.n and sampling.logprobs: engine transformers returns one sample "
-                                          r"without log-probabilities \(vllm can\)"):
+                                          r"without log-probabilities \(vllm and sglang can\)"):
         demo_config(tmp_path, engine__kind="transformers", sampling__n=2, sampling__logprobs=0)
     with pytest.raises(ConfigError, match="sampling.logprobs: engine transformers"):
         demo_config(tmp_path, engine__kind="transformers", sampling__logprobs=0)
@@ -86,8 +86,9 @@ def test_row_values_win_and_other_engines_refuse_them_per_row(tmp_path):
     assert resolve(RowParams(max_tokens=3), cfg.sampling).n == 2
     assert engine_refusal(RowParams(n=2, logprobs=3), "vllm") is None
     assert engine_refusal(RowParams(n=2, logprobs=3), "transformers") == \
-        "engine transformers cannot apply per-row logprobs, n (vllm can)"
-    assert engine_refusal(RowParams(logprobs=0), "lmdeploy") == "engine lmdeploy cannot apply per-row logprobs (vllm can)"
+        "engine transformers cannot apply per-row logprobs, n (vllm and sglang can)"
+    assert engine_refusal(RowParams(logprobs=0), "lmdeploy") == (
+        "engine lmdeploy cannot apply per-row logprobs (vllm and sglang can)")
 
 
 def test_table_columns_n_and_logprobs_reach_the_shard_rows(tmp_path):
@@ -103,7 +104,7 @@ def test_table_columns_n_and_logprobs_reach_the_shard_rows(tmp_path):
                         engine__kind="transformers")
     m = plan_mod.write_plan(cfg_t, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan_t")))
     errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
-    assert errors["a"] == "engine transformers cannot apply per-row logprobs, n (vllm can)"
+    assert errors["a"] == "engine transformers cannot apply per-row logprobs, n (vllm and sglang can)"
 
 
 # ------------------------------------------------------------------------------------------ cache keys

@@ -171,13 +171,13 @@ def test_row_values_are_checked():
 # ------------------------------------------------------------------------------------------ engines
 def test_a_row_key_an_engine_cannot_apply_is_a_row_error_naming_who_can():
     assert engine_refusal(RowParams(include_stop_str_in_output=True), "lmdeploy") == (
-        "engine lmdeploy cannot apply per-row include_stop_str_in_output (vllm and transformers can)")
+        "engine lmdeploy cannot apply per-row include_stop_str_in_output (vllm, transformers and sglang can)")
     assert engine_refusal(RowParams(response_format='{"type":"json_object"}'), "transformers") == (
-        "engine transformers cannot apply per-row response_format (vllm can)")
-    for kind in ("vllm", "lmdeploy", "transformers"):
+        "engine transformers cannot apply per-row response_format (vllm and sglang can)")
+    for kind in ("vllm", "lmdeploy", "transformers", "sglang"):
         assert engine_refusal(RowParams(top_k=3, min_p=0.1, repetition_penalty=1.1, stop_token_ids=(2,),
                                         chat_template_kwargs='{"a":1}'), kind) is None
-    assert serving(lambda c: EXTRA_SAMPLING_KEYS <= c.sampling_keys) == ["vllm", "transformers"]
+    assert serving(lambda c: EXTRA_SAMPLING_KEYS <= c.sampling_keys) == ["vllm", "transformers", "sglang"]
 
 
 def test_pipeline_keys_an_engine_cannot_apply_are_refused_naming_who_can(tmp_path):
@@ -186,8 +186,8 @@ def test_pipeline_keys_an_engine_cannot_apply_are_refused_naming_who_can(tmp_pat
                       sampling__chat_template_kwargs={"enable_thinking": False})
     assert cfg.sampling.top_k == 40 and cfg.sampling.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ConfigError, match=r"sampling.include_stop_str_in_output: engine lmdeploy does not apply it "
-                                          r"\(vllm and transformers can\); remove .* or set engine.kind: vllm or "
-                                          r"transformers"):
+                                          r"\(vllm, transformers and sglang can\); remove .* or set engine.kind: vllm or "
+                                          r"transformers or sglang"):
         demo_config(tmp_path, engine__kind="lmdeploy", sampling__include_stop_str_in_output=True)
     demo_config(tmp_path, engine__kind="lmdeploy", sampling__top_k=5)  # LMDeploy applies top_k
     with pytest.raises(ConfigError, match="sampling.top_k: generation settings; engine.task: embed"):
@@ -268,7 +268,7 @@ def test_openai_batch_lines_carry_the_new_keys_and_refuse_for_engines_without_th
     assert "logits_processors: not a field" in errors["u"]
     rows, errors = _plan(tmp_path / "lm", demo_config(tmp_path / "lm", input__path=str(p), engine__kind="lmdeploy"), p)
     assert set(rows) == {"k"}
-    assert errors["j"] == "engine lmdeploy cannot apply per-row response_format (vllm can)"
+    assert errors["j"] == "engine lmdeploy cannot apply per-row response_format (vllm and sglang can)"
     assert errors["s"].startswith("engine lmdeploy cannot apply per-row include_stop_str_in_output")
 
 

@@ -55,6 +55,7 @@ class EngineCapabilities:
     config_check: str | None = None  # "module:function": the engine section's own problems (list of str)
     sampling_keys: frozenset[str] = frozenset()  # the EXTRA_SAMPLING_KEYS it applies (pipeline-wide and per row)
     extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
+    settings_section: str | None = None  # engine.<name>: a sub-section of this engine's own settings
 
     @property
     def row_params(self) -> frozenset[str]:
@@ -91,6 +92,14 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
         overlap_engine_start=True,  # one device: .to(cuda or cpu)
         sampling_keys=EXTRA_SAMPLING_KEYS),
+    # SGLang's offline engine: speculative decoding is not engine.speculative's prompt lookup (its NGRAM has other
+    # settings: engine.extra); pooling needs an embedding architecture (its is_embedding), not vLLM's conversion
+    EngineCapabilities(
+        "sglang", "batch_llm.engines.sglang_engine", title="SGLang", guided_decoding=True,
+        samples_and_logprobs=True, penalties=True, lora_served=True, tensor_parallel=True, kv_cache_pool=True,
+        overlap_engine_start=False,  # SGLang installs signal handlers and its event loop in the thread it starts in
+        config_check="batch_llm.engines.sglang_config:sglang_problems", sampling_keys=EXTRA_SAMPLING_KEYS,
+        settings_section="sglang"),
 )}
 
 

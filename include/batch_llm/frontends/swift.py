@@ -77,7 +77,7 @@ class SwiftFlag:
     ``note`` (accepted, no effect here, a note is printed), ``warn`` (accepted, no effect here, a warning is
     printed: the outputs may differ from swift's), ``refuse`` (an error). ``neutral``: values that change nothing
     (a refused flag at one of them is accepted). ``backend``: the ``--infer_backend`` it belongs to (vllm,
-    lmdeploy, transformers); with another backend it is ignored with a warning, as swift ignores it."""
+    sglang, lmdeploy, transformers); with another backend it is ignored with a warning, as swift ignores it."""
 
     name: str
     action: str
@@ -142,7 +142,7 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("temperature", MAP, "sampling.temperature", type=float, how="not given: 0 (greedy); swift: the model's "
        "generation_config.json"),
     _f("top_p", MAP, "sampling.top_p", type=float),
-    _f("top_k", MAP, "sampling.top_k", type=int, how="-1 or 0: off (vllm, lmdeploy, transformers apply it)"),
+    _f("top_k", MAP, "sampling.top_k", type=int, how="-1 or 0: off (every engine applies it)"),
     _f("repetition_penalty", MAP, "sampling.repetition_penalty", type=float),
     _f("num_beams", REFUSE, type=int, neutral=(1,), how="no beam search"),
     _f("stop_words", MAP, "sampling.stop", many=True),
@@ -152,8 +152,8 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("stream", NOTE, type=_bool, how="a batch: results are written when the run ends"),
     _f("structured_outputs_regex", REFUSE, how="sampling.output_schema (a JSON schema) instead"),
     # ---- inference (infer_args.py)
-    _f("infer_backend", MAP, "engine.kind", how="vllm -> vllm, lmdeploy -> lmdeploy, transformers / pt -> "
-       "transformers; sglang: refused"),
+    _f("infer_backend", MAP, "engine.kind", how="vllm -> vllm, sglang -> sglang, lmdeploy -> lmdeploy, "
+       "transformers / pt -> transformers"),
     _f("result_path", OWN, how="the result JSONL, appended to (as swift does)"),
     _f("max_batch_size", MAP, "engine.batch_size", type=int, backend="transformers", how="rows per batch of the "
        "transformers engine (-1: all rows)"),
@@ -205,6 +205,37 @@ FLAGS: tuple[SwiftFlag, ...] = (
     _f("lmdeploy_quant_policy", MAP, "engine.kv_cache_dtype", type=int, backend="lmdeploy",
        how="0 -> auto, 4 -> int4, 8 -> int8 (LMDeploy's quant_policy)"),
     _f("lmdeploy_vision_batch_size", REFUSE, type=int, neutral=(1,), backend="lmdeploy", how="text rows only"),
+    # ---- SGLang (infer_args.py SglangArguments); SGLang's own batch settings: engine.sglang in the pipeline YAML
+    _f("sglang_tp_size", MAP, "engine.tensor_parallel_size", type=int, backend="sglang", how="SGLang's tp_size"),
+    _f("sglang_mem_fraction_static", MAP, "engine.gpu_memory_utilization", type=float, backend="sglang",
+       how="SGLang's mem_fraction_static (not given: 0.9, engine.gpu_memory_utilization's default; swift: SGLang's "
+       "own estimate)"),
+    _f("sglang_context_length", MAP, "engine.max_model_len", type=_optional_int, backend="sglang",
+       how="SGLang's context_length"),
+    _f("sglang_disable_cuda_graph", MAP, "engine.enforce_eager", type=_bool, backend="sglang",
+       how="SGLang's disable_cuda_graph"),
+    _f("sglang_quantization", MAP, "engine.quantization", backend="sglang"),
+    _f("sglang_kv_cache_dtype", MAP, "engine.kv_cache_dtype", backend="sglang"),
+    _f("sglang_ep_size", MAP, "engine.extra.ep_size", type=int, backend="sglang", how="SGLang engine argument "
+       "(expert parallel size of a MoE model)"),
+    _f("sglang_disable_custom_all_reduce", MAP, "engine.extra.disable_custom_all_reduce", type=_bool,
+       backend="sglang", how="SGLang engine argument; not given: SGLang's own (custom all-reduce; swift passes true)"),
+    _f("sglang_speculative_algorithm", MAP, "engine.extra.speculative_algorithm", backend="sglang",
+       how="SGLang engine argument, passed as is (EAGLE needs its draft model in engine.extra; unmeasured here)"),
+    _f("sglang_speculative_num_steps", MAP, "engine.extra.speculative_num_steps", type=_optional_int,
+       backend="sglang", how="SGLang engine argument"),
+    _f("sglang_speculative_eagle_topk", MAP, "engine.extra.speculative_eagle_topk", type=_optional_int,
+       backend="sglang", how="SGLang engine argument"),
+    _f("sglang_speculative_num_draft_tokens", MAP, "engine.extra.speculative_num_draft_tokens", type=_optional_int,
+       backend="sglang", how="SGLang engine argument"),
+    _f("sglang_pp_size", REFUSE, type=int, neutral=(1,), backend="sglang",
+       how="one model over several GPUs: --sglang_tp_size"),
+    _f("sglang_dp_size", REFUSE, type=int, neutral=(1,), backend="sglang", how="data parallel runs are shards: the "
+       "Airflow DAG runs them on several GPUs (sharding.num_shards)"),
+    _f("sglang_enable_dp_attention", REFUSE, type=_bool, neutral=(False,), backend="sglang",
+       how="data parallel attention needs --sglang_dp_size equal to --sglang_tp_size; data parallel runs are shards"),
+    _f("sglang_enable_ep_moe", REFUSE, type=_bool, neutral=(False,), backend="sglang",
+       how="removed from SGLang (0.5.17 has no such argument): --sglang_ep_size"),
     # ---- batch-llm's own options (spelled with '-')
 )
 BY_NAME = {f.name: f for f in FLAGS}
@@ -330,8 +361,8 @@ def plan_invocation(inv: SwiftInvocation) -> InferPlan:
                               f"CHECKPOINT whose args.json names the model)")
     raw_backend = str(v.get("infer_backend", "transformers"))
     if raw_backend not in BACKENDS:
-        raise ConfigError(f"--infer_backend {raw_backend}: batch-llm runs vllm, lmdeploy or transformers (pt); "
-                          f"no {raw_backend} engine")
+        raise ConfigError(f"--infer_backend {raw_backend}: batch-llm runs vllm, sglang, lmdeploy or transformers "
+                          f"(pt); no {raw_backend} engine")
     backend = BACKENDS[raw_backend]
     over: dict[str, Any] = {"engine.kind": backend}
     warnings: list[str] = []
@@ -607,7 +638,7 @@ def add_infer_parser(sub, commands: dict, run: Callable[[argparse.Namespace], in
 def usage() -> str:
     own = "\n".join(f"  {k:<16} {v}" for k, v in OWN_OPTIONS.items())
     return ("usage: batch-llm infer --model DIR_OR_ID --val_dataset ROWS.jsonl --result_path OUT.jsonl "
-            "[--infer_backend vllm|lmdeploy|pt] [swift flags ...]\n\nms-swift's `swift infer` flags; what each one "
+            "[--infer_backend vllm|sglang|lmdeploy|pt] [swift flags ...]\n\nms-swift's `swift infer` flags; what each one "
             f"becomes: docs/ms-swift.md.\n\nbatch-llm's own options:\n{own}\n\nswift flags:\n"
             + "\n".join(f"  --{f.name:<32} {f.key or f.action}" for f in FLAGS))
 

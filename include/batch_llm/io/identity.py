@@ -56,6 +56,9 @@ ENGINE_FIELDS_NOT_IN_OUTPUT = frozenset({
     "max_num_seqs", "gpu_memory_utilization", "tensor_parallel_size", "cpu_kv_cache_gib", "batch_size",
     # How the same computation is launched: CUDA graphs, compilation, processes, a shared prefix's KV reused.
     "enforce_eager", "cuda_graphs", "torch_compile", "compile_cache", "multiprocessing", "enable_prefix_caching",
+    # SGLang's own: its CUDA graphs' batch ceiling, KV pool, prefill chunks, and batch-invariant kernels (which
+    # only make a seeded sample reproducible; without them such a row is an error, never a cached output)
+    "sglang",
     # How a start that failed for memory is retried; the context it starts with is checked per row (infer).
     "memory_backoff",
     # The shard runner's bookkeeping: commits, progress lines, when a shard fails, and identical prompts of a
