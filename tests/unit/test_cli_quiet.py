@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent('''
         api.plan_shards = lambda cfg, layout: NS(rows_read=2, valid=2, invalid=0, seconds=0.1,
                                                     shards=[NS(index=0, rows=2)])
         api.infer_shard = infer_shard
-        api.content_filter = lambda *a: NS(summary=NS(rows_scanned=2, rows_affected=0, rows_dropped=0))
+        api.content_filter = lambda *a: NS(summary=NS(rows_scanned=2, rows_affected=0, rows_dropped=0, review=None))
         api.evaluate = lambda *a: NS(num_samples=0, rows_with_references=0, sampled=False, skipped="off",
                                         metrics={})
         api.publish = lambda *a, **k: NS(rows=2, dataset="D", errors="E", error_rows=0, summary=summary_path,
