@@ -186,6 +186,19 @@ class ShardingConfig(_Section):
             raise ValueError("set rows_per_shard or num_shards, not both")
         return self
 
+    def size_changes(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """``changes`` to the two sizes (rows_per_shard, num_shards: overrides by field name) as this section
+        takes them: they exclude each other, so a size changed from this section's wins and unsets the other,
+        unless that one is changed too (then both stay, and ``_one_of`` refuses them). The trigger form, which
+        shows both with the pipeline's values, and a command line that sets one both come through here."""
+        changed = [k for k in SHARD_SIZES if changes.get(k) is not None and changes[k] != getattr(self, k)]
+        if len(changed) != 1:
+            return changes
+        return {**changes, **{k: None for k in SHARD_SIZES if k != changed[0]}}
+
+
+SHARD_SIZES = ("rows_per_shard", "num_shards")  # the two ways to size shards; ShardingConfig.size_changes
+
 
 class MemoryBackoffConfig(_Section):
     """Retries an engine start that fails for memory with smaller settings, within these bounds."""
@@ -854,11 +867,8 @@ class PipelineConfig(_Section):
         """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
         data = self.model_dump()
         overrides = dict(overrides)
-        # rows_per_shard and num_shards exclude each other: setting one alone unsets the other.
-        for key, other in (("sharding.rows_per_shard", "sharding.num_shards"),
-                           ("sharding.num_shards", "sharding.rows_per_shard")):
-            if overrides.get(key) is not None and other not in overrides:
-                overrides[other] = None
+        sizes = {k: overrides[f"sharding.{k}"] for k in SHARD_SIZES if f"sharding.{k}" in overrides}
+        overrides.update({f"sharding.{k}": v for k, v in self.sharding.size_changes(sizes).items()})
         for dotted, value in overrides.items():
             node = data
             *parents, leaf = dotted.split(".")

@@ -82,18 +82,12 @@ def _word_list(item: Any) -> Any:
 
 
 def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
-    """Dotted-key overrides from the run's params. rows_per_shard and num_shards exclude each other: the one
-    the user changed from the pipeline's default wins."""
+    """Dotted-key overrides from the run's params (``PipelineConfig.with_overrides`` applies them: of
+    rows_per_shard and num_shards, which the form shows both, the one changed from the pipeline's wins)."""
     over = {PARAM_KEYS[k][0]: v for k, v in params.items() if k in PARAM_KEYS}
     if isinstance(over.get("filter.lists"), list):
         over["filter.lists"] = [_word_list(item) for item in over["filter.lists"]]
     check_local_paths(over, cfg)
-    rps, ns = over.get("sharding.rows_per_shard"), over.get("sharding.num_shards")
-    if rps and ns:
-        if rps != cfg.sharding.rows_per_shard:
-            over["sharding.num_shards"] = None
-        else:
-            over["sharding.rows_per_shard"] = None
     return over
 
 

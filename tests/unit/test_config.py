@@ -74,6 +74,35 @@ def test_params_override_through_the_same_model(tmp_path, monkeypatch):
         cfg.with_overrides({"sampling.top_p": 2})
 
 
+def test_shard_sizes_exclude_each_other_by_one_rule_in_yaml_params_and_command_line(tmp_path, monkeypatch):
+    """rows_per_shard and num_shards: both in a YAML are refused; in overrides (the trigger form shows both, a
+    command line sets one) the size changed from the pipeline's wins and unsets the other, and changing both is
+    refused as in the YAML, never one of them dropped silently."""
+    from batch_llm.frontends.cli import build_parser, config_from_args
+    from batch_llm_airflow.params import overrides_from_params, params_for
+
+    bad = tmp_path / "both.yaml"
+    bad.write_text(DEMO_YAML.read_text().replace("  num_shards: 2\n", "  num_shards: 2\n  rows_per_shard: 5\n"))
+    with pytest.raises(ConfigError, match="set rows_per_shard or num_shards, not both"):
+        load_config(bad)
+    cfg = load_config(DEMO_YAML)  # num_shards: 2
+    form = {k: p.value for k, p in params_for(cfg).items()}
+    assert (form["rows_per_shard"], form["num_shards"]) == (None, 2)
+
+    def from_form(**changes):
+        s = cfg.with_overrides(overrides_from_params({**form, **changes}, cfg)).sharding
+        return s.rows_per_shard, s.num_shards
+
+    assert from_form() == (None, 2)
+    assert from_form(rows_per_shard=5) == (5, None)           # num_shards left as the YAML had it: unset
+    assert from_form(num_shards=3) == (None, 3)
+    with pytest.raises(ConfigError, match="sharding: .*set rows_per_shard or num_shards, not both"):
+        from_form(rows_per_shard=5, num_shards=3)            # both changed: refused, as in the YAML
+    args = build_parser().parse_args(["validate", str(DEMO_YAML), "--set", "sharding.rows_per_shard=7"])
+    s = config_from_args(args).sharding
+    assert (s.rows_per_shard, s.num_shards) == (7, None)
+
+
 # ------------------------------------------------------------------------------------ engine.speculative
 def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_config(tmp_path):
     from batch_llm.engines.vllm_engine import VllmEngine
