@@ -2,8 +2,9 @@
 pipeline YAML: the demo model generates, then reviews its own outputs as a generate-style "guard" whose answer is
 decoded under the verdict's JSON schema. Its verdicts mean nothing (a 135M chat model is no guard); what is checked
 is the machinery and the accounting: every row reviewed once, every verdict a valid one, each action applied,
-every input line published or in the errors once, and a second run of the same day served from the result cache
-without a review engine.
+every input line published or in the errors once. Then the same pipeline through Airflow's dag.test() in two shards,
+on the first run's result cache: the review tasks run mapped over the shards, every review a cache hit, the same
+verdicts.
 """
 from __future__ import annotations
 
@@ -53,14 +54,11 @@ def _run(pipeline: Path, run_id: str) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo_model_dir):
     tmp = tmp_path_factory.mktemp("review")
-    pipeline = _pipeline(tmp)
-    first = _run(pipeline, "review-1")
-    second = _run(pipeline, "review-2")  # the same day again: every row and every review from the cache
-    return tmp, first, second
+    return tmp, _run(_pipeline(tmp), "review-1")
 
 
 def test_every_row_reviewed_once_with_a_valid_verdict(runs):
-    tmp, (summary, stdout), _ = runs
+    tmp, (summary, stdout) = runs
     review = summary["manifests"]["filter"]["summary"]["review"]
     published = list(iter_jsonl(Location(summary["dataset"]).path()))
     errors = list(iter_jsonl(Location(summary["errors"]).path()))
@@ -86,7 +84,7 @@ def test_every_row_reviewed_once_with_a_valid_verdict(runs):
 
 
 def test_every_input_line_published_or_in_the_errors_once(runs):
-    _, (summary, _), _ = runs
+    _, (summary, _) = runs
     rows = summary["rows"]
     assert rows["read"] == rows["published"] + rows["plan_errors"] + rows["infer_errors"] + rows["dropped"]
     assert rows["error_lines"] == rows["plan_errors"] + rows["infer_errors"] + rows["dropped"]
@@ -103,7 +101,7 @@ def test_every_input_line_published_or_in_the_errors_once(runs):
 
 
 def test_the_review_pass_is_a_committed_shard_of_its_own(runs):
-    tmp, (summary, _), _ = runs
+    tmp, (summary, _) = runs
     run_dir = Location(str(tmp / "out")).child("review_demo", "runs", f"dt={DS}", "review-1")
     manifest = read_json(run_dir.child("review", "shard-00000", "manifest.json").path())
     review = summary["manifests"]["filter"]["summary"]["review"]
@@ -113,9 +111,35 @@ def test_the_review_pass_is_a_committed_shard_of_its_own(runs):
         "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_a_second_run_reviews_from_the_cache_without_an_engine(runs):
-    _, (first, _), (second, stdout) = runs
-    a, b = (s["manifests"]["filter"]["summary"]["review"] for s in (first, second))
-    assert b["cached_requests"] == b["requests"] == a["requests"]
-    assert (b["verdicts"], b["categories"]) == (a["verdicts"], a["categories"])
-    assert "engine vllm" not in stdout  # neither the model nor the review model started
+@pytest.fixture(scope="module")
+def dag_run(runs, airflow_db, tmp_path_factory):
+    """The same pipeline through Airflow's dag.test(), in two shards, its result cache the CLI runs' (every row and
+    every review a cache hit: the review tasks run the whole path, isolated worker included, without an engine)."""
+    import datetime as dt
+
+    from batch_llm.config import load_config
+    from batch_llm_airflow.dag_factory import pipeline_dag
+
+    tmp, _ = runs
+    out = tmp_path_factory.mktemp("review_dag")
+    # named as the demo DAG: dag.test() runs a DAG its dags folder holds (it looks its version up by id)
+    cfg = load_config(tmp / "review_demo.yaml").with_overrides({
+        "name": "batch_llm_demo", "output.path": str(out), "sharding.num_shards": 2,
+        "cache.path": str(tmp / "out" / "_cache" / "results")})
+    dr = pipeline_dag(cfg, source="review_demo.yaml (test)").test(
+        logical_date=dt.datetime.fromisoformat(DS).replace(tzinfo=dt.timezone.utc))
+    current = read_json(Location(str(out)).child("batch_llm_demo", f"dt={DS}", "_CURRENT.json").path())
+    return dr, read_json(Location(current["version"]).child("summary.json").path())
+
+
+def test_the_dag_reviews_every_shard_from_the_cache(runs, dag_run):
+    _, (cli, _) = runs
+    dr, summary = dag_run
+    assert str(dr.state) in ("success", "DagRunState.SUCCESS"), dr.state
+    states = {ti.task_id.split(".")[-1]: str(ti.state) for ti in dr.get_task_instances()}
+    assert {"fetch_review_model", "review"} <= set(states), states
+    review = summary["manifests"]["filter"]["summary"]["review"]
+    a = cli["manifests"]["filter"]["summary"]["review"]
+    assert review["shards"] == [0, 1] and review["cached_requests"] == review["requests"] == a["requests"]
+    assert (review["verdicts"], review["categories"]) == (a["verdicts"], a["categories"])
+    assert summary["rows"]["published"] == cli["rows"]["published"]
