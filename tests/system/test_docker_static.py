@@ -736,11 +736,12 @@ def dependency_closure(requirements: list[str]) -> set[str]:
 # Where each module's third-party imports must be installable: the AWQ export runs in the quantize environment;
 # the GPU worker runs the DAG files, the inference and its engines, not scoring, AWQ, the report or the CLI.
 QUANTIZE_ONLY = {"include/batch_llm/stages/quantize.py"}
-NOT_ON_GPU_WORKER = QUANTIZE_ONLY | {f"include/batch_llm/{m}.py" for m in ("evaluate", "report", "cli", "demo_model")} | {
+NOT_ON_GPU_WORKER = QUANTIZE_ONLY | {f"include/batch_llm/{m}.py" for m in (
+    "stages/evaluate", "analysis/report", "frontends/cli", "demo_model")} | {
     "include/batch_llm_airflow/lineage.py",  # OpenLineage: the publish task's, on the Airflow image
     "include/batch_llm/sinks/delta.py", "include/batch_llm/sinks/iceberg.py"}  # output.table: the publish task's
-ENGINE_ONLY = {"vllm", "lmdeploy"}  # vLLM: the GPU worker; LMDeploy: optional, not in any image
-OPTIONAL = {"lmdeploy"}
+ENGINE_ONLY = {"vllm", "lmdeploy", "sglang"}  # vLLM: the GPU worker; LMDeploy, SGLang: optional, not in any image
+OPTIONAL = {"lmdeploy", "sglang"}
 
 
 def third_party_imports() -> dict[str, set[str]]:
