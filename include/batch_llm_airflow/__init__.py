@@ -13,7 +13,11 @@ MIN_AIRFLOW = "3.2.0"
 
 
 def _release(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.match(r"\d+(?:\.\d+)*", v).group().split("."))  # type: ignore[union-attr]
+    m = re.match(r"\d+(?:\.\d+)*", v)
+    if m is None:
+        raise RuntimeError(f"batch-llm's Airflow provider cannot read the release of Airflow version {v!r}; it needs "
+                           f"apache-airflow>={MIN_AIRFLOW}")
+    return tuple(int(x) for x in m.group().split("."))
 
 
 def check_airflow_version(found: str | None) -> None:

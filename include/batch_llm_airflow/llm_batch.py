@@ -643,7 +643,7 @@ class _GPULLMBatchDecorator:
     def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> BatchXComArg:
         return self._mapped(lambda deco: deco.expand_kwargs(kwargs, strict=strict))
 
-    def _mapped(self, expand: Callable[[Any], XComArg]) -> BatchXComArg:
+    def _mapped(self, expand: Callable[[Any], PlainXComArg]) -> BatchXComArg:  # a mapped call's XComArg has .operator
         kw = dict(self.kwargs)
         task_id = get_unique_task_id(kw.pop("task_id", None) or self.function.__name__)
         plan_args = {k: kw.pop(k) for k in EXPANDABLE if k in kw and k != "requests"}
@@ -651,9 +651,9 @@ class _GPULLMBatchDecorator:
         def make_plan(**plan_kwargs: Any) -> Any:  # Airflow's own @task mapping, on the plan task
             deco = task_decorator_factory(python_callable=self.function, multiple_outputs=False,
                                           decorated_operator_class=_GPUBatchDecoratedPlanOperator, **plan_kwargs)
-            # (mypy: partial() is added to the decorator at run time; the XComArg of a mapped call is a PlainXComArg)
-            return expand(deco.partial(**self.partial_kwargs)  # type: ignore[attr-defined]
-                          if self.partial_kwargs else deco).operator  # type: ignore[attr-defined]
+            mapping = (deco.partial(**self.partial_kwargs)  # type: ignore[attr-defined]  # added to the decorator at run time
+                       if self.partial_kwargs else deco)
+            return expand(mapping).operator
 
         known = {k: kw.pop(k) for k in ("output_type", "fail_on_partial_error", "config", "config_overrides")
                  if k in kw}

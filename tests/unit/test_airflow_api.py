@@ -64,6 +64,9 @@ def test_the_floor_is_the_airflow_extras_bound_and_an_older_airflow_is_refused(m
         batch_llm_airflow.check_airflow_version("3.1.8")
     with pytest.raises(RuntimeError, match="has 3.2.0rc1"):
         batch_llm_airflow.check_airflow_version("3.2.0rc1")
+    with pytest.raises(RuntimeError, match=r"cannot read the release of Airflow version 'main'; it needs "
+                                           r"apache-airflow>=3\.2\.0$"):
+        batch_llm_airflow.check_airflow_version("main")
 
 
 def test_dependencies_span_the_whole_batch_without_airflows_private_mixin():

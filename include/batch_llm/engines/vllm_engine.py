@@ -504,7 +504,7 @@ def is_request_refusal(e: BaseException, *, engine_dead: bool = False) -> bool:
     try:
         from vllm.exceptions import VLLMClientError, VLLMServerError
     except ImportError:  # an older vLLM without the hierarchy
-        VLLMClientError = VLLMServerError = ()  # type: ignore[assignment]  # noqa: N806
+        VLLMClientError = VLLMServerError = ()  # noqa: N806
     if VLLMServerError and isinstance(e, VLLMServerError):
         return False
     if type(e).__name__ in ("EngineDeadError", "AsyncEngineDeadError"):

@@ -394,7 +394,7 @@ def _bypass_pin_memory_without_accelerator() -> None:
     from llmcompressor.pipelines.cache import IntermediatesCache
 
     if not torch.accelerator.is_available():
-        IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None  # type: ignore
+        IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
 
 def _dir_size(path: Path) -> int:
@@ -460,10 +460,11 @@ def export_checkpoint(model_dir: Path, out_dir: Path, cfg: QuantizeConfig) -> di
         try:
             os.rename(tmp, out_dir)
         except OSError:
-            if read_export_info(out_dir) is None:  # a complete export won the race: keep it
+            won = read_export_info(out_dir)  # a complete export won the race: keep it
+            if won is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            return read_export_info(out_dir)  # type: ignore[return-value]
+            return won
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
