@@ -182,3 +182,11 @@ def test_no_engine_kind_string_checks_outside_the_engines():
     assert not unexplained, f"ask the capability table (batch_llm.engines.capabilities) instead: {unexplained}"
     stale = set(ALLOWED) - {c[:2] for c in checks}
     assert not stale, f"these checks are gone: drop their allowance here: {sorted(stale)}"
+
+
+def test_the_docs_capability_table_is_the_table():
+    from batch_llm.engines.capabilities import markdown_table
+
+    text = (HERE.parents[1] / "docs" / "engines-and-gpus.md").read_text(encoding="utf-8")
+    block = text.split("<!-- engine-capabilities:start -->\n", 1)[1].split("\n<!-- engine-capabilities:end -->")[0]
+    assert block == markdown_table(), "docs/engines-and-gpus.md: paste batch_llm.engines.capabilities.markdown_table()"

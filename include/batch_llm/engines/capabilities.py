@@ -148,3 +148,37 @@ def who_can(feature: str | Callable[[EngineCapabilities], object]) -> str:
 def engines_serving(feature: str | Callable[[EngineCapabilities], object]) -> str:
     """"vllm" / "vllm or sglang": for "set engine.kind: ..." advice."""
     return " or ".join(serving(feature)) or "(none)"
+
+
+#: The columns of docs/engines-and-gpus.md's capability table: (heading, what a row shows in it).
+TABLE_COLUMNS: tuple[tuple[str, Callable[[EngineCapabilities], str]], ...] = (
+    ("guided JSON (`sampling.output_schema`, a row's `response_format`)", lambda c: _yes(c.guided_decoding)),
+    ("n > 1, logprobs", lambda c: _yes(c.samples_and_logprobs)),
+    ("presence / frequency penalties per row", lambda c: _yes(c.penalties)),
+    ("LoRA served unmerged", lambda c: _yes(c.lora_served)),
+    ("`engine.speculative` (n-gram)", lambda c: _yes(c.speculative)),
+    ("pooling (`engine.task`)", lambda c: ", ".join(sorted(c.pooling_tasks)) or "no"),
+    ("tensor parallel", lambda c: _yes(c.tensor_parallel)),
+    ("top_k, min_p, repetition_penalty, stop_token_ids, include_stop_str_in_output", lambda c: _keys(c)),
+)
+
+
+def _yes(served: bool) -> str:
+    return "yes" if served else "no"
+
+
+def _keys(c: EngineCapabilities) -> str:
+    missing = EXTRA_SAMPLING_KEYS - c.sampling_keys
+    if not missing or not c.sampling_keys:
+        return "all" if not missing else "none"
+    return f"all but {', '.join(sorted(missing))}"
+
+
+def markdown_table() -> str:
+    """The capability table of docs/engines-and-gpus.md (between its engine-capabilities markers), from ``ENGINES``:
+    what each built-in engine serves; anything it lacks is refused naming the engines that have it."""
+    lines = ["| engine | " + " | ".join(h for h, _ in TABLE_COLUMNS) + " |",
+             "| --- |" + " --- |" * len(TABLE_COLUMNS)]
+    for kind, caps in ENGINES.items():
+        lines.append(f"| `{kind}` ({caps.title}) | " + " | ".join(show(caps) for _, show in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
