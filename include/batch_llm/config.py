@@ -30,6 +30,7 @@ from batch_llm.engines.capabilities import (
 )
 from batch_llm.engines.sglang_config import SglangSettings
 from batch_llm.io import path_policy
+from batch_llm.reasoning import SWITCH_VARIABLES
 
 
 class ConfigError(ValueError):
@@ -124,7 +125,8 @@ Format = Literal["auto", "jsonl", "parquet", "csv", "openai_batch"]
 # The table columns that may carry a row's own sampling (row_params reads them)
 SamplingColumn = Literal["max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
                          "n", "logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
-                         "include_stop_str_in_output", "chat_template_kwargs"]
+                         "include_stop_str_in_output", "chat_template_kwargs", "thinking", "reasoning_effort",
+                         "max_thinking_tokens"]
 
 
 def _only_max_tokens() -> list[SamplingColumn]:
@@ -335,6 +337,13 @@ class EngineConfig(_Section):
     max_error_rate: float = Field(0.1, ge=0, le=1, description="Fail the shard above this share of error rows")
     dedupe_prompts: bool = Field(True, description="Generate identical prompts once per shard (greedy or seeded)")
     memory_backoff: MemoryBackoffConfig = Field(default_factory=MemoryBackoffConfig)
+    reasoning_parser: str | None = Field(
+        "auto", pattern=r"^[A-Za-z0-9_]+$", description="vLLM's reasoning parser (its --reasoning-parser name): the "
+        "thinking parted from the answer (``output`` the answer, ``reasoning`` the thinking), the output schema "
+        "applied after the thinking, and sampling.max_thinking_tokens. auto: chosen from the model (batch_llm/"
+        "reasoning.py): qwen3 for a Qwen3 architecture whose chat template thinks, deepseek_r1 for another model "
+        "whose template opens a <think> block (the DeepSeek-R1 distills, QwQ), none otherwise and on engines "
+        "without a reasoning parser; null: none (the output is the model's whole text)")
     sglang: SglangSettings = Field(default_factory=SglangSettings, description="engine.kind: sglang: SGLang's own "
                                    "settings (CUDA graph batch ceiling, KV pool size, chunked prefill, deterministic "
                                    "inference); the engine's other keys map onto SGLang's too (engines/sglang_config.py)")
@@ -450,6 +459,15 @@ class SamplingConfig(_Section):
         "compiles in 20 ms instead of 889)")
     output_retries: int = Field(0, ge=0, le=5, description="Ask again, with another seed, for a sampled row "
                                 "(temperature > 0) whose output does not match output_schema")
+    thinking: Literal["auto", "on", "off"] = Field(
+        "auto", description="A reasoning model's thinking, through its chat template's switch (enable_thinking or "
+        "thinking, the template variables sampling.chat_template_kwargs sets too): auto: the template's default; "
+        "on / off: the switch set. off on a model whose template has no switch, or on on one that does not think, "
+        "is refused (batch_llm/reasoning.py). A row's own thinking column or chat_template_kwargs wins")
+    max_thinking_tokens: int | None = Field(
+        None, ge=0, description="vLLM's thinking budget (thinking_token_budget): after this many thinking tokens "
+        "the engine writes the end of the thinking and the answer follows. Needs engine.reasoning_parser. "
+        "null: none (thinking may use all of max_tokens)")
 
     # before the type check, so the field holds only the schema itself (a name is loaded here, on assignment too)
     @field_validator("output_schema", mode="before", json_schema_input_type=dict | str | None)
@@ -482,6 +500,14 @@ class SamplingConfig(_Section):
                              "template variables")
         return v
 
+    @model_validator(mode="after")
+    def _one_thinking_switch(self) -> "SamplingConfig":
+        both = sorted(set(self.chat_template_kwargs) & set(SWITCH_VARIABLES))
+        if both and self.thinking != "auto":
+            raise ValueError(f"thinking: {self.thinking} and chat_template_kwargs.{both[0]} both switch thinking; "
+                             "set one of them")
+        return self
+
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
@@ -499,12 +525,17 @@ class SamplingConfig(_Section):
 
 
 
+# The generated text fields the word lists scan: the answer, and a reasoning model's thinking (engine.reasoning_parser)
+ScannedField = Literal["output", "reasoning"]
+
+
 class WordListConfig(_Section):
     """A sensitive-word list and what to do on a hit: flag the row, mask the word, or drop the row."""
 
     name: str
     path: str = Field(description="A file (one word per line, # comments) or builtin:en / builtin:zh")
     action: Literal["flag", "mask", "drop"] = "mask"
+    scan: list[ScannedField] | None = Field(None, description="The fields this list scans; null: filter.scan")
     fold: list[Literal["confusables", "separators"]] = Field(
         default_factory=list, description="Look-alike spellings this list also matches (stages/confusables.py). "
         "confusables: each character as its Unicode TR39 skeleton (a Cyrillic а in an English word is a), "
@@ -612,6 +643,10 @@ class FilterConfig(_Section):
     ])
     mask_char: str = Field("*", min_length=1, max_length=1)
     case_sensitive: bool = False
+    scan: list[ScannedField] = Field(default_factory=lambda: list(typing.get_args(ScannedField)), min_length=1,
+                                     description="The fields every list scans unless it names its own (scan): the "
+                                     "answer (output, every sample) and a reasoning model's thinking (reasoning); "
+                                     "masks and drops apply to the field a hit is in")
     review: ReviewConfig | None = Field(None, description="Content review by a model after the word lists' "
                                         "scan (stages/review.py); null: none")
 
@@ -833,6 +868,27 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _reasoning_needs_a_parser(self) -> "PipelineConfig":
+        """A reasoning parser and a thinking budget are vLLM's (the capability table's ``reasoning``): named on
+        another engine they are refused, never dropped; a budget needs the parser that finds the thinking."""
+        e, s = self.engine, self.sampling
+        problems = []
+        if e.reasoning_parser not in ("auto", None) and not e.caps.reasoning:
+            problems.append(f"engine.reasoning_parser: engine {e.kind} has no reasoning parser ({who_can('reasoning')}"
+                            f"); remove it (the output is then the model's whole text) or set engine.kind: "
+                            f"{engines_serving('reasoning')}")
+        if s.max_thinking_tokens is not None:
+            if not e.caps.reasoning:
+                problems.append(f"sampling.max_thinking_tokens: engine {e.kind} has no thinking budget "
+                                f"({who_can('reasoning')}); remove it or set engine.kind: {engines_serving('reasoning')}")
+            elif e.reasoning_parser is None:
+                problems.append("sampling.max_thinking_tokens: a thinking budget needs the reasoning parser that "
+                                "finds the thinking; engine.reasoning_parser is null (set it, or auto)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _pooling_tasks_take_no_generation_settings(self) -> "PipelineConfig":
         task = self.engine.task
         if task == "generate":
@@ -841,10 +897,13 @@ class PipelineConfig(_Section):
         # settings that would silently do nothing are refused, like an unknown key
         defaults = type(s).model_fields
         given = [k for k, on in (("output_schema", s.output_schema is not None), ("n", s.n > 1),
-                                 ("logprobs", s.logprobs is not None), ("output_retries", s.output_retries > 0))
-                 if on] + [k for k in sorted(EXTRA_SAMPLING_KEYS)
-                           if getattr(s, k) != defaults[k].get_default(call_default_factory=True)]
-        cols = [c for c in self.input.sampling_columns if c not in ("max_tokens", "chat_template_kwargs")]
+                                 ("logprobs", s.logprobs is not None), ("output_retries", s.output_retries > 0),
+                                 ("max_thinking_tokens", s.max_thinking_tokens is not None)) if on] \
+            + [k for k in sorted(EXTRA_SAMPLING_KEYS) if getattr(s, k) != defaults[k].get_default(
+                call_default_factory=True)]
+        # template variables (thinking too) still shape the prompt a pooling task reads
+        cols = [c for c in self.input.sampling_columns
+                if c not in ("max_tokens", "chat_template_kwargs", "thinking", "reasoning_effort")]
         problems = [f"sampling.{k}" for k in given] + [f"input.sampling_columns: {c}" for c in cols]
         if problems:
             raise ValueError(f"{', '.join(problems)}: generation settings; engine.task: {task} generates no "

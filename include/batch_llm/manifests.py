@@ -163,6 +163,8 @@ class ShardMetrics(BaseModel):
     input_tokens: int = 0
     cached_prompt_tokens: int = 0      # prompt tokens served from the engine's prefix cache
     output_tokens: int = 0             # completion tokens of the usable rows
+    reasoning_tokens: int = 0          # the thinking part of them (engine.reasoning_parser)
+    thinking_unfinished: int = 0       # rows whose thinking never ended: no answer (usable or not)
     chunks: int = 0
     engine_start_seconds: float = 0.0  # 0 where the shard started no engine or shared another shard's start
     engine_shared_from: int | None = None  # sharding.shards_per_task: the shard of its task whose engine it used
@@ -350,20 +352,23 @@ class EvaluateManifest(Manifest):
 
 class TokenUsage(BaseModel):
     """Tokens of a run's rows (as OpenAI's ``usage``): prompt tokens, the part of them served from the engine's
-    prefix cache (vLLM; 0 where the engine does not say), completion tokens of the usable rows."""
+    prefix cache (vLLM; 0 where the engine does not say), completion tokens of the usable rows and the thinking part
+    of them (a reasoning model's, parted by engine.reasoning_parser: OpenAI's completion_tokens_details)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @classmethod
     def of_shards(cls, shards: "list[ShardManifest | ShardResult]") -> "TokenUsage":
         metrics = [s.metrics for s in shards]
         return cls(prompt_tokens=sum(m.input_tokens for m in metrics),
                    cached_prompt_tokens=sum(m.cached_prompt_tokens for m in metrics),
-                   completion_tokens=sum(m.output_tokens for m in metrics))
+                   completion_tokens=sum(m.output_tokens for m in metrics),
+                   reasoning_tokens=sum(m.reasoning_tokens for m in metrics))
 
 
 class PublishManifest(Manifest):

@@ -20,6 +20,7 @@ from typing import Any, overload
 
 from batch_llm.config import RESERVED_TEMPLATE_KWARGS, SamplingConfig
 from batch_llm.engines.capabilities import ENGINES, who_can
+from batch_llm.reasoning import THINKING_MODES, TemplateThinking, effort_variables, thinking_variables
 
 # What becomes of each field of an OpenAI Batch request body: OpenAI's chat and completions fields and vLLM's extra
 # ones (its ChatCompletionRequest / CompletionRequest). A unit test walks every field of both and finds it here.
@@ -27,7 +28,7 @@ from batch_llm.engines.capabilities import ENGINES, who_can
 HONOURED = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                       "seed", "presence_penalty", "frequency_penalty", "n", "logprobs", "top_logprobs", "top_k",
                       "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-                      "chat_template_kwargs", "response_format"})
+                      "chat_template_kwargs", "response_format", "reasoning_effort", "thinking_token_budget"})
 #: Fields that do not change what is generated, accepted at any value (why).
 NO_EFFECT = {
     "model": "the pipeline's model serves every row; the output line names it",
@@ -50,7 +51,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "logit_bias": ((None, {}), "no logit bias"), "audio": ((None,), _TEXT_ONLY),
     "modalities": ((None, ["text"]), _TEXT_ONLY), "prediction": ((None,), "no predicted outputs"),
     "web_search_options": ((None,), "no web search"), "moderation": ((None,), "no moderation"),
-    "reasoning_effort": ((None,), "set the chat template's own variable through chat_template_kwargs"),
     "verbosity": ((None,), "an option of OpenAI's reasoning models"),
     "use_beam_search": ((None, False), "no beam search"), "length_penalty": ((None, 1, 1.0), "beam search only"),
     "min_tokens": ((None, 0), "no minimum output length"),
@@ -66,8 +66,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "continue_final_message": ((None, False), "chats are rendered with the generation prompt"),
     "chat_template": ((None,), "model.chat_template sets the pipeline's template"),
     "documents": ((None,), "no documents for the chat template"),
-    "include_reasoning": ((None, True), "no reasoning parser: the output is the model's whole text"),
-    "thinking_token_budget": ((None,), "no thinking budget"),
+    "include_reasoning": ((None, True), "the thinking is kept, apart from the answer, where the engine has a "
+                          "reasoning parser (engine.reasoning_parser)"),
     "structured_outputs": ((None,), "response_format (json_schema, json_object) or sampling.output_schema instead"),
     "return_token_ids": ((None, False), "output lines carry OpenAI's fields"),
     "return_tokens_as_token_ids": ((None, False), "output lines carry OpenAI's fields"),
@@ -111,6 +111,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     response_format: str | None = None  # the row's own: canonical JSON of {"type": "json_object"} or a json_schema
+    max_thinking_tokens: int | None = None  # vLLM's thinking budget (thinking_token_budget); None: none
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,11 @@ class RowParams:
     # objects as canonical JSON text (hashable); to_json / from_json give and take the objects
     chat_template_kwargs: str | None = None
     response_format: str | None = None
+    # a reasoning model's thinking (batch_llm.reasoning): the switch (on / off / auto), OpenAI's reasoning_effort
+    # (template variables, like chat_template_kwargs), and the thinking budget
+    thinking: str | None = None
+    reasoning_effort: str | None = None
+    max_thinking_tokens: int | None = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -160,6 +166,8 @@ class RowParams:
         values = {"max_tokens": limit if limit is not None else body.get("max_tokens"),
                   "logprobs": _openai_logprobs(body, completions),
                   "response_format": _response_format(body.get("response_format")),
+                  "reasoning_effort": body.get("reasoning_effort"),
+                  "max_thinking_tokens": body.get("thinking_token_budget"),
                   **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                                                "frequency_penalty", "n", *_EXTRA)}}
         return cls.from_values(values)
@@ -224,12 +232,19 @@ def resolve(p: RowParams | None, s: SamplingConfig) -> Sampling:
                     repetition_penalty=pick("repetition_penalty", s.repetition_penalty),
                     stop_token_ids=pick("stop_token_ids", tuple(s.stop_token_ids)),
                     include_stop_str_in_output=pick("include_stop_str_in_output", s.include_stop_str_in_output),
-                    response_format=pick("response_format", None))
+                    response_format=pick("response_format", None),
+                    max_thinking_tokens=pick("max_thinking_tokens", s.max_thinking_tokens))
 
 
-def template_kwargs(p: RowParams | None, s: SamplingConfig) -> dict:
-    """The chat template variables of a row: the pipeline's, under the row's own."""
-    return {**s.chat_template_kwargs, **(p.template_kwargs() if p is not None else {})}
+def template_kwargs(p: RowParams | None, s: SamplingConfig, tt: TemplateThinking | None = None) -> dict:
+    """The chat template variables of a row: the pipeline's (``chat_template_kwargs``, then the switch of
+    ``sampling.thinking``), under the row's own (its ``chat_template_kwargs``, then its ``thinking`` and
+    ``reasoning_effort``). ``tt``: what the model's template says about thinking; ThinkingRefused where it cannot
+    honour a thinking setting (``batch_llm.reasoning``)."""
+    tt = tt or TemplateThinking()
+    row = p or RowParams()
+    return {**s.chat_template_kwargs, **thinking_variables(s.thinking, tt), **row.template_kwargs(),
+            **thinking_variables(row.thinking, tt), **effort_variables(row.reasoning_effort, tt)}
 
 
 @overload
@@ -307,7 +322,7 @@ def engine_refusal(p: RowParams | None, engine_kind: str) -> str | None:
 
 def _check(name: str, v):
     """One value, validated as OpenAI's API does (ranges included); ValueError names the field."""
-    if name in ("max_tokens", "seed", "n", "logprobs", "top_k"):
+    if name in ("max_tokens", "seed", "n", "logprobs", "top_k", "max_thinking_tokens"):
         v = _check_int(name, v)
         return 0 if name == "top_k" and v == -1 else v  # vLLM's two spellings of "off": one key
     if name in _SHAPED:
@@ -345,7 +360,27 @@ def _check_bool(v: Any) -> bool:
     return v
 
 
-_SHAPED = {"stop": _check_stop, "stop_token_ids": _check_token_ids, "include_stop_str_in_output": _check_bool,
+def _check_thinking(v: Any) -> str:
+    """auto, on or off; true / false (a boolean column) are on / off."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if not isinstance(v, str) or v.strip().lower() not in THINKING_MODES:
+        raise ValueError(f"thinking must be auto, on or off (or true / false), got {v!r}")
+    return v.strip().lower()
+
+
+# OpenAI's reasoning_effort values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _check_effort(v: Any) -> str:
+    if v not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {v!r}")
+    return v
+
+
+_SHAPED = {"stop": _check_stop, "thinking": _check_thinking, "reasoning_effort": _check_effort,
+           "stop_token_ids": _check_token_ids, "include_stop_str_in_output": _check_bool,
            "chat_template_kwargs": lambda v: _canonical(check_template_kwargs(v)) if v else None,
            "response_format": lambda v: _canonical(v) if v else None}
 
@@ -362,7 +397,7 @@ def check_template_kwargs(v: Any) -> dict:
 
 
 _INT_RANGE = {"max_tokens": (1, None), "seed": (None, None), "n": (1, 128), "logprobs": (0, MAX_LOGPROBS),
-              "top_k": (-1, None)}
+              "top_k": (-1, None), "max_thinking_tokens": (0, None)}
 
 
 def _check_int(name: str, v):

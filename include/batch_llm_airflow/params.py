@@ -19,6 +19,7 @@ from airflow.sdk import Param
 from batch_llm.config import ConfigError, PipelineConfig
 from batch_llm.engines.capabilities import engine_kinds
 from batch_llm.io import path_policy
+from batch_llm.reasoning import THINKING_MODES
 
 ALLOWED_ROOTS_ENV = "BATCH_LLM_ALLOWED_LOCAL_ROOTS"
 
@@ -39,6 +40,10 @@ PARAM_KEYS: dict[str, tuple[str, Any, str]] = {
                                    "Keep the stop string that ended an output"),
     "chat_template_kwargs": ("sampling.chat_template_kwargs", "object",
                              "Chat template variables, e.g. {\"enable_thinking\": false}"),
+    "thinking": ("sampling.thinking", "string", "A reasoning model's thinking: auto (its chat template's default), on "
+                 "or off"),
+    "max_thinking_tokens": ("sampling.max_thinking_tokens", ["integer", "null"], "Thinking budget (vLLM): after this "
+                            "many thinking tokens the answer follows; empty: none"),
     "rows_per_shard": ("sharding.rows_per_shard", ["integer", "null"], "Rows per inference task (or set num_shards)"),
     "num_shards": ("sharding.num_shards", ["integer", "null"], "Number of inference tasks (or set rows_per_shard)"),
     "filter_lists": ("filter.lists", "array", "Sensitive-word lists, one per line: ACTION NAME PATH "
@@ -69,6 +74,8 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
             extra = {"items": {"type": "string"}}
         if name == "stop_token_ids":
             extra = {"items": {"type": "integer"}}
+        if name == "thinking":
+            extra = {"enum": list(THINKING_MODES)}
         out[name] = Param(default, type=typ, title=name.replace("_", " "), description=desc, **extra)
     return out
 

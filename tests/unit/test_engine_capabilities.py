@@ -65,9 +65,10 @@ def test_what_the_builtin_engines_serve():
     assert capabilities("vllm").pooling_tasks == {"embed", "classify"}
     assert not capabilities("lmdeploy").overlap_engine_start  # LMDeploy binds the loop of the thread it starts in
     extra = {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output"}
-    base = {"max_tokens", "temperature", "top_p", "stop", "seed", "chat_template_kwargs"}
+    assert serving("reasoning") == ["vllm"]
+    base = {"max_tokens", "temperature", "top_p", "stop", "seed", "chat_template_kwargs", "thinking", "reasoning_effort"}
     assert capabilities("vllm").row_params == base | extra | {"presence_penalty", "frequency_penalty", "n",
-                                                              "logprobs", "response_format"}
+                                                              "logprobs", "response_format", "max_thinking_tokens"}
     assert capabilities("transformers").row_params == base | extra
     assert capabilities("lmdeploy").row_params == base | extra - {"include_stop_str_in_output"}
     assert capabilities("sglang").row_params == capabilities("vllm").row_params - {"max_thinking_tokens"}

@@ -32,6 +32,8 @@ ENGINE_CHANGES = {
     "speculative": ({}, {"engine.speculative": {}}),
     "extra": ({}, {"engine.extra": {"max_logprobs": 30}}),
     "python": ({}, {"engine.python": "/opt/other-venv/bin/python"}),
+    # auto finds none for the demo model: the key holds the parser only where there is one
+    "reasoning_parser": ({}, {"engine.reasoning_parser": "qwen3"}),
 }
 
 # For every field left out: a change that must not move the keys.

@@ -117,7 +117,7 @@ def test_cache_keys_differ_by_n_and_logprobs_and_old_namespaces_stay(tmp_path):
     # what namespaces hashed before these fields
     old = base.model_dump(exclude={"max_tokens_cap", "n", "logprobs", "guided_length_bounds", "top_k", "min_p",
                                    "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-                                   "chat_template_kwargs"})
+                                   "chat_template_kwargs", "thinking", "max_thinking_tokens"})
     assert sampling_identity(base) == old
 
     def ns(s):

@@ -19,6 +19,7 @@ from batch_llm.config import ConfigError, SamplingConfig
 from batch_llm.engines.capabilities import EXTRA_SAMPLING_KEYS, serving
 from batch_llm.engines.vllm_engine import sampling_kwargs
 from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.reasoning import TemplateThinking
 from batch_llm.row_params import (
     HONOURED,
     NO_EFFECT,
@@ -85,7 +86,11 @@ HONOURED_EXAMPLES = {
     "include_stop_str_in_output": (True, "include_stop_str_in_output", True),
     "chat_template_kwargs": ({"enable_thinking": False}, "chat_template_kwargs", None),
     "response_format": ({"type": "json_object"}, "response_format", None),
+    "reasoning_effort": ("low", "reasoning_effort", None),
+    "thinking_token_budget": (64, "max_thinking_tokens", 64),
 }
+# Row parameters vLLM's SamplingParams names otherwise
+VLLM_NAMES = {"max_thinking_tokens": "thinking_token_budget"}
 
 
 @pytest.mark.parametrize("completions", [False, True], ids=["chat", "completions"])
@@ -126,9 +131,11 @@ def _assert_honoured(name: str, base: dict, completions: bool) -> None:
     assert p is not None and p.set_names() == {param}, name
     s = resolve(p, SamplingConfig())
     if engine_value is not None:
-        assert sampling_kwargs(s)[param] == engine_value, name
+        assert sampling_kwargs(s)[VLLM_NAMES.get(param, param)] == engine_value, name
     elif name == "chat_template_kwargs":
         assert template_kwargs(p, SamplingConfig(chat_template_kwargs={"other": 1})) == {"other": 1, **value}
+    elif name == "reasoning_effort":  # the template variable of that name, where the template reads one
+        assert template_kwargs(p, SamplingConfig(), TemplateThinking(reasoning_effort=True)) == {name: value}
     else:  # response_format: the row decodes under it, and its output is checked against it
         assert s.response_format is not None and response_schema(s.response_format) == {"type": "object"}
 
@@ -138,7 +145,8 @@ def test_vllm_receives_every_resolved_sampling_field():
     kwargs = sampling_kwargs(resolve(None, SamplingConfig()))
     assert set(kwargs) <= sampling_params  # each one a SamplingParams field of the installed vLLM
     # every field of the resolved sampling reaches vLLM (the row's response_format as its structured outputs)
-    assert {f.name for f in dataclasses.fields(resolve(None, SamplingConfig()))} - set(kwargs) == {"response_format"}
+    resolved = {VLLM_NAMES.get(f.name, f.name) for f in dataclasses.fields(resolve(None, SamplingConfig()))}
+    assert resolved - set(kwargs) == {"response_format"}
 
 
 def test_a_json_schema_response_format_is_the_rows_schema():

@@ -402,6 +402,29 @@ def _check_errors(run: RunStats) -> Iterable[Finding]:
                       f"{why}", change, "errors")
 
 
+def _check_thinking(run: RunStats) -> Iterable[Finding]:
+    """A reasoning model's rows whose thinking never ended: max_tokens went to thinking and the row has no answer
+    (under a schema: an invalid_output row). A thinking budget makes the engine end the thinking in time."""
+    stuck = int(run.total("thinking_unfinished"))
+    if not stuck:
+        return
+    rows = int(run.total("rows")) or stuck
+    samp = run.cfg.get("sampling") or {}
+    max_tokens = int(samp.get("max_tokens") or 256)
+    budget = samp.get("max_thinking_tokens")
+    think, out = run.total("reasoning_tokens"), run.total("output_tokens")
+    share = f"; thinking took {_pct(think / out)} of the answered rows' output tokens" if out else ""
+    if budget is None:
+        change = f"sampling.max_thinking_tokens: {max(1, max_tokens // 2)}"
+    else:  # the budget ends the thinking only when max_tokens leaves room after it
+        change = f"sampling.max_tokens: {int(budget) + max_tokens}"
+    yield Finding("warning", "thinking ate the output budget",
+                  f"{stuck:,} of {rows:,} rows ({_pct(stuck / rows)}) never ended their thinking within sampling."
+                  f"max_tokens = {max_tokens}"
+                  f"{f' (sampling.max_thinking_tokens = {budget})' if budget is not None else ''}: they have no "
+                  f"answer{share}", change, "thinking")
+
+
 def _check_truncation(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if not t or t.rows < 3 or t.truncated / t.rows < TRUNCATED_MAX:
@@ -513,7 +536,7 @@ def _check_expected_rate(run: RunStats) -> Iterable[Finding]:
 
 CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs, _check_speculative, _check_kv_cache,
           _check_memory_headroom, _check_prefix, _check_engine_start, _check_gpu_sharding, _check_errors,
-          _check_truncation, _check_cache, _check_timeline, _check_expected_rate)
+          _check_thinking, _check_truncation, _check_cache, _check_timeline, _check_expected_rate)
 
 
 def diagnose(summary: RunSummary, *, gpus: int | None = None, tokens: TokenStats | None = None,

@@ -192,6 +192,13 @@ def _header(r: _Page) -> dict:
         tiles.insert(3, ("invalid outputs (schema)", _num(r.run.total("invalid_outputs"))))
     if r.run.plan.capped:
         tiles.insert(3, ("rows capped (max_tokens_cap)", _num(r.run.plan.capped)))
+    thinking = r.run.total("reasoning_tokens")
+    if thinking:  # a reasoning model: the share of the generated tokens spent thinking, not answering
+        tiles.insert(6, ("thinking tokens", f"{_num(thinking)} ({thinking / out_tok:.0%} of output)" if out_tok
+                         else _num(thinking)))
+    unfinished = r.run.total("thinking_unfinished")
+    if unfinished:
+        tiles.insert(3, ("rows whose thinking never ended", _num(unfinished)))
     cached, prompt = r.run.total("cached_prompt_tokens"), r.run.total("input_tokens")
     if cached:  # the engine's prefix cache: prompt tokens it did not compute again
         tiles.insert(-3, ("prompt tokens from prefix cache", f"{_num(cached)} ({cached / prompt:.0%})"))
@@ -423,7 +430,8 @@ def _lengths(r: _Page) -> list:
     trunc = f"; {t.truncated:,} completions ({t.truncated / t.rows:.0%}) stopped at max_tokens" if t.truncated else ""
     table = _table(["", "mean", "p50", "p95", "p99", "max"],
                    [[name, _num(mean_of(c), 1), _num(quantile(c, .5)), _num(quantile(c, .95)), _num(quantile(c, .99)),
-                     _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion))])
+                     _num(max(c))] for name, c in (("input tokens", t.prompt), ("output tokens", t.completion),
+                                                   ("thinking tokens", t.reasoning)) if c])
     return [*plot, table, Note(f"From {src}{trunc}.")]
 
 

@@ -85,6 +85,7 @@ class TokenStats:
 
     prompt: Counter = field(default_factory=Counter)        # prompt tokens -> rows
     completion: Counter = field(default_factory=Counter)    # completion tokens -> rows
+    reasoning: Counter = field(default_factory=Counter)     # thinking tokens -> rows (a reasoning parser's split)
     rows: int = 0                 # rows read
     rows_total: int = 0           # rows the manifests report as ok
     truncated: int = 0            # finish_reason "length": stopped by sampling.max_tokens
@@ -138,6 +139,8 @@ def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
         st.completion[c] += 1
         st.rows += 1
         st.truncated += r.get("finish_reason") == "length"
+        if "reasoning_tokens" in r:
+            st.reasoning[int(r["reasoning_tokens"] or 0)] += 1
         if not r.get("cached"):
             sent.append((p, c))
     if sort:  # the planner sorts a shard by output budget, then prompt length (plan.shard_order); with one

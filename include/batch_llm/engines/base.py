@@ -53,6 +53,7 @@ class Sample:
     finish_reason: str | None
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per generated token, when they were asked for
+    reasoning: str | None = None  # its thinking, where a reasoning parser parted it from the answer (``text``)
 
 
 @dataclass
@@ -67,6 +68,13 @@ class GenResult:
     samples: tuple[Sample, ...] | None = None  # every sample, where the request asked n > 1 or logprobs (vLLM)
     embedding: list[float] | None = None  # engine.task embed: the prompt's vector (vLLM's pooling runner)
     scores: dict[str, float] | None = None  # engine.task classify: each class's probability, in the classes' order
+    # A reasoning parser's split (engine.reasoning_parser): ``text`` is then the answer alone, ``reasoning`` the
+    # thinking (None: there was none), ``reasoning_tokens`` its tokens (every sample's), ``thinking_ended`` whether
+    # every sample's thinking ended (False: it ran to the end of the output: there is no answer). None: no parser.
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
+    thinking_ended: bool | None = None
+    thinking_budget: int | None = None  # the thinking budget the request ran under (sampling.max_thinking_tokens)
 
 
 @dataclass

@@ -26,8 +26,11 @@ SAMPLE_PARAMS = frozenset({"n", "logprobs"})
 #: ``sampling_keys`` says which (a key it lacks is refused naming the engines that have it).
 EXTRA_SAMPLING_KEYS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids",
                                  "include_stop_str_in_output"})
-#: Per-row parameters the shard runner applies itself, for every engine: template variables of the chat rendering.
-RENDER_PARAMS = frozenset({"chat_template_kwargs"})
+#: Per-row parameters the shard runner applies itself, for every engine: template variables of the chat rendering
+#: (a row's thinking switch and reasoning_effort are template variables too: ``batch_llm.reasoning``).
+RENDER_PARAMS = frozenset({"chat_template_kwargs", "thinking", "reasoning_effort"})
+#: Per-row parameters of an engine with a reasoning parser (``reasoning``).
+REASONING_PARAMS = frozenset({"max_thinking_tokens"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class EngineCapabilities:
     module: str                    # imported on first use; registers the engine class of ``kind``
     title: str = ""                # how the trigger form and messages describe it
     guided_decoding: bool = False  # decodes under sampling.output_schema (structured outputs)
+    reasoning: bool = False        # a reasoning parser (engine.reasoning_parser: thinking and answer parted, the
+                                   # grammar after the thinking) and a thinking budget (sampling.max_thinking_tokens)
     samples_and_logprobs: bool = False  # sampling.n > 1 and sampling.logprobs, per pipeline and per row
     penalties: bool = False        # presence/frequency penalties per row
     lora_served: bool = False      # an unmerged adapter (model.lora.merge: false) served beside the model
@@ -63,7 +68,8 @@ class EngineCapabilities:
         # a row's response_format (OpenAI's json_schema / json_object) decodes under its schema: guided decoding
         return (BASE_ROW_PARAMS | RENDER_PARAMS | (PENALTY_PARAMS if self.penalties else frozenset())
                 | (SAMPLE_PARAMS if self.samples_and_logprobs else frozenset()) | self.sampling_keys
-                | (frozenset({"response_format"}) if self.guided_decoding else frozenset()) | self.extra_row_params)
+                | (frozenset({"response_format"}) if self.guided_decoding else frozenset())
+                | (REASONING_PARAMS if self.reasoning else frozenset()) | self.extra_row_params)
 
     def problems(self, engine_cfg: object) -> list[str]:
         """What the engine's own ``config_check`` refuses in an engine section (imports only that module)."""
@@ -78,7 +84,8 @@ class EngineCapabilities:
 #: The engine kinds, in the order the trigger form offers them.
 ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
     EngineCapabilities(
-        "vllm", "batch_llm.engines.vllm_engine", title="vLLM", guided_decoding=True, samples_and_logprobs=True,
+        "vllm", "batch_llm.engines.vllm_engine", title="vLLM", guided_decoding=True, reasoning=True,
+        samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
         compile_cache=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS),

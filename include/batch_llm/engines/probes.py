@@ -17,6 +17,23 @@ def model_config_json(model_dir: str) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def model_chat_template(model_dir: str) -> str:
+    """The chat template the model folder ships (``chat_template.jinja``, else ``tokenizer_config.json``'s), read
+    without loading a tokenizer; "" where it has none."""
+    import json
+
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else json.dumps(value or "")
+
+
 def model_context_limit(model_dir: str) -> int | None:
     """The longest context the model was built for (``max_position_embeddings`` in its config.json, or its
     text config's), when the folder says; None otherwise."""

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from batch_llm.engines.base import (
     Engine,
@@ -35,6 +35,7 @@ from batch_llm.engines.probes import (
     cpu_dtype,
     is_fp8_channel_weights,
     is_int_weight_only,
+    model_chat_template,
     model_context_limit,
     model_quantization,
 )
@@ -64,10 +65,22 @@ class VllmEngine(Engine):
                     enforce_eager=c.enforce_eager, enable_prefix_caching=c.enable_prefix_caching,
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
-                    trust_remote_code=self.trust_remote_code, **self._lora_args(), **self._task_args(),
-                    **self._compilation_args())
+                    trust_remote_code=self.trust_remote_code, reasoning_parser=self._reasoning_parser(),
+                    **self._lora_args(), **self._task_args(), **self._compilation_args())
         args.update({k: v for k, v in c.extra.items() if k != "hf_overrides"})  # engine.extra wins, key by key
         return {k: v for k, v in args.items() if v is not None}
+
+    def _reasoning_parser(self) -> str | None:
+        """engine.reasoning_parser as vLLM gets it: ``auto`` (an engine started outside a shard, which resolves it
+        with the pipeline's chat template: ``infer.with_reasoning_parser``) chosen from the model's own template;
+        None: none."""
+        name = self.cfg.reasoning_parser
+        if name == "auto":
+            from batch_llm.reasoning import resolved_reasoning_parser
+
+            name = resolved_reasoning_parser(name, serves_reasoning=self.cfg.task == "generate",
+                                             model_dir=self.model_dir, template=model_chat_template(self.model_dir))
+        return name if self.cfg.task == "generate" else None
 
     def _constructor_dtype(self) -> str:
         return cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=cuda_visible())
@@ -162,6 +175,16 @@ class VllmEngine(Engine):
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
             self.labels = classify_labels(self.model_dir, self.cfg.classify.labels)
+        parser = self._reasoning_parser()
+        if parser is not None:
+            from vllm.reasoning import ReasoningParserManager
+
+            try:
+                parser_class = ReasoningParserManager.get_reasoning_parser(parser)
+            except KeyError:
+                raise EngineCannotRun(f"engine.reasoning_parser: vLLM {vllm.__version__} has no reasoning parser "
+                                      f"{parser!r} (it has: {', '.join(ReasoningParserManager.list_registered())})"
+                                      ) from None
         try:
             multiprocessing = self._multiprocessing()
 
@@ -177,6 +200,9 @@ class VllmEngine(Engine):
             memory, suggested = classify_start_failure(text)
             raise EngineStartError(f"vLLM failed to start: {e}", memory=memory,
                                    suggested_max_model_len=suggested, output=text) from e
+        # one parser, built on the engine's tokenizer, parts every finished output (vLLM's server does the same
+        # per response with the parser the engine's structured outputs and thinking budget use)
+        self.reasoner = parser_class(self.llm.get_tokenizer()) if parser is not None else None
         vc = self.llm.llm_engine.vllm_config
         settings = dict(max_model_len=vc.model_config.max_model_len,
                         max_num_seqs=vc.scheduler_config.max_num_seqs,
@@ -196,6 +222,7 @@ class VllmEngine(Engine):
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
                         structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
+                        reasoning_parser=parser,
                         speculative_method=getattr(vc.speculative_config, "method", None),
                         lora=dict(path=self.lora_dir, max_lora_rank=vc.lora_config.max_lora_rank)
                         if self.lora_dir and vc.lora_config is not None else None)
@@ -245,6 +272,7 @@ class VllmEngine(Engine):
 
         lora = self._lora_request()
         top_k: dict[str, int] = {}  # request id -> the logprobs it asked for (the result does not say)
+        budgets: dict[str, int] = {}  # request id -> its thinking budget (likewise)
 
         def add(engine, req: GenRequest) -> None:
             params = params_for(req)
@@ -252,8 +280,14 @@ class VllmEngine(Engine):
                                lora_request=lora)
             if params.logprobs is not None:
                 top_k[req.key] = params.logprobs
+            if params.thinking_token_budget is not None:
+                budgets[req.key] = params.thinking_token_budget
 
-        yield from self._stream(requests, add, lambda out: gen_result(out, top_k.pop(out.request_id, None)))
+        def result(out) -> GenResult:
+            return gen_result(out, top_k.pop(out.request_id, None), reasoner=self.reasoner,
+                              thinking_budget=budgets.pop(out.request_id, None))
+
+        yield from self._stream(requests, add, result)
 
     def _pool(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         """engine.task embed / classify: the requests streamed through the pooling runner as generate streams
@@ -356,7 +390,7 @@ def sampling_kwargs(s: Sampling) -> dict:
                 stop=list(s.stop) or None, ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty, n=s.n, logprobs=s.logprobs, top_k=s.top_k, min_p=s.min_p,
                 repetition_penalty=s.repetition_penalty, stop_token_ids=list(s.stop_token_ids) or None,
-                include_stop_str_in_output=s.include_stop_str_in_output)
+                include_stop_str_in_output=s.include_stop_str_in_output, thinking_token_budget=s.max_thinking_tokens)
 
 
 def row_structured_outputs(response_format: str | None, length_bounds: str = "grammar"):
@@ -377,21 +411,57 @@ def row_structured_outputs(response_format: str | None, length_bounds: str = "gr
     return StructuredOutputsParams(json=schema)
 
 
-def gen_result(out, top_k: int | None = None) -> GenResult:
+class Split(NamedTuple):
+    """One output parted by a reasoning parser."""
+
+    answer: str
+    reasoning: str | None  # None: no thinking
+    reasoning_tokens: int
+    ended: bool            # the thinking ended (or there was none): what follows is the answer
+
+
+def split_reasoning(reasoner, prompt_token_ids, token_ids, text: str) -> Split:
+    """An output parted into answer and thinking by vLLM's reasoning parser. A prompt whose thinking the
+    template already ended (thinking off: ``<think></think>`` in the prompt) makes the whole output the answer,
+    as vLLM's structured outputs and thinking budget read it; otherwise the parser finds the end of the thinking
+    in the output (a model that writes ``<think>`` itself, or a template that opened it). The answer loses the
+    newlines that follow ``</think>``, as Qwen's and DeepSeek's templates drop them from an earlier turn. Whether
+    the thinking ended is read from the text, as the split is (the parser's ``is_reasoning_end`` reads a decode
+    step's state: an output that stopped on its end-of-turn token reads as unended there)."""
+    if reasoner.is_reasoning_end(list(prompt_token_ids or ())):
+        return Split(text, None, 0, True)
+    reasoning, answer = reasoner.extract_reasoning(text, None)
+    end = reasoner.reasoning_end_str
+    ended = (answer is not None or end in text) if end else reasoner.is_reasoning_end(list(token_ids))
+    return Split((answer or "").lstrip("\n"), reasoning,
+                 reasoner.count_reasoning_tokens(list(token_ids)) if reasoning else 0, ended)
+
+
+def gen_result(out, top_k: int | None = None, *, reasoner=None, thinking_budget: int | None = None) -> GenResult:
     """A finished vLLM ``RequestOutput`` as the engine interface's result: the first sample as ``text``, every
     sample (with the top ``top_k`` log-probabilities per token, when asked) in ``samples`` where the request
-    asked for n > 1 or logprobs."""
+    asked for n > 1 or logprobs. With a reasoning parser (``reasoner``) each sample's text is its answer and its
+    thinking is kept apart (``split_reasoning``)."""
+    splits = [split_reasoning(reasoner, out.prompt_token_ids, c.token_ids, c.text) if reasoner is not None else None
+              for c in out.outputs]
+    texts = [sp.answer if sp is not None else c.text for c, sp in zip(out.outputs, splits)]
     first = out.outputs[0]
     samples = None
     if len(out.outputs) > 1 or top_k is not None:
-        samples = tuple(Sample(text=c.text, finish_reason=c.finish_reason, completion_tokens=len(c.token_ids),
+        samples = tuple(Sample(text=text, finish_reason=c.finish_reason, completion_tokens=len(c.token_ids),
                                logprobs=token_logprobs(c.token_ids, c.logprobs, top_k)
-                               if top_k is not None and c.logprobs is not None else None)
-                        for c in out.outputs)
-    return GenResult(out.request_id, text=first.text, finish_reason=first.finish_reason,
+                               if top_k is not None and c.logprobs is not None else None,
+                               reasoning=sp.reasoning if sp is not None else None)
+                        for c, text, sp in zip(out.outputs, texts, splits))
+    parted = [sp for sp in splits if sp is not None]
+    return GenResult(out.request_id, text=texts[0], finish_reason=first.finish_reason,
                      prompt_tokens=len(out.prompt_token_ids or []),
                      completion_tokens=sum(len(c.token_ids) for c in out.outputs),
-                     cached_prompt_tokens=out.num_cached_tokens or 0, samples=samples)
+                     cached_prompt_tokens=out.num_cached_tokens or 0, samples=samples,
+                     reasoning=parted[0].reasoning if parted else None,
+                     reasoning_tokens=sum(sp.reasoning_tokens for sp in parted),
+                     thinking_ended=all(sp.ended for sp in parted) if parted else None,
+                     thinking_budget=thinking_budget)
 
 
 def token_logprobs(token_ids, positions, top_k: int) -> tuple[TokenLogprob, ...]:

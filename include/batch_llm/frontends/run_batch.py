@@ -81,6 +81,8 @@ FLAGS: tuple[RunBatchFlag, ...] = (
     _f(("-q", "--quantization"), "engine.quantization"),
     _f(("--kv-cache-dtype",), "engine.kv_cache_dtype"),
     _f(("--seed",), "sampling.seed", "the seed of a request that sets none", type=int),
+    _f(("--reasoning-parser",), "engine.reasoning_parser", "vLLM's reasoning parser: each answer's thinking as its "
+       "message's reasoning_content (default: none, as vLLM: the whole output is the content)"),
     _f(("--enable-metrics",), None, "no effect: the run's metrics are in its summary (and a Pushgateway's, "
        "BATCH_LLM_PUSHGATEWAY_URL)", action="store_true"),
     _f(("--disable-log-stats",), None, "no effect: progress lines are the pipeline's", action="store_true"),
@@ -129,11 +131,11 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 def base_config(work_dir: Path, *, keep: bool) -> dict[str, Any]:
     """What every ``batch-llm run-batch`` starts from: OpenAI Batch input, one shard, no content filter and no
     scoring (vLLM does neither), refusals as error lines rather than a failed run, the result cache only in a
-    kept work folder."""
+    kept work folder, no reasoning parser unless --reasoning-parser names one (as vLLM)."""
     return {"name": PIPELINE_NAME, "description": "batch-llm run-batch (vLLM's vllm run-batch flags)",
             "model": {"ref": "unset"}, "input": {"path": "unset", "format": "openai_batch", "sampling_columns": []},
             "sharding": {"num_shards": 1}, "filter": {"enabled": False}, "evaluate": {"enabled": False},
-            "engine": {"max_error_rate": 1.0}, "cache": {"enabled": keep},
+            "engine": {"max_error_rate": 1.0, "reasoning_parser": None}, "cache": {"enabled": keep},
             "output": {"path": str(work_dir / "output")}}
 
 

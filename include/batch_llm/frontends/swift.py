@@ -186,7 +186,9 @@ FLAGS: tuple[SwiftFlag, ...] = (
        "its adapter_config.json"),
     _f("vllm_limit_mm_per_prompt", REFUSE, backend="vllm", how="text rows only"),
     _f("vllm_mm_processor_cache_gb", REFUSE, backend="vllm", how="text rows only"),
-    _f("vllm_reasoning_parser", REFUSE, backend="vllm", how="the response is the model's whole output"),
+    _f("vllm_reasoning_parser", MAP, "engine.reasoning_parser", backend="vllm", how="vLLM's reasoning parser: "
+       "response the answer, the assistant message's reasoning_content the thinking (unset: the whole output, as "
+       "swift)"),
     # swift 3.x spellings (before the vllm_ prefix), which its 3.x example scripts use
     _f("gpu_memory_utilization", MAP, "engine.gpu_memory_utilization", type=float, backend="vllm",
        how="swift 3.x spelling of --vllm_gpu_memory_utilization"),
@@ -487,6 +489,7 @@ def base_config(work_dir: Path) -> dict[str, Any]:
             "model": {"ref": "unset"}, "input": {"path": str(work_dir / "rows.jsonl"), "format": "jsonl",
                                                   "sampling_columns": ["chat_template_kwargs"]},
             "sharding": {"num_shards": 1}, "filter": {"enabled": False}, "evaluate": {"enabled": False},
+            "engine": {"reasoning_parser": None},  # swift parts no thinking unless --vllm_reasoning_parser asks
             "output": {"path": str(work_dir / "output")}}
 
 
@@ -581,8 +584,9 @@ def result_lines(rows: Sequence[dict], outputs: dict[str, dict], errors: dict[st
         out = outputs.get(row_id(i))
         if out is not None and out.get("error") is None and isinstance(out.get("output"), str):
             response = out["output"]
+            thinking = {"reasoning_content": out["reasoning"]} if "reasoning" in out else {}
             lines.append({"response": response, "labels": labels, "logprobs": swift_logprobs(out.get("logprobs")),
-                          "messages": [*messages, {"role": "assistant", "content": response}], **passed})
+                          "messages": [*messages, {"role": "assistant", "content": response, **thinking}], **passed})
         else:
             reason = (out or {}).get("error") or errors.get(row_id(i)) or "no output published for this row"
             lines.append({"response": None, "labels": labels, "logprobs": None, "messages": messages, **passed,

@@ -483,7 +483,7 @@ def _with_system(messages: list[dict], cfg: InputConfig) -> list[dict]:
 def _typed_cells(rec: dict, columns: Sequence[str]) -> dict:
     """The parameter cells of a row; CSV cells are text, so numbers are read from it (a stop cell may hold a
     JSON list; stop_token_ids a JSON list, chat_template_kwargs a JSON object, include_stop_str_in_output
-    true or false)."""
+    true or false; thinking and reasoning_effort words)."""
     out = {}
     for c in columns:
         v = rec.get(c)
@@ -499,6 +499,8 @@ def _typed_cells(rec: dict, columns: Sequence[str]) -> dict:
                                      f"got {v!r}") from None
             elif c == "include_stop_str_in_output":
                 v = {"true": True, "false": False}.get(text.lower(), v)  # anything else: refused as it is
+            elif c in ("thinking", "reasoning_effort"):  # words (on / off / auto, low / high ...): checked as they are
+                v = text
             else:
                 try:
                     v = int(text) if text.lstrip("-").isdigit() else float(text)
@@ -532,6 +534,8 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
                  "completion_tokens": result.get("completion_tokens", 0),
                  "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
                  "prompt_tokens_details": {"cached_tokens": result.get("cached_prompt_tokens", 0)}}
+        if "reasoning_tokens" in result:  # a reasoning parser parted the thinking: its share, as OpenAI counts it
+            usage["completion_tokens_details"] = {"reasoning_tokens": result["reasoning_tokens"]}
         completions = record.get("url") == "/v1/completions"
         if completions:
             body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
@@ -543,8 +547,9 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
             body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
                     "model": model,
                     "choices": [{"index": i, "finish_reason": reason, "logprobs": _chat_logprobs(lp),
-                                 "message": {"role": "assistant", "content": text}}
-                                for i, (text, reason, lp) in enumerate(_choices(result))],
+                                 "message": {"role": "assistant", "content": text, **thinking}}
+                                for i, ((text, reason, lp), thinking) in enumerate(zip(_choices(result),
+                                                                                       _reasoning_of(result)))],
                     "usage": usage}
         return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
                 "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
@@ -587,6 +592,15 @@ def _choices(result: dict) -> list[tuple[str, str | None, list | None]]:
         return list(zip(result["outputs"], result.get("finish_reasons") or [result.get("finish_reason")] *
                         len(result["outputs"]), lps))
     return [(result.get("output", ""), result.get("finish_reason"), result.get("logprobs"))]
+
+
+def _reasoning_of(result: dict) -> list[dict]:
+    """Each sample's thinking as its chat message's ``reasoning_content`` (vLLM's server's field), where a
+    reasoning parser parted it from the answer; nothing where none did."""
+    if "reasoning" not in result:
+        return [{}] * max(1, len(result.get("outputs") or ()))
+    every = result.get("outputs_reasoning") or [result["reasoning"]]
+    return [{"reasoning_content": r} for r in every]
 
 
 def _chat_logprobs(tokens: list | None) -> dict | None:
@@ -635,7 +649,8 @@ def structured_column(name: str, record: dict) -> str:
 
 _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
               "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding", "label", "scores",
-              "review_verdict", "review_categories", "review_error")
+              "review_verdict", "review_categories", "review_error",
+              "reasoning", "reasoning_tokens", "thinking_ended", "max_thinking_tokens", "outputs_reasoning")
 
 _SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
 

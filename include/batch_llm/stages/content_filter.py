@@ -57,6 +57,9 @@ if TYPE_CHECKING:
     pass
 from batch_llm.layout import RunLayout
 
+# The fields the lists scan (config.ScannedField), answer first, and where each keeps every sample's (n > 1)
+SCANNED_FIELDS = ("output", "reasoning")
+_SAMPLES_OF = {"output": "outputs", "reasoning": "outputs_reasoning"}
 
 def load_words(path: str, options: dict | None = None) -> list[str]:
     """The words of a list: ``builtin:NAME`` (a shipped list only), a local file or an object, read with the
@@ -285,15 +288,22 @@ class ContentFilter:
                 a.make_automaton()
                 self.lists.append(_List(wl, a))
 
-    def scan(self, text: str) -> list[tuple[_List, int, int, str]]:
+    @property
+    def fields(self) -> list[str]:
+        """The row fields some list scans, answer first (``filter.scan``, a list's own ``scan``)."""
+        wanted = {f for lst in self.lists for f in lst.cfg.scan or self.cfg.scan}
+        return [f for f in SCANNED_FIELDS if f in wanted]
+
+    def scan(self, text: str, field: str | None = None) -> list[tuple[_List, int, int, str]]:
         """Every hit as (list, start, end, word): offsets in ``text``, the word as folded; whole-word rule for
-        ASCII words."""
-        if not self.lists:
+        ASCII words. ``field``: only the lists that scan that field (``output``, ``reasoning``); None: all."""
+        lists = [lst for lst in self.lists if field is None or field in (lst.cfg.scan or self.cfg.scan)]
+        if not lists:
             return []
         base = fold_text(text, self.casefold)
         by_folds: dict[tuple[str, ...], Folded] = {(): base}  # lists of the same folds share one folded text
         hits = []
-        for lst in self.lists:
+        for lst in lists:
             folds = tuple(lst.cfg.fold)
             if folds not in by_folds:
                 by_folds[folds] = refold(base, folds, self.casefold)
@@ -308,24 +318,29 @@ class ContentFilter:
     def _fold(self, text: str, folds: tuple[str, ...]) -> Folded:
         return refold(fold_text(text, self.casefold), folds, self.casefold)
 
-    def apply(self, row: dict, text_key: str = "output") -> tuple[dict | None, list[dict]]:
-        """(the row after its actions, or None when dropped; the hits as dicts). A row with several samples
-        (``outputs``, n > 1) is scanned in every sample: a drop hit in any drops the row, masks apply to each,
-        and each hit names its ``sample``; ``output`` stays the first sample, masked as it is."""
-        samples = row.get("outputs") if text_key == "output" else None
-        texts = samples if isinstance(samples, list) and samples else [row.get(text_key)]
-        hits = [(i, h) for i, text in enumerate(texts) if text for h in self.scan(text)]
-        if not hits:
-            return row, []
-        found = [_hit(h, i if texts is samples else None) for i, h in hits]
-        if any(h[0].cfg.action == "drop" for _, h in hits):
-            return None, found
-        out = dict(row)
-        masked = [self._masked(text, [h for j, h in hits if j == i]) for i, text in enumerate(texts)]
-        if texts is samples:
-            out["outputs"] = masked
-        out[text_key] = masked[0]
-        out["filter_hits"] = found
+    def apply(self, row: dict) -> tuple[dict | None, list[dict]]:
+        """(the row after its actions, or None when dropped; the hits as dicts). Each scanned field (``fields``:
+        the answer, a reasoning model's thinking) is scanned by the lists that scan it; a hit in the thinking
+        names its ``field``. A row with several samples (``outputs`` / ``outputs_reasoning``, n > 1) is scanned
+        in every sample: a drop hit in any drops the row, masks apply to each, and each hit names its ``sample``;
+        ``output`` (``reasoning``) stays the first sample, masked as it is."""
+        out, found = row, []
+        for field in self.fields:
+            samples = row.get(_SAMPLES_OF[field])
+            texts = samples if isinstance(samples, list) and samples else [row.get(field)]
+            hits = [(i, h) for i, text in enumerate(texts) if text for h in self.scan(text, field)]
+            if not hits:
+                continue
+            found += [_hit(h, i if texts is samples else None, field) for i, h in hits]
+            if any(h[0].cfg.action == "drop" for _, h in hits):
+                return None, found
+            masked = [self._masked(text, [h for j, h in hits if j == i]) for i, text in enumerate(texts)]
+            out = dict(out) if out is row else out
+            if texts is samples:
+                out[_SAMPLES_OF[field]] = masked
+            out[field] = masked[0]
+        if found:
+            out["filter_hits"] = found
         return out, found
 
     def _masked(self, text: str | None, hits: list) -> str | None:
@@ -338,11 +353,13 @@ class ContentFilter:
         return "".join(chars)
 
 
-def _hit(h, sample: int | None = None) -> dict:
+def _hit(h, sample: int | None = None, field: str = "output") -> dict:
     lst, start, end, word = h
     hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
     if sample is not None:
         hit["sample"] = sample
+    if field != "output":  # a hit in the thinking; offsets are into that field
+        hit["field"] = field
     return hit
 
 

@@ -295,6 +295,11 @@ def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | Non
     t0 = time.perf_counter()
     m = fetch_model(cfg.model, storage_options=storage_options, adapter_storage_options=adapter_storage_options)
     m.seconds = round(time.perf_counter() - t0, 2)
+    from batch_llm.stages.infer import reasoning_problems
+
+    # thinking settings this model's template cannot honour stop the run here, before a GPU is leased for it
+    if problems := reasoning_problems(cfg, m.local_dir):
+        raise ConfigError(f"model.ref {cfg.model.ref}: " + "; ".join(problems))
     if warning := fetch_fit_warning(cfg, m.local_dir):  # a GPU worker whose GPUs cannot hold the model
         logging.getLogger("batch_llm.stages.fetch").warning("%s", warning)
     m.write(layout.stage("fetch").path())

@@ -22,7 +22,7 @@ into the manifest (``phases``, see ``timeline.py``): the report draws them, the 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import logging
 import sys
 import tempfile
@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 from batch_llm.analysis.timeline import Timeline
 from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
-from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
+from batch_llm.engines.base import Engine, EngineCannotRun, EngineInfo, GenRequest, GenResult
+from batch_llm.engines.probes import model_chat_template
 from batch_llm.engines.start import start_engine
 from batch_llm.io.identity import ENGINE_FIELDS_NOT_IN_OUTPUT, OUTPUT_IDENTITY_FORMAT, engine_dtype
 from batch_llm.io.storage import (
@@ -63,6 +64,13 @@ from batch_llm.manifests import (
     ShardSpec,
 )
 from batch_llm.output_schema import OutputSchema
+from batch_llm.reasoning import (
+    TemplateThinking,
+    ThinkingRefused,
+    resolved_reasoning_parser,
+    template_thinking,
+    thinking_variables,
+)
 from batch_llm.row_params import RowParams, resolve, response_schema, template_kwargs
 from batch_llm.stages.shard_merge import committed_ids, finish_shard
 
@@ -113,16 +121,7 @@ class Progress:
 
 def chat_template_text(model_dir: str, override: str | None) -> str:
     """The chat template the tokenizer will use, read from the model's files (no tokenizer load)."""
-    if override:
-        return override
-    jinja = Path(model_dir) / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text(encoding="utf-8")
-    try:
-        value = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, ValueError):
-        return ""
-    return value if isinstance(value, str) else json.dumps(value or "")
+    return override or model_chat_template(model_dir)
 
 
 def load_tokenizer(model_dir: str, chat_template: str | None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -208,7 +207,11 @@ class _Group:
 SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
 # engine.task embed: the row's vector; classify: its top class and every class's probability. Carried like the
 # sample fields (chunks, outputs.jsonl, cache entries).
-RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores")
+# A reasoning model's thinking, parted from the answer by the engine's reasoning parser (engine.reasoning_parser):
+# the first sample's thinking, its tokens (every sample's), whether it ended, the budget it ran under, and every
+# sample's thinking (n > 1). Carried like the sample fields.
+REASONING_FIELDS = ("reasoning", "reasoning_tokens", "thinking_ended", "max_thinking_tokens", "outputs_reasoning")
+RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores", *REASONING_FIELDS)
 
 
 def sample_fields(res: GenResult) -> dict:
@@ -225,6 +228,29 @@ def sample_fields(res: GenResult) -> dict:
         if len(samples) > 1:
             out["outputs_logprobs"] = [[dataclasses.asdict(t) for t in s.logprobs or ()] for s in samples]
     return out
+
+
+def _reasoning_fields(res: GenResult) -> dict:
+    """The result's ``REASONING_FIELDS``, where the engine parted thinking from answer (none otherwise)."""
+    if res.thinking_ended is None:
+        return {}
+    out: dict = {"reasoning": res.reasoning, "reasoning_tokens": res.reasoning_tokens,
+                 "thinking_ended": res.thinking_ended}
+    if res.thinking_budget is not None:
+        out["max_thinking_tokens"] = res.thinking_budget
+    if res.samples and len(res.samples) > 1:
+        out["outputs_reasoning"] = [s.reasoning for s in res.samples]
+    return out
+
+
+def unfinished_thinking(res: GenResult) -> str | None:
+    """Why a row under a schema has no answer to check: its thinking never ended (the grammar waits for the end
+    of the thinking, so nothing was decoded under it); None where it ended or there was none."""
+    if res.thinking_ended is not False:
+        return None
+    return (f"thinking never ended: {res.reasoning_tokens} thinking tokens ran to the end of the output "
+            f"(finish_reason {res.finish_reason}) before an answer under the schema began; raise max_tokens or set "
+            "sampling.max_thinking_tokens")
 
 
 def result_row(r: tuple[str, int], entry: dict, *, cached: bool, key: str) -> dict:
@@ -245,7 +271,7 @@ def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
             "cached_prompt_tokens": res.cached_prompt_tokens, "cached": False,
-            "error": reason, "error_kind": "invalid_output", **sample_fields(res)}
+            "error": reason, "error_kind": "invalid_output", **sample_fields(res), **_reasoning_fields(res)}
 
 
 # Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
@@ -273,7 +299,8 @@ class _EngineStarter(threading.Thread):
     def run(self) -> None:
         t0 = time.time()
         try:
-            self.engine, self.info = start_engine(self.model_dir, self.cfg, self.say, lora_dir=self.lora_dir,
+            self.engine, self.info = start_engine(self.model_dir, with_reasoning_parser(self.cfg, self.model_dir),
+                                                  self.say, lora_dir=self.lora_dir,
                                                   storage_options=self.storage_options)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by result()
             self.error = e
@@ -543,6 +570,9 @@ class ShardRun:
             return None
         try:
             text, ids = self._render(r)
+        except ThinkingRefused as e:  # the row's thinking setting, which this model's template cannot honour
+            self._fail(rid, str(e))
+            return None
         except Exception as e:  # noqa: BLE001 - a template that rejects the chat is a row error
             self._fail(rid, f"chat template failed: {e}")
             return None
@@ -582,10 +612,16 @@ class ShardRun:
             return r["text"], self.tokenizer(r["text"], add_special_tokens=True)["input_ids"]
         if not self.tokenizer.chat_template:
             raise ValueError(f"the model at {self.model_dir} has no chat template; set model.chat_template")
-        variables = template_kwargs(RowParams.from_json(_row_params(r)), self.cfg.sampling)
+        variables = template_kwargs(RowParams.from_json(_row_params(r)), self.cfg.sampling, self._template_thinking)
         text = self.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True,
                                                   **variables)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @functools.cached_property
+    def _template_thinking(self) -> TemplateThinking:
+        """What the tokenizer's chat template (the one rendering the rows) says about thinking, read once."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return template_thinking(template if isinstance(template, str) else None)
 
     def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
         group = self.groups.pop(rid)
@@ -596,7 +632,7 @@ class ShardRun:
         reason = None
         schema = self._schema_of(res.key)
         if schema is not None and not res.error:
-            reason = self._schema_problem(res, schema)
+            reason = unfinished_thinking(res) or self._schema_problem(res, schema)
         req = self.retryable.pop(res.key, None)
         self.gen_tokens += res.completion_tokens
         if reason and req is not None and not last:
@@ -606,7 +642,7 @@ class ShardRun:
         group = self.groups.pop(res.key)
         entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                  "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens,
-                 **sample_fields(res)}
+                 **sample_fields(res), **_reasoning_fields(res)}
         if res.embedding is not None:  # a vector, no text: output stays null
             entry.update(output=None, embedding=res.embedding)
         if res.scores is not None:  # class probabilities, no text: output stays null
@@ -716,7 +752,7 @@ def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, mod
 
 # sampling keys added after the cache's first namespaces: hashed only where set, so those namespaces stay the same
 _LATER_SAMPLING_KEYS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-                        "chat_template_kwargs")
+                        "chat_template_kwargs", "thinking", "max_thinking_tokens")
 
 
 def sampling_identity(s: SamplingConfig) -> dict:
@@ -742,13 +778,57 @@ def output_identity(cfg: PipelineConfig, *, model_key: str, model_dir: str) -> d
     dtype (as the engine will get it: ``auto`` on a CPU without native bfloat16 is float32), quantization,
     kv_cache_dtype, max_model_len (which rows fail as too long, and where a generation stops), speculative
     decoding (it changes a seeded sample's draws), engine.extra (anything) and the interpreter the engine runs
-    in (its installation). What each row adds (its prompt, its own parameters) is the cache's row key."""
+    in (its installation). The reasoning parser as the engine gets it (``auto`` chosen from the model), where there
+    is one: it decides what ``output`` holds. What each row adds (its prompt, its own parameters) is the cache's
+    row key."""
     e = cfg.engine
     engine = e.model_dump(mode="json", exclude=set(ENGINE_FIELDS_NOT_IN_OUTPUT))
     engine["dtype"] = engine_dtype(e.dtype, model_dir)
+    engine["reasoning_parser"] = reasoning_parser(cfg, model_dir)
+    if engine["reasoning_parser"] is None:  # no parser: the namespaces made before the key existed stay the same
+        del engine["reasoning_parser"]
     return {"format": OUTPUT_IDENTITY_FORMAT, "model": model_key, "trust_remote_code": cfg.model.trust_remote_code,
             "chat_template": chat_template_text(model_dir, cfg.model.chat_template),
             "sampling": sampling_identity(cfg.sampling) if e.task == "generate" else {}, "engine": engine}
+
+
+def reasoning_parser(cfg: PipelineConfig, model_dir: str) -> str | None:
+    """``engine.reasoning_parser`` as the engine gets it: ``auto`` chosen from the model and its chat template
+    (``reasoning.default_reasoning_parser``; none on an engine without one, or for a task that writes no text)."""
+    return resolved_reasoning_parser(cfg.engine.reasoning_parser,
+                                     serves_reasoning=cfg.engine.caps.reasoning and cfg.engine.task == "generate",
+                                     model_dir=model_dir, template=chat_template_text(model_dir, cfg.model.chat_template))
+
+
+def with_reasoning_parser(cfg: PipelineConfig, model_dir: str) -> PipelineConfig:
+    """The config the engine starts with: ``engine.reasoning_parser`` as it gets it (``reasoning_parser``);
+    EngineCannotRun where the pipeline's thinking settings cannot run on this model (``reasoning_problems``)."""
+    if problems := reasoning_problems(cfg, model_dir):
+        raise EngineCannotRun("; ".join(problems))
+    parser = reasoning_parser(cfg, model_dir)
+    if parser == cfg.engine.reasoning_parser:
+        return cfg
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"reasoning_parser": parser})})
+
+
+def reasoning_problems(cfg: PipelineConfig, model_dir: str) -> list[str]:
+    """What of the pipeline's thinking settings this model cannot do, named by key: ``sampling.thinking`` its
+    template cannot honour, ``sampling.max_thinking_tokens`` without a reasoning parser for it. Checked when the
+    model is fetched and again before its engine starts; a row's own settings are checked per row."""
+    if cfg.engine.task != "generate":
+        return []
+    problems = []
+    template = chat_template_text(model_dir, cfg.model.chat_template)
+    try:
+        thinking_variables(cfg.sampling.thinking, template_thinking(template))
+    except ThinkingRefused as e:
+        problems.append(f"sampling.{e}")
+    if cfg.sampling.max_thinking_tokens is not None and reasoning_parser(cfg, model_dir) is None:
+        problems.append(f"sampling.max_thinking_tokens: engine.reasoning_parser: {cfg.engine.reasoning_parser} found "
+                        f"no reasoning parser for the model at {model_dir} (its chat template neither switches nor "
+                        "opens a thinking block, or its family is not one auto knows); set engine.reasoning_parser "
+                        "to vLLM's parser for it")
+    return problems
 
 
 def check_error_rate(cfg: PipelineConfig, manifest: ShardManifest) -> None:

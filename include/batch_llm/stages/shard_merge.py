@@ -60,6 +60,7 @@ def finish_shard(index: int, shard_dir: Location, chunks_dir: Location, shard_pa
             m.input_tokens += r["prompt_tokens"]
             m.cached_prompt_tokens += r.get("cached_prompt_tokens", 0)  # rows committed before it was recorded: 0
             line = json_bytes(r) + b"\n"
+            m.thinking_unfinished += r.get("thinking_ended") is False
             if r["error"]:
                 m.errors += 1
                 if r.get("error_kind") == "invalid_output":  # generated, though not usable
@@ -69,6 +70,7 @@ def finish_shard(index: int, shard_dir: Location, chunks_dir: Location, shard_pa
             else:
                 m.ok += 1
                 m.output_tokens += r["completion_tokens"]
+                m.reasoning_tokens += r.get("reasoning_tokens", 0)
                 ok.write(line)
         if m.ok + m.errors != n_rows:
             committed = committed_ids(chunks_dir)
