@@ -151,7 +151,7 @@ def test_publish_hands_on_a_typed_reference_with_what_steps_after_it_read():
     ref = m.ref()
     assert isinstance(ref, PublishedRef)
     assert ref.model_dump(mode="json") == m.model_dump(include={"partition", "dataset", "rows", "summary", "errors",
-                                                                "report"})
+                                                                "report", "table"})
 
 
 def test_for_run_takes_locations_already_resolved(tmp_path):
