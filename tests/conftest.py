@@ -75,7 +75,7 @@ def s3(tmp_path_factory):
 # short modules fill in behind, so both workers finish at about the same time.
 LONGEST_FIRST = ("test_celery_executor.py", "test_openai_batch.py", "test_quantize.py", "test_resume.py",
                  "test_engine_faults.py", "test_rest_backfill.py", "test_s3_pipeline.py",
-                 "test_pipeline_e2e.py", "test_structured_outputs.py", "test_review.py")
+                 "test_pipeline_e2e.py", "test_structured_outputs.py", "test_review.py", "test_reasoning.py")
 
 
 def pytest_collection_modifyitems(config, items):
