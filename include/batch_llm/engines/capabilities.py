@@ -160,6 +160,8 @@ def engines_serving(feature: str | Callable[[EngineCapabilities], object]) -> st
 #: The columns of docs/engines-and-gpus.md's capability table: (heading, what a row shows in it).
 TABLE_COLUMNS: tuple[tuple[str, Callable[[EngineCapabilities], str]], ...] = (
     ("guided JSON (`sampling.output_schema`, a row's `response_format`)", lambda c: _yes(c.guided_decoding)),
+    ("reasoning parser, thinking budget (`engine.reasoning_parser`, `sampling.max_thinking_tokens`)",
+     lambda c: _yes(c.reasoning)),
     ("n > 1, logprobs", lambda c: _yes(c.samples_and_logprobs)),
     ("presence / frequency penalties per row", lambda c: _yes(c.penalties)),
     ("LoRA served unmerged", lambda c: _yes(c.lora_served)),

@@ -61,6 +61,7 @@ from batch_llm.layout import RunLayout
 SCANNED_FIELDS = ("output", "reasoning")
 _SAMPLES_OF = {"output": "outputs", "reasoning": "outputs_reasoning"}
 
+
 def load_words(path: str, options: dict | None = None) -> list[str]:
     """The words of a list: ``builtin:NAME`` (a shipped list only), a local file or an object, read with the
     path policy's bound (a device, a FIFO or a file over ``MAX_WORD_LIST_BYTES`` is refused, not read)."""

@@ -81,6 +81,7 @@ from batch_llm.layout import RunLayout
 
 log = logging.getLogger("batch_llm.stages.infer")
 
+
 class ShardFailed(RuntimeError):
     """The shard finished but too many rows failed; its outputs and errors were still written."""
 
