@@ -42,7 +42,7 @@ DIST = {
     "matplotlib": "matplotlib", "modelscope": "modelscope", "msgspec": "msgspec", "nltk": "nltk", "numpy": "numpy",
     "openlineage": "apache-airflow-providers-openlineage",  # openlineage-python, through the provider it serves
     "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
-    "psutil": "psutil", "sglang": "sglang",
+    "psutil": "psutil", "sglang": "sglang", "tokenizers": "tokenizers",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
     "deltalake": "deltalake", "pyiceberg": "pyiceberg",  # output.table's sinks
