@@ -13,6 +13,7 @@ import difflib
 import os
 import re
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -188,14 +189,16 @@ class ShardingConfig(_Section):
             raise ValueError("set rows_per_shard or num_shards, not both")
         return self
 
-    def size_changes(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """``changes`` to the two sizes (rows_per_shard, num_shards: overrides by field name) as this section
-        takes them: they exclude each other, so a size changed from this section's wins and unsets the other,
-        unless that one is changed too (then both stay, and ``_one_of`` refuses them). The trigger form, which
-        shows both with the pipeline's values, and a command line that sets one both come through here."""
-        changed = [k for k in SHARD_SIZES if changes.get(k) is not None and changes[k] != getattr(self, k)]
+    @staticmethod
+    def size_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+        """``changes`` to the two sizes (rows_per_shard, num_shards: overrides by field name) against ``current``
+        (a sharding section's values): they exclude each other, so a size changed from the current one wins and
+        unsets the other, unless that one is changed too (then both stay, and ``_one_of`` refuses them). The
+        trigger form, which shows both with the pipeline's values, and a command line that sets one both come
+        through here (``apply_overrides``)."""
+        changed = [k for k in SHARD_SIZES if changes.get(k) is not None and changes[k] != current.get(k)]
         if len(changed) != 1:
-            return changes
+            return dict(changes)
         return {**changes, **{k: None for k in SHARD_SIZES if k != changed[0]}}
 
 
@@ -922,19 +925,38 @@ class PipelineConfig(_Section):
                              "model at fetch")
         return self
 
-    def with_overrides(self, overrides: dict[str, Any], source: str = "params") -> "PipelineConfig":
-        """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again."""
-        data = self.model_dump()
-        overrides = dict(overrides)
-        sizes = {k: overrides[f"sharding.{k}"] for k in SHARD_SIZES if f"sharding.{k}" in overrides}
-        overrides.update({f"sharding.{k}": v for k, v in self.sharding.size_changes(sizes).items()})
-        for dotted, value in overrides.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = value
-        return parse_config(data, source)
+    def with_overrides(self, overrides: Mapping[str, Any], source: str = "params") -> "PipelineConfig":
+        """A copy with dotted-key overrides applied (``{"sampling.temperature": 0.7}``), validated again; this
+        config itself where they change nothing (a trigger form left as the pipeline has it), not validated twice."""
+        data = apply_overrides(self.model_dump(), overrides)
+        return self if data == self.model_dump() else parse_config(data, source)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config as a mapping) with dotted-key overrides set in it, the two shard sizes as
+    ``ShardingConfig.size_changes`` takes them; validated by whoever parses the result, once."""
+    overrides = dict(overrides)
+    sizes = {k: overrides[f"sharding.{k}"] for k in SHARD_SIZES if f"sharding.{k}" in overrides}
+    current = data.get("sharding") or {}
+    overrides.update({f"sharding.{k}": v for k, v in ShardingConfig.size_changes(current, sizes).items()})
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return data
+
+
+class ConfigDump(dict[str, Any]):
+    """A validated config's JSON dump (what an operator's argument carries into the serialized DAG) that keeps
+    the config it was made from, so that an operator made in the same process (the DAG file's parse in a task's
+    process) takes that config instead of validating the dump again. A copy that lost it (JSON, a plain dict) is
+    parsed as any dump. Not to be changed: change the config (``with_overrides``) and dump that."""
+
+    def __init__(self, config: PipelineConfig):
+        super().__init__(config.model_dump(mode="json"))
+        self.config = config
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

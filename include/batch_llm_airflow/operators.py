@@ -16,7 +16,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import api
 from batch_llm.analysis import metrics_push
-from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.config import ConfigDump, PipelineConfig, parse_config
 from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
 from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
@@ -64,14 +64,24 @@ class PipelineStageOperator(BaseOperator):
 
     def __init__(self, *, pipeline_config: dict, config_overrides: dict | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self.pipeline_config = pipeline_config
+        self.pipeline_config = pipeline_config  # the config's JSON dump: a ConfigDump from the task group
         self.config_overrides = config_overrides or {}
 
+    @functools.cached_property
+    def config(self) -> PipelineConfig:
+        """The pipeline's config, validated once in this process: the task group's own (a ``ConfigDump`` keeps
+        it), or the dump this operator was given, parsed here."""
+        given = self.pipeline_config
+        if isinstance(given, ConfigDump):
+            return given.config
+        return parse_config(given, f"pipeline {given.get('name')!r}")
+
     def resolve(self, context: Context) -> tuple[PipelineConfig, RunLayout]:
-        cfg = parse_config(self.pipeline_config, f"pipeline {self.pipeline_config.get('name')!r}")
+        base = self.config
         params = context.get("params") or {}
-        cfg = cfg.with_overrides({**overrides_from_params(params, cfg), **self.config_overrides},
-                                 source=f"params of {self.dag_id}")
+        # the same config object where the run's Params and overrides change nothing
+        cfg = base.with_overrides({**overrides_from_params(params, base), **self.config_overrides},
+                                  source=f"params of {self.dag_id}")
         ds = run_date(context)
         out = BatchLlmStorageHook(cfg.output.conn_id).location(cfg.output.path)
         inp = BatchLlmStorageHook(cfg.input.conn_id).location(cfg.input.path.format(ds=ds))

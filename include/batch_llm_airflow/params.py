@@ -89,9 +89,11 @@ def _word_list(item: Any) -> Any:
 
 
 def overrides_from_params(params: dict, cfg: PipelineConfig) -> dict:
-    """Dotted-key overrides from the run's params (``PipelineConfig.with_overrides`` applies them: of
-    rows_per_shard and num_shards, which the form shows both, the one changed from the pipeline's wins)."""
-    over = {PARAM_KEYS[k][0]: v for k, v in params.items() if k in PARAM_KEYS}
+    """Dotted-key overrides from the run's params that differ from the form's defaults (``cfg``'s own values,
+    ``params_for``): an untouched form changes nothing, and the config is not validated again.
+    ``PipelineConfig.with_overrides`` applies them (of rows_per_shard and num_shards, the one changed wins)."""
+    form = {k: p.value for k, p in params_for(cfg).items()}
+    over = {PARAM_KEYS[k][0]: v for k, v in params.items() if k in PARAM_KEYS and v != form[k]}
     if isinstance(over.get("filter.lists"), list):
         over["filter.lists"] = [_word_list(item) for item in over["filter.lists"]]
     check_local_paths(over, cfg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import Asset, TaskGroup, TriggerRule
-from batch_llm.config import PipelineConfig
+from batch_llm.config import ConfigDump, PipelineConfig
 from batch_llm.stages.review import review_active
 
 from batch_llm_airflow.operators import (
@@ -42,8 +42,9 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
     so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
     """
-    # the arguments every operator of the group takes
-    common: dict[str, Any] = {"pipeline_config": cfg.model_dump(mode="json"), "config_overrides": overrides}
+    # the arguments every operator of the group takes; the config's dump keeps the validated config for the
+    # operators made in this process (a task's, which parses the DAG file): they do not validate it again
+    common: dict[str, Any] = {"pipeline_config": ConfigDump(cfg), "config_overrides": overrides}
     with TaskGroup(group_id=group_id) as group:
         model = FetchModelOperator(task_id="fetch_model", **common)
         quantized = QuantizeOperator(task_id="quantize", model=model.output, **common)

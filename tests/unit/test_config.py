@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from batch_llm.config import ConfigError, load_config
+from batch_llm.config import ConfigError, load_config, parse_config
 from helpers import DEMO_YAML, demo_config
 
 
@@ -114,7 +114,8 @@ def test_speculative_is_off_by_default_and_reaches_vllm_as_its_speculative_confi
     args = VllmEngine("/m", cfg.engine, cfg.sampling)._constructor_args()
     assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
                                           "prompt_lookup_min": 2}
-    assert cfg.with_overrides({}).engine.speculative == cfg.engine.speculative  # survives a params round trip
+    # survives the operator's round trip (the task group's JSON dump, parsed in the task)
+    assert parse_config(cfg.model_dump(mode="json")).engine.speculative == cfg.engine.speculative
 
 
 def test_engine_extra_reaches_vllm_as_is_and_wins_key_by_key(tmp_path):

@@ -164,3 +164,30 @@ def test_for_run_takes_locations_already_resolved(tmp_path):
     layout = RunLayout.for_run(cfg, run_id="r", ds="2026-11-30", output_location=out, input_location=inp)
     assert layout.output_root is out and layout.input is inp
     assert layout.partition == cfg.output.partition.format(ds="2026-11-30")
+
+
+def test_a_task_validates_its_pipeline_config_once(monkeypatch):
+    """In a task's process the DAG file's parse validates the pipeline's config; the operator takes that config
+    (its argument, the JSON dump the DAG carries, keeps it) and the run's Params validate again only where they
+    change it. The worker is sent the dump and validates it once, in its own process."""
+    from batch_llm.config import PipelineConfig, load_config
+    from batch_llm.isolation.shard_process import worker_spec
+    from batch_llm_airflow.dag_factory import pipeline_dag
+    from batch_llm_airflow.params import params_for
+    from helpers import DEMO_YAML
+
+    validated = []
+    validate = PipelineConfig.model_validate
+    monkeypatch.setattr(PipelineConfig, "model_validate",
+                        classmethod(lambda cls, data, **kw: validated.append(data) or validate(data, **kw)))
+    cfg = load_config(DEMO_YAML)
+    plan = pipeline_dag(cfg, source="demo.yaml (test)").get_task("pipeline.plan_shards")
+    form = {k: p.value for k, p in params_for(cfg).items()}  # the trigger form, left as the YAML has it
+    assert len(validated) == 1  # the YAML, at the DAG file's parse
+    for _ in range(2):
+        got, layout = plan.resolve({**_context(), "params": form})
+        assert got is cfg and len(validated) == 1
+    changed, _ = plan.resolve({**_context(), "params": {**form, "temperature": 0.7}})
+    assert changed.sampling.temperature == 0.7 and len(validated) == 2
+    spec = worker_spec(got, layout, {"local_dir": "/m"}, {"index": 0, "rows": 1, "url": "file:///s"})
+    assert spec["config"] == cfg.model_dump(mode="json") and len(validated) == 2

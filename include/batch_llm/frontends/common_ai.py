@@ -59,7 +59,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from batch_llm.config import PipelineConfig, parse_config
+from batch_llm.config import PipelineConfig, apply_overrides, parse_config
 from batch_llm.engines.capabilities import DEFAULT_KIND, serving
 from batch_llm.io.formats import read_rows
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
@@ -336,8 +336,9 @@ def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int,
     data["sampling"] = {**data.get("sampling", {}), "max_tokens": max_tokens, "output_schema": schema}
     if "sampling.guided_decoding" not in overrides and schema is not None:
         data["sampling"]["guided_decoding"] = kind in serving("guided_decoding")
-    cfg = parse_config(data, f"batch {name!r}")
-    return cfg.with_overrides(overrides, source=f"batch {name!r}: config_overrides") if overrides else cfg
+    # validated once, with the overrides in
+    return parse_config(apply_overrides(data, overrides), f"batch {name!r} (with its config_overrides)" if overrides
+                        else f"batch {name!r}")
 
 
 def _fingerprint_config(cfg: PipelineConfig) -> bytes:
