@@ -13,7 +13,7 @@ from batch_llm.layout import RunLayout
 from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult, ShardSpec
 from batch_llm.stages import review as rv
 from batch_llm.stages.content_filter import content_filter
-from batch_llm.stages.publish import _row_errors
+from batch_llm.stages.publish import row_errors
 from pydantic import ValidationError
 
 GUARD = {"ref": "/models/guard"}
@@ -204,7 +204,7 @@ def test_actions_and_row_accounting(tmp_path):
     assert s.review.categories == {"violence": 1, "other": 1, "sexual": 2}
     assert (s.review.rows_dropped, s.review.rows_masked, s.review.rows_flagged) == (2, 2, 1)
     assert (s.review.requests, s.review.input_tokens) == (9, 45)
-    errors = {e["id"]: e for e in _row_errors(plan, m, {})}
+    errors = {e["id"]: e for e in row_errors(plan, m, {})}
     assert errors["r1"] == {"id": "r1", "reason": "dropped by review: violence, other", "stage": "review"}
     assert errors["r4"]["reason"].startswith("review failed: output does not match") and errors["r4"]["stage"] == "review"
     assert errors["r5"]["stage"] == "content_filter" and "forbidden" in errors["r5"]["reason"]

@@ -51,7 +51,7 @@ def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) ->
     """Every row that has no output, with its stage and reason: the planner's (input order), inference's, then
     the rows the content filter dropped (its word lists, or the content review: stage ``review``). For OpenAI
     Batch input, as the lines of an OpenAI Batch error file."""
-    errors = _row_errors(plan, filtered, opts)
+    errors = row_errors(plan, filtered, opts)
     if plan.format != "openai_batch":
         yield from errors
         return
@@ -62,7 +62,9 @@ def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) ->
         yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]])
 
 
-def _row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
+def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
+    """Every row of the run that is not published, once, with its reason and the stage that refused it (plan,
+    infer, review, content_filter)."""
     for e in iter_jsonl(Location(plan.errors, opts).path()):
         yield {**e, "stage": "plan"}
     for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
@@ -194,7 +196,7 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
             row = output_record(_table_record(rec["record"], plan.format), out, "parquet", model=cfg.model.ref,
                                 schema=schema)
             yield {**row, ROW_ID: _text(rec["id"]), STATUS: "ok", **provenance}
-        for e in _row_errors(plan, filtered, opts):
+        for e in row_errors(plan, filtered, opts):
             where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
             yield {ROW_ID: _text(e.get("id")), STATUS: "error", ERROR_STAGE: e["stage"], ERROR: e["reason"] + where,
                    **provenance}
