@@ -113,7 +113,7 @@ def test_cap_only_when_configured_and_counted(tmp_path):
 def test_penalties_are_refused_per_row_on_engines_without_them(tmp_path):
     lines = [_line("p", {"messages": _chat("hi"), "presence_penalty": 1.0}), _line("q", {"messages": _chat("hi")})]
     _, rows, errors = _plan(tmp_path, lines, engine__kind="transformers")
-    assert set(rows) == {"q"} and errors["p"] == "engine transformers cannot apply per-row presence_penalty (vllm can)"
+    assert set(rows) == {"q"} and errors["p"] == "engine transformers cannot apply per-row presence_penalty (vllm and sglang can)"
     assert engine_refusal(RowParams(presence_penalty=1.0), "vllm") is None
 
 
