@@ -45,16 +45,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batch_llm.config import PipelineConfig, QuantizeConfig
-from batch_llm.manifests import (
-    FetchManifest,
-    ModelRef,
-    QuantizeManifest,
-)
 
-if TYPE_CHECKING:
-
-    pass
-from batch_llm.layout import RunLayout
+if TYPE_CHECKING:  # the exporter runs this module in the quantize environment, which has no msgspec
+    from batch_llm.layout import RunLayout
+    from batch_llm.manifests import FetchManifest, ModelRef, QuantizeManifest
 
 log = logging.getLogger(__name__)
 
@@ -570,12 +564,13 @@ if __name__ == "__main__":
 def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | dict) -> QuantizeManifest:
     """The W4A16 or FP8_DYNAMIC export when enabled (cached by model, revision, scheme and settings);
     otherwise the model as is."""
+    from batch_llm.manifests import ModelRef, QuantizeManifest
+
     ref = ModelRef.of(model)
     if not cfg.quantize.enabled:
         m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=ref.local_dir, model_key=ref.model_key,
                              quantized=False, lora_dir=ref.lora_dir)
     else:
-
         q = quantize_model(ref.local_dir, cfg.quantize, model_key=ref.model_key)
         m = QuantizeManifest(id=ref.id, revision=ref.revision, local_dir=q["model_dir"], quantized=True,
                              quantization=q, model_key=f"{ref.model_key}+{Path(q['model_dir']).name}",
