@@ -4,8 +4,7 @@ The reasoning model: the template's ``enable_thinking`` switch reaches the engin
 the engine write ``</think>`` after N thinking tokens, a JSON schema applies to the answer after ``</think>``, and
 vLLM's ``qwen3`` reasoning parser parts thinking from answer. The guard model answers inside a schema. The
 vision-language model takes an image as a ``data:`` URL part and as a PIL image, and the image changes the answer.
-Each engine runs in a child process of its own (vLLM's engine core in that process), reasoning and guard one after
-the other in the same child.
+The three engines run one after the other in one child process (vLLM's engine core in that process).
 """
 from __future__ import annotations
 
@@ -22,20 +21,26 @@ from helpers import vllm_cpu_env
 SCHEMA = {"type": "object", "properties": {"verdict": {"enum": ["safe", "unsafe"]}}, "required": ["verdict"],
           "additionalProperties": False}
 
-REASONING_CHILD = r"""
-import gc, json, sys, time
+# One child process (vLLM imported once), the three engines in turn: reasoning, guard, vision-language.
+CHILD = r"""
+import base64, gc, io, json, sys, time
+from PIL import Image
 from vllm import LLM, SamplingParams
 from vllm.config import StructuredOutputsConfig
 from vllm.reasoning import ReasoningParserManager
 from vllm.sampling_params import StructuredOutputsParams
 
-reasoning_dir, guard_dir, schema = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+reasoning_dir, guard_dir, vl_dir, schema = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 out = {}
 # No free whitespace in guided JSON, or a random-weight model spends its tokens on it. vLLM 0.32 reads this from the
 # engine's settings only (with the xgrammar or guidance backend), not from the request's flag of the same name.
-compact = dict(structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True))
+# A new config per engine: vLLM writes the engine's reasoning parser into the one it is given, and a later engine
+# given the same object would hold its grammar back for a </think> that never comes.
+def compact():
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
 t = time.monotonic()
-llm = LLM(model=reasoning_dir, reasoning_parser="qwen3", enforce_eager=True, max_model_len=512, seed=0, **compact)
+llm = LLM(model=reasoning_dir, reasoning_parser="qwen3", enforce_eager=True, max_model_len=512, seed=0,
+          structured_outputs_config=compact())
 out["start_s"] = time.monotonic() - t
 tok = llm.get_tokenizer()
 end_id = tok.convert_tokens_to_ids("</think>")
@@ -66,7 +71,7 @@ del llm
 gc.collect()
 
 t = time.monotonic()
-guard = LLM(model=guard_dir, enforce_eager=True, max_model_len=512, seed=0, **compact)
+guard = LLM(model=guard_dir, enforce_eager=True, max_model_len=512, seed=0, structured_outputs_config=compact())
 out["guard_start_s"] = time.monotonic() - t
 o = guard.chat([{"role": "user", "content": "Review: the battery lasts long. Verdict?"}],
                SamplingParams(max_tokens=48, temperature=1.0, seed=7, structured_outputs=guided), use_tqdm=False)[0]
@@ -76,17 +81,12 @@ try:
     guard.chat([{"role": "user", "content": "x"}], SamplingParams(max_tokens=4, thinking_token_budget=2), use_tqdm=False)
 except Exception as e:  # a budget needs a reasoning parser
     out["budget_without_parser"] = str(e)
-print("RESULT " + json.dumps(out))
-"""
-
-VL_CHILD = r"""
-import base64, io, json, sys, time
-from PIL import Image
-from vllm import LLM, SamplingParams
+del guard
+gc.collect()
 
 t = time.monotonic()
-llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=512, seed=0, limit_mm_per_prompt={"image": 1})
-out = {"start_s": time.monotonic() - t}
+llm = LLM(model=vl_dir, enforce_eager=True, max_model_len=512, seed=0, limit_mm_per_prompt={"image": 1})
+vl = out["vl"] = {"start_s": time.monotonic() - t}
 tok = llm.get_tokenizer()
 greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -100,35 +100,34 @@ def chat(*parts):
                  greedy, use_tqdm=False)[0]
     return {"prompt": tok.decode(o.prompt_token_ids, skip_special_tokens=False), "ids": list(o.outputs[0].token_ids)}
 
-out["url_red"] = chat({"type": "image_url", "image_url": {"url": png_url("red")}})
-out["url_blue"] = chat({"type": "image_url", "image_url": {"url": png_url("blue")}})
-out["pil_red"] = chat({"type": "image_pil", "image_pil": Image.new("RGB", (64, 48), "red")})
+vl["url_red"] = chat({"type": "image_url", "image_url": {"url": png_url("red")}})
+vl["url_blue"] = chat({"type": "image_url", "image_url": {"url": png_url("blue")}})
+vl["pil_red"] = chat({"type": "image_pil", "image_pil": Image.new("RGB", (64, 48), "red")})
 try:
     chat({"type": "image_url", "image_url": {"url": png_url("red")}},
          {"type": "image_url", "image_url": {"url": png_url("blue")}})
 except Exception as e:
-    out["two_images"] = str(e)
+    vl["two_images"] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
 
-def _child(script: str, *args: str) -> dict:
+@pytest.fixture(scope="module")
+def reasoning() -> dict:
+    """What the engines answered (the vision-language model's under "vl")."""
+    folders = [str(build()) for build in (tiny_models.build_tiny_reasoning_model, tiny_models.build_tiny_guard_model,
+                                          tiny_models.build_tiny_vl_model)]
     env = dict(vllm_cpu_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, *folders, json.dumps(SCHEMA)], capture_output=True, text=True,
+                          env=env, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 @pytest.fixture(scope="module")
-def reasoning() -> dict:
-    return _child(REASONING_CHILD, str(tiny_models.build_tiny_reasoning_model()),
-                  str(tiny_models.build_tiny_guard_model()), json.dumps(SCHEMA))
-
-
-@pytest.fixture(scope="module")
-def vl() -> dict:
-    return _child(VL_CHILD, str(tiny_models.build_tiny_vl_model()))
+def vl(reasoning) -> dict:
+    return reasoning["vl"]
 
 
 def _sha(path: Path) -> str:
