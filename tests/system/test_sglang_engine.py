@@ -4,7 +4,7 @@ the shard on SGLang's engine (chunked commits, the result cache), the content fi
 Runs where ``BATCH_LLM_SGLANG_PYTHON`` names an interpreter that imports both SGLang and this project (on a GPU host:
 the SGLang environment of docs/engines-and-gpus.md); skipped elsewhere, CI's CPU machine included, where no registry
 package gives SGLang an engine (the same page says why, and how it ran here by hand: sglang 0.5.19, 8.5 minutes on
-2 busy cores). ``tests/unit/test_sglang_engine.py`` tests the engine module without SGLang."""
+2 busy cores). ``tests/unit/test_sglang_settings.py`` tests the engine module without SGLang."""
 from __future__ import annotations
 
 import json
