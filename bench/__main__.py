@@ -9,7 +9,9 @@ import sys
 from bench.runners import ROOT
 
 COMMANDS = {  # command: (module, what it measures)
-    "inference": ("inference", "the raw engine against the inference stage, one clock, alternating (CPU or GPU)"),
+    "inference": ("inference", "the raw engine (vLLM, SGLang, LMDeploy) against the inference stage, one clock, "
+                  "alternating (CPU or GPU)"),
+    "review-placement": ("review_placement", "filter.review as its own task against in the generating worker"),
     "swift": ("swift", "ms-swift's `swift infer` against `batch-llm run` and the DAG, on this CPU"),
     "guided": ("guided", "guided decoding's cost in the whole pipeline (`batch-llm run` processes)"),
     "guided-engine": ("guided_engine", "guided decoding's cost inside one vLLM engine"),

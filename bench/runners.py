@@ -24,6 +24,8 @@ T0 = time.time()  # this process's start, near enough (``python -m bench`` impor
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DUMMY = {"load_format": "dummy", "skip_tokenizer_init": True}  # vLLM: random weights, token-id prompts only
+# SGLang: random weights; its engine in the stage needs the tokenizer (it refuses skip_tokenizer_init: it returns text)
+SGLANG_DUMMY = {"load_format": "dummy"}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
@@ -195,11 +197,13 @@ def bench_config(model: str, *, engine: dict, max_tokens: int, dummy: bool = Fal
                  input: str = "unused.jsonl", output: str = "unused", label: str = "bench", **sections):
     """The pipeline config the engine benchmarks run under: greedy, seed 0, ``ignore_eos``, ``max_tokens``; the
     result cache, evaluation and the content filter off (``sections`` add or replace top-level sections);
-    ``engine`` (kind vllm unless it says) with random weights under ``dummy``."""
+    ``engine`` (kind vllm unless it says) with random weights under ``dummy`` (vLLM: token-id prompts, no tokenizer;
+    SGLang: its tokenizer stays, the model folder needs one)."""
     from batch_llm.config import parse_config
 
     engine = {"kind": "vllm", **engine}
-    engine["extra"] = {**(DUMMY if dummy else {}), **engine.get("extra", {})}
+    random_weights = SGLANG_DUMMY if engine["kind"] == "sglang" else DUMMY
+    engine["extra"] = {**(random_weights if dummy else {}), **engine.get("extra", {})}
     return parse_config({
         "name": name, "model": {"ref": model}, "input": {"path": input}, "output": {"path": output},
         "engine": engine, "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "seed": 0, "ignore_eos": True},

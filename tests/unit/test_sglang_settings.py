@@ -165,6 +165,24 @@ def test_unset_keys_leave_sglang_its_own_choice_and_a_cpu_gets_portable_kernels(
     assert older["cuda_graph_max_bs"] == 64 and "cuda_graph_max_bs_decode" not in older
 
 
+
+def test_the_engines_constructor_args_are_what_a_plain_script_gets(tmp_path):
+    """SglangEngine.constructor_args: the engine section's arguments (bench/inference.py's plain sglang.Engine script
+    passes these, so the stage and the script start alike), deterministic inference resolved from the sampling."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16"}))
+    eng = SglangEngine(str(tmp_path), _engine(max_model_len=2048, sglang={"cuda_graph_max_bs": 512},
+                                              extra={"load_format": "dummy"}),
+                       SamplingConfig(temperature=0.7, seed=3))
+    args = eng.constructor_args(SERVER_ARGS_0517, on_gpu=True)
+    assert eng.deterministic
+    assert args == sglang_engine_args(eng.cfg, str(tmp_path), seed=3, trust_remote_code=False, dtype="auto",
+                                      deterministic=True, fields=SERVER_ARGS_0517)
+    assert (args["cuda_graph_max_bs_decode"], args["context_length"], args["load_format"]) == (512, 2048, "dummy")
+    assert "custom_sigquit_handler" not in args
+    with pytest.raises(ValueError, match="engine.batch_size"):
+        SglangEngine(str(tmp_path), _engine(batch_size=8), SamplingConfig()).constructor_args(None, on_gpu=True)
+
+
 # ------------------------------------------------------------------------------------------ requests
 def _sampling(**kw) -> Sampling:
     base = dict(max_tokens=32, temperature=0.0, top_p=1.0, stop=(), seed=None)

@@ -98,18 +98,9 @@ class SglangEngine(Engine):
         except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
             raise EngineStartError(f"SGLang failed to start: {type(e).__name__}: {e}", output=str(e)) from e
         on_gpu = torch.cuda.is_available()
-        self.deterministic = deterministic_inference(self.cfg, self.sampling)
-        lora = None
-        if self.lora_dir is not None:
-            from batch_llm.stages.lora import adapter_rank
-
-            lora = (self.lora_dir, adapter_rank(self.lora_dir))
         fields = frozenset(f.name for f in ServerArgs.__dataclass_fields__.values())
         try:
-            args = sglang_engine_args(self.cfg, self.model_dir, seed=self.sampling.seed,
-                                      trust_remote_code=self.trust_remote_code,
-                                      dtype=cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=on_gpu),
-                                      deterministic=self.deterministic, fields=fields, on_gpu=on_gpu, lora=lora)
+            args = self.constructor_args(fields, on_gpu=on_gpu)
         except ValueError as e:
             raise EngineStartError(f"SGLang cannot run this engine section: {e}") from e
         unknown = sorted(set(args) - fields)
@@ -128,6 +119,22 @@ class SglangEngine(Engine):
                                    output=text) from e
         return EngineInfo(kind="sglang", version=sglang.__version__, settings=self._settings(args, on_gpu),
                           start_seconds=time.perf_counter() - t0)
+
+    def constructor_args(self, fields: frozenset[str] | None, *, on_gpu: bool) -> dict:
+        """The keyword arguments of ``sglang.Engine`` for this engine section (``sglang_engine_args``), without the
+        start-failure handler the worker adds; ``fields``: the installed ``ServerArgs``' field names. Also what a
+        plain ``sglang.Engine`` script with the stage's settings passes (bench/inference.py's raw mode for SGLang).
+        ValueError naming the keys SGLang cannot honour."""
+        self.deterministic = deterministic_inference(self.cfg, self.sampling)
+        lora = None
+        if self.lora_dir is not None:
+            from batch_llm.stages.lora import adapter_rank
+
+            lora = (self.lora_dir, adapter_rank(self.lora_dir))
+        return sglang_engine_args(self.cfg, self.model_dir, seed=self.sampling.seed,
+                                  trust_remote_code=self.trust_remote_code,
+                                  dtype=cpu_dtype(self.cfg.dtype, self.model_dir, on_gpu=on_gpu),
+                                  deterministic=self.deterministic, fields=fields, on_gpu=on_gpu, lora=lora)
 
     def _settings(self, args: dict, on_gpu: bool) -> dict:
         """What the engine started with, for the manifest: SGLang's server arguments as its schedulers resolved them
