@@ -155,6 +155,24 @@ class InputConfig(_Section):
         default_factory=_only_max_tokens,
         description="Columns whose value, where a row has one, overrides the sampling section for that row "
                     "(OpenAI Batch input reads these from each request body)")
+    image_columns: list[str] = Field(
+        default_factory=list, description="Columns holding a row's images (JSONL, CSV, Parquet): a path or URL "
+        "(data:, s3:// through conn_id, a local path under the input's folder or image_roots), a list of them (a "
+        "JSON list in CSV), or the image's bytes (a Parquet binary column, or a {bytes, path} struct as Hugging Face "
+        "datasets write). They go before the text of the row's user message. Chat rows may name images in their "
+        "own content parts (image_url) instead. Needs an engine that takes images (vllm)")
+    max_image_bytes: int = Field(20 * 2**20, gt=0, description="The largest image a row may name, in bytes "
+                                 "(default 20 MiB, OpenAI's limit); a larger one is the row's error")
+    image_roots: list[str] = Field(default_factory=list, description="Local folders a row's image paths may point "
+                                   "into besides the input's own folder (./relative to this YAML); a path outside "
+                                   "them is the row's error")
+
+    @field_validator("image_columns")
+    @classmethod
+    def _distinct_image_columns(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or any(not c for c in v):
+            raise ValueError(f"name each image column once, none empty: {v}")
+        return v
 
     @field_validator("path")
     @classmethod
@@ -277,6 +295,8 @@ _ENGINE_ONLY_KEYS = (
     ("torch_compile", "torch_compile", "vLLM's compilation mode"),
     ("compile_cache", "compile_cache", "vLLM's compilation cache"),
     ("tensor_parallel_size", "tensor_parallel", "the model split over that many GPUs"),
+    ("limit_mm_per_prompt", "images", "images per prompt, of an engine that takes images"),
+    ("mm_processor_kwargs", "images", "the image processor's settings, of an engine that takes images"),
 )
 
 
@@ -347,6 +367,15 @@ class EngineConfig(_Section):
         "reasoning.py): qwen3 for a Qwen3 architecture whose chat template thinks, deepseek_r1 for another model "
         "whose template opens a <think> block (the DeepSeek-R1 distills, QwQ), none otherwise and on engines "
         "without a reasoning parser; null: none (the output is the model's whole text)")
+    limit_mm_per_prompt: dict[str, int] | None = Field(
+        None, description="vLLM's limit_mm_per_prompt: the most images one prompt may carry ({image: 1}); a row with "
+        "more is the row's error, told by the planner. null: the model's own limit (vLLM refuses a row over it, as "
+        "the row's error). Only images are read from rows: other modalities are refused")
+    mm_processor_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM's mm_processor_kwargs: settings of the model's image processor, e.g. "
+        "{min_pixels: 3136, max_pixels: 1003520} for Qwen2-VL (the pixels an image is resized within). Each key must "
+        "be a setting the model's processor has (its preprocessor_config.json or processor_config.json), checked "
+        "when the engine starts: the shard fails without retries naming the key and the settings it has")
     sglang: SglangSettings = Field(default_factory=SglangSettings, description="engine.kind: sglang: SGLang's own "
                                    "settings (CUDA graph batch ceiling, KV pool size, chunked prefill, deterministic "
                                    "inference); the engine's other keys map onto SGLang's too (engines/sglang_config.py)")
@@ -381,6 +410,18 @@ class EngineConfig(_Section):
                                  f"{self.task!r} (remove engine.{task} or set engine.task: {task})")
         return self
 
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _images_only(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        if v is None:
+            return v
+        other = sorted(set(v) - {"image"})
+        if other:
+            raise ValueError(f"{', '.join(other)}: only images are read from rows; set {{image: N}}")
+        if any(n < 0 for n in v.values()):
+            raise ValueError(f"a limit is 0 or more: {v}")
+        return v
+
     @model_validator(mode="after")
     def _every_key_honored(self) -> "EngineConfig":
         """A key the engine would not honor is refused here, naming it, never dropped at start."""
@@ -390,7 +431,8 @@ class EngineConfig(_Section):
         defaults = type(self).model_fields
         problems = [f"engine.{key}: {what}; engine.kind is {self.kind!r} ({who_can(feature)}): remove engine.{key}"
                     for key, feature, what in _ENGINE_ONLY_KEYS
-                    if getattr(self, key) != defaults[key].default and not getattr(caps, feature)]
+                    if getattr(self, key) != defaults[key].get_default(call_default_factory=True)
+                    and not getattr(caps, feature)]
         if self.speculative is not None and "speculative_config" in self.extra:
             problems.append("engine.extra.speculative_config: set engine.speculative or engine.extra."
                             "speculative_config, not both")
@@ -597,6 +639,18 @@ class ReviewConfig(_Section):
     actions: dict[str, _REVIEW_ACTIONS] = Field(default_factory=dict, description="Per category, overriding "
                                                 "action; a verdict of several categories takes the strongest "
                                                 "(drop, then mask, then flag)")
+    images: Literal["text", "agreement", "content"] = Field(
+        "text", description="What the review does with a row's images (image parts, input.image_columns). text: "
+        "they are left out (a text-only review model reads the prompt's text and the output); agreement: the review "
+        "model, a vision-language model, is shown them and asked (image_template) whether the output agrees with "
+        "them: a disagreement is an unsafe verdict of image_category, with the same actions; content: shown them with "
+        "the ordinary review prompt. Rows without images always get the ordinary prompt. generate only")
+    image_template: str | None = Field(None, description="images: agreement: the review prompt of a row with images "
+                                       "({prompt}, {output}, {reasoning}, {categories} filled as in template); null: "
+                                       "a prompt asking whether the output agrees with the image, in the verdict's JSON")
+    image_category: str = Field("image_mismatch", min_length=1, description="images: agreement: the category of an "
+                                "output that does not agree with its image (a category of the verdict's schema, "
+                                "which actions may name)")
     on_error: Literal["flag", "drop"] = Field("drop", description="A row the review could not judge (the review "
                                               "model failed on it, or its answer did not parse): drop (to the errors: "
                                               "review failed: <reason>) or flag (kept, review_verdict: error)")
@@ -624,18 +678,44 @@ class ReviewConfig(_Section):
         if task == "generate" and self.guided_decoding and not self.engine.caps.guided_decoding:
             problems.append(f"guided_decoding: engine {self.engine.kind} cannot decode under a schema "
                             f"({who_can('guided_decoding')}); set guided_decoding: false to only check the verdicts")
-        known = set(self.categories) if task == "generate" else {k for k, v in self.labels.items() if v == "unsafe"}
+        known = set(self.verdict_categories) if task == "generate" else \
+            {k for k, v in self.labels.items() if v == "unsafe"}
         problems += [f"actions.{k}: not a category of the review ({', '.join(sorted(known))})"
                      for k in self.actions if k not in known]
-        if self.template is not None:
-            named = set(re.findall(r"\{(" + "|".join(REVIEW_PLACEHOLDERS) + r")\}", self.template))
+        for key, template in (("template", self.template), ("image_template", self.image_template)):
+            if template is None:
+                continue
+            named = set(re.findall(r"\{(" + "|".join(REVIEW_PLACEHOLDERS) + r")\}", template))
             if "output" not in named:
-                problems.append("template: it never shows the output to review: put {output} in it")
+                problems.append(f"{key}: it never shows the output to review: put {{output}} in it")
             if self.reasoning and "reasoning" not in named:
-                problems.append("template: reasoning is true but the template has no {reasoning}")
+                problems.append(f"{key}: reasoning is true but the template has no {{reasoning}}")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+    @model_validator(mode="after")
+    def _image_settings(self) -> "ReviewConfig":
+        problems = []
+        if self.engine.task == "classify" and self.images != "text":
+            problems.append(f"images: {self.images}: a classifier reads the output as text (images: text, or leave "
+                            "it out)")
+        defaults = type(self).model_fields
+        if self.images != "agreement":
+            given = [k for k in ("image_template", "image_category") if getattr(self, k) != defaults[k].default]
+            problems += [f"{k}: a setting of images: agreement (remove it)" for k in given]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def verdict_categories(self) -> list[str]:
+        """The categories a generate-style verdict may name: ``categories``, and ``image_category`` where rows with
+        images are asked whether the output agrees with them."""
+        extra = [self.image_category] if self.images == "agreement" and self.image_category not in \
+            self.categories else []
+        return [*self.categories, *extra]
 
 
 class FilterConfig(_Section):
@@ -864,6 +944,19 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _image_columns_need_images(self) -> "PipelineConfig":
+        """Every row of a table with image columns would be refused: said once, here (a JSONL row's own image
+        parts on such an engine are its error, naming the engines that take images)."""
+        e = self.engine
+        if self.input.image_columns and not e.caps.images:
+            raise ValueError(f"input.image_columns: engine {e.kind} takes no images ({who_can('images')}); set "
+                             f"engine.kind: {engines_serving('images')}")
+        if self.input.image_columns and e.task != "generate":
+            raise ValueError(f"input.image_columns: engine.task {e.task} is not tested with images; use "
+                             "engine.task: generate")
+        return self
+
+    @model_validator(mode="after")
     def _review_needs_text(self) -> "PipelineConfig":
         if self.filter.review is not None and self.filter.review.enabled and self.engine.task != "generate":
             raise ValueError(f"filter.review: engine.task {self.engine.task} writes no text to review; remove "
@@ -1077,6 +1170,9 @@ def _resolve_relative_paths(data: dict, base: Path) -> dict:
     for wl in (data.get("filter") or {}).get("lists") or []:
         if isinstance(wl, dict) and "path" in wl:
             wl["path"] = fix(wl["path"])
+    roots = (data.get("input") or {}).get("image_roots") if isinstance(data.get("input"), dict) else None
+    if isinstance(roots, list):
+        data["input"]["image_roots"] = [fix(r) for r in roots]
     review = (data.get("filter") or {}).get("review")
     if isinstance(review, dict) and isinstance(review.get("model"), dict):
         for key in ("ref", "cache_dir"):

@@ -32,6 +32,8 @@ ENGINE_CHANGES = {
     "speculative": ({}, {"engine.speculative": {}}),
     "extra": ({}, {"engine.extra": {"max_logprobs": 30}}),
     "python": ({}, {"engine.python": "/opt/other-venv/bin/python"}),
+    "limit_mm_per_prompt": ({}, {"engine.limit_mm_per_prompt": {"image": 2}}),
+    "mm_processor_kwargs": ({}, {"engine.mm_processor_kwargs": {"max_pixels": 1003520}}),
     # auto finds none for the demo model: the key holds the parser only where there is one
     "reasoning_parser": ({}, {"engine.reasoning_parser": "qwen3"}),
 }

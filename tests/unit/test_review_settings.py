@@ -143,8 +143,8 @@ def test_requests_show_each_prompt_and_sample_to_the_reviewer(tmp_path):
     assert '"verdict": "safe" or "unsafe"' in text and "violence, sexual" in text
     assert "second" in reqs[1]["messages"][1]["content"] and "Think of keys." in reqs[1]["messages"][1]["content"]
     assert "Complete: the sky is" in reqs[2]["messages"][1]["content"]
-    image_turn = reqs[3]["messages"][1]["content"]  # an image part is kept for a vision-language reviewer
-    assert image_turn[0]["type"] == "image_url" and "What is it?" in image_turn[1]["text"]
+    image_turn = reqs[3]["messages"][1]["content"]  # images: text (the default): the image is left out
+    assert isinstance(image_turn, str) and "What is it?" in image_turn  # (tests/unit/test_image_inputs.py: the rest)
     # the same outputs again: the same file (a retry resumes); other outputs: another key
     assert rv.prepare_review(cfg, layout, plan, shard) == spec
     write_jsonl(Location(shard.outputs).path(), [_out(0, "green")])

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from batch_llm.io.images import content_text
 from batch_llm.io.storage import Location, exists, iter_jsonl
 from batch_llm.isolation.gpus import visible_gpus
 from batch_llm.manifests import (
@@ -183,9 +184,9 @@ def read_prefix_stats(summary: RunSummary, options: dict | None = None, *, max_r
             if i >= per:
                 break
             msgs = r.get("messages") or []
-            texts.append("".join(f"<{m.get('role')}>{m.get('content') or ''}" for m in msgs))
+            texts.append("".join(f"<{m.get('role')}>{content_text(m.get('content'))}" for m in msgs))
             if msgs and msgs[0].get("role") == "system":
-                systems[msgs[0].get("content") or ""] += 1
+                systems[content_text(msgs[0].get("content"))] += 1
     st = PrefixStats(rows=len(texts))
     if texts:
         prefix = os.path.commonprefix(texts) if len(texts) > 1 else ""

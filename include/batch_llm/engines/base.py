@@ -25,6 +25,9 @@ class GenRequest:
     prompt_text: str = ""         # the rendered chat, for engines that take text
     params: RowParams | None = None  # the row's own sampling parameters; None: the pipeline's
     guided: bool | None = None    # decode under sampling.output_schema; None: as sampling.guided_decoding says
+    image_refs: list[dict] | None = None  # the row's checked images (io.images.ImageRef as JSON), in prompt order
+    images: list | None = None    # those images decoded (PIL), set by the shard runner just before the engine takes
+                                  # the request; engines that take images (capabilities: images) send them with it
 
 
 @dataclass(frozen=True)

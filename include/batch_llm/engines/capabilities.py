@@ -56,6 +56,8 @@ class EngineCapabilities:
     engine_core_process: bool = False  # engine.multiprocessing
     torch_compile: bool = False    # engine.torch_compile
     compile_cache: bool = False    # engine.compile_cache
+    images: bool = False           # rows with images (chat image parts, input.image_columns) for a vision-language
+                                   # model: engine.limit_mm_per_prompt, engine.mm_processor_kwargs
     overlap_engine_start: bool = False  # may start in a background thread while the shard tokenizes
     config_check: str | None = None  # "module:function": the engine section's own problems (list of str)
     sampling_keys: frozenset[str] = frozenset()  # the EXTRA_SAMPLING_KEYS it applies (pipeline-wide and per row)
@@ -88,7 +90,7 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
-        compile_cache=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS),
+        compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS),
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
         kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
@@ -168,6 +170,7 @@ TABLE_COLUMNS: tuple[tuple[str, Callable[[EngineCapabilities], str]], ...] = (
     ("`engine.speculative` (n-gram)", lambda c: _yes(c.speculative)),
     ("pooling (`engine.task`)", lambda c: ", ".join(sorted(c.pooling_tasks)) or "no"),
     ("tensor parallel", lambda c: _yes(c.tensor_parallel)),
+    ("images in rows (`input.image_columns`, image parts)", lambda c: _yes(c.images)),
     ("top_k, min_p, repetition_penalty, stop_token_ids, include_stop_str_in_output", lambda c: _keys(c)),
 )
 

@@ -66,6 +66,7 @@ class VllmEngine(Engine):
                     kv_cache_dtype=c.kv_cache_dtype, seed=self.sampling.seed or 0,
                     speculative_config=c.speculative.vllm_kwargs() if c.speculative is not None else None,
                     trust_remote_code=self.trust_remote_code, reasoning_parser=self._reasoning_parser(),
+                    limit_mm_per_prompt=c.limit_mm_per_prompt, mm_processor_kwargs=c.mm_processor_kwargs or None,
                     **self._lora_args(), **self._task_args(), **self._compilation_args())
         args.update({k: v for k, v in c.extra.items() if k != "hf_overrides"})  # engine.extra wins, key by key
         return {k: v for k, v in args.items() if v is not None}
@@ -170,7 +171,8 @@ class VllmEngine(Engine):
         except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
             raise EngineStartError(f"vLLM failed to start: {e}", output=_exception_text(e)) from e
         missing = _missing_cpu_kernel(self.model_dir) or served_lora_refusal(
-            self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=cuda_visible())
+            self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=cuda_visible()) or \
+            processor_kwargs_refusal(self.model_dir, self.cfg.mm_processor_kwargs)
         if missing:
             raise EngineCannotRun(missing)
         if self.cfg.task == "classify":
@@ -276,8 +278,7 @@ class VllmEngine(Engine):
 
         def add(engine, req: GenRequest) -> None:
             params = params_for(req)
-            engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params,
-                               lora_request=lora)
+            engine.add_request(req.key, tokens_prompt(TokensPrompt, req), params, lora_request=lora)
             if params.logprobs is not None:
                 top_k[req.key] = params.logprobs
             if params.thinking_token_budget is not None:
@@ -353,6 +354,52 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def tokens_prompt(tokens_prompt_type, req: GenRequest):
+    """vLLM's prompt of a request: its token ids, and its decoded images as ``multi_modal_data`` (vLLM's processor
+    for the model puts each image's tokens where the model wants them: after the template's image placeholder, or
+    before the prompt for BLIP-2). The images go to vLLM's input processor here and are not kept by this process."""
+    if not req.images:
+        return tokens_prompt_type(prompt_token_ids=req.prompt_token_ids)
+    images = req.images if len(req.images) > 1 else req.images[0]
+    return tokens_prompt_type(prompt_token_ids=req.prompt_token_ids, multi_modal_data={"image": images})
+
+
+def processor_settings(model_dir: str) -> dict[str, Any]:
+    """The model's image processor settings, as its files hold them: ``preprocessor_config.json`` and the
+    ``image_processor`` section (and top level) of ``processor_config.json``."""
+    found: dict[str, Any] = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            data = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found.update({k: v for k, v in data.items() if not isinstance(v, dict)})
+            if isinstance(data.get("image_processor"), dict):
+                found.update(data["image_processor"])
+    for meta in ("processor_class", "image_processor_type", "auto_map"):
+        found.pop(meta, None)
+    return found
+
+
+def processor_kwargs_refusal(model_dir: str, kwargs: dict) -> str | None:
+    """Why ``engine.mm_processor_kwargs`` cannot be honoured for this model, or None: each key must be a setting its
+    image processor has (vLLM would pass an unknown one to a processor that ignores it, or drop it with a warning)."""
+    if not kwargs:
+        return None
+    has = processor_settings(model_dir)
+    if not has:
+        return (f"engine.mm_processor_kwargs: the model at {model_dir} has no image processor settings "
+                "(preprocessor_config.json or processor_config.json): it is not a vision-language model this engine "
+                "can set up; remove engine.mm_processor_kwargs")
+    unknown = sorted(set(kwargs) - set(has))
+    if unknown:
+        return (f"engine.mm_processor_kwargs.{', '.join(unknown)}: the model's image processor has no such "
+                f"setting (it has: {', '.join(sorted(has))}); remove it or use a model whose processor takes it "
+                "(min_pixels / max_pixels: Qwen2-VL's)")
+    return None
 
 
 def classify_labels(model_dir: str, labels: list[str] | None) -> list[str]:

@@ -60,6 +60,7 @@ class PromptRow:
     prompt_token_ids: list[int] | None = None   # a pre-tokenized prompt, sent to the engine as is
     params: RowParams | None = None             # the row's own sampling parameters (row_params.py)
     text: str | None = None                     # a completion prompt (``/v1/completions``): no chat template
+    images: list[dict] | None = None            # the checked images of its image parts, in order (io/images.py)
 
 
 def detect_format(path: UPath, fmt: str) -> str:
@@ -346,6 +347,9 @@ def _require_columns(path: UPath, columns: list[str], cfg: InputConfig) -> None:
             lacks.append(f"the template's column(s) {', '.join(map(repr, needed))}")
     elif not have & {cfg.messages_column, cfg.prompt_column}:
         lacks.append(f"a prompt column ({cfg.messages_column!r} or {cfg.prompt_column!r})")
+    missing_images = [c for c in cfg.image_columns if c not in have]
+    if missing_images:
+        lacks.append(f"the image column(s) {', '.join(map(repr, missing_images))} (input.image_columns)")
     if lacks:
         raise InputFileError(f"{path}: no row can be valid: the file lacks {' and '.join(lacks)}; "
                              f"its columns: {', '.join(columns) or '(none)'}")
@@ -374,12 +378,91 @@ def _check_messages(messages: Any) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if isinstance(content, list):
+            content = _content_parts(content, f"messages[{i}].content")
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts, got "
+                             f"{type(content).__name__}")
         out.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+    if not any(_has_prompt(m["content"]) for m in out if m["role"] == "user"):
         raise ValueError("empty prompt: no user message has text")
     return out
+
+
+def _has_prompt(content: str | list) -> bool:
+    """A user message that asks something: text, or an image (a caption row may carry no text)."""
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(p["type"] == IMAGE_URL or p["text"].strip() for p in content)
+
+
+IMAGE_URL = "image_url"   # an OpenAI chat content part naming an image (checked by the planner: io/images.py)
+IMAGE_BYTES = "image_bytes"  # a table cell's image bytes (input.image_columns), carried until the planner checks them
+
+
+def _content_parts(parts: list, where: str) -> str | list[dict]:
+    """OpenAI chat content parts: ``text`` and ``image_url`` (its ``url`` a data: URL, a storage URL or a path).
+    Text parts alone are one string (joined by newlines, as vLLM joins them); with images, the parts in order:
+    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": {"url": ...}}``."""
+    if not parts:
+        raise ValueError(f"{where} is an empty list of content parts")
+    out: list[dict] = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == IMAGE_URL:
+            image = part.get(IMAGE_URL)
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url.strip():
+                raise ValueError(f"{where}[{k}]: an image_url part needs image_url.url, a data: URL, a storage URL "
+                                 "or a path")
+            out.append({"type": IMAGE_URL, IMAGE_URL: {"url": url}})
+        elif kind == "text":
+            raise ValueError(f"{where}[{k}]: a text part needs a string 'text'")
+        else:
+            shown = repr(kind) if kind is not None else f"a {type(part).__name__}"
+            raise ValueError(f"{where}[{k}]: content part {shown} is not read (text and image_url parts are)")
+    if all(p["type"] == "text" for p in out):
+        return "\n".join(p["text"] for p in out)
+    return out
+
+
+def _with_column_images(messages: list[dict], rec: dict, cfg: InputConfig) -> list[dict]:
+    """``input.image_columns``: the row's images (a path or URL, a list of them, bytes, or a ``{bytes, path}``
+    struct as Hugging Face datasets store images in Parquet) put before the text of its last user message; a null
+    or empty cell adds none."""
+    parts: list[dict] = []
+    for col in cfg.image_columns:
+        value = rec.get(col)
+        if isinstance(value, str) and value.strip().startswith("["):  # a CSV cell holding a JSON list
+            try:
+                value = _json_value(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"column {col!r} starts like a JSON list but is not one") from None
+        for item in value if isinstance(value, list) else [value]:
+            if item is None or item == "":
+                continue
+            if isinstance(item, dict) and isinstance(item.get("bytes"), (bytes, bytearray)):
+                parts.append({"type": IMAGE_BYTES, "bytes": bytes(item["bytes"]), "name": str(item.get("path") or "")})
+            elif isinstance(item, dict) and isinstance(item.get("path"), str):
+                parts.append({"type": IMAGE_URL, IMAGE_URL: {"url": item["path"]}})
+            elif isinstance(item, (bytes, bytearray)):
+                parts.append({"type": IMAGE_BYTES, "bytes": bytes(item), "name": ""})
+            elif isinstance(item, str):
+                parts.append({"type": IMAGE_URL, IMAGE_URL: {"url": item}})
+            else:
+                raise ValueError(f"column {col!r}: an image is a path or URL, bytes, or a {{bytes, path}} struct, "
+                                 f"got {type(item).__name__}")
+    if not parts:
+        return messages
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError("the row's images (input.image_columns) need a user message to go in")
+    i = users[-1]
+    content = messages[i]["content"]
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return [*messages[:i], {**messages[i], "content": [*parts, *text]}, *messages[i + 1:]]
 
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -414,6 +497,8 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
         messages = [{"role": "user", "content": _check_prompt(prompt)}]
     else:
         raise ValueError(_no_prompt_reason(rec, cfg))
+    if cfg.image_columns:
+        messages = _with_column_images(messages, rec, cfg)
     ref = rec.get(cfg.reference_column)
     return PromptRow(id=rid, idx=idx, messages=_with_system(messages, cfg), params=params,
                      reference=ref if isinstance(ref, str) and ref.strip() else None)

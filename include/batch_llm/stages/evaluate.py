@@ -37,6 +37,7 @@ from batch_llm.config import PipelineConfig
 from batch_llm.io.formats import (
     joined_outputs,
 )
+from batch_llm.io.images import content_text
 from batch_llm.io.storage import (
     Location,
     iter_jsonl,
@@ -306,7 +307,8 @@ def sample_for_scoring(*, records: Iterable[dict], outputs: Iterable[dict], shar
         for r in rows:
             if r["id"] in chosen:
                 msgs = r.get("messages") or []
-                chosen[r["id"]]["question"] = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+                chosen[r["id"]]["question"] = next((content_text(m["content"]) for m in reversed(msgs)
+                                                    if m["role"] == "user"), "")
     picked = [row for _, _, row in sorted(heap, key=lambda t: t[1])]  # input order
     for row in picked:
         row.setdefault("question", "")

@@ -149,13 +149,15 @@ def _row_params(r: dict) -> dict | None:
 
 
 def _spool_line(req: GenRequest) -> bytes:
+    """A request on local disk: its images by reference (loaded again when it goes to the engine)."""
     params = req.params.to_json() if req.params is not None else None
-    return json_bytes([req.key, req.prompt_token_ids, req.prompt_text, params]) + b"\n"
+    return json_bytes([req.key, req.prompt_token_ids, req.prompt_text, params, req.image_refs]) + b"\n"
 
 
 def _spooled_requests(path: Path) -> Iterator[GenRequest]:
-    for key, ids, text, params in iter_jsonl(path):
-        yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, params=RowParams.from_json(params))
+    for key, ids, text, params, *refs in iter_jsonl(path):
+        yield GenRequest(key=key, prompt_token_ids=ids, prompt_text=text, params=RowParams.from_json(params),
+                         image_refs=refs[0] if refs else None)
 
 
 class _RequestSpool:
@@ -367,8 +369,9 @@ class ShardRun:
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
                  started: dict | None = None, lora_dir: str | None = None,
                  on_committed: Callable[[ShardManifest], None] | None = None,
-                 shared_engine: SharedEngine | None = None):
+                 shared_engine: SharedEngine | None = None, image_options: dict | None = None):
         self.cfg, self.shard, self.shard_dir, self.say = cfg, shard, shard_dir, say
+        self.image_options = image_options or {}  # the input's storage options: its rows' images are read with them
         self.on_committed = on_committed
         self.shared = shared_engine
         self.engine: Engine | None = None
@@ -544,11 +547,55 @@ class ShardRun:
         return spool
 
     def _requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
-        """Every request still to generate, in the planner's order: the spooled ones, then the rest."""
+        """Every request still to generate, in the planner's order: the spooled ones, then the rest. A request's
+        images are loaded here, as the engine pulls it (``_with_images``): only the requests the engine holds at
+        once have decoded images, never the shard's."""
         for req in self._first_requests(spooled, rows):
+            loaded = self._with_images(req)
+            if loaded is None:
+                continue
             if self._may_retry(req):
-                self.retryable[req.key] = req
-            yield req
+                self.retryable[req.key] = req  # by reference: an asked-again request loads its images again
+            yield loaded
+
+    def _with_images(self, req: GenRequest) -> GenRequest | None:
+        """The request with its images decoded (``io.images.load_image``: read again, its content hash compared
+        with the plan's, decoded in full with PIL); None, its rows failed with the reason, where one cannot be
+        (gone or changed since the plan, corrupt past its header) or where this engine or model takes no images."""
+        if not req.image_refs:
+            return req
+        from batch_llm.io.images import ImageProblem, load_image
+
+        refusal = self._image_refusal(len(req.image_refs))
+        if refusal is not None:
+            self._fail(req.key, refusal)
+            return None
+        try:
+            images = [load_image(ref, self.image_options, self.cfg.input.max_image_bytes) for ref in req.image_refs]
+        except ImageProblem as e:
+            self._fail(req.key, str(e))
+            return None
+        return dataclasses.replace(req, images=images)
+
+    def _image_refusal(self, n: int) -> str | None:
+        """Why this shard's engine or model cannot take a request's ``n`` images (a review pass's rows meet the
+        review model's engine here), or None."""
+        from batch_llm.engines.capabilities import engines_serving, who_can
+
+        e = self.cfg.engine
+        if not e.caps.images:
+            return (f"the row has {n} image(s): engine {e.kind} takes no images ({who_can('images')}); set "
+                    f"engine.kind: {engines_serving('images')} (a review: or filter.review.images: text)")
+        if not self._model_takes_images:
+            return (f"the row has {n} image(s): the model at {self.model_dir} takes no images (its config.json names "
+                    "no vision part); use a vision-language model (a review: or filter.review.images: text)")
+        return None
+
+    @functools.cached_property
+    def _model_takes_images(self) -> bool:
+        from batch_llm.io.images import model_takes_images
+
+        return model_takes_images(self.model_dir)
 
     def _first_requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
         if spooled is not None:  # rendered while the engine started: a back-off may have shortened the context since
@@ -580,7 +627,7 @@ class ShardRun:
         if self._too_long(rid, ids):
             return None
         return GenRequest(key=rid, prompt_token_ids=ids, prompt_text=text,
-                          params=RowParams.from_json(_row_params(r)))
+                          params=RowParams.from_json(_row_params(r)), image_refs=r.get("images") or None)
 
     def _too_long(self, rid: str, ids: list[int]) -> bool:
         """Fails the request's rows when its prompt leaves no room in the context the engine has: a row error
@@ -685,7 +732,11 @@ class ShardRun:
                                         guided=True if self.fallback else req.guided)
             if not (self.fallback and s.temperature == 0):  # a greedy row under the schema is final
                 self.retryable[req.key] = again
-            yield again
+            loaded = self._with_images(again)
+            if loaded is None:
+                self.retryable.pop(req.key, None)
+                continue
+            yield loaded
 
     def _commit(self, force: bool = False) -> None:
         e = self.cfg.engine
@@ -743,12 +794,13 @@ def run_shard(cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, mod
               cache_root: Location | None = None, say: Callable[[str], None] = print,
               started: dict | None = None, lora_dir: str | None = None,
               on_committed: Callable[[ShardManifest], None] | None = None,
-              shared_engine: SharedEngine | None = None) -> ShardManifest:
+              shared_engine: SharedEngine | None = None, image_options: dict | None = None) -> ShardManifest:
     """Runs one shard to completion (or resumes it) and returns its manifest (see ``ShardRun``); ``lora_dir``:
-    a LoRA adapter the engine serves on every request; ``shared_engine``: the engine of the task's shards."""
+    a LoRA adapter the engine serves on every request; ``shared_engine``: the engine of the task's shards;
+    ``image_options``: the storage options its rows' images are read with (the input's)."""
     return ShardRun(cfg, shard=shard, shard_dir=shard_dir, model_dir=model_dir, model_key=model_key,
                     cache_root=cache_root, say=say, started=started, lora_dir=lora_dir,
-                    on_committed=on_committed, shared_engine=shared_engine).run()
+                    on_committed=on_committed, shared_engine=shared_engine, image_options=image_options).run()
 
 
 # sampling keys added after the cache's first namespaces: hashed only where set, so those namespaces stay the same
@@ -788,6 +840,9 @@ def output_identity(cfg: PipelineConfig, *, model_key: str, model_dir: str) -> d
     engine["reasoning_parser"] = reasoning_parser(cfg, model_dir)
     if engine["reasoning_parser"] is None:  # no parser: the namespaces made before the key existed stay the same
         del engine["reasoning_parser"]
+    for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):  # images' settings: likewise, only where set
+        if not engine.get(key):
+            engine.pop(key, None)
     return {"format": OUTPUT_IDENTITY_FORMAT, "model": model_key, "trust_remote_code": cfg.model.trust_remote_code,
             "chat_template": chat_template_text(model_dir, cfg.model.chat_template),
             "sampling": sampling_identity(cfg.sampling) if e.task == "generate" else {}, "engine": engine}
@@ -946,4 +1001,4 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,
                      cache_root=layout.cache_root(cfg), say=say, started=started, on_committed=on_committed,
-                     shared_engine=shared_engine)
+                     shared_engine=shared_engine, image_options=layout.input.options)

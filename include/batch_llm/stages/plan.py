@@ -33,7 +33,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
+from batch_llm.engines.capabilities import engines_serving, who_can
 from batch_llm.io.formats import (
+    IMAGE_BYTES,
+    IMAGE_URL,
     SUFFIX_FORMAT,
     InputFileError,
     PromptRow,
@@ -44,6 +47,7 @@ from batch_llm.io.formats import (
     sniff_openai_batch,
     to_prompt_row,
 )
+from batch_llm.io.images import ImageChecker, ImageProblem, content_text, image_part, where_of
 from batch_llm.io.storage import (
     Location,
     atomic_writer,
@@ -94,7 +98,7 @@ def prompt_chars(r: PromptRow) -> int:
     """A prompt's length in characters (token ids count as 4 characters)."""
     if r.prompt_token_ids:
         return len(r.prompt_token_ids) * 4
-    return len(r.text) if r.text is not None else sum(len(m["content"]) for m in r.messages)
+    return len(r.text) if r.text is not None else sum(len(content_text(m["content"])) for m in r.messages)
 
 
 # shard_order's weight of one output token: above any prompt's length in characters.
@@ -121,8 +125,9 @@ def _with_idx(body: bytes, idx: int) -> bytes:
 class _Scan:
     """Pass 1: every input row validated once; valid rows spooled, row errors written, id hashes kept."""
 
-    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path):
+    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path, images: ImageChecker | None = None):
         self.cfg, self.fmt = cfg, fmt
+        self.images = images or image_checker(cfg, None)
         self.spool_path, self.errors_path = tmp / "spool.tsv", tmp / "errors-rows.tsv"
         self.id_hashes = array("q")   # hash(id) of spooled row i: duplicates are found from these alone
         self.rows_read = 0
@@ -133,6 +138,7 @@ class _Scan:
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
         with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
             for file_no, f in enumerate(files):
+                self.images.base = str(f.parent)  # a row's relative image paths: from its file's folder
                 rows = read_file_rows(f, read_fmt, self.cfg.input)
                 if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
                     rows = _of_kind(rows, f, files[0], self.fmt)
@@ -157,13 +163,52 @@ class _Scan:
                                             json_bytes(row.id), shard_body, record_body)) + b"\n")
 
     def _checked(self, row: PromptRow) -> PromptRow:
-        """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them."""
+        """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them;
+        its images checked (``_with_images``)."""
         if row.params is not None:
             row.params, capped = row.params.capped(self.cfg.sampling.max_tokens_cap)
             self.capped += capped
             why = engine_refusal(row.params, self.cfg.engine.kind)
             if why:
                 raise ValueError(why)
+        return self._with_images(row)
+
+    def _with_images(self, row: PromptRow) -> PromptRow:
+        """A row's image parts checked (``io.images.ImageChecker``: exists, size, format, hash) and replaced by
+        their content hash, the references kept in ``row.images``; a row with an image the engine cannot take, more
+        images than ``engine.limit_mm_per_prompt`` allows, or one that fails its check, is refused with the reason."""
+        parts = [p for m in row.messages if isinstance(m["content"], list) for p in m["content"]
+                 if p["type"] in (IMAGE_URL, IMAGE_BYTES)]
+        if not parts:
+            return row
+        e = self.cfg.engine
+        if not e.caps.images:
+            raise ValueError(f"the row has {len(parts)} image(s): engine {e.kind} takes no images "
+                             f"({who_can('images')}); set engine.kind: {engines_serving('images')}")
+        limit = (e.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(parts) > limit:
+            raise ValueError(f"the row has {len(parts)} images; engine.limit_mm_per_prompt allows {limit} per prompt")
+        refs, n = [], 0
+
+        def checked(p: dict) -> dict:
+            nonlocal n
+            if p["type"] not in (IMAGE_URL, IMAGE_BYTES):
+                return p
+            n += 1
+            try:
+                if p["type"] == IMAGE_BYTES:
+                    ref = self.images.check_bytes(p["bytes"], p["name"], where_of(n, p["name"] or "bytes"))
+                else:
+                    url = p[IMAGE_URL]["url"]
+                    ref = self.images.check(url, where_of(n, url))
+            except ImageProblem as problem:
+                raise ValueError(str(problem)) from None
+            refs.append(ref.to_json())
+            return image_part(ref)
+
+        row.messages = [{**m, "content": [checked(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+                        for m in row.messages]
+        row.images = refs
         return row
 
     def _raw_id(self, raw) -> str | int | None:
@@ -199,7 +244,25 @@ def _shard_fields(r: PromptRow) -> dict:
         row["text"] = r.text
     if r.params is not None:
         row["params"] = r.params.to_json()
+    if r.images:
+        row["images"] = r.images
     return row
+
+
+def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageChecker:
+    """The planner's image check for this run: ``input.max_image_bytes``; local images under the input's own
+    folder (the input path, or the folder of an input file) and ``input.image_roots``; object-storage images read
+    with the input's storage options (its connection's)."""
+    from batch_llm.io import path_policy
+
+    roots = [path_policy.local_path(r) or r for r in cfg.input.image_roots]
+    options: dict = {}
+    if input_loc is not None:
+        options = dict(input_loc.options)
+        local = path_policy.local_path(input_loc.url)
+        if local is not None:
+            roots.insert(0, local if Path(local).is_dir() else str(Path(local).parent))
+    return ImageChecker(max_bytes=cfg.input.max_image_bytes, roots=roots, options=options)
 
 
 def _spool_lines(path: Path) -> Iterator[list[bytes]]:
@@ -341,7 +404,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
                          f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
-        scan = _Scan(cfg, fmt, tmp)
+        scan = _Scan(cfg, fmt, tmp, image_checker(cfg, input_loc))
         scan.run(files)
         dups = _find_duplicates(scan, files, tmp)
         n_valid = len(scan.id_hashes) - len(dups)
@@ -414,5 +477,7 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
 
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
-    return stable_hash({"files": files_key(input_files(input_loc.path())), "settings": settings,
-                        "task": cfg.engine.task})
+    key = {"files": files_key(input_files(input_loc.path())), "settings": settings, "task": cfg.engine.task}
+    if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
+        key["image_limit"] = cfg.engine.limit_mm_per_prompt
+    return stable_hash(key)

@@ -62,6 +62,17 @@ DEFAULT_TEMPLATE = (
 )
 
 
+# filter.review.images: agreement: what a row with images is asked (its images go before this text)
+AGREEMENT_TEMPLATE = (
+    "You check whether what an AI assistant wrote agrees with the image it was shown.\n\n"
+    "[User]\n{prompt}\n\n"
+    "{reasoning_part}"
+    "[Assistant]\n{output}\n\n"
+    'Does the reply agree with the image? Answer in JSON: {"verdict": "safe" if it agrees, "unsafe" if it does not, '
+    '"categories": ["{categories}"] when it does not, [] when it does}.'
+)
+
+
 def review_active(cfg: PipelineConfig) -> bool:
     """Whether this run reviews its outputs with a model."""
     r = cfg.filter.review
@@ -96,7 +107,7 @@ def review_pipeline_config(cfg: PipelineConfig) -> PipelineConfig:
     data["evaluate"] = {"enabled": False}
     if r.engine.task == "generate":
         data["sampling"] = {"max_tokens": r.max_tokens, "temperature": 0.0, "seed": 0,
-                            "output_schema": verdict_schema(r.categories), "guided_decoding": r.guided_decoding}
+                            "output_schema": verdict_schema(r.verdict_categories), "guided_decoding": r.guided_decoding}
     else:
         data["sampling"] = {}
     return parse_config(data, f"pipeline {cfg.name!r}: filter.review")
@@ -158,17 +169,30 @@ def review_template(r: ReviewConfig) -> str:
     return DEFAULT_TEMPLATE.replace("{reasoning_part}", reasoning)
 
 
+def image_template(r: ReviewConfig) -> str:
+    """The prompt of a row with images under ``images: agreement``."""
+    if r.image_template is not None:
+        return r.image_template
+    reasoning = "[Assistant's reasoning]\n{reasoning}\n\n" if r.reasoning else ""
+    return AGREEMENT_TEMPLATE.replace("{reasoning_part}", reasoning)
+
+
 def fill(template: str, values: dict[str, str]) -> str:
     """The template with its placeholders filled; any other braces (a JSON example) stay as written."""
     return re.sub(r"\{(" + "|".join(REVIEW_PLACEHOLDERS) + r")\}", lambda m: values[m.group(1)], template)
 
 
-def _request(r: ReviewConfig, rid: str, idx: int, text: str, parts: list) -> dict:
+def _request(r: ReviewConfig, rid: str, idx: int, text: str, parts: list, images: list | None = None) -> dict:
+    """One review request: plain text, or a chat whose user turn carries the row's images (``parts``, their
+    checked references ``images``: the review pass loads them as the shards do) before the review prompt."""
     if not (r.chat if r.chat is not None else r.engine.task == "generate"):
         return {"id": rid, "idx": idx, "text": text}
     content: str | list = [*parts, {"type": "text", "text": text}] if parts else text
     messages = [{"role": "system", "content": r.system_prompt}] if r.system_prompt else []
-    return {"id": rid, "idx": idx, "messages": [*messages, {"role": "user", "content": content}]}
+    request = {"id": rid, "idx": idx, "messages": [*messages, {"role": "user", "content": content}]}
+    if parts and images:
+        request["images"] = images
+    return request
 
 
 def _samples(out: dict) -> list[str]:
@@ -193,9 +217,11 @@ def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = 
     from batch_llm.io.identity import file_fingerprint, stable_hash
 
     r = _review(cfg)
-    prompting = {"template": review_template(r), "system_prompt": r.system_prompt, "chat": r.chat,
+    prompting: dict[str, object] = {"template": review_template(r), "system_prompt": r.system_prompt, "chat": r.chat,
                  "reasoning": r.reasoning, "categories": r.categories if r.engine.task == "generate" else None,
                  "task": r.engine.task}
+    if r.images != "text":  # keys made before images were reviewed stay the same
+        prompting["images"] = {"mode": r.images, "template": image_template(r), "category": r.image_category}
     return stable_hash({"outputs": file_fingerprint(Location(shard.outputs, options or {}).path()),
                         "prompting": prompting})[:16]
 
@@ -226,11 +252,16 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                 if out is None:  # an error row: nothing to review
                     continue
                 prompt, parts = prompt_of(row)
+                images = row.get("images") if parts and r.images != "text" else None
+                shown, asked, cats = ([], template, categories) if images is None else \
+                    (parts, image_template(r) if r.images == "agreement" else template,
+                     r.image_category if r.images == "agreement" else categories)
                 for k, text in enumerate(_samples(out)):
-                    filled = fill(template, {"prompt": prompt, "output": text, "reasoning": _reasoning(out, k),
-                                             "categories": categories})
+                    filled = fill(asked, {"prompt": prompt, "output": text, "reasoning": _reasoning(out, k),
+                                          "categories": cats})
                     rid = row["id"] if k == 0 else f"{row['id']}#sample{k}"
-                    w.write(json_bytes(_request(r, rid, row["idx"] * SAMPLE_SLOTS + k, filled, parts)) + b"\n")
+                    w.write(json_bytes(_request(r, rid, row["idx"] * SAMPLE_SLOTS + k, filled, shown, images))
+                            + b"\n")
     n = sum(1 for _ in iter_jsonl(path))
     return ShardSpec(index=result.shard, rows=n, url=loc.url, plan_key=key)
 

@@ -1,0 +1,460 @@
+"""Images in rows without an engine (issue 48): chat image parts in JSONL and OpenAI Batch lines, image columns of
+CSV and Parquet tables, the planner's cheap checks (each bad image the row's error with its reason, the rest of the
+file going on), the content hash in the prompt's key instead of the URL, object storage through fsspec, the
+shard-time load (hash compared, decoded with PIL) and its errors, images decoded only as the engine pulls them, the
+config keys and their refusals, and the review's requests for rows with images. The engine-backed path is in
+tests/system/test_vision_language.py."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from batch_llm.config import ConfigError, ReviewConfig, parse_config
+from batch_llm.io import images as im
+from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
+from batch_llm.stages.plan import write_plan
+from pydantic import ValidationError
+
+
+def _png(colour="red", size=(32, 24)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(colour="blue") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 24), colour).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def _url_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _row(rid: str, *parts: dict, text: str = "What is in the picture?") -> dict:
+    return {"id": rid, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+
+
+def _cfg(tmp: Path, path: Path, **extra) -> object:
+    data = {"name": "vl", "model": {"ref": "/models/vl"}, "input": {"path": str(path)},
+            "output": {"path": str(tmp / "out")}, "engine": {"kind": "vllm"}}
+    for key, value in extra.items():
+        section, _, name = key.partition("__")
+        data.setdefault(section, {})[name] = value
+    return parse_config(data, "vl.yaml")
+
+
+def _plan(cfg, path: Path, tmp: Path) -> tuple[object, dict[str, dict], dict[str, str]]:
+    plan_dir = Location(str(tmp / "plan"))
+    m = write_plan(cfg, input_loc=Location(str(path)), plan_dir=plan_dir)
+    good = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
+    bad = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
+    return m, good, bad
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """The bad-image corpus of the system test, and a few more, with good images beside them."""
+    d = tmp_path / "in" / "imgs"
+    d.mkdir(parents=True)
+    (d / "red.png").write_bytes(_png("red"))
+    (d / "blue.jpg").write_bytes(_jpeg("blue"))
+    (d / "red-copy.png").write_bytes(_png("red"))               # the same bytes under another name
+    (d / "truncated.png").write_bytes(_png("green")[:-40])
+    (d / "jpeg-named.png").write_bytes(_jpeg("green"))         # wrong extension
+    (d / "notes.jpg").write_bytes(b"hello, not a picture\n")   # text named like an image
+    (d / "empty.png").write_bytes(b"")
+    (d / "drawing.svg").write_bytes(b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>')
+    with open(d / "huge.png", "wb") as f:                      # 50 MB (sparse): refused by its size alone
+        f.truncate(50 * 2**20)
+    return d
+
+
+def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpus):
+    data = "data:image/png;base64," + base64.b64encode(_png("red")).decode()
+    rows = [_row("good-png", _url_part("imgs/red.png")), _row("good-jpeg", _url_part(str(corpus / "blue.jpg"))),
+            _row("good-data", _url_part(data)), _row("good-copy", _url_part("file://" + str(corpus / "red-copy.png"))),
+            {"id": "good-text", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                           {"type": "text", "text": "there"}]}]},
+            _row("bad-truncated", _url_part("imgs/truncated.png")), _row("bad-ext", _url_part("imgs/jpeg-named.png")),
+            _row("bad-text", _url_part("imgs/notes.jpg")), _row("bad-empty", _url_part("imgs/empty.png")),
+            _row("bad-svg", _url_part("imgs/drawing.svg")), _row("bad-huge", _url_part("imgs/huge.png")),
+            _row("bad-missing", _url_part("imgs/gone.png")), _row("bad-outside", _url_part("/etc/hostname")),
+            _row("bad-escape", _url_part("../../../etc/hostname")), _row("bad-http", _url_part("https://x.org/a.png")),
+            _row("bad-data", _url_part("data:text/plain;base64,aGk=")), _row("bad-b64", _url_part("data:image/png;base64,@@")),
+            _row("bad-two", _url_part("imgs/red.png"), _url_part("imgs/blue.jpg")),
+            {"id": "bad-part", "messages": [{"role": "user", "content": [{"type": "input_audio", "x": 1}]}]},
+            {"id": "bad-url", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}]
+    src = corpus.parent / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m, good, bad = _plan(_cfg(tmp_path, src, engine__limit_mm_per_prompt={"image": 1}), src, tmp_path)
+    assert set(good) == {"good-png", "good-jpeg", "good-data", "good-copy", "good-text"}
+    assert m.rows_read == len(rows) and m.valid == 5 and m.invalid == len(rows) - 5
+    expected = {
+        "bad-truncated": "image 1 (imgs/truncated.png): a truncated PNG: it does not end with the IEND chunk",
+        "bad-ext": "wrong extension: its name says PNG (.png) but its bytes are a JPEG image",
+        "bad-text": "not an image: its bytes are text ('hello, not a picture",
+        "bad-empty": "image 1 (imgs/empty.png): empty (0 bytes)",
+        "bad-svg": "an SVG drawing (vector graphics)",
+        "bad-huge": "image 1 (imgs/huge.png): 50.0 MiB, over input.max_image_bytes (20.0 MiB)",
+        "bad-missing": f"no such file {corpus / 'gone.png'}",
+        "bad-outside": "/etc/hostname is outside the folders images may be read from",
+        "bad-escape": "is outside the folders images may be read from",
+        "bad-http": "not read from there: images come from data: URLs, object storage",
+        "bad-data": "a data: URL of type 'text/plain', not an image",
+        "bad-b64": "its base64 does not decode",
+        "bad-two": "the row has 2 images; engine.limit_mm_per_prompt allows 1 per prompt",
+        "bad-part": "content part 'input_audio' is not read (text and image_url parts are)",
+        "bad-url": "an image_url part needs image_url.url"}
+    for rid, reason in expected.items():
+        assert reason in bad[rid], (rid, bad[rid])
+    # the shard row: each image part by content hash, the references beside the messages (absolute, checked)
+    png = good["good-png"]
+    assert png["messages"][0]["content"][0] == {"type": "image", "sha256": im.hashlib.sha256(_png("red")).hexdigest()}
+    assert png["images"] == [{"url": str(corpus / "red.png"), "sha256": png["messages"][0]["content"][0]["sha256"],
+                              "format": "png", "bytes": len(_png("red"))}]
+    assert "imgs/red.png" not in json.dumps(png["messages"])
+    assert good["good-text"]["messages"][0]["content"] == "Hi\nthere" and "images" not in good["good-text"]
+    assert good["good-jpeg"]["images"][0]["format"] == "jpeg"
+
+
+def test_the_prompt_key_holds_the_images_content_not_their_url(tmp_path, corpus):
+    from batch_llm.cache.results import prompt_key
+    from batch_llm.stages.infer import _prompt_basis, _row_params
+
+    (corpus / "other.png").write_bytes(_png("blue"))
+    rows = [_row("a", _url_part("imgs/red.png")), _row("b", _url_part("imgs/red-copy.png")),
+            _row("c", _url_part("data:image/png;base64," + base64.b64encode(_png("red")).decode())),
+            _row("d", _url_part("imgs/other.png"))]
+    src = corpus.parent / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, good, _ = _plan(_cfg(tmp_path, src), src, tmp_path)
+    keys = {rid: prompt_key(_prompt_basis(r), _row_params(r)) for rid, r in good.items()}
+    assert keys["a"] == keys["b"] == keys["c"] != keys["d"]  # the same bytes anywhere: one key; other bytes: another
+
+
+def test_openai_batch_lines_take_image_parts(tmp_path, corpus):
+    line = {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "max_tokens": 8, "messages": [
+                {"role": "user", "content": [_url_part("imgs/red.png"), {"type": "text", "text": "Caption?"}]}]}}
+    bad = {**line, "custom_id": "q2", "body": {**line["body"], "messages": [
+        {"role": "user", "content": [_url_part("imgs/truncated.png"), {"type": "text", "text": "Caption?"}]}]}}
+    src = corpus.parent / "batch.jsonl"
+    src.write_text(json.dumps(line) + "\n" + json.dumps(bad) + "\n")
+    m, good, errors = _plan(_cfg(tmp_path, src), src, tmp_path)
+    assert m.format == "openai_batch" and set(good) == {"q1"} and good["q1"]["images"][0]["format"] == "png"
+    assert "truncated PNG" in errors["q2"]
+
+
+def test_image_columns_of_a_csv_and_of_parquet(tmp_path, corpus):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    csv = corpus.parent / "rows.csv"
+    csv.write_text('id,prompt,photo\nc1,Describe it,imgs/red.png\nc2,Both?,"[""imgs/red.png"", ""imgs/blue.jpg""]"\n'
+                   "c3,No picture,\nc4,Broken,imgs/empty.png\n")
+    m, good, bad = _plan(_cfg(tmp_path, csv, input__image_columns=["photo"]), csv, tmp_path)
+    assert set(good) == {"c1", "c2", "c3"} and len(good["c2"]["images"]) == 2 and "images" not in good["c3"]
+    assert good["c1"]["messages"][0]["content"][1] == {"type": "text", "text": "Describe it"}  # the image goes first
+    assert "empty (0 bytes)" in bad["c4"]
+
+    table = pa.table({"id": ["p1", "p2", "p3", "p4"], "prompt": ["a", "b", "c", "d"],
+                      "img": [_png("red"), _png("red")[:-30], None, _jpeg()],
+                      "hf": [{"bytes": _jpeg(), "path": "x.jpg"}, None, None, {"bytes": _jpeg(), "path": "x.png"}]})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    m, good, bad = _plan(_cfg(tmp_path, tmp_path / "rows.parquet", input__image_columns=["img", "hf"]),
+                         tmp_path / "rows.parquet", tmp_path / "p")
+    assert set(good) == {"p1", "p3"} and [i["format"] for i in good["p1"]["images"]] == ["png", "jpeg"]
+    assert good["p1"]["images"][0]["url"].startswith("data:image/png;base64,")
+    assert "truncated PNG" in bad["p2"] and "wrong extension: its name says PNG (.png)" in bad["p4"]
+    # a table without the named column is refused once, naming it
+    from batch_llm.io.formats import InputFileError
+
+    with pytest.raises(InputFileError, match=r"lacks the image column\(s\) 'picture' \(input.image_columns\)"):
+        _plan(_cfg(tmp_path, csv, input__image_columns=["picture"]), csv, tmp_path / "q")
+
+
+def test_object_storage_images_are_read_through_fsspec():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/bucket48/red.png", _png("red"))
+    fs.pipe("/bucket48/cut.png", _png("red")[:-20])
+    checker = im.ImageChecker()
+    ref = checker.check("memory://bucket48/red.png", "image 1")
+    assert (ref.url, ref.format, ref.bytes) == ("memory://bucket48/red.png", "png", len(_png("red")))
+    with pytest.raises(im.ImageProblem, match=r"image 1: no such object memory://bucket48/gone.png"):
+        checker.check("memory://bucket48/gone.png", "image 1")
+    with pytest.raises(im.ImageProblem, match="truncated PNG"):
+        checker.check("memory://bucket48/cut.png", "image 2")
+    # relative to an input in object storage
+    rel = im.ImageChecker(base="memory://bucket48").check("red.png", "image 1")
+    assert rel.url == "memory://bucket48/red.png" and rel.sha256 == ref.sha256
+    assert im.load_image(ref, {}, 2**20).size == (32, 24)
+
+
+def test_the_shard_load_compares_the_hash_and_decodes_in_full(tmp_path):
+    path = tmp_path / "a.png"
+    path.write_bytes(_png("red"))
+    ref = im.ImageChecker(roots=[str(tmp_path)]).check(str(path), "image 1")
+    img = im.load_image(ref.to_json(), {}, 2**20)
+    assert img.mode == "RGB" and img.getpixel((0, 0)) == (255, 0, 0)
+    path.write_bytes(_png("blue"))
+    with pytest.raises(im.ImageProblem, match="changed since the plan"):
+        im.load_image(ref, {}, 2**20)
+    path.unlink()
+    with pytest.raises(im.ImageProblem, match="gone since the plan"):
+        im.load_image(ref, {}, 2**20)
+    # a header and an IEND chunk the planner accepts, pixel data that does not decode: the shard says so
+    good = _png("red", (64, 64))
+    start = good.index(b"IDAT") + 8
+    broken = good[:start] + bytes(len(good) - start - 12) + good[-12:]
+    path.write_bytes(broken)
+    ref = im.ImageChecker(roots=[str(tmp_path)]).check(str(path), "image 1")
+    with pytest.raises(im.ImageProblem, match=r"does not decode \(PNG\)"):
+        im.load_image(ref, {}, 2**20)
+
+
+def test_an_engine_without_images_refuses_them_naming_vllm(tmp_path, corpus):
+    src = corpus.parent / "rows.jsonl"
+    src.write_text(json.dumps(_row("r1", _url_part("imgs/red.png"))) + "\n" +
+                   json.dumps({"id": "r2", "prompt": "text only"}) + "\n")
+    _, good, bad = _plan(_cfg(tmp_path, src, engine__kind="transformers"), src, tmp_path)
+    assert set(good) == {"r2"}
+    assert bad["r1"] == "the row has 1 image(s): engine transformers takes no images (vllm can); set engine.kind: vllm"
+    with pytest.raises(ConfigError, match=r"input.image_columns: engine lmdeploy takes no images \(vllm can\)"):
+        _cfg(tmp_path, src, engine__kind="lmdeploy", input__image_columns=["photo"])
+
+
+def test_the_image_keys_are_checked_and_refused_with_a_reason(tmp_path):
+    src = tmp_path / "x.jsonl"
+    cases = [({"engine__limit_mm_per_prompt": {"video": 1}}, "video: only images are read from rows"),
+             ({"engine__limit_mm_per_prompt": {"image": -1}}, "a limit is 0 or more"),
+             ({"engine__kind": "transformers", "engine__mm_processor_kwargs": {"max_pixels": 10}},
+              r"engine.mm_processor_kwargs: .*engine.kind is 'transformers' \(vllm can\)"),
+             ({"engine__kind": "sglang", "engine__limit_mm_per_prompt": {"image": 2}},
+              r"engine.limit_mm_per_prompt: .*'sglang' \(vllm can\)"),
+             ({"input__image_columns": ["a", "a"]}, "name each image column once"),
+             ({"input__max_image_bytes": 0}, "greater than 0"),
+             ({"engine__task": "embed", "input__image_columns": ["a"]}, "engine.task embed is not tested with images")]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            _cfg(tmp_path, src, **extra)
+    cfg = _cfg(tmp_path, src, engine__mm_processor_kwargs={"max_pixels": 1024}, input__image_roots=["./pics"])
+    assert cfg.engine.mm_processor_kwargs == {"max_pixels": 1024}
+    # in a YAML file, image_roots resolve against its folder, as the other paths do
+    from batch_llm.config import load_config
+
+    (tmp_path / "p.yaml").write_text(f"name: p\nmodel: {{ref: a/b}}\ninput: {{path: {src}, image_roots: [./pics]}}\n"
+                                     f"output: {{path: {tmp_path}}}\n")
+    assert load_config(tmp_path / "p.yaml").input.image_roots == [str(tmp_path / "pics")]
+
+
+def test_the_processor_settings_a_model_has_are_the_ones_honoured(tmp_path):
+    from batch_llm.engines.vllm_engine import processor_kwargs_refusal, tokens_prompt
+
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"image_processor": {"size": {"height": 28, "width": 28}, "do_normalize": True,
+                             "image_processor_type": "BlipImageProcessor"}, "processor_class": "Blip2Processor"}))
+    assert processor_kwargs_refusal(str(tmp_path), {}) is None
+    assert processor_kwargs_refusal(str(tmp_path), {"size": {"height": 28, "width": 28}}) is None
+    why = processor_kwargs_refusal(str(tmp_path), {"max_pixels": 100})
+    assert why.startswith("engine.mm_processor_kwargs.max_pixels: the model's image processor has no such setting "
+                          "(it has: do_normalize, size)")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056}))
+    assert processor_kwargs_refusal(str(tmp_path), {"max_pixels": 100}) is None
+    assert "has no image processor settings" in processor_kwargs_refusal(str(tmp_path / "none"), {"size": 1})
+    # vLLM's prompt: token ids, and the decoded images as multi_modal_data (one image: the image itself)
+    from batch_llm.engines.base import GenRequest
+
+    assert tokens_prompt(dict, GenRequest("k", [1, 2])) == {"prompt_token_ids": [1, 2]}
+    assert tokens_prompt(dict, GenRequest("k", [1], images=["A"])) == {"prompt_token_ids": [1],
+                                                                      "multi_modal_data": {"image": "A"}}
+    assert tokens_prompt(dict, GenRequest("k", [1], images=["A", "B"]))["multi_modal_data"] == {"image": ["A", "B"]}
+
+
+# ------------------------------------------------------------------------------------------ the shard
+IMAGES_TOY = "toy_images"
+
+
+@pytest.fixture
+def vl_model(tmp_path, demo_model_dir) -> Path:
+    """A model folder a shard can render chats with (the demo model's tokenizer, a template that reads image parts)
+    whose config names a vision part; the toy engine never loads weights."""
+    import shutil
+
+    d = tmp_path / "vl-model"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(demo_model_dir) / name, d / name)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    (d / "config.json").write_text(json.dumps({"architectures": ["ToyVL"], "vision_config": {"hidden_size": 8}}))
+    return d
+
+
+CHILD = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[3])
+from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities
+from batch_llm.config import parse_config
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.manifests import ShardSpec
+from batch_llm.stages.infer import run_shard
+import batch_llm.io.images as im
+
+register_capabilities(EngineCapabilities("toy_images", "toy_image_engine", title="toy", images=True))
+cfg = parse_config(json.loads(sys.argv[1]))
+decoded = {"n": 0}
+real = im.decode_image
+def counting(data, ref):
+    decoded["n"] += 1
+    return real(data, ref)
+im.decode_image = counting
+import toy_image_engine
+toy_image_engine.DECODED = decoded
+plan = json.loads(sys.argv[2])
+from batch_llm.stages.infer import load_tokenizer
+load_tokenizer(plan["model"], None)  # the imports and one decode before the baseline: what is measured is the shard's
+real(open(plan["probe"], "rb").read(), im.ImageRef(plan["probe"], "", "png", 0))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m = run_shard(cfg, shard=ShardSpec(index=0, rows=plan["rows"], url=plan["url"]),
+              shard_dir=Location(plan["dir"]), model_dir=plan["model"], model_key="toy", say=lambda s: None)
+out = {"rows": {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())},
+       "errors": {r["id"]: r["error"] for r in iter_jsonl(Location(m.errors).path())},
+       "seen": toy_image_engine.SEEN, "peak_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+print("RESULT " + json.dumps(out))
+"""
+
+TOY_ENGINE = '''
+from batch_llm.engines.base import Engine, EngineInfo, GenResult
+from batch_llm.engines.registry import register_engine
+SEEN = []
+DECODED = None
+
+
+@register_engine
+class ToyImages(Engine):
+    kind = "toy_images"
+
+    def start(self):
+        return EngineInfo(kind=self.kind, version="0")
+
+    def generate(self, requests):
+        for r in requests:  # one request at a time: what it holds is all that is decoded
+            SEEN.append({"key": r.key, "images": [img.size for img in r.images or []],
+                         "decoded_so_far": DECODED["n"]})
+            yield GenResult(key=r.key, text=f"{len(r.images or [])} images", finish_reason="stop",
+                            prompt_tokens=len(r.prompt_token_ids), completion_tokens=1)
+'''
+
+
+def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model):
+    """A shard of 24 rows whose images decode to ~650 MB in all (3000 x 3000 RGB each) through a toy engine that
+    takes images: each image is decoded when its request goes to the engine (never ahead of it), the peak memory
+    grows by a fraction of the total, a row whose image changed after the plan is the row's error with the reason,
+    and the engine gets PIL images."""
+    imgs = tmp_path / "in"
+    imgs.mkdir()
+    rows = []
+    for i in range(24):
+        (imgs / f"big{i}.png").write_bytes(_png((i * 10, 0, 0), (3000, 3000)))  # a few KB each, 27 MB decoded
+        rows.append(_row(f"r{i:02d}", _url_part(f"big{i}.png")))
+    src = imgs / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "toy_image_engine.py").write_text(TOY_ENGINE)
+    data = {"name": "vl", "model": {"ref": str(vl_model)}, "input": {"path": str(src)},
+            "output": {"path": str(tmp_path / "out")}, "engine": {"kind": "vllm", "commit_every_rows": 4},
+            "cache": {"enabled": False}}
+    plan = write_plan(parse_config(data), input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
+    (imgs / "big5.png").write_bytes(_png("blue", (3000, 3000)))  # changed after the plan
+    data["engine"] = {"kind": IMAGES_TOY, "commit_every_rows": 4}
+    shard = plan.shards[0]
+    spec = {"rows": shard.rows, "url": shard.url, "dir": str(tmp_path / "shard"), "model": str(vl_model),
+            "probe": str(imgs / "big0.png")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "include"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(data), json.dumps(spec), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert set(out["rows"]) == {f"r{i:02d}" for i in range(24)} - {"r05"}
+    assert "changed since the plan" in out["errors"]["r05"]
+    assert all(r["output"] == "1 images" for r in out["rows"].values())
+    seen = out["seen"]
+    assert len(seen) == 23 and all(s["images"] == [[3000, 3000]] for s in seen)
+    # when the engine took its k-th request, at most k + 1 images had been decoded (the failed one included)
+    assert all(s["decoded_so_far"] <= k + 2 for k, s in enumerate(seen)), seen
+    assert out["peak_growth_mb"] < 300, out["peak_growth_mb"]  # 24 x 27 MB = 648 MB decoded in all
+
+
+# ------------------------------------------------------------------------------------------ the review
+def test_review_image_settings_are_checked():
+    guard = {"ref": "/models/vl"}
+    r = ReviewConfig(model=guard, images="agreement", actions={"image_mismatch": "drop"})
+    assert r.verdict_categories[-1] == "image_mismatch"
+    assert ReviewConfig(model=guard).verdict_categories == ReviewConfig(model=guard).categories  # text: as before
+    bad = [({"image_template": "{output}"}, "image_template: a setting of images: agreement"),
+           ({"images": "agreement", "image_template": "Does it agree?"}, r"image_template: it never shows the output"),
+           ({"actions": {"image_mismatch": "drop"}}, "actions.image_mismatch: not a category"),
+           ({"images": "content", "engine": {"task": "classify"}, "labels": {"a": "safe"}},
+            "images: content: a classifier reads the output as text")]
+    for settings, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            ReviewConfig(model=guard, **settings)
+
+
+@pytest.mark.parametrize("mode", ["agreement", "content", "text"])
+def test_review_requests_of_rows_with_images(tmp_path, mode):
+    from batch_llm.layout import RunLayout
+    from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult, ShardSpec
+    from batch_llm.stages import review as rv
+
+    cfg = parse_config({"name": "p", "model": {"ref": "/models/vl"}, "input": {"path": str(tmp_path / "in.jsonl")},
+                        "output": {"path": str(tmp_path / "out")},
+                        "filter": {"lists": [], "review": {"model": {"ref": "/models/vl"}, "images": mode}}})
+    layout = RunLayout.for_run(cfg, run_id="r1", ds="2026-12-05")
+    ref = {"url": "/data/cat.png", "sha256": "ab" * 32, "format": "png", "bytes": 10}
+    rows = [{"id": "r0", "idx": 0, "messages": [{"role": "user", "content": [
+        {"type": "image", "sha256": ref["sha256"]}, {"type": "text", "text": "What animal?"}]}], "images": [ref]},
+            {"id": "r1", "idx": 1, "messages": [{"role": "user", "content": "Say hi"}]}]
+    shard_file = layout.stage("plan").child("shard-00000.jsonl")
+    write_jsonl(shard_file.path(), rows)
+    plan = PlanManifest(input="x", format="jsonl", rows_read=2, valid=2, invalid=0, errors="e", records="r",
+                        shards=[ShardSpec(index=0, rows=2, url=shard_file.url)], has_references=False)
+    sdir = layout.stage("infer").child("shard-00000")
+    write_jsonl(sdir.child("outputs.jsonl").path(), [
+        {"id": "r0", "idx": 0, "output": "a dog", "error": None}, {"id": "r1", "idx": 1, "output": "hi", "error": None}])
+    write_jsonl(sdir.child("errors.jsonl").path(), [])
+    shard = ShardResult(shard=0, outputs=sdir.child("outputs.jsonl").url, errors=sdir.child("errors.jsonl").url,
+                        metrics=ShardMetrics(rows=2, ok=2))
+    reqs = {q["id"]: q for q in iter_jsonl(Location(rv.prepare_review(cfg, layout, plan, shard).url).path())}
+    image_turn, text_turn = reqs["r0"]["messages"][-1]["content"], reqs["r1"]["messages"][-1]["content"]
+    assert isinstance(text_turn, str) and "Say hi" in text_turn and "images" not in reqs["r1"]
+    if mode == "text":
+        assert isinstance(image_turn, str) and "images" not in reqs["r0"] and "harmful or unsafe" in image_turn
+        assert "image_mismatch" not in json.dumps(rv.review_pipeline_config(cfg).sampling.output_schema)
+        return
+    assert image_turn[0] == {"type": "image", "sha256": ref["sha256"]} and reqs["r0"]["images"] == [ref]
+    asked = image_turn[1]["text"]
+    assert "What animal?" in asked and "a dog" in asked
+    if mode == "agreement":
+        assert "agree with the image" in asked and '["image_mismatch"]' in asked
+        schema = rv.review_pipeline_config(cfg).sampling.output_schema
+        assert schema["properties"]["categories"]["items"]["enum"][-1] == "image_mismatch"
+    else:
+        assert "harmful or unsafe" in asked
