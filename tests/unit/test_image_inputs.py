@@ -10,8 +10,6 @@ import base64
 import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ def _png(colour="red", size=(32, 24)) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
+    Image.new("RGB", size, colour).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
@@ -285,7 +283,7 @@ def test_the_processor_settings_a_model_has_are_the_ones_honoured(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the shard
-IMAGES_TOY = "toy_images"
+IMAGES_TOY = "toy_images"  # an engine kind that takes images, registered by the toy_images fixture
 
 
 @pytest.fixture
@@ -306,100 +304,98 @@ def vl_model(tmp_path, demo_model_dir) -> Path:
     return d
 
 
-CHILD = r"""
-import json, resource, sys
-sys.path.insert(0, sys.argv[3])
-from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities
-from batch_llm.config import parse_config
-from batch_llm.io.storage import Location, iter_jsonl
-from batch_llm.manifests import ShardSpec
-from batch_llm.stages.infer import run_shard
-import batch_llm.io.images as im
-
-register_capabilities(EngineCapabilities("toy_images", "toy_image_engine", title="toy", images=True))
-cfg = parse_config(json.loads(sys.argv[1]))
-decoded = {"n": 0}
-real = im.decode_image
-def counting(data, ref):
-    decoded["n"] += 1
-    return real(data, ref)
-im.decode_image = counting
-import toy_image_engine
-toy_image_engine.DECODED = decoded
-plan = json.loads(sys.argv[2])
-from batch_llm.stages.infer import load_tokenizer
-load_tokenizer(plan["model"], None)  # the imports and one decode before the baseline: what is measured is the shard's
-real(open(plan["probe"], "rb").read(), im.ImageRef(plan["probe"], "", "png", 0))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-m = run_shard(cfg, shard=ShardSpec(index=0, rows=plan["rows"], url=plan["url"]),
-              shard_dir=Location(plan["dir"]), model_dir=plan["model"], model_key="toy", say=lambda s: None)
-out = {"rows": {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())},
-       "errors": {r["id"]: r["error"] for r in iter_jsonl(Location(m.errors).path())},
-       "seen": toy_image_engine.SEEN, "peak_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
-print("RESULT " + json.dumps(out))
-"""
-
-TOY_ENGINE = '''
-from batch_llm.engines.base import Engine, EngineInfo, GenResult
-from batch_llm.engines.registry import register_engine
-SEEN = []
-DECODED = None
+def _rss_mb() -> float:
+    """This process's resident memory now (not its high-water mark, which earlier tests may have set)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-@register_engine
-class ToyImages(Engine):
-    kind = "toy_images"
+class _ToyImages:
+    """An engine that takes images, one request at a time (what it holds is all that is decoded), noting for each
+    request its images' sizes, how many images were decoded so far and the memory now."""
+
+    seen: list[dict] = []
+    decoded = {"n": 0}
+
+    def __init__(self, *a, **k):
+        pass
 
     def start(self):
-        return EngineInfo(kind=self.kind, version="0")
+        from batch_llm.engines.base import EngineInfo
+
+        return EngineInfo(kind=IMAGES_TOY, version="0")
 
     def generate(self, requests):
-        for r in requests:  # one request at a time: what it holds is all that is decoded
-            SEEN.append({"key": r.key, "images": [img.size for img in r.images or []],
-                         "decoded_so_far": DECODED["n"]})
+        from batch_llm.engines.base import GenResult
+
+        for r in requests:
+            self.seen.append({"images": [img.size for img in r.images or []], "decoded_so_far": self.decoded["n"],
+                              "rss_mb": _rss_mb()})
             yield GenResult(key=r.key, text=f"{len(r.images or [])} images", finish_reason="stop",
                             prompt_tokens=len(r.prompt_token_ids), completion_tokens=1)
-'''
+
+    def close(self):
+        pass
 
 
-def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model):
-    """A shard of 24 rows whose images decode to ~650 MB in all (3000 x 3000 RGB each) through a toy engine that
-    takes images: each image is decoded when its request goes to the engine (never ahead of it), the peak memory
-    grows by a fraction of the total, a row whose image changed after the plan is the row's error with the reason,
-    and the engine gets PIL images."""
+@pytest.fixture
+def toy_images(monkeypatch):
+    from batch_llm.engines import registry
+    from batch_llm.engines.base import Engine
+    from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities, unregister_capabilities
+
+    register_capabilities(EngineCapabilities(IMAGES_TOY, __name__, title="toy", images=True))
+    engine = type("ToyImagesEngine", (_ToyImages, Engine), {"kind": IMAGES_TOY})
+    registry.register_engine(engine)
+    real = im.decode_image
+
+    def counting(data, ref):
+        _ToyImages.decoded["n"] += 1
+        return real(data, ref)
+
+    monkeypatch.setattr(im, "decode_image", counting)
+    _ToyImages.seen, _ToyImages.decoded = [], {"n": 0}
+    yield _ToyImages
+    registry.unregister_engine(IMAGES_TOY)
+    unregister_capabilities(IMAGES_TOY)
+
+
+def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, toy_images):
+    """A shard of 16 rows whose images decode to ~280 MB in all (2400 x 2400 RGB each) through an engine that takes
+    images: each image is decoded when its request goes to the engine (never ahead of it), the memory while it
+    generates stays a fraction of the total above where it started, a row whose image changed after the plan is the
+    row's error with the reason, and the engine gets PIL images."""
+    from batch_llm.manifests import ShardSpec
+    from batch_llm.stages.infer import load_tokenizer, run_shard
+
     imgs = tmp_path / "in"
     imgs.mkdir()
     rows = []
-    for i in range(24):
-        (imgs / f"big{i}.png").write_bytes(_png((i * 10, 0, 0), (3000, 3000)))  # a few KB each, 27 MB decoded
+    for i in range(16):
+        (imgs / f"big{i}.png").write_bytes(_png((i * 10, 0, 0), (2400, 2400)))  # a few KB each, 17 MB decoded
         rows.append(_row(f"r{i:02d}", _url_part(f"big{i}.png")))
     src = imgs / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "toy_image_engine.py").write_text(TOY_ENGINE)
-    data = {"name": "vl", "model": {"ref": str(vl_model)}, "input": {"path": str(src)},
-            "output": {"path": str(tmp_path / "out")}, "engine": {"kind": "vllm", "commit_every_rows": 4},
-            "cache": {"enabled": False}}
-    plan = write_plan(parse_config(data), input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
-    (imgs / "big5.png").write_bytes(_png("blue", (3000, 3000)))  # changed after the plan
-    data["engine"] = {"kind": IMAGES_TOY, "commit_every_rows": 4}
-    shard = plan.shards[0]
-    spec = {"rows": shard.rows, "url": shard.url, "dir": str(tmp_path / "shard"), "model": str(vl_model),
-            "probe": str(imgs / "big0.png")}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "include"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(data), json.dumps(spec), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
-    assert set(out["rows"]) == {f"r{i:02d}" for i in range(24)} - {"r05"}
-    assert "changed since the plan" in out["errors"]["r05"]
-    assert all(r["output"] == "1 images" for r in out["rows"].values())
-    seen = out["seen"]
-    assert len(seen) == 23 and all(s["images"] == [[3000, 3000]] for s in seen)
-    # when the engine took its k-th request, at most k + 1 images had been decoded (the failed one included)
-    assert all(s["decoded_so_far"] <= k + 2 for k, s in enumerate(seen)), seen
-    assert out["peak_growth_mb"] < 300, out["peak_growth_mb"]  # 24 x 27 MB = 648 MB decoded in all
+    cfg = _cfg(tmp_path, src, engine__commit_every_rows=4, cache__enabled=False)
+    plan = write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
+    (imgs / "big5.png").write_bytes(_png("blue", (2400, 2400)))  # changed after the plan
+    cfg = cfg.with_overrides({"engine.kind": IMAGES_TOY})
+    load_tokenizer(str(vl_model), None)  # the imports before the baseline: what is measured is the shard's
+    before = _rss_mb()
+    m = run_shard(cfg, shard=ShardSpec(index=0, rows=plan.shards[0].rows, url=plan.shards[0].url),
+                  shard_dir=Location(str(tmp_path / "shard")), model_dir=str(vl_model), model_key="toy",
+                  say=lambda s: None)
+    rows_out = {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())}
+    errors = {r["id"]: r["error"] for r in iter_jsonl(Location(m.errors).path())}
+    assert set(rows_out) == {f"r{i:02d}" for i in range(16)} - {"r05"}
+    assert "changed since the plan" in errors["r05"]
+    assert all(r["output"] == "1 images" for r in rows_out.values())
+    seen = toy_images.seen
+    assert len(seen) == 15 and all(s["images"] == [(2400, 2400)] for s in seen)
+    # when the engine took its k-th request, k + 1 images had been decoded: its own and those before it
+    assert [s["decoded_so_far"] for s in seen] == list(range(1, 16)), seen
+    growth = max(s["rss_mb"] for s in seen) - before
+    assert growth < 120, growth  # 16 x 17 MB = 276 MB decoded in all
 
 
 # ------------------------------------------------------------------------------------------ the review
@@ -458,3 +454,32 @@ def test_review_requests_of_rows_with_images(tmp_path, mode):
         assert schema["properties"]["categories"]["items"]["enum"][-1] == "image_mismatch"
     else:
         assert "harmful or unsafe" in asked
+
+
+def test_a_text_engine_or_a_text_model_refuses_a_shards_image_rows(tmp_path, demo_model_dir, vl_model):
+    """What the review pass meets (its rows keep their images; its engine and model are the review's): a row with
+    images on an engine or model that takes none is the row's error, naming the fix, before a template renders it."""
+    from batch_llm.manifests import ShardSpec
+    from batch_llm.stages.infer import ShardRun
+
+    def refusal(kind: str, model: Path) -> str | None:
+        cfg = _cfg(tmp_path, tmp_path / "x.jsonl", engine__kind=kind)
+        run = ShardRun(cfg, shard=ShardSpec(index=0, rows=0, url=str(tmp_path / "s.jsonl")),
+                       shard_dir=Location(str(tmp_path / kind)), model_dir=str(model), model_key="m")
+        return run._image_refusal(2)
+
+    assert refusal("transformers", vl_model).startswith(
+        "the row has 2 image(s): engine transformers takes no images (vllm can); set engine.kind: vllm (a review: "
+        "or filter.review.images: text)")
+    assert refusal("vllm", demo_model_dir).startswith(
+        f"the row has 2 image(s): the model at {demo_model_dir} takes no images (its config.json names no vision part)")
+    assert refusal("vllm", vl_model) is None
+
+
+def test_a_pre_tokenized_row_with_images_is_refused(tmp_path, corpus):
+    src = corpus.parent / "rows.jsonl"
+    src.write_text(json.dumps({"id": "t1", "prompt_token_ids": [1, 2], "photo": "imgs/red.png"}) + "\n" +
+                   json.dumps({"id": "t2", "prompt_token_ids": [1, 2], "photo": None}) + "\n")
+    _, good, bad = _plan(_cfg(tmp_path, src, input__image_columns=["photo"]), src, tmp_path)
+    assert set(good) == {"t2"} and bad["t1"] == "a pre-tokenized row (prompt_token_ids) takes no images, and this " \
+                                               "one has photo"

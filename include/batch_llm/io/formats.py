@@ -192,7 +192,9 @@ def _read_parquet(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
         if cfg is not None:
             _require_columns(path, pf.schema_arrow.names, cfg)
         n = 0
-        for batch in _parquet_batches(pf, path):
+        # image bytes in a column (input.image_columns): small batches, so a batch holds a few images, not thousands
+        size = PARQUET_IMAGE_BATCH_ROWS if cfg is not None and cfg.image_columns else PARQUET_BATCH_ROWS
+        for batch in _parquet_batches(pf, path, size):
             yield from _batch_rows(batch, n)
             n += batch.num_rows
 
@@ -203,10 +205,14 @@ def _parquet_faults() -> tuple[type[Exception], ...]:
     return pa.ArrowException, OSError  # OSError: a page that does not decompress (ArrowIOError is one)
 
 
-def _parquet_batches(pf, path: UPath) -> Iterator:
+PARQUET_BATCH_ROWS = 4096
+PARQUET_IMAGE_BATCH_ROWS = 32
+
+
+def _parquet_batches(pf, path: UPath, batch_size: int = PARQUET_BATCH_ROWS) -> Iterator:
     """The file's record batches; a damaged page past the footer stops the file with the row it stopped at
     (what follows cannot be counted, so the file fails as a whole rather than dropping rows unseen)."""
-    batches = pf.iter_batches(batch_size=4096)
+    batches = pf.iter_batches(batch_size=batch_size)
     done = 0
     while True:
         try:
@@ -477,6 +483,9 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     params = RowParams.from_columns(_typed_cells(rec, cfg.sampling_columns), cfg.sampling_columns)
     tokens = rec.get("prompt_token_ids")
     if tokens is not None:
+        if any(rec.get(c) not in (None, "", []) for c in cfg.image_columns):
+            raise ValueError(f"a pre-tokenized row (prompt_token_ids) takes no images, and this one has "
+                             f"{', '.join(c for c in cfg.image_columns if rec.get(c) not in (None, '', []))}")
         return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(tokens), params=params)
     messages, prompt = rec.get(cfg.messages_column), rec.get(cfg.prompt_column)
     if fmt == "csv" and messages == "":  # an empty cell is CSV's null: the row's prompt may be in the other column

@@ -616,6 +616,9 @@ class ShardRun:
         rid = self.sent_by.get(r["id"])
         if rid is None or rid not in self.groups:
             return None
+        if r.get("images") and (refusal := self._image_refusal(len(r["images"]))):  # before a text template sees them
+            self._fail(rid, refusal)
+            return None
         try:
             text, ids = self._render(r)
         except ThinkingRefused as e:  # the row's thinking setting, which this model's template cannot honour
