@@ -196,7 +196,12 @@ def test_object_storage_images_are_read_through_fsspec():
         checker.check("memory://bucket48/gone.png", "image 1")
     with pytest.raises(im.ImageProblem, match="truncated PNG"):
         checker.check("memory://bucket48/cut.png", "image 2")
-    # relative to an input in object storage
+    # relative to an input in object storage, and under its folder
+    fs.pipe("/bucket48/in/sub/red.png", _png("red"))
+    assert im.ImageChecker(base="memory://bucket48/in").check("sub/./x/../red.png", "image 1").url == \
+        "memory://bucket48/in/sub/red.png"
+    with pytest.raises(im.ImageProblem, match=r"\.\./red.png climbs out of the input's folder memory://bucket48/in"):
+        im.ImageChecker(base="memory://bucket48/in").check("../red.png", "image 1")
     rel = im.ImageChecker(base="memory://bucket48").check("red.png", "image 1")
     assert rel.url == "memory://bucket48/red.png" and rel.sha256 == ref.sha256
     assert im.load_image(ref, {}, 2**20).size == (32, 24)

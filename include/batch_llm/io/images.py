@@ -33,6 +33,7 @@ import binascii
 import hashlib
 import io
 import os
+import posixpath
 import re
 import stat
 from collections import OrderedDict
@@ -245,7 +246,10 @@ class ImageChecker:
             if "://" not in url and self.base is not None and not os.path.isabs(os.path.expanduser(url)):
                 joined = _join(self.base, url)
                 target = path_policy.resolve(joined)
-                if target.kind == "storage":  # an input in object storage: relative to its folder there
+                if target.kind == "storage":  # an input in object storage: relative to its folder there, and under it
+                    if not (joined + "/").startswith(self.base.rstrip("/") + "/"):
+                        raise ImageProblem(f"{url} climbs out of the input's folder {self.base} (a relative path "
+                                           "stays under it; name another object by its full URL)")
                     return self._check_storage(joined)
                 return self._check_local(target.local_path or joined)
             return self._check_local(resolved.local_path or url)
@@ -310,8 +314,13 @@ class ImageChecker:
 
 
 def _join(base: str, rel: str) -> str:
+    """A relative reference joined to the input file's folder: a local path, or an object-storage URL whose key's
+    ``.`` and ``..`` segments are resolved (S3 keys hold them literally; no store would find the object meant)."""
     if path_policy.resolve(base).kind == "storage":
-        return base.rstrip("/") + "/" + rel
+        scheme, _, rest = base.rstrip("/").partition("://")
+        bucket, _, prefix = rest.partition("/")
+        key = posixpath.normpath(posixpath.join("/" + prefix, rel)).lstrip("/")
+        return f"{scheme}://{bucket}/{key}"
     return os.path.join(base, rel)
 
 
