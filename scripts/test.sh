@@ -9,15 +9,21 @@ cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -p no:cacheprovider --durations=20 "$@"
 fi
-# Every test module runs (issue: CI left four out). The browser UI test runs first, in a pytest process of its own:
+# Every test module runs (issue: CI left four out). The browser UI test runs in a pytest process of its own:
 # after the in-process dag.test() runs of other tests, its trigger form rendered no params (state left in the test
-# process leaks into the services it starts). Everything else runs on two xdist workers, a module each at a time
-# (--dist loadfile: a module's fixtures start once); tests/conftest.py hands them out longest first, so both
-# workers finish at about the same time. The suite keeps one core busy on average (engine starts, Airflow
-# processes), so two workers run it in about two thirds of the time.
-.venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py
-browser=$?
-.venv/bin/python -m pytest -p no:cacheprovider --durations=25 -n "${TEST_WORKERS:-2}" --dist loadfile \
+# process leaks into the services it starts). It mostly waits on its Airflow services and the browser, so it runs
+# beside the rest rather than before it. Everything else runs on xdist workers, a module each at a time
+# (--dist loadfile: a module's fixtures start once); tests/conftest.py hands them out longest first, so the
+# workers finish at about the same time. The suite keeps ~1.4 of 2 cores busy with two workers (its tests wait on
+# engine starts, schedulers and services), so a third worker fills the idle share.
+mkdir -p var/test
+.venv/bin/python -m pytest -p no:cacheprovider tests/system/test_ui_browser.py > var/test/browser.log 2>&1 &
+browser_pid=$!
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 -n "${TEST_WORKERS:-3}" --dist loadfile \
   --no-loadscope-reorder --ignore=tests/system/test_ui_browser.py
 rest=$?
+wait $browser_pid
+browser=$?
+echo "--- tests/system/test_ui_browser.py (its own process, beside the rest) ---"
+cat var/test/browser.log
 [ $browser -eq 0 ] && [ $rest -eq 0 ]
