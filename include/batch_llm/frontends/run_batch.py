@@ -18,7 +18,6 @@ temperature 1, the rest of the context as max_tokens).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.frontends.written_config import run_written_config
 
 PIPELINE_NAME = "run_batch"
 #: The sampling defaults a model's generation_config.json may set (vLLM's get_diff_sampling_param) and the
@@ -212,14 +212,8 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
         if args.print_config:
             print(config_path.read_text(), end="")
             return 0
-        ds = dt.date.today().isoformat()
-        run_args = argparse.Namespace(command="run", config=str(config_path), overrides=[], input=None, output=None,
-                                      ds=ds, run_id=f"run_batch__{dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}",
-                                      plain=args.plain, verbose=args.verbose,
-                                      argv=["run", str(config_path), "--ds", ds])
-        rc = run(run_args)
-        if getattr(run_args, "log_file", None):
-            args.log_file = run_args.log_file  # main() names it when the command fails
+        rc, ds = run_written_config(config_path, run, args, run_prefix="run_batch", plain=args.plain,
+                                    verbose=args.verbose)
         if rc != 0:
             return rc
         name = args.served_model_name[0] if args.served_model_name else args.model

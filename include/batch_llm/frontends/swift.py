@@ -28,7 +28,6 @@ loader drops them. A row that failed carries ``"response": null`` and ``"error"`
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
@@ -44,6 +43,7 @@ import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
 from batch_llm.engines.capabilities import engine_kinds
+from batch_llm.frontends.written_config import run_written_config
 
 PIPELINE_NAME = "swift_infer"
 MAP, OWN, NOTE, WARN, REFUSE = "map", "own", "note", "warn", "refuse"
@@ -676,14 +676,7 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
             return 0
         with open(work / "rows.jsonl", "w", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pipeline_in))
-        ds = dt.date.today().isoformat()
-        run_args = argparse.Namespace(command="run", config=str(config_path), overrides=[], input=None, output=None,
-                                      ds=ds, run_id=f"infer__{dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}",
-                                      plain=inv.plain, verbose=inv.verbose,
-                                      argv=["run", str(config_path), "--ds", ds])
-        rc = run(run_args)
-        if getattr(run_args, "log_file", None):
-            args.log_file = run_args.log_file  # main() names it when the command fails
+        rc, ds = run_written_config(config_path, run, args, run_prefix="infer", plain=inv.plain, verbose=inv.verbose)
         if rc != 0:
             return rc
         outputs, errors = published_rows(cfg, ds)
