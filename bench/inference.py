@@ -69,6 +69,15 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``; 
          10 % of rows repeating an earlier chat), long-tailed output limits as mix, ignore_eos; the model's
          tokenizer (--tokenizer: a real one, e.g. the demo model's, beside --dummy's random weights) applies its chat
          template: raw and raw-tuned call LLM.chat, the stage gets the messages rows (its own templating)
+  images N rows of one image and a short question about it (which product, its colour, damage, material, ...; the row
+         number in each), out-len tokens each, ignore_eos; the images are PNGs generated once (--image-size pixels
+         square, seeded per image: a gradient, a box, coarse noise; 5 % of rows reuse an earlier row's image under
+         their own question) into a folder the driver makes (--image-dir) and every run reads. raw and raw-tuned: one
+         ``LLM.chat`` over messages whose image parts are ``file://`` URLs (``allowed_local_media_path``: the
+         folder), as a user would write it; the stage: the same messages rows as its JSONL input, the folder in
+         input.image_roots. Every mode with engine.limit_mm_per_prompt {image: 1} and --mm-processor-kwargs. vLLM
+         only (the other engines take no images); a vision-language model: e.g. bench/shapes/qwen2.5-vl-7b --dummy
+         --tokenizer (``qwen-tokenizer --vl``), or the tiny BLIP-2 of batch_llm.tiny_models on a CPU
 
 The clock (the same for every mode):
   wall_s          process start → outputs on disk → process exit, measured by this driver around the child
@@ -109,11 +118,16 @@ from bench.runners import (
 )
 
 
-def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_model_len: int, seed: int = 0):
+def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_model_len: int, seed: int = 0,
+                 image_dir: str | None = None, image_size: int = 448):
     import numpy as np
 
     rng = np.random.default_rng(seed)
     rows = []
+    if kind == "images":
+        if image_dir is None:
+            raise ValueError("the images dataset needs image_dir: the folder its images are written to")
+        return image_rows(n, out_len, Path(image_dir), image_size, seed)
     if kind == "tiny":  # memory check: many rows, 8-token prompts, 1 output token
         return [{"id": f"r{i}", "prompt_token_ids": rng.integers(100, vocab, 8).tolist(), "max_tokens": 1}
                 for i in range(n)]
@@ -159,6 +173,78 @@ def chat_rows(n: int, out_len: int, rng) -> list[dict]:
     return rows
 
 
+IMAGE_QUESTIONS = ("Describe the product in the photo in one sentence.",
+                   "What colour is the product in the photo? Answer in one sentence.",
+                   "Does the product in the photo look damaged? Answer in one sentence.",
+                   "What material does the product in the photo seem to be made of? One sentence.",
+                   "Write a one-sentence caption for this product photo.")
+
+
+def product_image(k: int, size: int, seed: int = 0) -> bytes:
+    """Image ``k`` as PNG bytes, the same for the same (k, size, seed): a two-colour gradient at a random angle, a
+    box of a third colour (the "product"), and noise in 8-pixel cells (images that differ beyond their colours)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, k])
+    y, x = np.mgrid[0:size, 0:size] / size
+    angle = rng.uniform(0, 2 * np.pi)
+    t = np.cos(angle) * x + np.sin(angle) * y
+    t = (t - t.min()) / max(float(t.max() - t.min()), 1e-9)
+    low, high = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+    img = low + (high - low) * t[..., None]
+    x0, y0 = rng.integers(size // 8, size // 2, 2)
+    w, h = rng.integers(size // 6, size // 2, 2)
+    img[y0:y0 + h, x0:x0 + w] = rng.integers(0, 256, 3)
+    cell = 8
+    cells = rng.normal(0, 12, (size // cell + 1, size // cell + 1, 3))
+    img = img + np.repeat(np.repeat(cells, cell, 0), cell, 1)[:size, :size]
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_rows(n: int, out_len: int, image_dir: Path, size: int = 448, seed: int = 0) -> list[dict]:
+    """The images dataset: ``n`` chats of one image and a question each, the images written into ``image_dir``
+    where they are not yet (the driver writes them once; each run's process finds them there). 5 % of rows (after
+    the first ten) show an earlier row's image under their own question: no two rows' prompts are equal."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []  # the distinct images, in the order they were drawn
+    rows: list[dict] = []
+    for i in range(n):
+        if i > 10 and rng.random() < 0.05:
+            path = made[int(rng.integers(0, len(made)))]
+        else:
+            path = image_dir / f"img-{len(made):05d}-{size}.png"
+            if not path.exists():  # written whole, then renamed: a reader never sees half an image
+                part = path.with_suffix(f".{os.getpid()}.part")
+                part.write_bytes(product_image(len(made), size, seed))
+                part.replace(path)
+            made.append(path)
+        question = f"Item {i + 1}. {IMAGE_QUESTIONS[int(rng.integers(0, len(IMAGE_QUESTIONS)))]}"
+        rows.append({"id": f"r{i}", "max_tokens": out_len, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": path.resolve().as_uri()}},
+            {"type": "text", "text": question}]}]})
+    return rows
+
+
+def conversations(rows: list[dict]) -> list[list[dict]]:
+    """What the raw scripts' one ``LLM.chat`` call gets: each row's messages, in input order (the stage's JSONL input
+    is the rows themselves)."""
+    return [r["messages"] for r in rows]
+
+
+def image_urls(messages: list[dict]) -> list[str]:
+    """The image URLs of a chat's parts, in order."""
+    return [p["image_url"]["url"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+            if p.get("type") == "image_url"]
+
+
 def chat_model_dir(a) -> str:
     """The model folder the chat dataset runs: --model itself, or with --dummy a folder of the model's config
     beside the tokenizer's files (random weights need no weights, a chat template needs a tokenizer)."""
@@ -196,12 +282,12 @@ def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    chat = a.dataset == "chat"
+    chat = a.dataset in ("chat", "images")
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
                              detokenize=detokenizes(a)) for r in rows]
     t1, gen_start = time.perf_counter(), _since_start()
     if chat:
-        outs = llm.chat([r["messages"] for r in rows], params, use_tqdm=False)
+        outs = llm.chat(conversations(rows), params, use_tqdm=False)
     else:
         outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows], params,
                             use_tqdm=False)
@@ -330,6 +416,15 @@ def run_raw_sglang(a, rows) -> dict:
     return res
 
 
+def image_settings(a) -> dict:
+    """The images dataset's engine settings, the same for every mode: one image a prompt, and the image processor's
+    settings of --mm-processor-kwargs (e.g. a lower max_pixels)."""
+    if a.dataset != "images":
+        return {}
+    kwargs = json.loads(a.mm_processor_kwargs) if a.mm_processor_kwargs else {}
+    return {"limit_mm_per_prompt": {"image": 1}, **({"mm_processor_kwargs": kwargs} if kwargs else {})}
+
+
 def stage_config(a, mode: str = "stage", **paths):
     """The pipeline config a stage mode runs under (``paths``: input and output); raw-tuned takes its engine
     settings from the plain ``stage``'s."""
@@ -359,14 +454,15 @@ def stage_config(a, mode: str = "stage", **paths):
                 "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
                 **({"multiprocessing": False} if mode == "stage-inproc" else {}),
                 **({"cuda_graphs": "vllm"} if mode == "stage-vllm-graphs" else {}),
-                **({"torch_compile": True} if mode == "stage-compile" else {}),
+                **({"torch_compile": True} if mode == "stage-compile" else {}), **image_settings(a),
                 **{k: ({**v} if isinstance(v, dict) else v) for k, v in more.items()}}, **guided, **paths)
 
 
 def detokenizes(a) -> bool:
-    """Whether this run's model folder has a tokenizer that the engines use: a real model, the chat dataset, or
-    random weights with --tokenizer (SGLang always: it returns text)."""
-    return not a.dummy or a.dataset == "chat" or bool(a.tokenizer)
+    """Whether this run's model folder has a tokenizer that the engines use: a real model, the chat and images
+    datasets (vLLM's image processor needs it too), or random weights with --tokenizer (SGLang always: it returns
+    text)."""
+    return not a.dummy or a.dataset in ("chat", "images") or bool(a.tokenizer)
 
 
 def tuned_settings(a) -> tuple[dict, dict]:
@@ -407,6 +503,7 @@ def run_raw_tuned(a, rows) -> dict:
     with gc_paused_import("vllm"):  # as VllmEngine.start imports it
         from vllm import LLM
     kwargs, env = tuned_settings(a)
+    kwargs.update(media_access(a))
     os.environ.update(env)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -436,6 +533,8 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     input_url = str(work / "input.jsonl")
     write_jsonl(Location(input_url).path(), rows)
     cfg = stage_config(a, mode, input=input_url, output=str(work))
+    if a.dataset == "images":  # the images stay where the driver wrote them, outside the input's folder
+        cfg = cfg.with_overrides({"input.image_roots": [str(Path(a.image_dir).resolve())]})
     if shards > 1:
         cfg = cfg.with_overrides({"sharding.num_shards": shards, "sharding.shards_per_task": shards})
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
@@ -563,14 +662,22 @@ def engine_kwargs(a) -> dict:
               enforce_eager=a.enforce_eager, seed=0)
     if a.dummy:
         kw.update(DUMMY, **({"skip_tokenizer_init": False} if detokenizes(a) else {}))
-    return kw
+    return {**kw, **image_settings(a), **media_access(a)}
+
+
+def media_access(a) -> dict:
+    """What LLM.chat needs to read the images dataset's ``file://`` URLs: the folder they are in."""
+    return {"allowed_local_media_path": str(Path(a.image_dir).resolve())} if a.dataset == "images" else {}
 
 
 def child(a) -> None:
     vocab = a.vocab or model_vocab(a.model)
     n = a.n * a.shards if a.child == "stage-shards" else a.n  # --n rows a shard
-    rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len)
-    if a.dataset == "chat" or (a.dummy and a.tokenizer):
+    if a.dataset == "images" and not a.image_dir:  # a child started on its own (bench/run_gpu.sh profile)
+        a.image_dir = tempfile.mkdtemp(prefix="bench_images_")
+    rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len, image_dir=a.image_dir,
+                        image_size=a.image_size)
+    if a.dataset in ("chat", "images") or (a.dummy and a.tokenizer):
         a.model = chat_model_dir(a)
     if a.thinking_budget is not None and a.child != "stage-think-off":  # the thinking on top of the answer budget
         rows = [{**r, "max_tokens": r["max_tokens"] + a.thinking_budget} for r in rows]
@@ -624,8 +731,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the PYTHONPATH of that engine's runs (replacing this process's), e.g. sglang=/root/sgl:include")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
-    p.add_argument("--dataset", choices=["fixed", "mix", "tiny", "chat"], default="fixed")
-    p.add_argument("--tokenizer", help="chat: the tokenizer's folder (default: --model's)")
+    p.add_argument("--dataset", choices=["fixed", "mix", "tiny", "chat", "images"], default="fixed")
+    p.add_argument("--tokenizer", help="chat, images: the tokenizer's folder (default: --model's)")
+    p.add_argument("--image-size", type=int, default=448, help="images: each image's side in pixels")
+    p.add_argument("--image-dir", help="images: the folder of the images (default: a new one, written once)")
+    p.add_argument("--mm-processor-kwargs", help="images: JSON, the image processor's settings in every mode "
+                   "(vLLM's mm_processor_kwargs, the stage's engine.mm_processor_kwargs), e.g. '{\"max_pixels\": 1003520}'")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--in-len", type=int, default=256)
     p.add_argument("--out-len", type=int, default=256)
@@ -656,6 +767,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _takes_images(mode: str) -> bool:
+    """Whether a mode can run the images dataset: vLLM's raw scripts and stage modes (hf reads token ids)."""
+    engine, _, m = mode.rpartition(":")
+    return engine in ("", "vllm") and (m in ("raw", "raw-inproc", "raw-tuned") or m.startswith("stage"))
+
+
 def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
     """Refuses what cannot run together (argparse's error); returns --engine-path as {engine: PYTHONPATH}."""
     if a.engine != "vllm" and "raw-tuned" in a.modes.split(","):
@@ -671,6 +788,8 @@ def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
             p.error(f"mode {m}: ENGINE:MODE with ENGINE one of {', '.join(ENGINES)}")
     if a.output_schema and any(not m.startswith("stage") for m in a.modes.split(",")):
         p.error("--output-schema: stage modes only (the raw modes decode freely)")
+    if a.dataset == "images" and (a.engine != "vllm" or not all(map(_takes_images, a.modes.split(",")))):
+        p.error("--dataset images: engine vllm (the others take no images), the raw and stage modes")
     return dict(x.split("=", 1) for x in a.engine_path)
 
 
@@ -682,6 +801,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         return child(a)
     runs: dict[str, list[dict]] = {}
+    images_s = None
+    if a.dataset == "images" and not a.image_dir:  # written once, here; every run reads the same files
+        a.image_dir = tempfile.mkdtemp(prefix="bench_images_")
+        t = time.perf_counter()
+        image_rows(a.n * (a.shards if "stage-shards" in a.modes.split(",") else 1), a.out_len, Path(a.image_dir),
+                   a.image_size)
+        images_s = round(time.perf_counter() - t, 2)
+        argv = [*argv, "--image-dir", a.image_dir]
+        print(f"images: {len(list(Path(a.image_dir).glob('*.png')))} in {a.image_dir} ({images_s} s)", flush=True)
     schedule = [m for _, m in alternating(a.modes.split(","), a.repeats)]
     # A first run on a fresh machine also fills vLLM's compile cache (~/.cache/vllm), which every later run
     # of either mode reuses: --warmup runs one, unrecorded, so no mode pays for it alone.
@@ -715,6 +843,7 @@ def main(argv: list[str] | None = None) -> None:
                "output_schema": a.output_schema, "stage_extra": a.stage_extra or None,
                "stage_engine": a.stage_engine or None, "tokenizer": a.tokenizer,
                "thinking_budget": a.thinking_budget,
+               **({"image_size": a.image_size, "images_written_s": images_s} if a.dataset == "images" else {}),
                "repeats": a.repeats, "order": schedule, **summarize(runs)}
     print_result(summary, "SUMMARY ")
     append_jsonl(a.out, {"summary": summary})  # its runs are the {"run": ...} lines above it

@@ -5,7 +5,7 @@
 # wheels, installed beside vLLM first) and the 7B shape's config.json in /root/work/qwen7b_cfg (random weights:
 # load_format dummy). Results land in $OUT.
 #   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
-#     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement
+#     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement|vl
 #   fixed / mix: raw LLM.generate against the stage (MODES, REPEATS, WARMUP, T); the GPU's clocks, power and
 #     temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0: not) and summarized per run phase
 #     at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
@@ -45,6 +45,12 @@
 #   thinking  a Qwen3-8B-shaped random-weight model (bench/shapes/qwen3-8b; QTOK, a Qwen3 tokenizer:
 #           .venv/bin/python -m bench qwen-tokenizer --qwen3 --out .gpu-stage/qwen3tok && xz -9 .gpu-stage/qwen3tok/tokenizer.json)
 #           on vLLM, the chat dataset: thinking on with a BUDGET-token thinking budget against thinking off
+#   vl      a Qwen2.5-VL-7B-shaped random-weight model (bench/shapes/qwen2.5-vl-7b; VLTOK, a Qwen2.5 tokenizer with
+#           Qwen2.5-VL's chat template and processor settings:
+#           .venv/bin/python -m bench qwen-tokenizer --vl --out .gpu-stage/vltok && xz -9 .gpu-stage/vltok/tokenizer.json)
+#           over N (1000) rows of one generated PNG and a question each (the images dataset): a plain LLM.chat
+#           script with file:// image parts against the stage over the same rows as JSONL (MODES raw,stage, REPEATS,
+#           WARMUP 1); VL_ARGS adds options (--image-size 448, --out-len 256 by default; --mm-processor-kwargs)
 #   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
 #           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
@@ -52,7 +58,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRAN
 M=/root/work/qwen7b_cfg
 TOK=${TOK:-.gpu-stage/tok}
 QTOK=${QTOK:-.gpu-stage/qwen3tok}
-for t in $TOK $QTOK; do
+VLTOK=${VLTOK:-.gpu-stage/vltok}
+for t in $TOK $QTOK $VLTOK; do
   if [ -f $t/tokenizer.json.xz ] && [ ! -f $t/tokenizer.json ]; then  # copied xz-packed (1.9 MB): unpack it
     python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       $t/tokenizer.json.xz $t/tokenizer.json
@@ -62,11 +69,12 @@ vllm_env() {
   python3 -m pip install -q --no-index --no-deps --target /root/site .gpu-stage/extra/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/root/site:$PWD/include
 }
-telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OUT, for `telemetry by-run`
+telemetry_on() {  # the GPU's clocks, power and temperature every 0.2 s into $OUT, for `telemetry by-run` over $1's runs
   [ "${TELEMETRY:-1}" = 1 ] || return 0
+  TELEMETRY_RUNS=${1:-$OUT/gpu.jsonl}
   python3 -m bench telemetry record --out $OUT/gpu_telemetry.jsonl & TELEMETRY_PID=$!
   trap 'kill $TELEMETRY_PID 2>/dev/null; wait $TELEMETRY_PID 2>/dev/null
-        python3 -m bench telemetry by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $OUT/gpu.jsonl \
+        python3 -m bench telemetry by-run --telemetry $OUT/gpu_telemetry.jsonl --runs $TELEMETRY_RUNS \
           > $OUT/gpu_telemetry_by_run.jsonl && cat $OUT/gpu_telemetry_by_run.jsonl' EXIT
 }
 log_summary() {  # the lines of a log that matter, short
@@ -151,6 +159,11 @@ case "${1:-fixed}" in
     timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen3-8b --dummy --tokenizer $QTOK --dataset chat \
       --n ${N:-2000} --thinking-budget ${BUDGET:-256} --modes ${MODES:-stage,stage-think-off} --repeats ${REPEATS:-3} \
       --warmup ${WARMUP:-0} --out $OUT/gpu_thinking.jsonl --logs $OUT/logs ;;
+  vl)
+    vllm_env; telemetry_on $OUT/gpu_vl.jsonl
+    timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen2.5-vl-7b --dummy --tokenizer $VLTOK \
+      --dataset images --n ${N:-1000} --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
+      --out $OUT/gpu_vl.jsonl --logs $OUT/logs ${VL_ARGS:-} ;;
   review-placement)
     vllm_env
     timeout ${T:-570} python3 -m bench review-placement --model $M --dummy --tokenizer $TOK --n ${N:-2000} \
