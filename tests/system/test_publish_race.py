@@ -9,13 +9,9 @@ import threading
 
 import pytest
 from batch_llm.api import publish
-from batch_llm.config import parse_config
 from batch_llm.io.current_pointer import PointerConflict, read_pointer, switch_pointer, write_pointer
-from batch_llm.io.storage import Location, exists, iter_jsonl, list_files, write_jsonl
-from batch_llm.layout import RunLayout
-from batch_llm.manifests import EvaluateManifest, FilterManifest, FilterSummary, PlanManifest, ShardSpec
-
-IDS = ["a", "b", "c"]
+from batch_llm.io.storage import Location, exists, iter_jsonl, list_files
+from publish_runs import IDS, ready_to_publish
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -25,29 +21,6 @@ def output_root(request, tmp_path) -> Location:
     s3 = request.getfixturevalue("s3")
     return Location(f"s3://{s3.bucket}/race-{request.node.name.split('[')[0][-20:]}-{id(tmp_path)}",
                     s3.storage_options())
-
-
-def _run(root: Location, run_id: str) -> tuple:
-    """A run of partition 2026-12-03 with its plan and filter committed (three rows), ready to publish."""
-    cfg = parse_config({"name": "race", "model": {"ref": "org/m"}, "input": {"path": "/nonexistent/in.jsonl"},
-                        "output": {"path": root.url}, "cache": {"enabled": False}})
-    layout = RunLayout(output_root=root, pipeline="race", partition="dt=2026-12-03", run_id=run_id,
-                       input=Location("/nonexistent/in.jsonl"))
-    plan_dir, filt_dir = layout.stage("plan"), layout.stage("filter")
-    write_jsonl(plan_dir.child("records.jsonl").path(),
-                [{"idx": i, "id": k, "reference": None, "record": {"id": k, "prompt": "hi"}} for i, k in enumerate(IDS)])
-    write_jsonl(plan_dir.child("errors.jsonl").path(), [])
-    write_jsonl(filt_dir.child("outputs.jsonl").path(),
-                [{"id": k, "idx": i, "output": f"answer of {run_id}", "prompt_tokens": 3, "completion_tokens": 2,
-                  "finish_reason": "stop"} for i, k in enumerate(IDS)])
-    write_jsonl(filt_dir.child("errors.jsonl").path(), [])
-    plan = PlanManifest(input="in.jsonl", format="jsonl", rows_read=3, valid=3, invalid=0,
-                        errors=plan_dir.child("errors.jsonl").url, records=plan_dir.child("records.jsonl").url,
-                        shards=[ShardSpec(index=0, rows=3, url="unused")], has_references=False)
-    filtered = FilterManifest(outputs=filt_dir.child("outputs.jsonl").url, rows=3,
-                              inference_errors=filt_dir.child("errors.jsonl").url, inference_error_rows=0,
-                              summary=FilterSummary(rows_scanned=3))
-    return cfg, layout, plan, filtered, EvaluateManifest(skipped="test")
 
 
 def _versions(root: Location) -> set[str]:
@@ -77,7 +50,7 @@ def test_a_slow_publisher_keeps_its_version_while_two_others_publish(output_root
 
     def publish_run(run_id):
         try:
-            results[run_id] = publish(*_run(output_root, run_id))
+            results[run_id] = publish(*ready_to_publish(output_root, run_id))
         except BaseException as e:  # noqa: BLE001 - reported by the assertions below
             results[run_id] = e
 
@@ -101,7 +74,7 @@ def test_a_slow_publisher_keeps_its_version_while_two_others_publish(output_root
 
 
 def test_a_retried_publish_of_the_same_filter_pass_publishes_nothing_new(output_root):
-    cfg, layout, plan, filtered, scores = _run(output_root, "R")
+    cfg, layout, plan, filtered, scores = ready_to_publish(output_root, "R")
     first = publish(cfg, layout, plan, filtered, scores)
     again = publish(cfg, layout, plan, filtered, scores)
     assert again == first and len(_versions(output_root)) == 1
