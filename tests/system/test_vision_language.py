@@ -4,11 +4,11 @@ captions and verdicts are meaningless; what is checked is where every row and ev
 ``tests/data/image_review_pipeline.yaml`` (an image-text agreement review by the same model) over the bad-image corpus
 ``tests/data/images/rows.jsonl`` (plus a 50 MB image written here): through ``batch-llm run`` on local files (two
 engine starts: the captions, the review), then through Airflow's ``dag.test()`` in two shards with the corpus in a
-real S3 server read through Airflow connection ``lake``, on the first run's result cache (the captions and the
-reviews that got a verdict served from it, keyed by the images' content, not their URLs; the shard holding the JPEG that only decoding
-finds broken starts its engine and fails that row again). Both times: every good row published once, every bad row in
-the errors once with its reason, the review's verdicts counted and applied. Unit-level checks of the same path:
-tests/unit/test_image_inputs.py.
+real S3 server read through Airflow connection ``lake``, on the first run's result cache (the captions, and the
+reviews that got a verdict, served from it, keyed by the images' content, not their URLs; the shard holding the JPEG
+that only decoding finds broken starts its engine and fails that row again). Both times: every good row published
+once, every bad row in the errors once with its reason, the review's verdicts counted and applied.
+Unit-level checks of the same path: tests/unit/test_image_inputs.py.
 """
 from __future__ import annotations
 
