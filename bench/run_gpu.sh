@@ -143,7 +143,7 @@ case "${1:-fixed}" in
       gzip -c /tmp/profile_$mode.txt > $OUT/profile_$mode.txt.gz
     done ;;
   sglang-mix|sglang-chat)  # raw: the plain sglang.Engine script with the stage's settings
-    sglang_env; telemetry_on
+    sglang_env; telemetry_on $OUT/gpu_sglang.jsonl
     if [ "$1" = sglang-mix ]; then data=(--dataset mix --n ${N:-2000}); else data=(--dataset chat --n ${N:-4000}); fi
     timeout ${T:-570} python3 -m bench inference --engine sglang "${SGL_PATHS[@]}" --model $M --dummy --tokenizer $TOK \
       "${data[@]}" --modes ${MODES:-raw,stage,vllm:stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
@@ -155,7 +155,7 @@ case "${1:-fixed}" in
       --warmup ${WARMUP:-0} --stage-engine "${SGLANG_SETTINGS:?a JSON of engine keys}" \
       --out $OUT/gpu_sglang_settings.jsonl --logs $OUT/logs ;;
   thinking)
-    vllm_env; telemetry_on
+    vllm_env; telemetry_on $OUT/gpu_thinking.jsonl
     timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen3-8b --dummy --tokenizer $QTOK --dataset chat \
       --n ${N:-2000} --thinking-budget ${BUDGET:-256} --modes ${MODES:-stage,stage-think-off} --repeats ${REPEATS:-3} \
       --warmup ${WARMUP:-0} --out $OUT/gpu_thinking.jsonl --logs $OUT/logs ;;

@@ -6,6 +6,7 @@ The guarantees: at most one current version; a published version never changes o
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 from batch_llm.api import publish
@@ -19,7 +20,7 @@ def output_root(request, tmp_path) -> Location:
     if request.param == "local":
         return Location(str(tmp_path / "out"))
     s3 = request.getfixturevalue("s3")
-    return Location(f"s3://{s3.bucket}/race-{request.node.name.split('[')[0][-20:]}-{id(tmp_path)}",
+    return Location(f"s3://{s3.bucket}/race-{request.node.name.split('[')[0][-20:]}-{uuid.uuid4().hex[:12]}",
                     s3.storage_options())
 
 

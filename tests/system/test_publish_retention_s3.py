@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import batch_llm.analysis.report as report
 import pytest
@@ -18,7 +19,7 @@ from publish_runs import PARTITION, PIPELINE, has_data, partition, ready_to_publ
 @pytest.fixture()
 def root(request, s3, tmp_path, monkeypatch) -> Location:
     monkeypatch.chdir(tmp_path)   # an empty or relative URL in a pointer resolves here: a regression deletes nothing else
-    return Location(f"s3://{s3.bucket}/retention-{request.node.name[:40]}-{id(tmp_path)}", s3.storage_options())
+    return Location(f"s3://{s3.bucket}/retention-{request.node.name[:40]}-{uuid.uuid4().hex[:12]}", s3.storage_options())
 
 
 def _pointer(root: Location):
@@ -28,7 +29,7 @@ def _pointer(root: Location):
 def test_a_pointer_whose_history_names_other_data_gets_none_of_it_deleted(root, s3):
     first = publish(*ready_to_publish(root, "r1"))
     part = partition(root)
-    precious = Location(f"s3://{s3.bucket}/precious-{id(root)}", root.options)
+    precious = Location(f"s3://{s3.bucket}/precious-{uuid.uuid4().hex[:12]}", root.options)
     write_json(precious.child("data.json").path(), {"keep": 1})
     other = Location(publish(*ready_to_publish(root, "o1", part="dt=2026-12-04")).version, root.options)
     bare = part.child("v-20261203T000000000000-x-abcdef")

@@ -140,6 +140,12 @@ def test_the_dag_reviews_every_shard_from_the_cache(runs, dag_run):
     assert {"fetch_review_model", "review"} <= set(states), states
     review = summary["manifests"]["filter"]["summary"]["review"]
     a = cli["manifests"]["filter"]["summary"]["review"]
-    assert review["shards"] == [0, 1] and review["cached_requests"] == review["requests"] == a["requests"]
-    assert (review["verdicts"], review["categories"]) == (a["verdicts"], a["categories"])
+    # a review whose verdict was an error (an answer cut at max_tokens) is not cached: it is asked again, and may
+    # come out otherwise in another batch
+    errors = a["verdicts"].get("error", 0)
+    assert review["shards"] == [0, 1] and review["requests"] == a["requests"]
+    assert review["cached_requests"] == a["requests"] - errors and review["cached_requests"] > 0
+    assert sum(review["verdicts"].values()) == sum(a["verdicts"].values())
+    if not errors:
+        assert (review["verdicts"], review["categories"]) == (a["verdicts"], a["categories"])
     assert summary["rows"]["published"] == cli["rows"]["published"]

@@ -180,4 +180,4 @@ def test_the_dag_accounts_for_the_same_corpus_from_the_cache(cli_run, dag_run):
     # a review whose verdict was an error (the random model's JSON cut at max_tokens) is not cached: asked again
     assert review["shards"] == [0, 1] and review["requests"] == first["requests"]
     assert review["cached_requests"] == first["requests"] - first["verdicts"].get("error", 0) > 0
-    assert (review["verdicts"], review["categories"]) == (first["verdicts"], first["categories"])
+    assert sum(review["verdicts"].values()) == sum(first["verdicts"].values()) == len(GOOD)

@@ -229,6 +229,14 @@ def test_engine_transformers_where_vllm_could_run():
     assert "engine" not in checks(run_doctor(summary_of(healthy()), gpus=8))
 
 
+def test_sglang_on_a_gpu_names_the_measured_vllm_ratio():
+    on = [shard(i, rows=4096, start=89, gen=1200, kind="sglang", settings={"device": "cuda"}) for i in range(2)]
+    [f] = [x for x in run_doctor(summary_of(on), gpus=2) if x.title.startswith("SGLang")]
+    assert f.change == "engine.kind: vllm" and "1.15x" in f.evidence and "42 s against 89 s" in f.evidence
+    cpu = [shard(i, rows=4096, start=89, gen=1200, kind="sglang", settings={"device": "cpu"}) for i in range(2)]
+    assert not [x for x in run_doctor(summary_of(cpu), gpus=0) if x.title.startswith("SGLang")]
+
+
 def test_batch_mode_static_batches_waste_decode_slots():
     s = [shard(i, rows=4096, start=20, gen=2000, kind="transformers", settings={"device": "cuda"}) for i in range(8)]
     wasteful = tokens(completions=(10,) * 90 + (250,) * 10, slots=25000, used=3400)
@@ -419,6 +427,12 @@ def test_doctor_names_the_largest_avoidable_phase_of_the_timeline(tmp_path):
     findings = [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
     assert len(findings) == 1 and findings[0].title == "largest avoidable phase: engine"
     assert "engine.compile_cache" in findings[0].change
+    for s in summary.manifests.infer:  # on SGLang, its own settings: vLLM's compile keys are refused there
+        s.engine.kind = "sglang"
+    [sgl] = [f for f in diagnose(summary, read_files=False) if "timeline" in f.check]
+    assert "engine.sglang.cuda_graph_max_bs" in sgl.change and "engine.compile_cache" not in sgl.change
+    for s in summary.manifests.infer:
+        s.engine.kind = "vllm"
     for s in summary.manifests.infer:  # engine start negligible: imports, the largest left, is 3 %
         for p in s.phases:
             if p.name == "engine":

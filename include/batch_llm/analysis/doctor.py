@@ -149,6 +149,24 @@ def _check_engine(run: RunStats) -> Iterable[Finding]:
         "engine.kind: vllm", "engine")
 
 
+# The stage on SGLang 0.5.17 against the stage on vLLM 0.26.0, the 7B shape's mix rows on one H200 (2026-12-05,
+# docs/benchmarks.md "SGLang on the H200"): generation rate and engine ready, medians of 3 runs each
+SGLANG_OVER_VLLM_RATE = 0.873
+SGLANG_READY_S, VLLM_READY_S = 88.7, 42.4
+
+
+def _check_sglang(run: RunStats) -> Iterable[Finding]:
+    """A GPU run on SGLang: on the workload measured, vLLM was the faster engine (the figures, not a guess)."""
+    if run.kind != "sglang" or not run.on_gpu or not run.metrics or not sum(m.ok for m in run.metrics):
+        return
+    yield Finding(
+        "info", "SGLang where vLLM measured faster",
+        f"on one H200 the stage on vLLM generated at {1 / SGLANG_OVER_VLLM_RATE:.2f}x the stage on SGLang's rate and "
+        f"was ready in {VLLM_READY_S:.0f} s against {SGLANG_READY_S:.0f} s (a 7B model, 2,000 rows of mixed lengths; "
+        "docs/benchmarks.md): measure your own rows on both before choosing SGLang for speed",
+        "engine.kind: vllm", "engine")
+
+
 def _check_batch_mode(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if run.kind != "transformers" or not t or t.decode_waste is None or t.decode_waste < DECODE_WASTE_MAX:
@@ -471,6 +489,14 @@ PHASE_ADVICE = {
     "merge": "a larger engine.commit_every_rows (fewer chunks to merge)",
     "commit": "output storage near the workers; the cache on the same store",
 }
+# Where an engine's own settings are the fix (the keys above are vLLM's; SGLang refuses them). SGLang on an H200:
+# 142 s for its first start on a fresh host (its JIT kernels compiled into ~/.cache/tvm-ffi), 55-90 s later
+# (docs/benchmarks.md, "SGLang on the H200").
+ENGINE_PHASE_ADVICE = {
+    "sglang": {"engine": "keep ~/.cache/tvm-ffi and ~/.cache/flashinfer on the workers (SGLang compiles kernels at "
+                         "its first start on a host), a smaller engine.sglang.cuda_graph_max_bs (fewer graphs "
+                         "captured), or fewer, larger shards (sharding.rows_per_shard)"},
+}
 
 
 def _check_timeline(run: RunStats) -> Iterable[Finding]:
@@ -483,7 +509,7 @@ def _check_timeline(run: RunStats) -> Iterable[Finding]:
     yield Finding("info", f"largest avoidable phase: {name}",
                   f"the '{name}' phase took {_n(seconds)} s over {_shards(len(run.shards))}, {_pct(share)} of their "
                   f"wall time (timeline: spawn, imports, read, engine, tokenize, first token, generation, merge, "
-                  f"commit)", PHASE_ADVICE.get(name, name), "timeline")
+                  f"commit)", ENGINE_PHASE_ADVICE.get(run.kind or "", {}).get(name) or PHASE_ADVICE.get(name, name), "timeline")
 
 
 def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
@@ -534,8 +560,8 @@ def _check_expected_rate(run: RunStats) -> Iterable[Finding]:
                   "expected_rate")
 
 
-CHECKS = (_check_engine, _check_batch_mode, _check_padding, _check_max_num_seqs, _check_speculative, _check_kv_cache,
-          _check_memory_headroom, _check_prefix, _check_engine_start, _check_gpu_sharding, _check_errors,
+CHECKS = (_check_engine, _check_sglang, _check_batch_mode, _check_padding, _check_max_num_seqs, _check_speculative,
+          _check_kv_cache, _check_memory_headroom, _check_prefix, _check_engine_start, _check_gpu_sharding, _check_errors,
           _check_thinking, _check_truncation, _check_cache, _check_timeline, _check_expected_rate)
 
 
