@@ -96,3 +96,31 @@ def custom_code_model(demo_dir: Path, dest: Path) -> Path:
         "from transformers import PreTrainedTokenizerFast\n\n\nclass SmolCustomTokenizer(PreTrainedTokenizerFast):\n"
         "    pass\n")
     return dest
+
+
+class EchoEngine:
+    """Stands in for the engine where the shard runner's paths (cache, identity) do not depend on it: echoes each
+    prompt's size and counts the requests it was asked."""
+
+    requests = 0
+
+    def generate(self, reqs):
+        from batch_llm.engines.base import GenResult
+
+        for r in reqs:
+            EchoEngine.requests += 1
+            n = len(r.prompt_token_ids)
+            yield GenResult(key=r.key, text=f"echo {n}", finish_reason="stop", prompt_tokens=n, completion_tokens=2)
+
+    def close(self):
+        pass
+
+
+def use_echo_engine(monkeypatch) -> type[EchoEngine]:
+    """The inference stage starts an EchoEngine (its request count reset) instead of a real engine."""
+    from batch_llm.engines.base import EngineInfo
+    from batch_llm.stages import infer
+
+    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (EchoEngine(), EngineInfo(kind="echo", version="0")))
+    EchoEngine.requests = 0
+    return EchoEngine

@@ -14,7 +14,7 @@ from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardSpec
 from batch_llm.stages.infer import shard_input_key, shard_inputs
-from helpers import cache_namespace, demo_config
+from helpers import cache_namespace, demo_config, use_echo_engine
 
 LABELS = ["yes", "no"]
 
@@ -115,31 +115,9 @@ def test_auto_dtype_is_keyed_as_the_engine_will_run_it(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ a shard, run
-class _EchoEngine:
-    """Stands in for the engine: echoes the prompt's size and counts what it was asked."""
-
-    requests = 0
-
-    def generate(self, reqs):
-        from batch_llm.engines.base import GenResult
-
-        for r in reqs:
-            _EchoEngine.requests += 1
-            n = len(r.prompt_token_ids)
-            yield GenResult(key=r.key, text=f"echo {n}", finish_reason="stop", prompt_tokens=n, completion_tokens=2)
-
-    def close(self):
-        pass
-
-
 @pytest.fixture
 def echo_engine(monkeypatch, demo_model_dir):
-    from batch_llm.engines.base import EngineInfo
-    from batch_llm.stages import infer
-
-    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
-    _EchoEngine.requests = 0
-    return _EchoEngine
+    return use_echo_engine(monkeypatch)
 
 
 def _run(cfg, run_id: str, said: list[str] | None = None):

@@ -13,7 +13,7 @@ from batch_llm.cache import results as result_cache
 from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.io.storage import Location, write_jsonl
 from batch_llm.layout import RunLayout
-from helpers import demo_config
+from helpers import demo_config, use_echo_engine
 
 DAY = 86400.0
 T0 = 1_800_000_000.0
@@ -47,28 +47,10 @@ def test_concurrent_writers_and_union_reads(tmp_path):
     assert len(found) == 400 and found["k3-7"]["output"] == "3-7"
 
 
-class _EchoEngine:
-    """Stands in for the engine (the shard runner's cache path does not depend on it): echoes the prompt size."""
-
-    requests = 0
-
-    def generate(self, reqs):
-        from batch_llm.engines.base import GenResult
-
-        for r in reqs:
-            _EchoEngine.requests += 1
-            n = len(r.prompt_token_ids)
-            yield GenResult(key=r.key, text=f"echo {n}", finish_reason="stop", prompt_tokens=n, completion_tokens=2)
-
-    def close(self):
-        pass
-
-
 @pytest.mark.parametrize("dedupe", [True, False])
 def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, request, dedupe):
     """The first attempt dies after its first chunk commit (before any table is written); the retry generates
     the rest and writes one table with every generated row, so the next run is served from the cache."""
-    from batch_llm.engines.base import EngineInfo
     from batch_llm.stages import infer
 
     cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
@@ -83,8 +65,7 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
 
     sys.addaudithook(crash_once)
     request.addfinalizer(lambda: armed.clear())
-    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_EchoEngine(), EngineInfo(kind="echo", version="0")))
-    _EchoEngine.requests = 0
+    echo = use_echo_engine(monkeypatch)
     layout = RunLayout.for_run(cfg, run_id="a", ds="2026-11-07")
     model = api.fetch(cfg, layout)
     plan = api.plan_shards(cfg, layout)
@@ -92,16 +73,16 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
         api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     cache_dir = layout.cache_root(cfg).path()
     assert not list(cache_dir.rglob("*.sst")), "no table before the shard ends"
-    first = _EchoEngine.requests
+    first = echo.requests
     m = api.infer_shard(cfg, layout, model, plan.shards[0], say=lambda _: None)
     assert m.metrics.cached_rows == 0 and m.metrics.rows == 20
-    assert 4 <= first < _EchoEngine.requests
+    assert 4 <= first < echo.requests
     assert len(list(cache_dir.rglob("*.sst"))) == 1
     layout_b = RunLayout.for_run(cfg, run_id="b", ds="2026-11-07")
     plan_b = api.plan_shards(cfg, layout_b)
-    before = _EchoEngine.requests
+    before = echo.requests
     m = api.infer_shard(cfg, layout_b, api.fetch(cfg, layout_b), plan_b.shards[0], say=lambda _: None)
-    assert m.metrics.cached_rows == 20 and _EchoEngine.requests == before
+    assert m.metrics.cached_rows == 20 and echo.requests == before
     assert len(list(cache_dir.rglob("*.sst"))) == 1, "a fully cached shard writes no table"
 
 
