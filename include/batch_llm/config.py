@@ -694,7 +694,6 @@ class ReviewConfig(_Section):
             raise ValueError("; ".join(problems))
         return self
 
-
     @model_validator(mode="after")
     def _image_settings(self) -> "ReviewConfig":
         problems = []

@@ -483,9 +483,10 @@ def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRo
     params = RowParams.from_columns(_typed_cells(rec, cfg.sampling_columns), cfg.sampling_columns)
     tokens = rec.get("prompt_token_ids")
     if tokens is not None:
-        if any(rec.get(c) not in (None, "", []) for c in cfg.image_columns):
+        with_images = [c for c in cfg.image_columns if rec.get(c) not in (None, "", [])]
+        if with_images:
             raise ValueError(f"a pre-tokenized row (prompt_token_ids) takes no images, and this one has "
-                             f"{', '.join(c for c in cfg.image_columns if rec.get(c) not in (None, '', []))}")
+                             f"{', '.join(with_images)}")
         return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(tokens), params=params)
     messages, prompt = rec.get(cfg.messages_column), rec.get(cfg.prompt_column)
     if fmt == "csv" and messages == "":  # an empty cell is CSV's null: the row's prompt may be in the other column

@@ -561,15 +561,12 @@ class ShardRun:
     def _with_images(self, req: GenRequest) -> GenRequest | None:
         """The request with its images decoded (``io.images.load_image``: read again, its content hash compared
         with the plan's, decoded in full with PIL); None, its rows failed with the reason, where one cannot be
-        (gone or changed since the plan, corrupt past its header) or where this engine or model takes no images."""
+        (gone or changed since the plan, corrupt past its header). Whether this engine and model take images was
+        asked when the request was made (``_request_for``: every request, spooled or asked again, comes from it)."""
         if not req.image_refs:
             return req
         from batch_llm.io.images import ImageProblem, load_image
 
-        refusal = self._image_refusal(len(req.image_refs))
-        if refusal is not None:
-            self._fail(req.key, refusal)
-            return None
         try:
             images = [load_image(ref, self.image_options, self.cfg.input.max_image_bytes) for ref in req.image_refs]
         except ImageProblem as e:

@@ -165,16 +165,19 @@ def review_template(r: ReviewConfig) -> str:
         return r.template
     if r.engine.task == "classify":
         return "{output}"
-    reasoning = "[Assistant's reasoning]\n{reasoning}\n\n" if r.reasoning else ""
-    return DEFAULT_TEMPLATE.replace("{reasoning_part}", reasoning)
+    return DEFAULT_TEMPLATE.replace("{reasoning_part}", _reasoning_part(r))
 
 
 def image_template(r: ReviewConfig) -> str:
     """The prompt of a row with images under ``images: agreement``."""
     if r.image_template is not None:
         return r.image_template
-    reasoning = "[Assistant's reasoning]\n{reasoning}\n\n" if r.reasoning else ""
-    return AGREEMENT_TEMPLATE.replace("{reasoning_part}", reasoning)
+    return AGREEMENT_TEMPLATE.replace("{reasoning_part}", _reasoning_part(r))
+
+
+def _reasoning_part(r: ReviewConfig) -> str:
+    """The default templates' section showing the reasoning, where the review reads it."""
+    return "[Assistant's reasoning]\n{reasoning}\n\n" if r.reasoning else ""
 
 
 def fill(template: str, values: dict[str, str]) -> str:
@@ -246,6 +249,8 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
         template = review_template(r)
         categories = ", ".join(r.categories if r.engine.task == "generate" else
                                [k for k, v in r.labels.items() if v == "unsafe"])
+        # a row with images, under images: agreement, is asked whether the output agrees with them
+        with_images = (image_template(r), r.image_category) if r.images == "agreement" else (template, categories)
         with atomic_writer(path) as w:
             for row in iter_jsonl(Location(spec.url, opts).path()):
                 out = outputs.pop(row["id"], None)
@@ -253,9 +258,7 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                     continue
                 prompt, parts = prompt_of(row)
                 images = row.get("images") if parts and r.images != "text" else None
-                shown, asked, cats = ([], template, categories) if images is None else \
-                    (parts, image_template(r) if r.images == "agreement" else template,
-                     r.image_category if r.images == "agreement" else categories)
+                shown, asked, cats = ([], template, categories) if images is None else (parts, *with_images)
                 for k, text in enumerate(_samples(out)):
                     filled = fill(asked, {"prompt": prompt, "output": text, "reasoning": _reasoning(out, k),
                                           "categories": cats})
