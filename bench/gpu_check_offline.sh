@@ -16,7 +16,7 @@
 #   bash bench/gpu_check_offline.sh setup          .gpu-stage/extra beside vLLM, the quantize environment in /root/q
 #   bash bench/gpu_check_offline.sh lmdeploy       LMDeploy into /root/lmd, with its interpreter wrapper (engine.python)
 #   bash bench/gpu_check_offline.sh check ITEMS    the GGUF joined, the demo model built, the check run into $OUT/gpucheck
-#     (the sglang items need SGLang staged into /root/sgl: ../shared/gpu/sglang/build_payload.sh, its README)
+#     (the sglang items need SGLang installed into /root/sgl with pip --target: docs/engines-and-gpus.md, SGLang)
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 REPO=$PWD
@@ -45,7 +45,7 @@ case "$1" in
     sha256sum $GGUF | cut -c1-16
     BATCH_LLM_DEMO_GGUF=$GGUF python3 -m batch_llm.demo_model 2>&1 | tail -1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    [ -f /root/sgl/.staged ] && export BATCH_LLM_SGLANG_PATH=/root/sgl  # SGLang (../shared/gpu/sglang): sglang items
+    [ -f /root/sgl/.staged ] && export BATCH_LLM_SGLANG_PATH=/root/sgl  # SGLang's own folder: the sglang items
     BATCH_LLM_LMDEPLOY_PATH=/root/lmd BATCH_LLM_QUANTIZE_PYTHON=/root/qpy timeout ${T:-560} python3 -m bench gpu-check --items "${2:-bf16}" \
       --rows ${ROWS:-512} --lmdeploy-python /root/lmdpy --out $OUT/gpucheck
     rc=$?; for f in $OUT/gpucheck/*.log; do echo "== $f"; grep -E "Error|error:|Traceback|FAIL|refus" "$f" | tail -5; done

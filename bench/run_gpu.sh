@@ -82,7 +82,7 @@ log_summary() {  # the lines of a log that matter, short
     | grep -v "^RESULT.*\"phase\": \"engine\".*kv_cache_tokens" | cut -c1-500 | tail -30
   grep -E "^RESULT.*\"phase\": \"engine\"" "$1" | grep -oE "\"(construct_s|kv_cache_tokens|import_s)\": [0-9.]+" | tr '\n' ' '; echo
 }
-sglang_env() {  # SGLang's folder (/root/sgl, staged by ../shared/gpu/sglang), and vLLM's for the comparison
+sglang_env() {  # SGLang's folder (/root/sgl, installed with pip --target), and vLLM's for the comparison
   test -f /root/sgl/.staged || { echo "SGL_NOT_STAGED: run the SGLang stage first (shared/gpu/sglang)"; exit 3; }
   [ -d /root/site/vllm ] && vllm_env  # the vLLM stage, for the vllm: modes
   SGL_PATHS=(--engine-path sglang=/root/sgl:$PWD/include --engine-path vllm=/root/site:$PWD/include)

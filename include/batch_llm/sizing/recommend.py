@@ -41,7 +41,7 @@ prompt + output/2). Calibration constants, all from this project's measurements 
   step for 15.2 GB of weights = 0.674 x 4.8 TB/s.
 - ``ETA_COMPUTE`` = 0.511 (505 TFLOP/s of the 989 dense bf16 peak): fitted so that 1000 prompts x 256 -> 256 give
   16,383 output tok/s, the median of the 12 ``LLM.generate`` runs of that workload on five machines (13,702 -
-  19,197: ``../shared/gpu/README.md``, ``h200-fixed-2026-12-01.jsonl``, ``h200-fixed-final-only-2026-12-01.jsonl``,
+  19,197: an H200 reference run of 13,702 and 15,974, ``h200-fixed-2026-12-01.jsonl``, ``h200-fixed-final-only-2026-12-01.jsonl``,
   ``h200-fp8-2026-12-01.jsonl``, ``h200-fixed-2026-11-30.jsonl``, ``h200-fixed-raw-hf-2026-11-30.jsonl``).
   Machine to machine the same run differs by up to +-17 %: that is the floor of this model's error.
 - ``FP8_COMPUTE`` = 1.25 (FP8 GEMMs against bf16): fitted so that FP8 weights give 1.217x bf16 at that workload
