@@ -27,6 +27,7 @@ from batch_llm.engines.capabilities import (
     EngineCapabilities,
     capabilities,
     engines_serving,
+    takes_no_images,
     who_can,
 )
 from batch_llm.engines.sglang_config import SglangSettings
@@ -947,9 +948,8 @@ class PipelineConfig(_Section):
         """Every row of a table with image columns would be refused: said once, here (a JSONL row's own image
         parts on such an engine are its error, naming the engines that take images)."""
         e = self.engine
-        if self.input.image_columns and not e.caps.images:
-            raise ValueError(f"input.image_columns: engine {e.kind} takes no images ({who_can('images')}); set "
-                             f"engine.kind: {engines_serving('images')}")
+        if self.input.image_columns and (why := takes_no_images(e.kind)):
+            raise ValueError(f"input.image_columns: {why}")
         if self.input.image_columns and e.task != "generate":
             raise ValueError(f"input.image_columns: engine.task {e.task} is not tested with images; use "
                              "engine.task: generate")

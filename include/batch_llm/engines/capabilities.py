@@ -159,6 +159,14 @@ def engines_serving(feature: str | Callable[[EngineCapabilities], object]) -> st
     return " or ".join(serving(feature)) or "(none)"
 
 
+def takes_no_images(kind: str) -> str | None:
+    """Why engine ``kind`` takes no images, naming the engines that do; None where it takes them. One wording for
+    the config's check of image columns, the planner's of a row's image parts and a shard's of a review's rows."""
+    if capabilities(kind).images:
+        return None
+    return f"engine {kind} takes no images ({who_can('images')}); set engine.kind: {engines_serving('images')}"
+
+
 #: The columns of docs/engines-and-gpus.md's capability table: (heading, what a row shows in it).
 TABLE_COLUMNS: tuple[tuple[str, Callable[[EngineCapabilities], str]], ...] = (
     ("guided JSON (`sampling.output_schema`, a row's `response_format`)", lambda c: _yes(c.guided_decoding)),

@@ -577,12 +577,10 @@ class ShardRun:
     def _image_refusal(self, n: int) -> str | None:
         """Why this shard's engine or model cannot take a request's ``n`` images (a review pass's rows meet the
         review model's engine here), or None."""
-        from batch_llm.engines.capabilities import engines_serving, who_can
+        from batch_llm.engines.capabilities import takes_no_images
 
-        e = self.cfg.engine
-        if not e.caps.images:
-            return (f"the row has {n} image(s): engine {e.kind} takes no images ({who_can('images')}); set "
-                    f"engine.kind: {engines_serving('images')} (a review: or filter.review.images: text)")
+        if why := takes_no_images(self.cfg.engine.kind):
+            return f"the row has {n} image(s): {why} (a review: or filter.review.images: text)"
         if not self._model_takes_images:
             return (f"the row has {n} image(s): the model at {self.model_dir} takes no images (its config.json names "
                     "no vision part); use a vision-language model (a review: or filter.review.images: text)")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
-from batch_llm.engines.capabilities import engines_serving, who_can
+from batch_llm.engines.capabilities import takes_no_images
 from batch_llm.io.formats import (
     IMAGE_BYTES,
     IMAGE_URL,
@@ -182,9 +182,8 @@ class _Scan:
         if not parts:
             return row
         e = self.cfg.engine
-        if not e.caps.images:
-            raise ValueError(f"the row has {len(parts)} image(s): engine {e.kind} takes no images "
-                             f"({who_can('images')}); set engine.kind: {engines_serving('images')}")
+        if why := takes_no_images(e.kind):
+            raise ValueError(f"the row has {len(parts)} image(s): {why}")
         limit = (e.limit_mm_per_prompt or {}).get("image")
         if limit is not None and len(parts) > limit:
             raise ValueError(f"the row has {len(parts)} images; engine.limit_mm_per_prompt allows {limit} per prompt")
