@@ -37,6 +37,11 @@ PROM_PKGS="prometheus prometheus-pushgateway"
 PROM_DIR=$(cd "$(dirname "$0")/.." && pwd)/.cache/prometheus
 prometheus_ready() { [ -x "$PROM_DIR/root/usr/bin/prometheus" ] && [ -x "$PROM_DIR/root/usr/bin/prometheus-pushgateway" ]; }
 
+# apt-get, one at a time: the browser test installs chromium in its own pytest process while the suite beside it
+# may install redis / postgresql (a CI run lost the browser test to "Could not get lock /var/lib/dpkg/lock-frontend");
+# the project's own installs queue on a lock file, anyone else's apt is waited for up to 10 minutes
+apt_get() { flock "${TMPDIR:-/tmp}/batch-llm-apt.lock" apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
 case "${1:-ensure}" in
   prometheus)
     if prometheus_ready; then echo "$PROM_DIR/root/usr/bin"; exit 0; fi
@@ -44,7 +49,7 @@ case "${1:-ensure}" in
     for p in $PROM_PKGS; do
       if ! apt-cache policy "$p" 2>/dev/null | grep -q 'Candidate: [0-9]'; then
         [ "$(id -u)" = 0 ] || { echo "services: apt knows no package $p; run 'apt-get update' as root" >&2; exit 1; }
-        apt-get update -qq
+        apt_get update -qq
         break
       fi
     done
@@ -80,9 +85,9 @@ case "${1:-ensure}" in
       printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && created_policy=1
     fi
     trap 'if [ "$created_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi' EXIT
-    apt-get update -qq
+    apt_get update -qq
     # shellcheck disable=SC2086
-    apt-get install -y -qq --no-install-recommends $want >/dev/null
+    apt_get install -y -qq --no-install-recommends $want >/dev/null
     want=$(missing)
     [ -z "$want" ] || { echo "services: still missing after install: $want" >&2; exit 1; }
     echo "services: installed; postgresql binaries in $(pg_bin)"
@@ -97,10 +102,10 @@ case "${1:-ensure}" in
       exit 1
     fi
     if ! apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then
-      apt-get update -qq
+      apt_get update -qq
     fi
     echo "services: installing chromium"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt_get install -y -qq --no-install-recommends chromium >/dev/null
     [ -x /usr/bin/chromium ] || { echo "services: /usr/bin/chromium still missing after install" >&2; exit 1; }
     echo "services: installed $(/usr/bin/chromium --version 2>/dev/null)"
     ;;

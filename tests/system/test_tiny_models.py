@@ -173,7 +173,7 @@ def test_the_budget_ends_thinking_after_n_tokens(reasoning):
     assert reasoning["budget"]["5"]["text"] == reasoning_text + "</think>" + answer
     assert end_id not in reasoning["unbudgeted"]["ids"]
     assert reasoning["split"]["unbudgeted"] == [reasoning["unbudgeted"]["text"], None]  # thinking never ended
-    assert reasoning["start_s"] < 90
+    assert reasoning["start_s"] < 240  # tiny: not a speed check (94 s seen under make test's load)
 
 
 def test_the_schema_applies_to_the_answer_after_thinking(reasoning):
@@ -199,4 +199,4 @@ def test_the_vision_language_model_takes_an_image_url_and_a_pil_image(vl):
     assert vl["url_red"]["ids"] == vl["pil_red"]["ids"]  # the same picture, however it came
     assert vl["url_red"]["ids"] != vl["url_blue"]["ids"]  # the picture reaches the model
     assert "at most 1 image" in vl["two_images"].lower(), vl["two_images"]
-    assert vl["start_s"] < 90
+    assert vl["start_s"] < 240  # tiny: not a speed check (94 s seen under make test's load)
