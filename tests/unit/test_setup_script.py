@@ -18,6 +18,7 @@ TORCH = next(line.split("==", 1)[1].split()[0] for line in (ROOT / "requirements
              if line.startswith("torch=="))
 BASE_PY = getattr(sys, "_base_executable", "") or sys.executable   # the interpreter .venv was made from
 TAG = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+SYNC = "+ uv pip sync -q --compile-bytecode --python"  # how scripts/setup.sh syncs a venv: bytecode at install
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_index_fallback_without_local_wheel_folder(repo, fake_uv):
     assert "+ export UV_INDEX_STRATEGY=unsafe-best-match UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never" in lines
     for venv, lock in ((".venv", "requirements.lock"), (".venv-quantize", "requirements-quantize.lock")):
         assert f"+ uv venv -q --python {BASE_PY} {venv}" in lines
-        assert f"+ uv pip sync -q --python {venv}/bin/python --extra-index-url {INDEX} {lock}" in lines
+        assert f"{SYNC} {venv}/bin/python --extra-index-url {INDEX} {lock}" in lines
         assert f"+ uv pip install -q --python {venv}/bin/python --no-deps -e ." in lines
     assert "--find-links" not in p.stdout
     assert lines[-1] == "setup: dry run: nothing changed"
@@ -92,8 +93,8 @@ def test_index_fallback_without_local_wheel_folder(repo, fake_uv):
 def test_index_url_can_be_changed(repo, fake_uv):
     p = setup(repo, fake_uv, PYTHON=BASE_PY, TORCH_FIND_LINKS="/nonexistent", TORCH_INDEX_URL="https://mirror/cpu")
     assert p.returncode == 0, p.stderr
-    assert "+ uv pip sync -q --python .venv/bin/python --extra-index-url https://mirror/cpu requirements.lock" \
-        in p.stdout.splitlines()
+    assert (f"{SYNC} .venv/bin/python --extra-index-url https://mirror/cpu requirements.lock"
+            in p.stdout.splitlines())
 
 
 def test_local_wheel_folder_is_used_when_it_holds_the_wheel(repo, fake_uv, tmp_path):
@@ -102,9 +103,8 @@ def test_local_wheel_folder_is_used_when_it_holds_the_wheel(repo, fake_uv, tmp_p
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert f"setup: torch {TORCH} from {wheels} (local wheel folder)" in lines
-    assert f"+ uv pip sync -q --python .venv/bin/python --find-links {wheels} requirements.lock" in lines
-    assert (f"+ uv pip sync -q --python .venv-quantize/bin/python --find-links {wheels} requirements-quantize.lock"
-            in lines)
+    assert f"{SYNC} .venv/bin/python --find-links {wheels} requirements.lock" in lines
+    assert f"{SYNC} .venv-quantize/bin/python --find-links {wheels} requirements-quantize.lock" in lines
     assert INDEX not in p.stdout
 
 
@@ -120,7 +120,7 @@ def test_python_312_with_a_cp311_only_folder_takes_the_index(repo, fake_uv, tmp_
     assert lines[0] == f"setup: python 3.12 {py} (PYTHON)"
     assert f"setup: torch {TORCH} from {INDEX} ({wheels} has no cp312 wheel)" in lines
     assert f"+ uv venv -q --python {py} .venv" in lines
-    assert f"+ uv pip sync -q --python .venv/bin/python --extra-index-url {INDEX} requirements.lock" in lines
+    assert f"{SYNC} .venv/bin/python --extra-index-url {INDEX} requirements.lock" in lines
 
 
 def test_search_order_skips_unusable_interpreters(repo, fake_uv, tmp_path):
