@@ -77,7 +77,8 @@ def build_swift_venv() -> None:
     local = list(Path(find_links).glob(f"torch-{torch}-{tag}-{tag}-*linux*_x86_64.whl"))
     index = [] if local else ["--extra-index-url", os.environ.get("TORCH_INDEX_URL",
                                                                   "https://download.pytorch.org/whl/cpu")]
-    pip = [uv, "pip", "install", "-q", "--find-links", find_links, *index,
+    # --compile-bytecode: as scripts/setup.sh builds the project's venvs, so neither side compiles its imports
+    pip = [uv, "pip", "install", "-q", "--compile-bytecode", "--find-links", find_links, *index,
            "--index-strategy", "unsafe-best-match", f"torch=={torch}"]
     subprocess.run([*pip, SWIFT_PINS[0]], check=True, env=env)
     subprocess.run([*pip, *SWIFT_PINS], check=True, env=env)
