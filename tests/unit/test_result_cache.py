@@ -54,7 +54,8 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
     from batch_llm.stages import infer
 
     cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
-                      engine__commit_every_rows=4, engine__dedupe_prompts=dedupe)
+                      engine__commit_every_rows=4, engine__dedupe_prompts=dedupe,
+                      engine__commit_every_seconds=3600)  # commits by rows only: a slow machine committed after 1
     crashed: list[str] = []
     armed = [True]
 
