@@ -83,7 +83,7 @@ log_summary() {  # the lines of a log that matter, short
   grep -E "^RESULT.*\"phase\": \"engine\"" "$1" | grep -oE "\"(construct_s|kv_cache_tokens|import_s)\": [0-9.]+" | tr '\n' ' '; echo
 }
 sglang_env() {  # SGLang's folder (/root/sgl, installed with pip --target), and vLLM's for the comparison
-  test -f /root/sgl/.staged || { echo "SGL_NOT_STAGED: run the SGLang stage first (shared/gpu/sglang)"; exit 3; }
+  test -f /root/sgl/.staged || { echo "SGL_NOT_STAGED: install SGLang into /root/sgl first (pip --target; docs/engines-and-gpus.md)"; exit 3; }
   [ -d /root/site/vllm ] && vllm_env  # the vLLM stage, for the vllm: modes
   SGL_PATHS=(--engine-path sglang=/root/sgl:$PWD/include --engine-path vllm=/root/site:$PWD/include)
   export PYTHONPATH=/root/sgl:$PWD/include

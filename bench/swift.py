@@ -133,20 +133,12 @@ class Bench:
         if mode in ("swift", "swift-inproc"):
             # swift-inproc: vLLM's engine core in swift's process, as batch-llm's CPU default (like for like)
             inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode == "swift-inproc" else {}
-            return ([SWIFT_VENV / "bin" / "swift", "infer", "--model", self.model, "--model_type", "llama",
-                     "--template", "chatml", "--template_backend", "jinja", "--infer_backend", "vllm",
-                     "--val_dataset", self.rows, "--stream", "false", "--temperature", "0",
-                     "--max_new_tokens", str(self.max_tokens), "--vllm_enforce_eager", "true",
-                     "--vllm_max_model_len", "2048", "--torch_dtype", self.dtype,
-                     "--result_path", self.work / f"{mode}-{i}.jsonl"],
+            return ([SWIFT_VENV / "bin" / "swift", "infer", *self.swift_flags(mode, i)],
                     {**self.env, "VLLM_CPU_KVCACHE_SPACE": "2", **inproc,
                      # ms-swift registers a vLLM plugin that imports torchvision: load only vLLM's own
                      "VLLM_PLUGINS": "lora_filesystem_resolver,lora_hf_hub_resolver"})
-        if mode == "infer":
-            # batch-llm infer: swift's own flags, as a swift user types them after swapping the command
-            cmd, env = self.command("swift", i)
-            return ([VENV / "batch-llm", "infer", *cmd[2:-1], self.work / f"{mode}-{i}.jsonl", "--plain"],
-                    self.env)
+        if mode == "infer":  # swift's own flags, as a swift user types them after swapping the command
+            return [VENV / "batch-llm", "infer", *self.swift_flags(mode, i), "--plain"], self.env
         if mode in ("run", "run-mp"):
             # run-mp: vLLM's engine core and its CPU worker in processes of their own (engine.multiprocessing,
             # vLLM's default; the project's default on CPUs before it was measured here)
@@ -154,6 +146,13 @@ class Bench:
             return ([VENV / "batch-llm", "run", self.pipelines / f"{self.name}.yaml", "--plain",
                      "--ds", self.ds(mode, i), "--run-id", f"{mode}-{i}", *mp], self.env)
         return ([VENV / "airflow", "dags", "test", self.name, self.ds(mode, i)], self.airflow_env)
+
+    def swift_flags(self, mode: str, i: int) -> list:
+        """``swift infer``'s flags for this work, the result file named by mode and repeat (swift and infer)."""
+        return ["--model", self.model, "--model_type", "llama", "--template", "chatml", "--template_backend", "jinja",
+                "--infer_backend", "vllm", "--val_dataset", self.rows, "--stream", "false", "--temperature", "0",
+                "--max_new_tokens", str(self.max_tokens), "--vllm_enforce_eager", "true", "--vllm_max_model_len",
+                "2048", "--torch_dtype", self.dtype, "--result_path", self.work / f"{mode}-{i}.jsonl"]
 
     @staticmethod
     def ds(mode: str, i: int) -> str:
