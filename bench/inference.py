@@ -597,13 +597,14 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
 
     m = WorkerHandle.start(spec).wait(on_line=on_line)
     mt = m["metrics"]
+    settings = (m.get("engine") or {}).get("settings") or {}
     return dict(mode=mode, engine=a.engine, generate_s=mt["generate_seconds"],
                 generated_tokens=mt["output_tokens_this_attempt"], delivered_tokens=mt["output_tokens"],
                 engine_construct_s=mt["engine_start_seconds"], engine_ready_s=ready[0] if ready else None,
                 unique_prompts=mt["unique_prompts"], rows=mt["rows"], worker_peak_rss_mb=mt.get("peak_rss_mb"),
                 ok_rows=mt.get("ok"), invalid_outputs=mt.get("invalid_outputs"),
                 reasoning_tokens=mt.get("reasoning_tokens"), thinking_unfinished=mt.get("thinking_unfinished"),
-                async_scheduling=((m.get("engine") or {}).get("settings") or {}).get("async_scheduling"),
+                async_scheduling=settings.get("async_scheduling"), model_runner_v2=settings.get("model_runner_v2"),
                 plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
 
 

@@ -370,3 +370,16 @@ def test_the_trigger_form_sets_thinking_and_its_budget(tmp_path):
     assert form["thinking"].schema["enum"] == ["auto", "on", "off"]
     s = cfg.with_overrides(overrides_from_params({"thinking": "on", "max_thinking_tokens": 64}, cfg)).sampling
     assert (s.thinking, s.max_thinking_tokens) == ("on", 64)
+
+
+def test_a_pipeline_wide_thinking_budget_starts_vllms_v1_model_runner():
+    """vLLM's V2 model runner (its GPU default for Qwen3 in 0.2x) rejects every request with a thinking budget:
+    on the H100 all 1,000 rows of a budgeted Qwen3-8B-shaped day failed with that reason. A budget with a
+    reasoning parser asks for the V1 runner; the user's own setting wins; nothing else changes vLLM's choice."""
+    from batch_llm.engines.vllm_engine import thinking_budget_runner
+
+    assert thinking_budget_runner("qwen3", 256, {}) == "0"
+    assert thinking_budget_runner("qwen3", 0, {}) == "0"  # a zero budget is a budget: answer at once
+    assert thinking_budget_runner("qwen3", 256, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) is None
+    assert thinking_budget_runner("qwen3", None, {}) is None
+    assert thinking_budget_runner(None, 256, {}) is None

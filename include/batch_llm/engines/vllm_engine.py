@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +50,16 @@ from batch_llm.row_params import Sampling
 # an uncompiled decode step of 1024 sequences is bound by launching its kernels (H200, mix: the GPU ~50 % busy
 # while all 1024 decode; docs/benchmarks.md).
 OFFLINE_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, *range(144, 513, 16), *range(544, 1025, 32))
+
+
+def thinking_budget_runner(parser: str | None, budget: int | None, environ: Mapping[str, str]) -> str | None:
+    """VLLM_USE_V2_MODEL_RUNNER for a pipeline-wide thinking budget: "0" (vLLM's V1 model runner), else None
+    (vLLM's own choice). vLLM's V2 model runner, its default for Qwen3 and other architectures on GPUs (0.2x),
+    rejects every request that carries a thinking_token_budget; the V1 runner applies it. A value the user set
+    wins; a per-row budget under the V2 runner is that row's error, with vLLM's reason."""
+    if parser is None or budget is None or "VLLM_USE_V2_MODEL_RUNNER" in environ:
+        return None
+    return "0"
 
 
 @register_engine
@@ -187,6 +197,9 @@ class VllmEngine(Engine):
                 raise EngineCannotRun(f"engine.reasoning_parser: vLLM {vllm.__version__} has no reasoning parser "
                                       f"{parser!r} (it has: {', '.join(ReasoningParserManager.list_registered())})"
                                       ) from None
+        runner = thinking_budget_runner(parser, self.sampling.max_thinking_tokens, os.environ)
+        if runner is not None:  # for this engine's start only (its engine core inherits it), not a later one's
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
         try:
             multiprocessing = self._multiprocessing()
 
@@ -202,6 +215,9 @@ class VllmEngine(Engine):
             memory, suggested = classify_start_failure(text)
             raise EngineStartError(f"vLLM failed to start: {e}", memory=memory,
                                    suggested_max_model_len=suggested, output=text) from e
+        finally:
+            if runner is not None:
+                os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         # one parser, built on the engine's tokenizer, parts every finished output (vLLM's server does the same
         # per response with the parser the engine's structured outputs and thinking budget use)
         self.reasoner = parser_class(self.llm.get_tokenizer()) if parser is not None else None
@@ -224,7 +240,7 @@ class VllmEngine(Engine):
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
                         structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
-                        reasoning_parser=parser,
+                        reasoning_parser=parser, model_runner_v2=getattr(vc, "use_v2_model_runner", None),
                         speculative_method=getattr(vc.speculative_config, "method", None),
                         lora=dict(path=self.lora_dir, max_lora_rank=vc.lora_config.max_lora_rank)
                         if self.lora_dir and vc.lora_config is not None else None)
