@@ -383,3 +383,32 @@ def test_a_pipeline_wide_thinking_budget_starts_vllms_v1_model_runner():
     assert thinking_budget_runner("qwen3", 256, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) is None
     assert thinking_budget_runner("qwen3", None, {}) is None
     assert thinking_budget_runner(None, 256, {}) is None
+
+
+def test_thinking_tokens_count_the_thinking_the_template_opened_in_the_prompt():
+    """Qwen3's template opens <think> in the prompt, so the output holds only the thinking and </think>. vLLM
+    0.26's parser counted 0 reasoning tokens for every such row (on an H100, 1,000 budgeted rows); the count is
+    the tokens before the end marker, whichever vLLM runs."""
+    from types import SimpleNamespace
+
+    from batch_llm.engines.vllm_engine import thinking_tokens
+
+    def vllm_026_count(ids):  # vLLM 0.26's: only between a start and an end token of the output
+        depth = n = 0
+        for t in ids:
+            if t in (1, 2):
+                depth += 1 if t == 1 else -1 if depth else 0
+            elif depth:
+                n += 1
+        return n
+
+    reasoner = SimpleNamespace(vocab={"<think>": 1, "</think>": 2}, reasoning_start_str="<think>",
+                               reasoning_end_str="</think>", count_reasoning_tokens=vllm_026_count)
+    opened_in_prompt = [7, 8, 9, 2, 5, 6]
+    assert vllm_026_count(opened_in_prompt) == 0
+    assert thinking_tokens(reasoner, opened_in_prompt) == 3
+    assert thinking_tokens(reasoner, [1, 7, 8, 2, 5]) == 2  # the model opened it itself
+    assert thinking_tokens(reasoner, [7, 8, 9]) == 3  # never ended: all of it is thinking
+    multi_token_marker = SimpleNamespace(vocab={}, reasoning_start_str="<think>", reasoning_end_str="</think>",
+                                         count_reasoning_tokens=lambda ids: 42)
+    assert thinking_tokens(multi_token_marker, opened_in_prompt) == 42

@@ -210,6 +210,8 @@ class VllmEngine(Engine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
             with tail.capture():
                 self.llm = LLM(**self._constructor_args())
+            # a property that reads the variable each time: asked before the variable is put back
+            v2_runner = getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", None)
         except Exception as e:  # noqa: BLE001 - classified and re-raised
             text = _exception_text(e) + "\n" + tail.text()
             memory, suggested = classify_start_failure(text)
@@ -240,7 +242,7 @@ class VllmEngine(Engine):
                         model_context_limit=model_context_limit(self.model_dir),
                         trust_remote_code=vc.model_config.trust_remote_code,
                         structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
-                        reasoning_parser=parser, model_runner_v2=getattr(vc, "use_v2_model_runner", None),
+                        reasoning_parser=parser, model_runner_v2=v2_runner,
                         speculative_method=getattr(vc.speculative_config, "method", None),
                         lora=dict(path=self.lora_dir, max_lora_rank=vc.lora_config.max_lora_rank)
                         if self.lora_dir and vc.lora_config is not None else None)
@@ -496,8 +498,21 @@ def split_reasoning(reasoner, prompt_token_ids, token_ids, text: str) -> Split:
     reasoning, answer = reasoner.extract_reasoning(text, None)
     end = reasoner.reasoning_end_str
     ended = (answer is not None or end in text) if end else reasoner.is_reasoning_end(list(token_ids))
-    return Split((answer or "").lstrip("\n"), reasoning,
-                 reasoner.count_reasoning_tokens(list(token_ids)) if reasoning else 0, ended)
+    return Split((answer or "").lstrip("\n"), reasoning, thinking_tokens(reasoner, token_ids) if reasoning else 0, ended)
+
+
+def thinking_tokens(reasoner, token_ids) -> int:
+    """The output's thinking tokens: those before its end-of-thinking token (all of them if it never came), less
+    any start-of-thinking token. vLLM's own count differs by version and misses thinking that the template opened
+    in the prompt (0.26 counts only between a start and an end token inside the output: 0 for every Qwen3 row);
+    a parser whose markers are not single tokens keeps vLLM's count."""
+    vocab = reasoner.vocab
+    start, end = vocab.get(reasoner.reasoning_start_str or ""), vocab.get(reasoner.reasoning_end_str or "")
+    if end is None:
+        return reasoner.count_reasoning_tokens(list(token_ids))
+    ids = list(token_ids)
+    thinking = ids[:ids.index(end)] if end in ids else ids
+    return sum(1 for t in thinking if t != start)
 
 
 def gen_result(out, top_k: int | None = None, *, reasoner=None, thinking_budget: int | None = None) -> GenResult:
