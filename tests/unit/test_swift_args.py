@@ -288,3 +288,22 @@ def test_every_mapped_key_is_a_config_key():
             section, *rest = f.key.split(".")
             model = PipelineConfig.model_fields[section].annotation
             assert rest[0] in model.model_fields, f.key
+
+
+def test_a_run_in_a_temporary_folder_writes_no_result_cache(tmp_path, capsys):
+    """Without --work-dir the run's folder is deleted at the end: a result cache there is work thrown away, so it is
+    off; with --work-dir the run is kept, and so is its cache."""
+    import yaml
+    from batch_llm.frontends.cli import main
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    base = ["infer", "--model", str(tmp_path), "--val_dataset", str(tmp_path / "rows.jsonl"), "--result_path",
+            str(tmp_path / "out.jsonl"), "--print-config"]
+
+    def cache_enabled(*extra: str) -> bool:
+        capsys.readouterr()
+        assert main([*base, *extra]) == 0
+        return yaml.safe_load(capsys.readouterr().out)["cache"]["enabled"]
+
+    assert cache_enabled() is False
+    assert cache_enabled("--work-dir", str(tmp_path / "work")) is True

@@ -660,6 +660,8 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
     if inv.values.get("max_batch_size", 1) <= 0 and plan.backend == "transformers":
         plan.overrides["engine.batch_size"] = len(rows)
     keep = inv.work_dir is not None
+    if not keep:  # the result cache would live in a folder deleted at the end: writing it is work thrown away
+        plan.overrides.setdefault("cache.enabled", False)
     work = Path(os.path.abspath(os.path.expanduser(inv.work_dir))) if inv.work_dir is not None else \
         Path(tempfile.mkdtemp(prefix="batch-llm-infer-"))
     try:
