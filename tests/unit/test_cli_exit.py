@@ -12,8 +12,6 @@ SCRIPT = """
 import atexit, sys, threading, time, types
 if {torch}:
     sys.modules["torch"] = types.ModuleType("torch")  # what an in-process engine leaves loaded
-if {thread}:
-    threading.Thread(target=time.sleep, args=(0.3,)).start()
 
 class Teardown:
     def __del__(self):
@@ -23,6 +21,8 @@ keep = Teardown()
 atexit.register(lambda: print("exit handler ran", flush=True))
 sys.argv = ["batch-llm", "validate", "/nonexistent/pipeline.yaml"]
 from batch_llm.frontends.cli import main
+if {thread}:  # started after the imports, so it outlives the command (a missing file: milliseconds)
+    threading.Thread(target=time.sleep, args=(3,)).start()
 rc = main()
 print("main returned", rc, flush=True)
 sys.exit(rc)
