@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ from batch_llm.io.formats import PromptRow, RawRow, to_prompt_row
 from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.row_params import RowParams, engine_refusal, resolve
 from batch_llm.stages import plan as plan_mod
-from helpers import DEMO_YAML, demo_config
+from helpers import DEMO_YAML, demo_config, run_in_group
 
 CHAT = "/v1/chat/completions"
 
@@ -171,18 +170,18 @@ def parity(tmp_path_factory, demo_model_dir):
     vllm_out = tmp / "vllm_out.jsonl"
     # the dtype the project's engine runs here (float32 on a CPU without native bf16): the same work on both sides
     dtype = cpu_dtype("auto", str(demo_model_dir), on_gpu=False)
-    ref = subprocess.run(
+    ref = run_in_group(
         [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(only_parity), "-o",
          str(vllm_out), "--model", str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager",
          "--max-model-len", "1024", "--generation-config", "vllm", "--seed", "0", "--dtype", dtype],
-        env={**os.environ, **env_vllm}, capture_output=True, text=True, timeout=600)
+        env={**os.environ, **env_vllm}, timeout=600)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
     out = tmp / "pipeline_out"
-    run = subprocess.run(
+    run = run_in_group(
         [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--input", str(src), "--output", str(out),
          "--ds", "2026-11-09", "--plain", "--set", "sharding.num_shards=1", "--set", "evaluate.enabled=false",
          "--set", "filter.enabled=false", "--set", "cache.enabled=false", "--set", "sampling.max_tokens=8"],
-        env={**os.environ, **env_vllm}, capture_output=True, text=True, timeout=900)
+        env={**os.environ, **env_vllm}, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     current = read_json(Location(str(out)).child("batch_llm_demo", "dt=2026-11-09", "_CURRENT.json").path())
     version = Location(current["version"])
@@ -246,13 +245,13 @@ def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity
     lines_in = PARITY_LINES + REFUSED
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines_in))
-    run = subprocess.run(
+    run = run_in_group(
         [sys.executable, "-m", "batch_llm", "run-batch", "-i", str(src), "-o", str(out), "--model",
          str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager", "--max-model-len", "1024",
          "--generation-config", "vllm", "--seed", "0", "--dtype", cpu_dtype("auto", str(demo_model_dir), on_gpu=False),
          "--plain"],
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
-        capture_output=True, text=True, timeout=900)
+        timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = list(iter_jsonl(out))
     assert [x["custom_id"] for x in got] == [x["custom_id"] for x in lines_in]
