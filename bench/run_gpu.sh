@@ -49,8 +49,10 @@
 #           Qwen2.5-VL's chat template and processor settings:
 #           .venv/bin/python -m bench qwen-tokenizer --vl --out .gpu-stage/vltok && xz -9 .gpu-stage/vltok/tokenizer.json)
 #           over N (1000) rows of one generated PNG and a question each (the images dataset): a plain LLM.chat
-#           script with file:// image parts against the stage over the same rows as JSONL (MODES raw,stage, REPEATS,
-#           WARMUP 1); VL_ARGS adds options (--image-size 448, --out-len 256 by default; --mm-processor-kwargs)
+#           script with file:// image parts and the stage's engine settings (raw-tuned; raw: vLLM's defaults) against
+#           the stage over the same rows as JSONL (MODES raw-tuned,stage, REPEATS, WARMUP 1; one call of 600 s fits
+#           the warm-up and about four runs on an H100); VL_ARGS adds options (--image-size 448, --out-len 256 by
+#           default; --mm-processor-kwargs)
 #   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
 #           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
@@ -162,7 +164,7 @@ case "${1:-fixed}" in
   vl)
     vllm_env; telemetry_on $OUT/gpu_vl.jsonl
     timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen2.5-vl-7b --dummy --tokenizer $VLTOK \
-      --dataset images --n ${N:-1000} --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
+      --dataset images --n ${N:-1000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
       --out $OUT/gpu_vl.jsonl --logs $OUT/logs ${VL_ARGS:-} ;;
   review-placement)
     vllm_env
