@@ -50,7 +50,7 @@
 #           .venv/bin/python -m bench qwen-tokenizer --vl --out .gpu-stage/vltok && xz -9 .gpu-stage/vltok/tokenizer.json)
 #           over N (1000) rows of one generated PNG and a question each (the images dataset): a plain LLM.chat
 #           script with file:// image parts and the stage's engine settings (raw-tuned; raw: vLLM's defaults) against
-#           the stage over the same rows as JSONL (MODES raw-tuned,stage, REPEATS, WARMUP 1; one call of 600 s fits
+#           the stage over the same rows as JSONL (MODES raw-tuned,stage, REPEATS, WARMUP 1; a 600 s limit (T) fits
 #           the warm-up and about four runs on an H100); VL_ARGS adds options (--image-size 448, --out-len 256 by
 #           default; --mm-processor-kwargs)
 #   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
