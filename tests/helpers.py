@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,14 +130,16 @@ def use_echo_engine(monkeypatch) -> type[EchoEngine]:
 
 def run_in_group(cmd: Sequence[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(capture_output=True, text=True) in a session of its own: at the timeout the whole process
-    group is killed. subprocess.run kills only the child, and vLLM's engine-core and worker processes (~3 GB
-    each) outlived it and slowed every later test."""
+    group is ended (the workers' GroupLeader). subprocess.run kills only the child, and vLLM's engine-core and
+    worker processes (~3 GB each) outlived it and slowed every later test."""
+    from batch_llm.isolation.procgroup import GroupLeader
+
     with subprocess.Popen(list(cmd), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            GroupLeader(proc).stop()
             proc.communicate()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
