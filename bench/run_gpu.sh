@@ -5,7 +5,7 @@
 # wheels, installed beside vLLM first) and the 7B shape's config.json in /root/work/qwen7b_cfg (random weights:
 # load_format dummy). Results land in $OUT.
 #   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
-#     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement|vl
+#     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement|vl|vl-preprocess
 #   fixed / mix: raw LLM.generate against the stage (MODES, REPEATS, WARMUP, T); the GPU's clocks, power and
 #     temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0: not) and summarized per run phase
 #     at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
@@ -53,6 +53,9 @@
 #           the stage over the same rows as JSONL (MODES raw-tuned,stage, REPEATS, WARMUP 1; a 600 s limit (T) fits
 #           the warm-up and about four runs on an H100); VL_ARGS adds options (--image-size 448, --out-len 256 by
 #           default; --mm-processor-kwargs)
+#   vl-preprocess  the CPU side of an image row (python -m bench image-preprocess): PNG decode and the shape's image
+#           processor (PIL and torchvision) at 1-16 threads, then vLLM's own per-row preparation (process_inputs), timed
+#           and profiled, with the shape's config and VLTOK's tokenizer (N images, 300)
 #   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
 #           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
@@ -166,6 +169,11 @@ case "${1:-fixed}" in
     timeout ${T:-570} python3 -m bench inference --model bench/shapes/qwen2.5-vl-7b --dummy --tokenizer $VLTOK \
       --dataset images --n ${N:-1000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} \
       --out $OUT/gpu_vl.jsonl --logs $OUT/logs ${VL_ARGS:-} ;;
+  vl-preprocess)
+    vllm_env; d=$(mktemp -d); cp $VLTOK/* $d/; rm -f $d/tokenizer.json.xz; cp bench/shapes/qwen2.5-vl-7b/*.json $d/
+    timeout ${T:-400} python3 -m bench image-preprocess --processor $d --vllm-model $d --n ${N:-300} --threads 1,4,8,16 \
+      --out $OUT/image_preprocess.jsonl > $OUT/image_preprocess.log 2>&1; echo "vl-preprocess rc=$?"
+    grep -E "^RESULT" $OUT/image_preprocess.log ;;
   review-placement)
     vllm_env
     timeout ${T:-570} python3 -m bench review-placement --model $M --dummy --tokenizer $TOK --n ${N:-2000} \
