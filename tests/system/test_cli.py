@@ -11,6 +11,7 @@ import pytest
 from batch_llm.frontends.cli import PROGRESS, Reporter, build_parser, config_from_args, find_summary, main
 from batch_llm.io.storage import Location, write_json, write_manifest
 from batch_llm.manifests import RunSummary
+from helpers import run_in_group
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
@@ -224,11 +225,11 @@ def test_cli_run_end_to_end_then_report_and_doctor(tmp_path, demo_model_dir):
     import json
 
     out = tmp_path / "cli_out"
-    run = subprocess.run(
+    run = run_in_group(
         [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--output", str(out), "--ds", "2026-11-07",
          "--plain", "--set", "engine.kind=transformers", "--set", "sampling.max_tokens=12",
          "--set", "sharding.num_shards=1", "--set", "evaluate.enabled=false"],
-        capture_output=True, text=True, timeout=900)
+        timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "progress:" in run.stdout
     current = json.loads((out / "batch_llm_demo" / "dt=2026-11-07" / "_CURRENT.json").read_text())

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import run_in_group
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
 # vLLM's log format, coloured or not: "(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [core.py:95] ..."
@@ -16,11 +18,11 @@ VLLM_LINE = re.compile(r"(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_in_group(
         [sys.executable, "-m", "batch_llm", "run", str(DEMO_YAML), "--output", str(out), "--ds", "2026-11-08",
          "--plain", "--run-id", "quiet", "--set", "sampling.max_tokens=8", "--set", "sharding.num_shards=1",
          "--set", "evaluate.enabled=false", "--set", "cache.enabled=false", *extra],
-        capture_output=True, text=True, timeout=900)
+        timeout=900)
 
 
 def test_vllm_run_logs_go_to_the_log_file(tmp_path, demo_model_dir):

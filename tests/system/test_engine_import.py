@@ -2,10 +2,9 @@
 process as a shard's worker does: the real import, then a start that fails on an empty model folder."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
-from helpers import vllm_cpu_env
+from helpers import run_in_group, vllm_cpu_env
 
 SCRIPT = """\
 import gc, sys
@@ -26,8 +25,7 @@ print(f"GC enabled={gc.isenabled()} frozen_before={before} frozen_after={gc.get_
 
 
 def test_vllm_is_imported_under_a_paused_collector_and_frozen(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=vllm_cpu_env(), timeout=300)
+    proc = run_in_group([sys.executable, "-c", SCRIPT, str(tmp_path)], env=vllm_cpu_env(), timeout=300)
     lines = proc.stdout.splitlines()
     assert any(x.startswith("START_FAILED vLLM failed to start") for x in lines), proc.stdout + proc.stderr[-3000:]
     gc_line = next(x for x in lines if x.startswith("GC "))

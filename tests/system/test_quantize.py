@@ -18,7 +18,7 @@ import pytest
 from batch_llm.config import QuantizeConfig
 from batch_llm.demo_model import default_cache_dir, snapshot_dir
 from batch_llm.stages import quantize as q
-from helpers import vllm_cpu_env
+from helpers import run_in_group, vllm_cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -226,8 +226,8 @@ def _script_line(script: str, model_dir: str, tmp_path, prefix: str | tuple[str,
     """Runs a script in the main environment on the export; returns its output line starting with prefix."""
     path = tmp_path / "script.py"
     path.write_text(script)
-    proc = subprocess.run([str(MAIN_PYTHON), str(path), model_dir], env=vllm_cpu_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_in_group([str(MAIN_PYTHON), str(path), model_dir], env=vllm_cpu_env(), cwd=tmp_path,
+                        timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith(prefix))
     print("\n" + line)

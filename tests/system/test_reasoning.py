@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from batch_llm import api, tiny_models
 from batch_llm.config import load_config
 from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.layout import RunLayout
-from helpers import ROOT, demo_config
+from helpers import ROOT, demo_config, run_in_group
 
 PIPELINE = ROOT / "tests" / "data" / "reasoning_pipeline.yaml"
 SCHEMA = {"type": "object", "properties": {"verdict": {"enum": ["safe", "unsafe"]}}, "required": ["verdict"],
@@ -168,8 +167,8 @@ def _check_published(summary: dict, rows: list[dict], version: str) -> None:
 def test_a_reasoning_pipeline_through_batch_llm_run(tmp_path, model_dir):
     cfg = load_config(PIPELINE)
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--output", str(out), "--ds", DS,
-                          "--run-id", "cli__reasoning", "--plain"], capture_output=True, text=True, timeout=900)
+    run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--output", str(out), "--ds", DS,
+                        "--run-id", "cli__reasoning", "--plain"], timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary, rows = _published(out, cfg)
     _check_published(summary, rows, read_json(Location(str(out)).child(cfg.name, f"dt={DS}", "_CURRENT.json")

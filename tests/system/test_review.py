@@ -9,13 +9,13 @@ verdicts.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from batch_llm.io.storage import Location, iter_jsonl, read_json
+from helpers import run_in_group
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = "2026-12-03"
@@ -43,8 +43,8 @@ def _pipeline(tmp: Path) -> Path:
 
 
 def _run(pipeline: Path, run_id: str) -> tuple[dict, str]:
-    run = subprocess.run([sys.executable, "-m", "batch_llm", "run", str(pipeline), "--ds", DS, "--run-id", run_id,
-                          "--plain"], capture_output=True, text=True, timeout=600)
+    run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(pipeline), "--ds", DS, "--run-id", run_id,
+                        "--plain"], timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = yaml.safe_load(pipeline.read_text())["output"]["path"]
     current = read_json(Location(out).child("review_demo", f"dt={DS}", "_CURRENT.json").path())

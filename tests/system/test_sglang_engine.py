@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_YAML
+from helpers import DEMO_YAML, run_in_group
 
 SGLANG_PYTHON = os.environ.get("BATCH_LLM_SGLANG_PYTHON")
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="no SGLang environment: set BATCH_LLM_SGLANG_PYTHON "
@@ -22,12 +21,12 @@ pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="no SGLang environment
 
 def test_the_demo_pipeline_runs_on_sglang(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run(
+    run = run_in_group(
         [SGLANG_PYTHON, "-m", "batch_llm", "run", str(DEMO_YAML), "--output", str(out), "--ds", "2026-12-04",
          "--run-id", "sgl", "--plain", "--set", "engine.kind=sglang", "--set", "sharding.num_shards=1",
          "--set", "engine.max_num_seqs=16", "--set", "engine.sglang.max_total_tokens=16384",
          "--set", "engine.gpu_memory_utilization=0.5"],
-        capture_output=True, text=True, timeout=1500, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        timeout=1500, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [manifest] = out.glob("batch_llm_demo/runs/dt=2026-12-04/sgl/infer/shard-*/manifest.json")
     m = json.loads(manifest.read_text())

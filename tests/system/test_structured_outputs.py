@@ -8,7 +8,6 @@ transformers engine, each in a process of its own.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pyarrow as pa
@@ -18,7 +17,7 @@ from batch_llm.config import ConfigError, load_config, parse_config
 from batch_llm.io.formats import output_record, write_rows
 from batch_llm.io.storage import Location, as_path, iter_jsonl, read_json
 from batch_llm.output_schema import OutputSchema, load_schema
-from helpers import ROOT
+from helpers import ROOT, run_in_group
 
 YAML = ROOT / "dags" / "pipelines" / "review_extraction.yaml"
 SENTIMENTS = {"正面", "负面", "中性"}
@@ -120,7 +119,7 @@ def _run(tmp, *sets, rows_limit=None):
             "--ds", "2026-11-10", "--plain", "--verbose", "--set", "cache.enabled=false"]  # vLLM's lines on stdout
     for s in sets:
         args += ["--set", s]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    run = run_in_group(args, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     current = read_json(Location(str(out)).child("review_extraction", "dt=2026-11-10", "_CURRENT.json").path())
     summary = read_json(Location(current["version"]).child("summary.json").path())
@@ -245,8 +244,8 @@ def _numbers_run(tmp, guided_decoding: bool | str):
         "sampling": {"max_tokens": 12, "temperature": 0.0, "stop": ["\n", ".", ","],
                      "output_schema": {"type": "integer", "minimum": 0}, "guided_decoding": guided_decoding},
         "filter": {"enabled": False}, "evaluate": {"enabled": False}, "cache": {"enabled": False}}))
-    run = subprocess.run([sys.executable, "-m", "batch_llm", "run", str(yaml), "--ds", "2026-11-10", "--plain"],
-                         capture_output=True, text=True, timeout=900)
+    run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(yaml), "--ds", "2026-11-10", "--plain"],
+                       timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     current = read_json(Location(str(tmp / "out")).child("numbers", "dt=2026-11-10", "_CURRENT.json").path())
     lines = list(iter_jsonl(Location(current["dataset"]).path()))

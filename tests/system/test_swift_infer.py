@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import vllm_cpu_env
+from helpers import run_in_group, vllm_cpu_env
 
 QUESTIONS = ["What is 2 plus 2?", "Name a colour.", "What is the capital of France?", "Say hello.", "Count to three."]
 
@@ -21,8 +21,8 @@ def _rows(path: Path, n: int) -> Path:
 
 
 def _infer(tmp: Path, *flags: str, env: dict | None = None) -> tuple[list[dict], subprocess.CompletedProcess]:
-    run = subprocess.run([sys.executable, "-m", "batch_llm", "infer", *flags, "--result_path", str(tmp / "out.jsonl"),
-                          "--plain"], capture_output=True, text=True, timeout=600, cwd=tmp, env=env)
+    run = run_in_group([sys.executable, "-m", "batch_llm", "infer", *flags, "--result_path", str(tmp / "out.jsonl"),
+                        "--plain"], timeout=600, cwd=tmp, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return [json.loads(x) for x in (tmp / "out.jsonl").read_text(encoding="utf-8").splitlines()], run
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from batch_llm import tiny_models
-from helpers import vllm_cpu_env
+from helpers import run_in_group, vllm_cpu_env
 
 SCHEMA = {"type": "object", "properties": {"verdict": {"enum": ["safe", "unsafe"]}}, "required": ["verdict"],
           "additionalProperties": False}
@@ -118,8 +117,7 @@ def reasoning() -> dict:
     folders = [str(build()) for build in (tiny_models.build_tiny_reasoning_model, tiny_models.build_tiny_guard_model,
                                           tiny_models.build_tiny_vl_model)]
     env = dict(vllm_cpu_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", CHILD, *folders, json.dumps(SCHEMA)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = run_in_group([sys.executable, "-c", CHILD, *folders, json.dumps(SCHEMA)], env=env, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1].removeprefix("RESULT "))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 from batch_llm import tiny_models
 from batch_llm.config import load_config
 from batch_llm.io.storage import Location, iter_jsonl, read_json
-from helpers import ROOT
+from helpers import ROOT, run_in_group
 
 PIPELINE = ROOT / "tests" / "data" / "image_review_pipeline.yaml"
 CORPUS = ROOT / "tests" / "data" / "images"
@@ -84,9 +83,9 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cli_run(corpus) -> tuple[Path, tuple[dict, dict[str, dict], dict[str, str]], str]:
     out = corpus.parent / "out"
-    run = subprocess.run([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--input", str(corpus / "rows.jsonl"),
-                          "--output", str(out), "--ds", DS, "--run-id", "cli-images", "--plain"],
-                         capture_output=True, text=True, timeout=900)
+    run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--input", str(corpus / "rows.jsonl"),
+                        "--output", str(out), "--ds", DS, "--run-id", "cli-images", "--plain"],
+                       timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return out, _published(out, "image_review_demo"), run.stdout
 
