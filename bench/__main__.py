@@ -28,6 +28,7 @@ COMMANDS = {  # command: (module, what it measures)
     "recommend-calibration": ("recommend_calibration", "fits recommend.py's constants to the measurements"),
     "shards-per-task": ("shards_per_task", "sharding.shards_per_task: one engine start per shard against per task"),
     "grammar-cost": ("grammar_cost", "xgrammar's and llguidance's mask fill and token accept, per token, per tokenizer"),
+    "image-load": ("image_load", "the shard's image loading: one at a time against input.image_workers threads"),
     "image-preprocess": ("image_preprocess", "an image row's CPU side: PNG decode and the image processor, threads"),
     "qwen-tokenizer": ("qwen_tokenizer", "builds a Qwen2.5 tokenizer offline (a 7B model's real vocabulary)"),
 }

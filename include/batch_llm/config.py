@@ -164,6 +164,10 @@ class InputConfig(_Section):
         "own content parts (image_url) instead. Needs an engine that takes images (vllm)")
     max_image_bytes: int = Field(20 * 2**20, gt=0, description="The largest image a row may name, in bytes "
                                  "(default 20 MiB, OpenAI's limit); a larger one is the row's error")
+    image_workers: int = Field(4, ge=1, le=64, description="Threads that read, check and decode a shard's images "
+                               "ahead of the engine, in the rows' order, at most 2 × this many requests ahead, each "
+                               "holding its images decoded (reads from object storage overlap); 1: each image as the "
+                               "engine takes its request")
     image_roots: list[str] = Field(default_factory=list, description="Local folders a row's image paths may point "
                                    "into besides the input's own folder (./relative to this YAML); a path outside "
                                    "them is the row's error")

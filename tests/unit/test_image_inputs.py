@@ -10,6 +10,8 @@ import base64
 import io
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -335,7 +337,8 @@ class _ToyImages:
 
         for r in requests:
             self.seen.append({"images": [img.size for img in r.images or []], "decoded_so_far": self.decoded["n"],
-                              "rss_mb": _rss_mb()})
+                              "rss_mb": _rss_mb(),
+                              "red": r.images[0].getpixel((0, 0))[0] if r.images else None})
             yield GenResult(key=r.key, text=f"{len(r.images or [])} images", finish_reason="stop",
                             prompt_tokens=len(r.prompt_token_ids), completion_tokens=1)
 
@@ -353,9 +356,11 @@ def toy_images(monkeypatch):
     engine = type("ToyImagesEngine", (_ToyImages, Engine), {"kind": IMAGES_TOY})
     registry.register_engine(engine)
     real = im.decode_image
+    lock = threading.Lock()
 
-    def counting(data, ref):
-        _ToyImages.decoded["n"] += 1
+    def counting(data, ref):  # input.image_workers threads decode
+        with lock:
+            _ToyImages.decoded["n"] += 1
         return real(data, ref)
 
     monkeypatch.setattr(im, "decode_image", counting)
@@ -365,11 +370,13 @@ def toy_images(monkeypatch):
     unregister_capabilities(IMAGES_TOY)
 
 
-def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, toy_images):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, toy_images, workers):
     """A shard of 16 rows whose images decode to ~280 MB in all (2400 x 2400 RGB each) through an engine that takes
-    images: each image is decoded when its request goes to the engine (never ahead of it), the memory while it
-    generates stays a fraction of the total above where it started, a row whose image changed after the plan is the
-    row's error with the reason, and the engine gets PIL images."""
+    images: each image is decoded when its request goes to the engine, or at most 2 x input.image_workers requests
+    ahead of it on that many threads, the memory while it generates stays a fraction of the total above where it
+    started, a row whose image changed after the plan is the row's error with the reason, and the engine gets PIL
+    images in the rows' order."""
     from batch_llm.manifests import ShardSpec
     from batch_llm.stages.infer import load_tokenizer, run_shard
 
@@ -381,7 +388,7 @@ def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, t
         rows.append(_row(f"r{i:02d}", _url_part(f"big{i}.png")))
     src = imgs / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _cfg(tmp_path, src, engine__commit_every_rows=4, cache__enabled=False)
+    cfg = _cfg(tmp_path, src, engine__commit_every_rows=4, cache__enabled=False, input__image_workers=workers)
     plan = write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
     (imgs / "big5.png").write_bytes(_png("blue", (2400, 2400)))  # changed after the plan
     cfg = cfg.with_overrides({"engine.kind": IMAGES_TOY})
@@ -397,10 +404,16 @@ def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, t
     assert all(r["output"] == "1 images" for r in rows_out.values())
     seen = toy_images.seen
     assert len(seen) == 15 and all(s["images"] == [(2400, 2400)] for s in seen)
-    # when the engine took its k-th request, k + 1 images had been decoded: its own and those before it
-    assert [s["decoded_so_far"] for s in seen] == list(range(1, 16)), seen
+    assert [s["red"] for s in seen] == [i * 10 for i in range(16) if i != 5]  # the rows' order: r00, r01, ...
+    decoded = [s["decoded_so_far"] for s in seen]
     growth = max(s["rss_mb"] for s in seen) - before
-    assert growth < 120, growth  # 16 x 17 MB = 276 MB decoded in all
+    if workers == 1:  # when the engine took its k-th request, k + 1 images had been decoded: its own and those before
+        assert decoded == list(range(1, 16)), seen
+        assert growth < 120, growth  # 16 x 17 MB = 276 MB decoded in all
+    else:  # its own, those before it, at most 2 x 2 ahead (the changed image fails its hash check, undecoded)
+        assert all(k + 1 <= d <= k + 2 + 2 * workers for k, d in enumerate(decoded)), decoded
+        assert decoded[-1] == 15 and max(d - k - 1 for k, d in enumerate(decoded)) > 0, decoded  # some ahead
+        assert growth < 200, growth
 
 
 # ------------------------------------------------------------------------------------------ the review
@@ -488,3 +501,60 @@ def test_a_pre_tokenized_row_with_images_is_refused(tmp_path, corpus):
     _, good, bad = _plan(_cfg(tmp_path, src, input__image_columns=["photo"]), src, tmp_path)
     assert set(good) == {"t2"} and bad["t1"] == "a pre-tokenized row (prompt_token_ids) takes no images, and this " \
                                                "one has photo"
+
+
+# ------------------------------------------------------------------------------------------ loading ahead
+def _slow_load(log: list, delay: float = 0.05):
+    def load(ref):
+        if ref == "bad":
+            raise im.ImageProblem("image bad: does not decode")
+        if ref == "boom":
+            raise RuntimeError("storage client broke")
+        log.append(("start", ref))
+        time.sleep(delay)
+        return f"img:{ref}"
+    return load
+
+
+def test_load_ahead_keeps_the_order_overlaps_the_loads_and_reports_each_item():
+    """Items of images, text items and a bad image through 8 threads: each item once, in order, with its images,
+    None or its ImageProblem; 16 loads of 0.1 s overlap (serially 1.6 s)."""
+    items = [("t0", [])] + [(f"i{k}", [f"p{k}"]) for k in range(16)] + [("bad", ["p99", "bad"]), ("t1", [])]
+    log: list = []
+    t0 = time.perf_counter()
+    got = list(im.load_ahead(iter(items), lambda it: it[1], _slow_load(log, 0.1), workers=8))
+    took = time.perf_counter() - t0
+    assert [it[0] for it, _ in got] == [it[0] for it in items]
+    res = dict((it[0], r) for it, r in got)
+    assert res["t0"] is None and res["t1"] is None
+    assert all(res[f"i{k}"] == [f"img:p{k}"] for k in range(16))
+    assert isinstance(res["bad"], im.ImageProblem) and "does not decode" in str(res["bad"])
+    assert took < 1.0, took
+
+
+def test_load_ahead_stays_within_its_window_and_one_worker_loads_only_what_is_pulled():
+    items = [(f"i{k}", [f"p{k}"]) for k in range(40)]
+    for workers in (1, 3):
+        log: list = []
+        gen = im.load_ahead(iter(items), lambda it: it[1], _slow_load(log, 0.01), workers=workers)
+        ahead = []
+        for n, _ in enumerate(gen, start=1):
+            time.sleep(0.02)  # a slow consumer: the loads would run far ahead without a window
+            ahead.append(len(log) - n)
+        assert len(log) == 40
+        assert max(ahead) <= (0 if workers == 1 else 2 * workers), (workers, ahead)
+
+
+def test_load_ahead_raises_an_unexpected_error_at_its_item_and_stops_when_the_consumer_does():
+    items = [("a", ["p1"]), ("b", ["boom"]), ("c", ["p3"])]
+    gen = im.load_ahead(iter(items), lambda it: it[1], _slow_load([]), workers=4)
+    assert next(gen)[1] == ["img:p1"]
+    with pytest.raises(RuntimeError, match="storage client broke"):
+        next(gen)
+    log: list = []
+    many = [(f"i{k}", [f"p{k}"]) for k in range(1000)]
+    gen = im.load_ahead(iter(many), lambda it: it[1], _slow_load(log, 0.01), workers=4)
+    next(gen)
+    gen.close()  # a stopped shard: loads not started are dropped, the rest of the input is never read
+    time.sleep(0.1)
+    assert len(log) <= 1 + 2 * 4 + 4, len(log)

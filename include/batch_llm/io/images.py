@@ -23,8 +23,8 @@ with the reason.
 
 The shard (``load_image``) reads each image again as its request goes to the engine, checks the hash (an image
 changed since the plan is the row's error), and decodes it with PIL in full (``Image.load``): a decode failure
-(corrupt data past the header, a JPEG cut short) is the row's error too. Only the requests the engine holds at once
-have decoded images (``stages.infer``).
+(corrupt data past the header, a JPEG cut short) is the row's error too. Only the requests the engine holds at once,
+and those ``load_ahead`` loads ahead of it on ``input.image_workers`` threads, have decoded images (``stages.infer``).
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ import os
 import posixpath
 import re
 import stat
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from batch_llm.io import path_policy
 
@@ -62,6 +63,7 @@ EXTENSION_FORMAT = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".jpe": "jpe
                     ".bmp": "bmp", ".tif": "tiff", ".tiff": "tiff", ".svg": "svg", ".svgz": "svg"}
 FORMAT_NAME = {"png": "PNG", "jpeg": "JPEG", "gif": "GIF", "webp": "WebP", "bmp": "BMP", "tiff": "TIFF", "svg": "SVG"}
 _PNG_END = b"IEND\xaeB`\x82"
+T = TypeVar("T")
 
 
 class ImageProblem(ValueError):
@@ -393,6 +395,52 @@ def load_image(ref: ImageRef | dict, options: dict | None, max_bytes: int) -> An
     """The shard's load of one checked image: read, hash compared, decoded (``read_image_bytes``, ``decode_image``)."""
     ref = ref if isinstance(ref, ImageRef) else ImageRef.from_json(ref)
     return decode_image(read_image_bytes(ref, options, max_bytes), ref)
+
+
+def load_ahead(items: Iterable[T], refs_of: Callable[[T], Sequence[Any]], load: Callable[[Any], Any],
+               workers: int) -> Iterator[tuple[T, list | ImageProblem | None]]:
+    """``(item, its images)`` for each item, in the items' order: the decoded images of ``refs_of(item)`` (``load``
+    each), the ``ImageProblem`` that stopped one, or None for an item without images.
+
+    With ``workers`` > 1 the loads run on that many threads, up to ``2 × workers`` items ahead of the consumer: an
+    object store's reads overlap, and PIL decodes outside the GIL, so a shard of image rows keeps its engine fed
+    (the window is small because each item ahead holds its images decoded).
+    An item is yielded as soon as it and every item before it are loaded; a text item waits only for those before
+    it. The consumer's thread pulls ``items`` (whatever that iterator does, e.g. failing a row, stays on it); the
+    threads only load. Any other exception of a load is raised at its item, as a load one at a time would."""
+    if workers <= 1:
+        for item in items:
+            yield item, _load_all(refs_of(item), load)
+        return
+    window = 2 * workers
+    pending: deque[tuple[T, Future | None]] = deque()
+    pool: ThreadPoolExecutor | None = None
+    try:
+        for item in items:
+            refs = list(refs_of(item))
+            if refs:
+                pool = pool or ThreadPoolExecutor(workers, thread_name_prefix="image-load")
+                pending.append((item, pool.submit(_load_all, refs, load)))
+            else:
+                pending.append((item, None))
+            while pending and (len(pending) > window or pending[0][1] is None or pending[0][1].done()):
+                head, fut = pending.popleft()
+                yield head, (fut.result() if fut is not None else None)
+        while pending:
+            head, fut = pending.popleft()
+            yield head, (fut.result() if fut is not None else None)
+    finally:  # the consumer stopped early (a stop, a failed engine): loads not started are dropped
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_all(refs: Sequence[Any], load: Callable[[Any], Any]) -> list | ImageProblem | None:
+    if not refs:
+        return None
+    try:
+        return [load(ref) for ref in refs]
+    except ImageProblem as e:
+        return e
 
 
 def iter_refs(row: dict) -> Iterator[ImageRef]:

@@ -548,15 +548,20 @@ class ShardRun:
 
     def _requests(self, spooled: Path | None, rows: Iterator[dict]) -> Iterator[GenRequest]:
         """Every request still to generate, in the planner's order: the spooled ones, then the rest. A request's
-        images are loaded here, as the engine pulls it (``_with_images``): only the requests the engine holds at
-        once have decoded images, never the shard's."""
-        for req in self._first_requests(spooled, rows):
-            loaded = self._with_images(req)
-            if loaded is None:
+        images are loaded here, as the engine pulls it, on ``input.image_workers`` threads a bounded window ahead
+        (``io.images.load_ahead``; each as ``_with_images`` says): only the requests the engine holds at once and
+        that window have decoded images, never the shard's."""
+        from batch_llm.io.images import ImageProblem, load_ahead, load_image
+
+        options, max_bytes = self.image_options, self.cfg.input.max_image_bytes
+        for req, images in load_ahead(self._first_requests(spooled, rows), lambda r: r.image_refs or (),
+                                      lambda ref: load_image(ref, options, max_bytes), self.cfg.input.image_workers):
+            if isinstance(images, ImageProblem):
+                self._fail(req.key, str(images))
                 continue
             if self._may_retry(req):
                 self.retryable[req.key] = req  # by reference: an asked-again request loads its images again
-            yield loaded
+            yield req if images is None else dataclasses.replace(req, images=images)
 
     def _with_images(self, req: GenRequest) -> GenRequest | None:
         """The request with its images decoded (``io.images.load_image``: read again, its content hash compared
