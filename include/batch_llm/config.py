@@ -166,8 +166,8 @@ class InputConfig(_Section):
                                  "(default 20 MiB, OpenAI's limit); a larger one is the row's error")
     image_workers: int = Field(4, ge=1, le=64, description="Threads that read, check and decode a shard's images "
                                "ahead of the engine, in the rows' order, at most 2 × this many requests ahead, each "
-                               "holding its images decoded (reads from object storage overlap); 1: each image as the "
-                               "engine takes its request")
+                               "holding its images decoded, and that check the planner's images in object storage "
+                               "ahead of its rows (reads overlap); 1: each image on its row's turn")
     image_roots: list[str] = Field(default_factory=list, description="Local folders a row's image paths may point "
                                    "into besides the input's own folder (./relative to this YAML); a path outside "
                                    "them is the row's error")

@@ -81,7 +81,8 @@ def corpus(tmp_path) -> Path:
     return d
 
 
-def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpus):
+@pytest.mark.parametrize("workers", [1, 4])
+def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpus, workers):
     data = "data:image/png;base64," + base64.b64encode(_png("red")).decode()
     rows = [_row("good-png", _url_part("imgs/red.png")), _row("good-jpeg", _url_part(str(corpus / "blue.jpg"))),
             _row("good-data", _url_part(data)), _row("good-copy", _url_part("file://" + str(corpus / "red-copy.png"))),
@@ -98,7 +99,8 @@ def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpu
             {"id": "bad-url", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}]
     src = corpus.parent / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    m, good, bad = _plan(_cfg(tmp_path, src, engine__limit_mm_per_prompt={"image": 1}), src, tmp_path)
+    m, good, bad = _plan(_cfg(tmp_path, src, engine__limit_mm_per_prompt={"image": 1}, input__image_workers=workers),
+                         src, tmp_path)
     assert set(good) == {"good-png", "good-jpeg", "good-data", "good-copy", "good-text"}
     assert m.rows_read == len(rows) and m.valid == 5 and m.invalid == len(rows) - 5
     expected = {
@@ -127,6 +129,50 @@ def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpu
     assert "imgs/red.png" not in json.dumps(png["messages"])
     assert good["good-text"]["messages"][0]["content"] == "Hi\nthere" and "images" not in good["good-text"]
     assert good["good-jpeg"]["images"][0]["format"] == "jpeg"
+
+
+def test_the_planner_writes_the_same_plan_with_its_image_checks_on_threads(tmp_path, corpus, monkeypatch):
+    """200 rows cycling through good and bad images in object storage (fsspec's memory://) and local ones, text rows,
+    in two files: the plan whose object-storage checks ran on 4 threads is the plan checked one image at a time,
+    byte for byte (shards, records, errors), in the input's order."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for name in ("red.png", "blue.jpg", "truncated.png", "notes.jpg", "empty.png"):
+        fs.pipe(f"/bucket48p/{name}", (corpus / name).read_bytes())
+    refs = [f"memory://bucket48p/{n}" for n in ("red.png", "blue.jpg", "truncated.png", "notes.jpg", "gone.png",
+                                                 "empty.png")] + ["imgs/red-copy.png", "imgs/jpeg-named.png"]
+    for f in range(2):
+        lines = []
+        for i in range(100):
+            k = f * 100 + i
+            if i % 9 == 4:
+                lines.append({"id": f"t{k}", "prompt": f"text row {k}"})
+            else:
+                lines.append(_row(f"r{k}", _url_part(refs[k % len(refs)])))
+        (corpus.parent / f"part-{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    threads: set[str] = set()
+    real = im.ImageChecker._check
+
+    def noting(self, url):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return real(self, url)
+
+    monkeypatch.setattr(im.ImageChecker, "_check", noting)
+    plans = {}
+    for workers in (1, 4):
+        threads.clear()
+        cfg = _cfg(tmp_path, corpus.parent, input__image_workers=workers, input__format="jsonl")
+        plan_dir = tmp_path / f"plan{workers}"
+        m = write_plan(cfg, input_loc=Location(str(corpus.parent)), plan_dir=Location(str(plan_dir)))
+        plans[workers] = (m.rows_read, m.valid, m.invalid,
+                          {p.name: p.read_bytes() for p in sorted(plan_dir.rglob("*.jsonl"))})
+        assert ("image-load" in threads) == (workers > 1), threads
+    assert plans[1][:3] == (200, plans[1][1], 200 - plans[1][1]) and 0 < plans[1][1] < 200
+    assert plans[4] == plans[1]
+    errors = [json.loads(x) for x in plans[4][3]["errors.jsonl"].splitlines()]
+    assert [e["id"] for e in errors] == sorted((e["id"] for e in errors), key=lambda i: int(i[1:]))
+    assert any("truncated PNG" in e["reason"] for e in errors) and any("no such object" in e["reason"] for e in errors)
 
 
 def test_the_prompt_key_holds_the_images_content_not_their_url(tmp_path, corpus):

@@ -36,6 +36,7 @@ import os
 import posixpath
 import re
 import stat
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -203,25 +204,29 @@ class ImageChecker:
     base: str | None = None
     memo: int = 4096
     _seen: OrderedDict = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the memo; checks run on threads
 
     def check(self, url: Any, where: str) -> ImageRef:
-        """The checked reference, or ImageProblem naming ``where`` (the row's n-th image) and why."""
+        """The checked reference, or ImageProblem naming ``where`` (the row's n-th image) and why. Safe on several
+        threads (the planner's ``input.image_workers``); two threads may then both read an image not yet known."""
         if not isinstance(url, str) or not url.strip():
             raise ImageProblem(f"{where}: an image reference is a non-empty string (a data: URL, a path or a "
                                f"storage URL), got {type(url).__name__}")
         key = (self.base, url) if not url.startswith("data:") else None  # inline images: their text is the row's
-        found = self._seen.get(key) if key is not None else None
+        with self._lock:
+            found = self._seen.get(key) if key is not None else None
+            if found is not None:
+                self._seen.move_to_end(key)
         if found is None:
             try:
                 found = self._check(url)
             except ImageProblem as e:
                 found = e
             if key is not None:
-                self._seen[key] = found
-                while len(self._seen) > self.memo:
-                    self._seen.popitem(last=False)
-        elif key is not None:
-            self._seen.move_to_end(key)
+                with self._lock:
+                    self._seen[key] = found
+                    while len(self._seen) > self.memo:
+                        self._seen.popitem(last=False)
         if isinstance(found, ImageProblem):
             raise ImageProblem(f"{where}: {found}")
         return found
@@ -417,10 +422,13 @@ def load_ahead(items: Iterable[T], refs_of: Callable[[T], Sequence[Any]], load: 
     pool: ThreadPoolExecutor | None = None
     try:
         for item in items:
-            refs = list(refs_of(item))
+            refs = refs_of(item)
+            if not refs and not pending:  # nothing loading: a text item goes straight through (most rows of a day)
+                yield item, None
+                continue
             if refs:
                 pool = pool or ThreadPoolExecutor(workers, thread_name_prefix="image-load")
-                pending.append((item, pool.submit(_load_all, refs, load)))
+                pending.append((item, pool.submit(_load_all, list(refs), load)))
             else:
                 pending.append((item, None))
             while pending and (len(pending) > window or pending[0][1] is None or pending[0][1].done()):

@@ -47,7 +47,7 @@ from batch_llm.io.formats import (
     sniff_openai_batch,
     to_prompt_row,
 )
-from batch_llm.io.images import ImageChecker, ImageProblem, content_text, image_part, where_of
+from batch_llm.io.images import ImageChecker, ImageProblem, ImageRef, content_text, image_part, load_ahead, where_of
 from batch_llm.io.storage import (
     Location,
     atomic_writer,
@@ -142,7 +142,10 @@ class _Scan:
                 rows = read_file_rows(f, read_fmt, self.cfg.input)
                 if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
                     rows = _of_kind(rows, f, files[0], self.fmt)
-                for raw in rows:
+                # Each file's rows drain before the next file's start: the checker's base is this file's folder
+                checked_rows = load_ahead(map(self._parsed, rows), self._image_parts, self._check_part,
+                                          self.cfg.input.image_workers)
+                for (raw, parsed, parts), images in checked_rows:
                     self.rows_read += 1
                     where = b"%d\t%d\t" % (file_no, raw.line)
                     if raw.error:
@@ -150,7 +153,9 @@ class _Scan:
                                                      "reason": raw.error}) + b"\n")
                         continue
                     try:
-                        row = self._checked(to_prompt_row(raw, 0, self.cfg.input, self.fmt))
+                        if not isinstance(parsed, PromptRow):  # the ValueError that refused it (a read row has one)
+                            raise parsed or ValueError("unreadable row")
+                        row = self._checked(parsed, parts, images)
                     except ValueError as e:
                         errors.write(where + json_bytes({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
                                                      "reason": str(e)}) + b"\n")
@@ -162,7 +167,49 @@ class _Scan:
                     spool.write(b"\t".join((where[:-1], b"%d" % shard_order(row, self.cfg.sampling.max_tokens),
                                             json_bytes(row.id), shard_body, record_body)) + b"\n")
 
-    def _checked(self, row: PromptRow) -> PromptRow:
+    def _parsed(self, raw: RawRow) -> tuple[RawRow, PromptRow | ValueError | None, list[dict]]:
+        """A raw row with its prompt row and that row's image parts, or the ValueError that refused it (None for a
+        row that did not read)."""
+        if raw.error:
+            return raw, None, []
+        try:
+            row = to_prompt_row(raw, 0, self.cfg.input, self.fmt)
+        except ValueError as e:
+            return raw, e, []
+        return raw, row, _image_parts_of(row)
+
+    def _image_parts(self, item: tuple[RawRow, PromptRow | ValueError | None, list[dict]]) -> list[tuple[int, dict]]:
+        """The image parts of a row the checks will reach (numbered from 1), for ``load_ahead`` to check on the
+        ``input.image_workers`` threads while earlier rows are written, where one of them is in object storage (a
+        round trip each; a local or inline image is checked faster than a thread takes it: on the row's turn);
+        none for a row refused before its images."""
+        parts = item[2]
+        if not parts or not any(self._remote(p) for p in parts):
+            return []
+        e = self.cfg.engine
+        limit = (e.limit_mm_per_prompt or {}).get("image")
+        if takes_no_images(e.kind) or (limit is not None and len(parts) > limit):
+            return []
+        return list(enumerate(parts, start=1))
+
+    def _remote(self, part: dict) -> bool:
+        """An image_url part that names an object (a URL with a scheme other than data: and file:, or a relative
+        path under an input in object storage)."""
+        url = (part.get(IMAGE_URL) or {}).get("url") if part["type"] == IMAGE_URL else None
+        if not isinstance(url, str) or url.startswith(("data:", "file:")):
+            return False
+        return "://" in url or "://" in (self.images.base or "")
+
+    def _check_part(self, numbered: tuple[int, dict]) -> ImageRef:
+        """One image part checked (``io.images.ImageChecker``: exists, size, format, hash); ImageProblem naming the
+        row's n-th image. Runs on the planner's image threads."""
+        n, p = numbered
+        if p["type"] == IMAGE_BYTES:
+            return self.images.check_bytes(p["bytes"], p["name"], where_of(n, p["name"] or "bytes"))
+        url = p[IMAGE_URL]["url"]
+        return self.images.check(url, where_of(n, url))
+
+    def _checked(self, row: PromptRow, parts: list[dict], images: list | ImageProblem | None = None) -> PromptRow:
         """The row's own parameters under the pipeline's cap, and refused where the engine cannot honor them;
         its images checked (``_with_images``)."""
         if row.params is not None:
@@ -171,14 +218,14 @@ class _Scan:
             why = engine_refusal(row.params, self.cfg.engine.kind)
             if why:
                 raise ValueError(why)
-        return self._with_images(row)
+        return self._with_images(row, parts, images)
 
-    def _with_images(self, row: PromptRow) -> PromptRow:
-        """A row's image parts checked (``io.images.ImageChecker``: exists, size, format, hash) and replaced by
-        their content hash, the references kept in ``row.images``; a row with an image the engine cannot take, more
-        images than ``engine.limit_mm_per_prompt`` allows, or one that fails its check, is refused with the reason."""
-        parts = [p for m in row.messages if isinstance(m["content"], list) for p in m["content"]
-                 if p["type"] in (IMAGE_URL, IMAGE_BYTES)]
+    def _with_images(self, row: PromptRow, parts: list[dict], images: list | ImageProblem | None = None) -> PromptRow:
+        """A row's image parts checked and replaced by their content hash, the references kept in ``row.images``;
+        a row with an image the engine cannot take, more images than ``engine.limit_mm_per_prompt`` allows, or one
+        that fails its check, is refused with the reason. ``parts``: its image parts (``_image_parts_of``);
+        ``images``: their checks made ahead (``_check_part``, in order, stopped at the first problem); None: made
+        here."""
         if not parts:
             return row
         e = self.cfg.engine
@@ -187,6 +234,9 @@ class _Scan:
         limit = (e.limit_mm_per_prompt or {}).get("image")
         if limit is not None and len(parts) > limit:
             raise ValueError(f"the row has {len(parts)} images; engine.limit_mm_per_prompt allows {limit} per prompt")
+        if isinstance(images, ImageProblem):
+            raise ValueError(str(images))
+        made = iter(images) if images is not None else None
         refs, n = [], 0
 
         def checked(p: dict) -> dict:
@@ -195,11 +245,7 @@ class _Scan:
                 return p
             n += 1
             try:
-                if p["type"] == IMAGE_BYTES:
-                    ref = self.images.check_bytes(p["bytes"], p["name"], where_of(n, p["name"] or "bytes"))
-                else:
-                    url = p[IMAGE_URL]["url"]
-                    ref = self.images.check(url, where_of(n, url))
+                ref = next(made) if made is not None else self._check_part((n, p))
             except ImageProblem as problem:
                 raise ValueError(str(problem)) from None
             refs.append(ref.to_json())
@@ -213,6 +259,11 @@ class _Scan:
     def _raw_id(self, raw) -> str | int | None:
         rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def _image_parts_of(row: PromptRow) -> list[dict]:
+    return [p for m in row.messages if isinstance(m["content"], list) for p in m["content"]
+            if p["type"] in (IMAGE_URL, IMAGE_BYTES)]
 
 
 def _of_kind(rows: Iterator[RawRow], f, first, fmt: str) -> Iterator[RawRow]:
