@@ -462,6 +462,96 @@ def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, t
         assert growth < 200, growth
 
 
+
+def _vm_data_bytes() -> int:
+    """What RLIMIT_DATA is checked against: the process's private writable memory (VmData), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+
+def _shard_under_a_memory_limit(args: dict, conn) -> None:
+    """In a spawned child: the toy engine registered, the imports done, RLIMIT_DATA set to the memory the process
+    holds now plus ``headroom`` bytes; then the shard, then (the control) every image of the shard decoded and held
+    at once under the same limit. Sends what each did."""
+    import resource
+
+    from batch_llm.engines import registry
+    from batch_llm.engines.base import Engine
+    from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities
+    from batch_llm.manifests import ShardSpec
+    from batch_llm.stages.infer import load_tokenizer, run_shard
+    from PIL import Image
+
+    register_capabilities(EngineCapabilities(IMAGES_TOY, __name__, title="toy", images=True))
+    registry.register_engine(type("ToyImagesEngine", (_ToyImages, Engine), {"kind": IMAGES_TOY}))
+    cfg = parse_config(args["cfg"], "vl.yaml")
+    load_tokenizer(args["model"], None)
+    Image.open(args["images"][0]).convert("RGB")  # PIL's decoders loaded before the limit
+    limit = _vm_data_bytes() + args["headroom"]
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    report: dict = {}
+    try:
+        m = run_shard(cfg, shard=ShardSpec(index=0, rows=args["rows"], url=args["url"]),
+                      shard_dir=Location(args["shard_dir"]), model_dir=args["model"], model_key="toy",
+                      say=lambda s: None)
+        report["shard"] = {"outputs": m.outputs, "errors": m.errors, "requests": len(_ToyImages.seen)}
+    except BaseException as e:  # whatever ended the shard goes back to the test, named
+        report["shard"] = f"{type(e).__name__}: {e}"
+    held = []
+    try:
+        for path in args["images"]:
+            held.append(Image.open(path).convert("RGB"))
+        report["control"] = f"held all {len(held)}"
+    except MemoryError:
+        report["control"] = f"MemoryError after {len(held)} of {len(args['images'])}"
+    held.clear()
+    conn.send(report)
+
+
+def test_a_shard_whose_images_exceed_the_memory_limit_runs_under_it(tmp_path, vl_model):
+    """A worker's memory limit, for real: a spawned child runs a shard of 96 rows, one 1200 x 1200 image each (~550 MB
+    decoded in all) through an engine that takes images, with RLIMIT_DATA set to the memory it held before the shard
+    plus 200 MB, at input.image_workers' default (4 threads loading ahead). Every row is generated, none an error;
+    the control, decoding and holding the same images at once under the same limit, runs out of memory (the limit
+    bites, the images total more than it)."""
+    import multiprocessing
+
+    imgs = tmp_path / "in"
+    imgs.mkdir()
+    rows, paths = [], []
+    for i in range(96):
+        paths.append(str(imgs / f"img{i}.png"))
+        Path(paths[-1]).write_bytes(_png((i, 100, 0), (1200, 1200)))  # 5.8 MB decoded (PIL keeps RGB as 4 bytes)
+        rows.append(_row(f"r{i:02d}", _url_part(f"img{i}.png")))
+    src = imgs / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"name": "vl", "model": {"ref": "/models/vl"}, "input": {"path": str(src)},
+            "output": {"path": str(tmp_path / "out")}, "engine": {"kind": "vllm", "commit_every_rows": 16},
+            "cache": {"enabled": False}}
+    plan = write_plan(parse_config(data, "vl.yaml"), input_loc=Location(str(src)),
+                      plan_dir=Location(str(tmp_path / "plan")))
+    assert len(plan.shards) == 1 and plan.shards[0].rows == 96
+    data["engine"]["kind"] = IMAGES_TOY
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_shard_under_a_memory_limit, args=(
+        {"cfg": data, "model": str(vl_model), "rows": 96, "url": plan.shards[0].url, "images": paths,
+         "shard_dir": str(tmp_path / "shard"), "headroom": 200 * 2**20}, theirs))
+    child.start()
+    deadline = time.monotonic() + 240
+    while not ours.poll(1):
+        assert child.is_alive(), f"the child ended with exit code {child.exitcode} and sent nothing"
+        assert time.monotonic() < deadline, "the child sent nothing in 240 s"
+    report = ours.recv()
+    child.join(30)
+    assert isinstance(report["shard"], dict), report
+    assert report["shard"]["requests"] == 96, report
+    out = [r["id"] for r in iter_jsonl(Location(report["shard"]["outputs"]).path())]
+    assert sorted(out) == [f"r{i:02d}" for i in range(96)]
+    assert not list(iter_jsonl(Location(report["shard"]["errors"]).path()))
+    assert report["control"].startswith("MemoryError"), report
+
+
 # ------------------------------------------------------------------------------------------ the review
 def test_review_image_settings_are_checked():
     guard = {"ref": "/models/vl"}
