@@ -374,10 +374,12 @@ class EngineConfig(_Section):
         "without a reasoning parser; null: none (the output is the model's whole text)")
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="vLLM's limit_mm_per_prompt: the most images one prompt may carry ({image: 1}); a row with "
-        "more is the row's error, told by the planner. null: the model's own limit (vLLM refuses a row over it, as "
-        "the row's error). Only images are read from rows: other modalities are refused")
+        "more is the row's error, told by the planner. null: the model's own limit (vLLM, or transformers' processor "
+        "and model, refuse a row over it, as the row's error). Only images are read from rows: other modalities are "
+        "refused")
     mm_processor_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM's mm_processor_kwargs: settings of the model's image processor, e.g. "
+        default_factory=dict, description="vLLM's mm_processor_kwargs (transformers: its processor's call takes "
+        "them): settings of the model's image processor, e.g. "
         "{min_pixels: 3136, max_pixels: 1003520} for Qwen2-VL (the pixels an image is resized within). Each key must "
         "be a setting the model's processor has (its preprocessor_config.json or processor_config.json), checked "
         "when the engine starts: the shard fails without retries naming the key and the settings it has")

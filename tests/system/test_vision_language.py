@@ -7,7 +7,8 @@ engine starts: the captions, the review), then through Airflow's ``dag.test()`` 
 real S3 server read through Airflow connection ``lake``, on the first run's result cache (the captions, and the
 reviews that got a verdict, served from it, keyed by the images' content, not their URLs; the shard holding the JPEG
 that only decoding finds broken starts its engine and fails that row again). Both times: every good row published
-once, every bad row in the errors once with its reason, the review's verdicts counted and applied.
+once, every bad row in the errors once with its reason, the review's verdicts counted and applied. The captions
+again on the transformers engine: the same accounting, the same prompts.
 Unit-level checks of the same path: tests/unit/test_image_inputs.py.
 """
 from __future__ import annotations
@@ -58,14 +59,15 @@ IN_STORAGE = {**BAD, "bad-missing": "image 1 (not-there.png): no such object s3:
                              "data/confusables.tsv climbs out of the input's folder s3://"}
 
 
-def _check_accounting(summary: dict, rows: dict[str, dict], errors: dict[str, str], bad: dict = BAD) -> None:
+def _check_accounting(summary: dict, rows: dict[str, dict], errors: dict[str, str], bad: dict = BAD,
+                      infer_errors: int = 1) -> None:
     assert set(rows) == GOOD, sorted(rows)
     assert set(errors) == set(bad), sorted(errors)
     for rid, reason in bad.items():
         assert reason in errors[rid], (rid, errors[rid])
     r = summary["rows"]
     assert r["read"] == len(GOOD) + len(BAD) == r["published"] + r["plan_errors"] + r["infer_errors"] + r["dropped"]
-    assert (r["infer_errors"], r["dropped"]) == (1, 0)  # the cut JPEG, found when its shard decoded it
+    assert (r["infer_errors"], r["dropped"]) == (infer_errors, 0)  # the cut JPEG, found when its shard decoded it
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,38 @@ def test_the_image_review_asks_whether_each_caption_agrees_with_its_image(cli_ru
 
 
 @pytest.fixture(scope="module")
+def transformers_run(corpus) -> tuple[Path, tuple[dict, dict[str, dict], dict[str, str]]]:
+    """The same corpus through the portable fallback: engine.kind transformers (BLIP-2 as
+    AutoModelForImageTextToText with its processor), the captions only (the review decodes under a schema, which
+    transformers does not), with no engine.limit_mm_per_prompt: the row with two images reaches the engine."""
+    out = corpus.parent / "out-transformers"
+    run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--input", str(corpus / "rows.jsonl"),
+                        "--output", str(out), "--ds", DS, "--run-id", "cli-images-hf", "--plain",
+                        "--set", "engine.kind=transformers", "--set", "filter.review=null",
+                        "--set", "engine.limit_mm_per_prompt=null"], timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return out, _published(out, "image_review_demo")
+
+
+def test_the_transformers_engine_takes_the_same_images_as_vllm(cli_run, transformers_run):
+    """Every good row once, every bad row with its reason, as on vLLM (the row with two images refused by the
+    engine, BLIP-2 taking one: the model would drop the second silently); each image reached the model (one picture
+    one caption, another another; the text-only row through BLIP-2's language model), and every prompt is as long
+    as vLLM made it: the processor put the 4 image tokens where vLLM's did."""
+    out, (summary, rows, errors) = transformers_run
+    bad = {**BAD, "bad-two-images": "the row has 2 images; Blip2ForConditionalGeneration takes 1 per prompt"}
+    _check_accounting(summary, rows, errors, bad, infer_errors=2)
+    shard = out / "image_review_demo" / "runs" / f"dt={DS}" / "cli-images-hf" / "infer" / "shard-00000"
+    manifest = read_json(Location(str(shard)).child("manifest.json").path())
+    assert manifest["engine"]["kind"] == "transformers"
+    made = {r["id"]: r for r in iter_jsonl(shard / "outputs.jsonl")}
+    assert made["good-red"]["output"] == made["good-red-inline"]["output"] != made["good-blue"]["output"]
+    assert all(r["completion_tokens"] == 8 for r in rows.values())
+    _, (_, vllm_rows, _), _ = cli_run
+    assert {k: r["prompt_tokens"] for k, r in rows.items()} == {k: r["prompt_tokens"] for k, r in vllm_rows.items()}
+
+
+@pytest.fixture(scope="module")
 def dag_run(cli_run, corpus, airflow_db, s3, tmp_path_factory):
     """The corpus in the S3 server's bucket, read through Airflow connection ``lake`` (``input.conn_id``): the rows
     file and, relative to it, its images (the planner checks them there, the shards read them there)."""
@@ -180,3 +214,40 @@ def test_the_dag_accounts_for_the_same_corpus_from_the_cache(cli_run, dag_run):
     assert review["shards"] == [0, 1] and review["requests"] == first["requests"]
     assert review["cached_requests"] == first["requests"] - first["verdicts"].get("error", 0) > 0
     assert sum(review["verdicts"].values()) == sum(first["verdicts"].values()) == len(GOOD)
+
+
+def test_a_row_whose_images_the_processor_refuses_fails_alone_on_transformers(corpus):
+    """The transformers engine over three image rows in one batch, the middle one's image something the processor
+    cannot take: that row is an error with the processor's reason, the other two are generated (the batch tried
+    again row by row), a text-only request goes to BLIP-2's language model, and engine.mm_processor_kwargs reach the
+    processor (do_normalize: false leaves the pixels in [0, 1]; normalized, red's blue and green go below 0)."""
+    from batch_llm.config import EngineConfig, SamplingConfig
+    from batch_llm.engines.base import GenRequest
+    from batch_llm.engines.transformers_engine import TransformersEngine
+    from PIL import Image
+
+    engine = TransformersEngine(str(tiny_models.build_tiny_vl_model()),
+                                EngineConfig(kind="transformers", mm_processor_kwargs={"do_normalize": False}),
+                                SamplingConfig(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.start()
+    try:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+        text = engine.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = engine.tok(text, add_special_tokens=False)["input_ids"]
+        red, blue = (Image.open(corpus / name).convert("RGB") for name in ("red.png", "blue.jpg"))
+        requests = [GenRequest(key="red", prompt_token_ids=ids, prompt_text=text, images=[red]),
+                    GenRequest(key="odd", prompt_token_ids=ids, prompt_text=text, images=[{"not": "a picture"}]),
+                    GenRequest(key="blue", prompt_token_ids=ids, prompt_text=text, images=[blue]),
+                    GenRequest(key="text", prompt_token_ids=ids, prompt_text=text)]
+        results = {r.key: r for r in engine.generate(requests)}
+        pixels = engine._image_inputs([(requests[0], engine.sampling_for(requests[0]))], False)["pixel_values"]
+        assert 0.0 <= float(pixels.min()) and float(pixels.max()) <= 1.0
+        assert float(engine.processor(text=[text], images=[[red]], return_tensors="pt")["pixel_values"].min()) < 0
+    finally:
+        engine.close()
+    assert set(results) == {"red", "odd", "blue", "text"}
+    assert results["odd"].error and results["odd"].error.startswith("transformers could not take the row's images: ")
+    for key in ("red", "blue", "text"):
+        assert results[key].error is None and results[key].completion_tokens == 4, results[key]
+    assert results["red"].prompt_tokens == results["blue"].prompt_tokens == len(ids) + tiny_models.VL_QUERY_TOKENS
+    assert results["text"].prompt_tokens == len(ids)

@@ -277,14 +277,15 @@ def test_the_shard_load_compares_the_hash_and_decodes_in_full(tmp_path):
         im.load_image(ref, {}, 2**20)
 
 
-def test_an_engine_without_images_refuses_them_naming_vllm(tmp_path, corpus):
+def test_an_engine_without_images_refuses_them_naming_the_engines_that_take_them(tmp_path, corpus):
     src = corpus.parent / "rows.jsonl"
     src.write_text(json.dumps(_row("r1", _url_part("imgs/red.png"))) + "\n" +
                    json.dumps({"id": "r2", "prompt": "text only"}) + "\n")
-    _, good, bad = _plan(_cfg(tmp_path, src, engine__kind="transformers"), src, tmp_path)
+    _, good, bad = _plan(_cfg(tmp_path, src, engine__kind="sglang"), src, tmp_path)
     assert set(good) == {"r2"}
-    assert bad["r1"] == "the row has 1 image(s): engine transformers takes no images (vllm can); set engine.kind: vllm"
-    with pytest.raises(ConfigError, match=r"input.image_columns: engine lmdeploy takes no images \(vllm can\)"):
+    assert bad["r1"] == ("the row has 1 image(s): engine sglang takes no images (vllm and transformers can); "
+                         "set engine.kind: vllm or transformers")
+    with pytest.raises(ConfigError, match=r"input.image_columns: engine lmdeploy takes no images \(vllm and transformers can\)"):
         _cfg(tmp_path, src, engine__kind="lmdeploy", input__image_columns=["photo"])
 
 
@@ -292,10 +293,10 @@ def test_the_image_keys_are_checked_and_refused_with_a_reason(tmp_path):
     src = tmp_path / "x.jsonl"
     cases = [({"engine__limit_mm_per_prompt": {"video": 1}}, "video: only images are read from rows"),
              ({"engine__limit_mm_per_prompt": {"image": -1}}, "a limit is 0 or more"),
-             ({"engine__kind": "transformers", "engine__mm_processor_kwargs": {"max_pixels": 10}},
-              r"engine.mm_processor_kwargs: .*engine.kind is 'transformers' \(vllm can\)"),
+             ({"engine__kind": "lmdeploy", "engine__mm_processor_kwargs": {"max_pixels": 10}},
+              r"engine.mm_processor_kwargs: .*engine.kind is 'lmdeploy' \(vllm and transformers can\)"),
              ({"engine__kind": "sglang", "engine__limit_mm_per_prompt": {"image": 2}},
-              r"engine.limit_mm_per_prompt: .*'sglang' \(vllm can\)"),
+              r"engine.limit_mm_per_prompt: .*'sglang' \(vllm and transformers can\)"),
              ({"input__image_columns": ["a", "a"]}, "name each image column once"),
              ({"input__max_image_bytes": 0}, "greater than 0"),
              ({"engine__task": "embed", "input__image_columns": ["a"]}, "engine.task embed is not tested with images")]
@@ -313,7 +314,8 @@ def test_the_image_keys_are_checked_and_refused_with_a_reason(tmp_path):
 
 
 def test_the_processor_settings_a_model_has_are_the_ones_honoured(tmp_path):
-    from batch_llm.engines.vllm_engine import processor_kwargs_refusal, tokens_prompt
+    from batch_llm.engines.probes import processor_kwargs_refusal
+    from batch_llm.engines.vllm_engine import tokens_prompt
 
     (tmp_path / "processor_config.json").write_text(json.dumps(
         {"image_processor": {"size": {"height": 28, "width": 28}, "do_normalize": True,
@@ -622,9 +624,10 @@ def test_a_text_engine_or_a_text_model_refuses_a_shards_image_rows(tmp_path, dem
                        shard_dir=Location(str(tmp_path / kind)), model_dir=str(model), model_key="m")
         return run._image_refusal(2)
 
-    assert refusal("transformers", vl_model).startswith(
-        "the row has 2 image(s): engine transformers takes no images (vllm can); set engine.kind: vllm (a review: "
-        "or filter.review.images: text)")
+    assert refusal("sglang", vl_model).startswith(
+        "the row has 2 image(s): engine sglang takes no images (vllm and transformers can); set engine.kind: vllm or "
+        "transformers (a review: or filter.review.images: text)")
+    assert refusal("transformers", vl_model) is None
     assert refusal("vllm", demo_model_dir).startswith(
         f"the row has 2 image(s): the model at {demo_model_dir} takes no images (its config.json names no vision part)")
     assert refusal("vllm", vl_model) is None

@@ -100,6 +100,7 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
     EngineCapabilities(
         "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
         overlap_engine_start=True,  # one device: .to(cuda or cpu)
+        images=True,  # a vision-language model through its processor (AutoModelForImageTextToText)
         sampling_keys=EXTRA_SAMPLING_KEYS),
     # SGLang's offline engine: speculative decoding is not engine.speculative's prompt lookup (its NGRAM has other
     # settings: engine.extra); pooling needs an embedding architecture (its is_embedding), not vLLM's conversion

@@ -2,7 +2,10 @@
 this CPU's features (native bfloat16), and the dtype an engine gets from them."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 
 def model_config_json(model_dir: str) -> dict:
@@ -90,3 +93,40 @@ def is_int_weight_only(qc: dict) -> bool:
     groups = (qc.get("config_groups") or {}).values()
     return any((g.get("weights") or {}).get("type") == "int" and g.get("input_activations") is None
                for g in groups if isinstance(g, dict))
+
+
+def processor_settings(model_dir: str) -> dict[str, Any]:
+    """The model's image processor settings, as its files hold them: ``preprocessor_config.json`` and the
+    ``image_processor`` section (and top level) of ``processor_config.json``."""
+    found: dict[str, Any] = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            data = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found.update({k: v for k, v in data.items() if not isinstance(v, dict)})
+            if isinstance(data.get("image_processor"), dict):
+                found.update(data["image_processor"])
+    for meta in ("processor_class", "image_processor_type", "auto_map"):
+        found.pop(meta, None)
+    return found
+
+
+def processor_kwargs_refusal(model_dir: str, kwargs: dict) -> str | None:
+    """Why ``engine.mm_processor_kwargs`` cannot be honoured for this model, or None: each key must be a setting its
+    image processor has (vLLM would pass an unknown one to a processor that ignores it, or drop it with a
+    warning; transformers' processor likewise)."""
+    if not kwargs:
+        return None
+    has = processor_settings(model_dir)
+    if not has:
+        return (f"engine.mm_processor_kwargs: the model at {model_dir} has no image processor settings "
+                "(preprocessor_config.json or processor_config.json): it is not a vision-language model this engine "
+                "can set up; remove engine.mm_processor_kwargs")
+    unknown = sorted(set(kwargs) - set(has))
+    if unknown:
+        return (f"engine.mm_processor_kwargs.{', '.join(unknown)}: the model's image processor has no such "
+                f"setting (it has: {', '.join(sorted(has))}); remove it or use a model whose processor takes it "
+                "(min_pixels / max_pixels: Qwen2-VL's)")
+    return None

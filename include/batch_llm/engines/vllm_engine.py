@@ -38,6 +38,7 @@ from batch_llm.engines.probes import (
     model_chat_template,
     model_context_limit,
     model_quantization,
+    processor_kwargs_refusal,
 )
 from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
@@ -382,42 +383,6 @@ def tokens_prompt(tokens_prompt_type, req: GenRequest):
         return tokens_prompt_type(prompt_token_ids=req.prompt_token_ids)
     images = req.images if len(req.images) > 1 else req.images[0]
     return tokens_prompt_type(prompt_token_ids=req.prompt_token_ids, multi_modal_data={"image": images})
-
-
-def processor_settings(model_dir: str) -> dict[str, Any]:
-    """The model's image processor settings, as its files hold them: ``preprocessor_config.json`` and the
-    ``image_processor`` section (and top level) of ``processor_config.json``."""
-    found: dict[str, Any] = {}
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        try:
-            data = json.loads((Path(model_dir) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            found.update({k: v for k, v in data.items() if not isinstance(v, dict)})
-            if isinstance(data.get("image_processor"), dict):
-                found.update(data["image_processor"])
-    for meta in ("processor_class", "image_processor_type", "auto_map"):
-        found.pop(meta, None)
-    return found
-
-
-def processor_kwargs_refusal(model_dir: str, kwargs: dict) -> str | None:
-    """Why ``engine.mm_processor_kwargs`` cannot be honoured for this model, or None: each key must be a setting its
-    image processor has (vLLM would pass an unknown one to a processor that ignores it, or drop it with a warning)."""
-    if not kwargs:
-        return None
-    has = processor_settings(model_dir)
-    if not has:
-        return (f"engine.mm_processor_kwargs: the model at {model_dir} has no image processor settings "
-                "(preprocessor_config.json or processor_config.json): it is not a vision-language model this engine "
-                "can set up; remove engine.mm_processor_kwargs")
-    unknown = sorted(set(kwargs) - set(has))
-    if unknown:
-        return (f"engine.mm_processor_kwargs.{', '.join(unknown)}: the model's image processor has no such "
-                f"setting (it has: {', '.join(sorted(has))}); remove it or use a model whose processor takes it "
-                "(min_pixels / max_pixels: Qwen2-VL's)")
-    return None
 
 
 def classify_labels(model_dir: str, labels: list[str] | None) -> list[str]:
