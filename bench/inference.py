@@ -33,7 +33,10 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          torch.compile, the engine core in its own process; on a CPU the engine core in-process
          (VLLM_ENABLE_V1_MULTIPROCESSING=0), the dtype the stage resolves, enforce_eager as the stage, the same
          VLLM_CPU_KVCACHE_SPACE. Only the raw loop differs: one LLM.generate call in input order
-  hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts
+  hf     transformers static batching (what ms-swift's `pt` backend does), on the first --hf-n prompts; with
+         --engine transformers --dataset images: every row, a plain script of a vision-language model
+         (AutoModelForImageTextToText and its processor, batches of --hf-batch rows in input order, the dtype the
+         stage resolves), against ``stage`` on the transformers engine with engine.batch_size --hf-batch
   --engine sglang: raw is a plain ``sglang.Engine`` script with the stage's engine settings (the arguments come
          from the stage's own engine object, ``SglangEngine.constructor_args``, as raw-tuned's do for vLLM): one
          ``Engine.generate`` over every row in input order (token ids; the chat dataset: the tokenizer's chat
@@ -450,6 +453,7 @@ def stage_config(a, mode: str = "stage", **paths):
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
         engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
+                **({"batch_size": a.hf_batch} if a.engine == "transformers" else {}),
                 "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
                 "commit_every_rows": a.commit_rows, "progress_every_seconds": 30,
                 **({"multiprocessing": False} if mode == "stage-inproc" else {}),
@@ -625,6 +629,8 @@ def _outputs_written(phases: list[dict]) -> float | None:
 
 
 def run_hf(a, rows) -> dict:
+    if a.dataset == "images":
+        return run_hf_images(a, rows)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -656,6 +662,55 @@ def run_hf(a, rows) -> dict:
         torch.cuda.synchronize()
     return dict(mode="hf", generate_s=time.perf_counter() - t1, generated_tokens=n_out, delivered_tokens=n_out,
                 rows=len(rows))
+
+
+def run_hf_images(a, rows) -> dict:
+    """``hf`` on the images dataset: what a user of plain transformers writes for a vision-language model, with the
+    stage's transformers settings (the dtype ``cpu_dtype`` resolves, batches of --hf-batch, transformers imported
+    with the collector paused): each row's chat
+    rendered by the processor's template (an image part as ``{"type": "image"}``, as the stage renders it), its
+    image read with PIL, the processor over a batch (left padding), one greedy ``generate`` each batch, every row's
+    tokens written."""
+    from batch_llm.engines.base import gc_paused_import
+    from batch_llm.engines.probes import cpu_dtype
+    from PIL import Image
+
+    with gc_paused_import("transformers"):  # as TransformersEngine.start imports it
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cpu_dtype(a.dtype, a.model, on_gpu=dev == "cuda")
+    t0 = time.perf_counter()
+    model = AutoModelForImageTextToText.from_pretrained(
+        a.model, dtype="auto" if dtype == "auto" else getattr(torch, dtype)).to(dev).eval()
+    processor = AutoProcessor.from_pretrained(a.model)
+    processor.tokenizer.padding_side = "left"
+    pad = processor.tokenizer.pad_token_id
+    construct, ready = time.perf_counter() - t0, _since_start()
+    t1 = time.perf_counter()
+    toks: list[list[int]] = []
+    with torch.inference_mode():
+        for i in range(0, len(rows), a.hf_batch):
+            batch = rows[i:i + a.hf_batch]
+            chats = [[{"role": m["role"], "content": [{"type": "image"} if p["type"] == "image_url" else p
+                                                      for p in m["content"]]} for m in r["messages"]] for r in batch]
+            texts = [processor.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                     for c in chats]
+            images = [[Image.open(Path(p["image_url"]["url"].removeprefix("file://"))).convert("RGB")
+                       for p in r["messages"][-1]["content"] if p["type"] == "image_url"] for r in batch]
+            inputs = processor(text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt")
+            inputs = {k: v.to(dev, dtype=model.dtype) if v.is_floating_point() else v.to(dev) for k, v in inputs.items()}
+            out = model.generate(**inputs, max_new_tokens=max(r["max_tokens"] for r in batch), do_sample=False,
+                                 eos_token_id=None, pad_token_id=pad)
+            width = inputs["input_ids"].shape[1]
+            toks += [row[width:width + r["max_tokens"]] for r, row in zip(batch, out.tolist())]
+    el = time.perf_counter() - t1
+    _write_outputs(Path(tempfile.mkdtemp(prefix="bench_hf_")) / "outputs.jsonl", rows, toks)
+    n_out = sum(map(len, toks))
+    return dict(mode="hf", engine="transformers", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
+                engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), outputs_s=_since_start(),
+                tuned_settings={"dtype": dtype, "batch_size": a.hf_batch, "device": dev})
 
 
 def engine_kwargs(a) -> dict:
@@ -708,7 +763,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                                   "stage-inproc", "raw-inproc", "raw-tuned")]
     pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc")]
     pairs += [(m, "vllm:stage") for m in ("stage", "raw", "stage-x")]  # --engine sglang (or lmdeploy) against vLLM
-    pairs += [("stage-x", "stage"), ("stage", "stage-think-off")]
+    pairs += [("stage-x", "stage"), ("stage", "stage-think-off"), ("stage", "hf")]  # hf: --engine transformers
     for mode, base in pairs:
         if base in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", "stage_over_raw-tuned", ...
             out[f"{mode}_over_{base}"] = {
@@ -721,7 +776,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-ENGINES = ("vllm", "lmdeploy", "sglang")
+ENGINES = ("vllm", "lmdeploy", "sglang", "transformers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -768,10 +823,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _takes_images(mode: str) -> bool:
-    """Whether a mode can run the images dataset: vLLM's raw scripts and stage modes (hf reads token ids)."""
+def _takes_images(mode: str, default_engine: str) -> bool:
+    """Whether a mode can run the images dataset: vLLM's raw scripts and stage modes, the transformers engine's
+    hf script and stage."""
     engine, _, m = mode.rpartition(":")
-    return engine in ("", "vllm") and (m in ("raw", "raw-inproc", "raw-tuned") or m.startswith("stage"))
+    if (engine or default_engine) == "transformers":
+        return m in ("hf", "stage")
+    return (engine or default_engine) == "vllm" and (m in ("raw", "raw-inproc", "raw-tuned") or m.startswith("stage"))
 
 
 def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
@@ -789,8 +847,12 @@ def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
             p.error(f"mode {m}: ENGINE:MODE with ENGINE one of {', '.join(ENGINES)}")
     if a.output_schema and any(not m.startswith("stage") for m in a.modes.split(",")):
         p.error("--output-schema: stage modes only (the raw modes decode freely)")
-    if a.dataset == "images" and (a.engine != "vllm" or not all(map(_takes_images, a.modes.split(",")))):
-        p.error("--dataset images: engine vllm (the others take no images), the raw and stage modes")
+    if a.dataset == "images" and not all(_takes_images(m, a.engine) for m in a.modes.split(",")):
+        p.error("--dataset images: engine vllm's raw and stage modes, engine transformers' hf and stage (LMDeploy's "
+                "and SGLang's take no images here)")
+    if a.engine == "transformers" and any(m.split(":")[-1] not in ("hf", "stage") for m in a.modes.split(",")
+                                          if ":" not in m):
+        p.error("--engine transformers: the modes hf (the plain script) and stage")
     return dict(x.split("=", 1) for x in a.engine_path)
 
 

@@ -119,7 +119,8 @@ def test_raw_and_the_stage_read_the_same_images_in_the_same_order_with_the_same_
 
 
 @pytest.mark.parametrize("argv", [["--engine", "sglang", "--tokenizer", "/t"], ["--engine", "lmdeploy"],
-                                  ["--modes", "raw,hf"], ["--modes", "stage,sglang:stage"]])
+                                  ["--modes", "raw,hf"], ["--modes", "stage,sglang:stage"],
+                                  ["--engine", "transformers", "--modes", "raw,stage"]])
 def test_engines_and_modes_that_take_no_images_are_refused(argv, capsys):
     p = inference.build_parser()
     with pytest.raises(SystemExit):
@@ -127,6 +128,21 @@ def test_engines_and_modes_that_take_no_images_are_refused(argv, capsys):
     assert "--dataset images" in capsys.readouterr().err
     ok = p.parse_args(["--model", "/m", "--dataset", "images", "--modes", "raw,raw-tuned,stage,stage-inproc,vllm:stage"])
     assert inference.check_args(p, ok) == {}
+    ok = p.parse_args(["--model", "/m", "--dataset", "images", "--engine", "transformers", "--modes", "hf,stage"])
+    assert inference.check_args(p, ok) == {}
+
+
+def test_the_transformers_stage_batches_as_the_plain_script_does(tmp_path):
+    """--engine transformers: the stage's engine.batch_size is the hf script's --hf-batch, its images' settings the
+    same as vLLM's stage; the summary pairs the stage with hf."""
+    a = inference.build_parser().parse_args(["--model", str(SHAPE), "--dataset", "images", "--engine", "transformers",
+                                             "--hf-batch", "8", "--image-dir", str(tmp_path)])
+    cfg = inference.stage_config(a)
+    assert (cfg.engine.kind, cfg.engine.batch_size, cfg.engine.limit_mm_per_prompt) == ("transformers", 8, {"image": 1})
+    run = {"wall_s": 10.0, "outputs_s": 9.0, "generate_s": 5.0, "generated_tok_s": 100.0, "generated_tokens": 500,
+           "delivered_tokens": 500}
+    summary = inference.summarize({"hf": [run], "stage": [{**run, "wall_s": 12.5, "outputs_s": 10.0}]})
+    assert summary["stage_over_hf"]["whole_process"] == 0.8 and summary["stage_over_hf"]["to_outputs_on_disk"] == 0.9
 
 
 def test_the_qwen2_5_vl_7b_shape_loads_as_transformers_reads_it():
