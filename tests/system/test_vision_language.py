@@ -8,7 +8,7 @@ real S3 server read through Airflow connection ``lake``, on the first run's resu
 reviews that got a verdict, served from it, keyed by the images' content, not their URLs; the shard holding the JPEG
 that only decoding finds broken starts its engine and fails that row again). Both times: every good row published
 once, every bad row in the errors once with its reason, the review's verdicts counted and applied. The captions
-again on the transformers engine: the same accounting, the same prompts.
+and the review again on the transformers engine: the same accounting, the same prompts.
 Unit-level checks of the same path: tests/unit/test_image_inputs.py.
 """
 from __future__ import annotations
@@ -150,13 +150,15 @@ def test_the_image_review_asks_whether_each_caption_agrees_with_its_image(cli_ru
 @pytest.fixture(scope="module")
 def transformers_run(corpus) -> tuple[Path, tuple[dict, dict[str, dict], dict[str, str]]]:
     """The same corpus through the portable fallback: engine.kind transformers (BLIP-2 as
-    AutoModelForImageTextToText with its processor), the captions only (the review decodes under a schema, which
-    transformers does not), with no engine.limit_mm_per_prompt: the row with two images reaches the engine."""
+    AutoModelForImageTextToText with its processor) for the captions and for the image-text review (which decodes
+    freely there, guided_decoding: false: transformers has no schema decoding), with no engine.limit_mm_per_prompt:
+    the row with two images reaches the engine."""
     out = corpus.parent / "out-transformers"
     run = run_in_group([sys.executable, "-m", "batch_llm", "run", str(PIPELINE), "--input", str(corpus / "rows.jsonl"),
                         "--output", str(out), "--ds", DS, "--run-id", "cli-images-hf", "--plain",
-                        "--set", "engine.kind=transformers", "--set", "filter.review=null",
-                        "--set", "engine.limit_mm_per_prompt=null"], timeout=600)
+                        "--set", "engine.kind=transformers", "--set", "engine.limit_mm_per_prompt=null",
+                        "--set", "filter.review.engine={kind: transformers, max_model_len: 512}",
+                        "--set", "filter.review.guided_decoding=false"], timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return out, _published(out, "image_review_demo")
 
@@ -177,6 +179,18 @@ def test_the_transformers_engine_takes_the_same_images_as_vllm(cli_run, transfor
     assert all(r["completion_tokens"] == 8 for r in rows.values())
     _, (_, vllm_rows, _), _ = cli_run
     assert {k: r["prompt_tokens"] for k, r in rows.items()} == {k: r["prompt_tokens"] for k, r in vllm_rows.items()}
+    # the review on transformers: every good row reviewed once, with its image where it has one; the random model's
+    # free text is no verdict: each a review error, flagged (on_error: flag), none dropped
+    review = summary["manifests"]["filter"]["summary"]["review"]
+    assert review["rows_reviewed"] == review["requests"] == len(GOOD) and review["verdicts"] == {"error": len(GOOD)}
+    run_dir = out / "image_review_demo" / "runs" / f"dt={DS}" / "cli-images-hf" / "review"
+    manifest = read_json(Location(str(run_dir)).child("shard-00000", "manifest.json").path())
+    assert manifest["engine"]["kind"] == "transformers"
+    reviewed = {r["id"]: r for r in iter_jsonl(run_dir / "shard-00000" / "errors.jsonl")}
+    assert set(reviewed) == GOOD and all(r["error_kind"] == "invalid_output" for r in reviewed.values())
+    asked = {q["id"]: q for q in iter_jsonl(next((run_dir / "requests").glob("shard-00000-*.jsonl")))}
+    assert all(len(asked[rid].get("images") or []) == (rid != "good-text") for rid in GOOD)
+    assert all(r["review_verdict"] == "error" for r in rows.values())
 
 
 @pytest.fixture(scope="module")
