@@ -56,14 +56,13 @@ class TransformersEngine(Engine):
             if self.tok.pad_token_id is None:
                 self.tok.pad_token = self.tok.eos_token
             self.processor: Any = None
-            self.images_per_prompt: int | None = None
             if vision:
                 self.processor = AutoProcessor.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
                 self.processor.tokenizer = self.tok  # left padding, the pad token above
             # BLIP-2 and InstructBLIP put one image's query tokens before the prompt: the model would fill them from
             # the first of two images and drop the second without a word (other processors and models raise on a
             # mismatch, failing the row), so a row with more is refused here, as vLLM refuses it for these models
-            self.images_per_prompt = 1 if getattr(self.processor, "num_query_tokens", None) else None
+            self.images_per_prompt: int | None = 1 if getattr(self.processor, "num_query_tokens", None) else None
             self.text_model = _text_generator(self.model)
             self.device = device
             torch.manual_seed(self.sampling.seed or 0)
