@@ -87,8 +87,8 @@ class TransformersEngine(Engine):
                 s = self.sampling_for(r)
                 groups.setdefault((s.temperature, s.top_p, s.seed, s.ignore_eos, s.top_k, s.min_p, s.repetition_penalty,
                                    s.stop_token_ids, self._special_tokens(r)), []).append((r, s))
-            for group in groups.values():
-                yield from self._generate_group(group, eos)
+            for key, group in groups.items():
+                yield from self._generate_group(group, eos, key[-1])
 
     def _special_tokens(self, r: GenRequest) -> bool | None:
         """For a request with images, whether its token ids are its text tokenized with the tokenizer's special
@@ -107,10 +107,11 @@ class TransformersEngine(Engine):
         return {k: v.to(self.device, dtype=self.model.dtype) if v.is_floating_point() else v.to(self.device)
                 for k, v in inputs.items()}
 
-    def _generate_group(self, group: list[tuple[GenRequest, Sampling]], eos: set) -> Iterator[GenResult]:
+    def _generate_group(self, group: list[tuple[GenRequest, Sampling]], eos: set, special: bool | None
+                        ) -> Iterator[GenResult]:
+        """One group of requests (``special``: its key's ``_special_tokens``, None for requests without images)."""
         import torch
 
-        special = self._special_tokens(group[0][0])
         if special is not None:
             yield from self._generate_images(group, eos, special)
             return

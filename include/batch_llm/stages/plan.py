@@ -184,13 +184,20 @@ class _Scan:
         round trip each; a local or inline image is checked faster than a thread takes it: on the row's turn);
         none for a row refused before its images."""
         parts = item[2]
-        if not parts or not any(self._remote(p) for p in parts):
-            return []
-        e = self.cfg.engine
-        limit = (e.limit_mm_per_prompt or {}).get("image")
-        if takes_no_images(e.kind) or (limit is not None and len(parts) > limit):
+        if not parts or not any(self._remote(p) for p in parts) or self._images_refusal(len(parts)):
             return []
         return list(enumerate(parts, start=1))
+
+    def _images_refusal(self, n: int) -> str | None:
+        """Why a row with ``n`` images is refused before any is checked (an engine that takes none, more than
+        ``engine.limit_mm_per_prompt``), or None."""
+        e = self.cfg.engine
+        if why := takes_no_images(e.kind):
+            return f"the row has {n} image(s): {why}"
+        limit = (e.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and n > limit:
+            return f"the row has {n} images; engine.limit_mm_per_prompt allows {limit} per prompt"
+        return None
 
     def _remote(self, part: dict) -> bool:
         """An image_url part that names an object (a URL with a scheme other than data: and file:, or a relative
@@ -228,12 +235,8 @@ class _Scan:
         here."""
         if not parts:
             return row
-        e = self.cfg.engine
-        if why := takes_no_images(e.kind):
-            raise ValueError(f"the row has {len(parts)} image(s): {why}")
-        limit = (e.limit_mm_per_prompt or {}).get("image")
-        if limit is not None and len(parts) > limit:
-            raise ValueError(f"the row has {len(parts)} images; engine.limit_mm_per_prompt allows {limit} per prompt")
+        if why := self._images_refusal(len(parts)):
+            raise ValueError(why)
         if isinstance(images, ImageProblem):
             raise ValueError(str(images))
         made = iter(images) if images is not None else None
