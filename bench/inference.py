@@ -68,6 +68,8 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``; 
   tiny   N × 8-token prompts → 1 token: the worker's peak RSS as N grows (10k vs 100k rows)
   mix    long-tailed prompt lengths (lognormal), a shared 192-token system prefix on 80 % of rows, 10 % of rows
          repeating an earlier prompt, long-tailed output limits (per-row max_tokens), ignore_eos
+  unique the mix without its repeated prompts: every row's prompt is its own (a day of unique prompts, where folding
+         duplicates gains nothing and only the order and the overlap can count)
   chat   N review-extraction chats (a system turn and a numbered review from include/sample_data/reviews_zh.jsonl,
          10 % of rows repeating an earlier chat), long-tailed output limits as mix, ignore_eos; the model's
          tokenizer (--tokenizer: a real one, e.g. the demo model's, beside --dummy's random weights) applies its chat
@@ -143,7 +145,7 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
         return chat_rows(n, out_len, rng)
     prefix = rng.integers(100, vocab, 192).tolist()
     for i in range(n):
-        if i > 10 and rng.random() < 0.10:  # a repeated prompt
+        if kind == "mix" and i > 10 and rng.random() < 0.10:  # a repeated prompt
             src = rows[int(rng.integers(0, len(rows)))]
             rows.append({**src, "id": f"r{i}"})
             continue
@@ -787,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the PYTHONPATH of that engine's runs (replacing this process's), e.g. sglang=/root/sgl:include")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
-    p.add_argument("--dataset", choices=["fixed", "mix", "tiny", "chat", "images"], default="fixed")
+    p.add_argument("--dataset", choices=["fixed", "mix", "unique", "tiny", "chat", "images"], default="fixed")
     p.add_argument("--tokenizer", help="chat, images: the tokenizer's folder (default: --model's)")
     p.add_argument("--image-size", type=int, default=448, help="images: each image's side in pixels")
     p.add_argument("--image-dir", help="images: the folder of the images (default: a new one, written once)")

@@ -15,6 +15,9 @@
 #     opens with the first mode, and the opening run can be the slowest: repeat a pair with its MODES reversed.
 #   chat: N review-extraction chats through LLM.chat (raw, raw-tuned) and the stage's messages rows (TOK below;
 #     CHAT_ARGS="--output-schema FILE" decodes under a JSON schema)
+#   unique: the mix without repeated prompts (N rows, 12,000 by default): only the stage's order and overlap can count;
+#     one invocation (REPEATS=1) fits a 600 s call on an H100, so the 3 alternating runs a mode take three calls with
+#     MODES reversed in the middle one (raw-tuned,stage / stage,raw-tuned / raw-tuned,stage)
 #   shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share
 #   checks | resume | leases: python3 -m bench gpu-checks (stop, crash and resume, GPU leases of two shard tasks)
 #   lmdeploy | lmdeploy-mix, after lmdeploy-stage (.gpu-stage/lmd: LMDeploy 0.18 unpacked into /root/lmd, a
@@ -100,6 +103,9 @@ case "${1:-fixed}" in
   mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
+  unique) vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset unique \
+           --n ${N:-12000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-1} --warmup ${WARMUP:-0} \
+           --out $OUT/gpu_unique.jsonl --logs $OUT/logs ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
   chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer $TOK \
            --dataset chat --n ${N:-4000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-0} \
            --out $OUT/gpu_chat.jsonl --logs $OUT/logs ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ${CHAT_ARGS:-} ;;
