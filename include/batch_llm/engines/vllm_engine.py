@@ -181,6 +181,7 @@ class VllmEngine(Engine):
                 from vllm import LLM
         except Exception as e:  # noqa: BLE001 - an engine that cannot even be imported
             raise EngineStartError(f"vLLM failed to start: {e}", output=_exception_text(e)) from e
+        t_imported = time.perf_counter()
         missing = _missing_cpu_kernel(self.model_dir) or served_lora_refusal(
             self._constructor_dtype(), served=self.lora_dir is not None, on_gpu=cuda_visible()) or \
             processor_kwargs_refusal(self.model_dir, self.cfg.mm_processor_kwargs)
@@ -209,8 +210,10 @@ class VllmEngine(Engine):
             # test process) would not see the variables set above.
             getattr(vllm.envs, "disable_envs_cache", lambda: None)()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+            t_construct = time.perf_counter()
             with tail.capture():
                 self.llm = LLM(**self._constructor_args())
+            t_built = time.perf_counter()
             # a property that reads the variable each time: asked before the variable is put back
             v2_runner = getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", None)
         except Exception as e:  # noqa: BLE001 - classified and re-raised
@@ -246,7 +249,10 @@ class VllmEngine(Engine):
                         reasoning_parser=parser, model_runner_v2=v2_runner,
                         speculative_method=getattr(vc.speculative_config, "method", None),
                         lora=dict(path=self.lora_dir, max_lora_rank=vc.lora_config.max_lora_rank)
-                        if self.lora_dir and vc.lora_config is not None else None)
+                        if self.lora_dir and vc.lora_config is not None else None,
+                        # where the start's time went: the import, this engine's checks, vLLM's constructor
+                        start_phases=dict(import_s=round(t_imported - t0, 2), checks_s=round(t_construct - t_imported, 2),
+                                          construct_s=round(t_built - t_construct, 2)))
         return EngineInfo(kind="vllm", version=vllm.__version__, settings=settings,
                           start_seconds=time.perf_counter() - t0)
 
