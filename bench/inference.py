@@ -611,7 +611,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 ok_rows=mt.get("ok"), invalid_outputs=mt.get("invalid_outputs"),
                 reasoning_tokens=mt.get("reasoning_tokens"), thinking_unfinished=mt.get("thinking_unfinished"),
                 async_scheduling=settings.get("async_scheduling"), model_runner_v2=settings.get("model_runner_v2"),
-                engine_start_phases=settings.get("start_phases"), plan_s=plan.seconds, phases=m.get("phases"), outputs_s=_outputs_written(m.get("phases") or []))
+                engine_start_phases=settings.get("start_phases"), plan_s=plan.seconds, phases=m.get("phases"),
+                outputs_s=_outputs_written(m.get("phases") or []))
 
 
 # vLLM's own lines on where its start went (kept in --logs)
