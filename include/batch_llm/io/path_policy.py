@@ -29,6 +29,7 @@ Nothing here imports Airflow or the rest of the library (it is imported by both)
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import stat
 import string
@@ -187,8 +188,6 @@ def join_relative(base: str, rel: str) -> str:
     if resolve(base).kind == "storage":
         scheme, _, rest = base.rstrip("/").partition("://")
         bucket, _, prefix = rest.partition("/")
-        import posixpath
-
         key = posixpath.normpath(posixpath.join("/" + prefix, rel)).lstrip("/")
         return f"{scheme}://{bucket}/{key}"
     return os.path.join(base, rel)

@@ -143,7 +143,7 @@ class _Scan:
         self.rows_read = 0
         self.capped = 0               # rows whose max_tokens was lowered to sampling.max_tokens_cap
         self.has_references = False
-        self.reads = ImageReads(tmp / "images-read.tsv")  # every image file or object the rows read: the plan's key
+        self.reads = ImageReads(tmp / "images-read.jsonl")  # every image file or object the rows read: the plan's key
 
     def run(self, files: list) -> None:
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
@@ -479,7 +479,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         scan.run(files)
         images_read = None
         if scan.reads.count:  # the images are inputs too: the plan's key holds what was read of them
-            read_loc = plan_dir.child("images-read.tsv")
+            read_loc = plan_dir.child("images-read.jsonl")
             with atomic_writer(read_loc.path()) as w, open(scan.reads.path, "rb") as fh:
                 while chunk := fh.read(2**20):
                     w.write(chunk)
