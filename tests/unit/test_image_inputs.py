@@ -898,6 +898,8 @@ def test_clearing_the_plan_plans_again_when_an_image_its_rows_read_changed(tmp_p
     layout = RunLayout.for_run(cfg, run_id="scheduled__1", ds="2026-12-05")
     first = plan_shards(cfg, layout)
     assert first.valid == 2 and first.images_read and plan_shards(cfg, layout) == first  # unchanged: reused
+    # how a shard holds its images decoded is not what the plan holds: the same plan
+    assert plan_shards(cfg.with_overrides({"input.max_decoded_bytes_ahead": 2**20}), layout) == first
 
     (corpus / "late.png").write_bytes(_png("green"))  # the missing image arrives
     second = plan_shards(cfg, layout)

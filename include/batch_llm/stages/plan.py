@@ -576,6 +576,7 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
 
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
+    settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
     key = {"files": files_key(input_files(input_loc.path())), "settings": settings, "task": cfg.engine.task}
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
