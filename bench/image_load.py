@@ -80,15 +80,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _shard_load(a, base: str, options: dict):
     from batch_llm.io import images as im
+    from batch_llm.io import path_policy
 
-    checker = im.ImageChecker(options=options, roots=[] if a.s3 else [base], memo=0)
+    stores = path_policy.input_stores(base, None)  # the images' store is the run's own, as an input there
+    checker = im.ImageChecker(options=options, roots=[] if a.s3 else [base], stores=stores, memo=0)
     refs = [checker.check(f"{base}/p{k:05d}.png", "image 1") for k in range(a.n)]
     max_bytes = im.DEFAULT_MAX_IMAGE_BYTES
 
     def once(workers: int) -> None:
         n = 0
-        for _, loaded in im.load_ahead(iter(refs), lambda r: [r], lambda r: im.load_image(r, options, max_bytes),
-                                       workers):
+        for _, loaded in im.load_ahead(iter(refs), lambda r: [r],
+                                       lambda r: im.load_image(r, options, max_bytes, stores=stores), workers):
             assert isinstance(loaded, list), loaded
             n += 1
         assert n == a.n

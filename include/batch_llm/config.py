@@ -164,10 +164,20 @@ class InputConfig(_Section):
         "own content parts (image_url) instead. Needs an engine that takes images (vllm)")
     max_image_bytes: int = Field(20 * 2**20, gt=0, description="The largest image a row may name, in bytes "
                                  "(default 20 MiB, OpenAI's limit); a larger one is the row's error")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="The most pixels (width × height, read from the "
+                                  "image's header before anything is decoded) an image may have: a larger one is the "
+                                  "row's error, so a small file of huge dimensions (a decompression bomb) never takes "
+                                  "their memory. Default 40 MP (160 MB decoded); vision-language models resize to far "
+                                  "fewer (Qwen2-VL: 12.8 MP)")
     image_workers: int = Field(4, ge=1, le=64, description="Threads that read, check and decode a shard's images "
                                "ahead of the engine, in the rows' order, at most 2 × this many requests ahead, each "
-                               "holding its images decoded, and that check the planner's images in object storage "
-                               "ahead of its rows (reads overlap); 1: each image on its row's turn")
+                               "holding its images decoded (and at most max_decoded_bytes_ahead of them), and that "
+                               "check the planner's images in object storage ahead of its rows (reads overlap); 1: "
+                               "each image on its row's turn")
+    max_decoded_bytes_ahead: int = Field(1 << 30, gt=0, description="The most memory the images loaded ahead of the "
+                                         "engine may take decoded (4 bytes a pixel, from their headers): a request "
+                                         "that would go past it starts loading once those before it have gone to "
+                                         "the engine (one alone always loads). Default 1 GiB")
     image_roots: list[str] = Field(default_factory=list, description="Local folders a row's image paths may point "
                                    "into besides the input's own folder (./relative to this YAML); a path outside "
                                    "them is the row's error")

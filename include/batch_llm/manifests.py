@@ -266,7 +266,9 @@ class PlanManifest(Manifest):
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
     input_key: str | None = Field(None, description="the input files' fingerprint and the settings the plan "
-                                  "used: a later plan of the run reuses this one only while it is the same")
+                                  "used, and the stamps of the images its rows read: a later plan of the run reuses "
+                                  "this one only while it is the same")
+    images_read: str | None = None  # images-read.jsonl: each image file or object the rows read, and its stamp
 
     @model_validator(mode="after")
     def _shards_name_their_plan(self) -> "PlanManifest":

@@ -113,7 +113,7 @@ def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpu
         "bad-missing": f"no such file {corpus / 'gone.png'}",
         "bad-outside": "/etc/hostname is outside the folders images may be read from",
         "bad-escape": "is outside the folders images may be read from",
-        "bad-http": "not read from there: images come from data: URLs, object storage",
+        "bad-http": "https:// is refused: a row's images come from data: URLs, or local paths under the input's folder",
         "bad-data": "a data: URL of type 'text/plain', not an image",
         "bad-b64": "its base64 does not decode",
         "bad-two": "the row has 2 images; engine.limit_mm_per_prompt allows 1 per prompt",
@@ -125,23 +125,24 @@ def test_the_planner_checks_every_image_and_reports_each_bad_row(tmp_path, corpu
     png = good["good-png"]
     assert png["messages"][0]["content"][0] == {"type": "image", "sha256": im.hashlib.sha256(_png("red")).hexdigest()}
     assert png["images"] == [{"url": str(corpus / "red.png"), "sha256": png["messages"][0]["content"][0]["sha256"],
-                              "format": "png", "bytes": len(_png("red"))}]
+                              "format": "png", "bytes": len(_png("red")), "pixels": 32 * 24}]
     assert "imgs/red.png" not in json.dumps(png["messages"])
     assert good["good-text"]["messages"][0]["content"] == "Hi\nthere" and "images" not in good["good-text"]
     assert good["good-jpeg"]["images"][0]["format"] == "jpeg"
 
 
 def test_the_planner_writes_the_same_plan_with_its_image_checks_on_threads(tmp_path, corpus, monkeypatch):
-    """200 rows cycling through good and bad images in object storage (fsspec's memory://) and local ones, text rows,
-    in two files: the plan whose object-storage checks ran on 4 threads is the plan checked one image at a time,
-    byte for byte (shards, records, errors), in the input's order."""
+    """200 rows cycling through good and bad images in object storage (fsspec's memory://, the input's store) and local
+    ones, text rows, in two files: the plan whose object-storage checks ran on 4 threads is the plan checked one
+    image at a time, byte for byte (shards, records, errors, the images read), in the input's order."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for name in ("red.png", "blue.jpg", "truncated.png", "notes.jpg", "empty.png"):
         fs.pipe(f"/bucket48p/{name}", (corpus / name).read_bytes())
     refs = [f"memory://bucket48p/{n}" for n in ("red.png", "blue.jpg", "truncated.png", "notes.jpg", "gone.png",
-                                                 "empty.png")] + ["imgs/red-copy.png", "imgs/jpeg-named.png"]
+                                                 "empty.png")] + [str(corpus / "red-copy.png"), "jpeg-named.png"]
+    fs.pipe("/bucket48p/in/jpeg-named.png", (corpus / "jpeg-named.png").read_bytes())  # relative to the input there
     for f in range(2):
         lines = []
         for i in range(100):
@@ -150,7 +151,7 @@ def test_the_planner_writes_the_same_plan_with_its_image_checks_on_threads(tmp_p
                 lines.append({"id": f"t{k}", "prompt": f"text row {k}"})
             else:
                 lines.append(_row(f"r{k}", _url_part(refs[k % len(refs)])))
-        (corpus.parent / f"part-{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        fs.pipe(f"/bucket48p/in/part-{f}.jsonl", "".join(json.dumps(r) + "\n" for r in lines).encode())
     threads: set[str] = set()
     real = im.ImageChecker._check
 
@@ -162,9 +163,10 @@ def test_the_planner_writes_the_same_plan_with_its_image_checks_on_threads(tmp_p
     plans = {}
     for workers in (1, 4):
         threads.clear()
-        cfg = _cfg(tmp_path, corpus.parent, input__image_workers=workers, input__format="jsonl")
+        cfg = _cfg(tmp_path, "memory://bucket48p/in", input__image_workers=workers, input__format="jsonl",
+                   input__image_roots=[str(corpus)])
         plan_dir = tmp_path / f"plan{workers}"
-        m = write_plan(cfg, input_loc=Location(str(corpus.parent)), plan_dir=Location(str(plan_dir)))
+        m = write_plan(cfg, input_loc=Location("memory://bucket48p/in"), plan_dir=Location(str(plan_dir)))
         plans[workers] = (m.rows_read, m.valid, m.invalid,
                           {p.name: p.read_bytes() for p in sorted(plan_dir.rglob("*.jsonl"))})
         assert ("image-load" in threads) == (workers > 1), threads
@@ -237,7 +239,7 @@ def test_object_storage_images_are_read_through_fsspec():
     fs = fsspec.filesystem("memory")
     fs.pipe("/bucket48/red.png", _png("red"))
     fs.pipe("/bucket48/cut.png", _png("red")[:-20])
-    checker = im.ImageChecker()
+    checker = im.ImageChecker(stores=("memory",))
     ref = checker.check("memory://bucket48/red.png", "image 1")
     assert (ref.url, ref.format, ref.bytes) == ("memory://bucket48/red.png", "png", len(_png("red")))
     with pytest.raises(im.ImageProblem, match=r"image 1: no such object memory://bucket48/gone.png"):
@@ -246,13 +248,13 @@ def test_object_storage_images_are_read_through_fsspec():
         checker.check("memory://bucket48/cut.png", "image 2")
     # relative to an input in object storage, and under its folder
     fs.pipe("/bucket48/in/sub/red.png", _png("red"))
-    assert im.ImageChecker(base="memory://bucket48/in").check("sub/./x/../red.png", "image 1").url == \
-        "memory://bucket48/in/sub/red.png"
+    assert im.ImageChecker(base="memory://bucket48/in", stores=("memory",)).check(
+        "sub/./x/../red.png", "image 1").url == "memory://bucket48/in/sub/red.png"
     with pytest.raises(im.ImageProblem, match=r"\.\./red.png climbs out of the input's folder memory://bucket48/in"):
-        im.ImageChecker(base="memory://bucket48/in").check("../red.png", "image 1")
-    rel = im.ImageChecker(base="memory://bucket48").check("red.png", "image 1")
+        im.ImageChecker(base="memory://bucket48/in", stores=("memory",)).check("../red.png", "image 1")
+    rel = im.ImageChecker(base="memory://bucket48", stores=("memory",)).check("red.png", "image 1")
     assert rel.url == "memory://bucket48/red.png" and rel.sha256 == ref.sha256
-    assert im.load_image(ref, {}, 2**20).size == (32, 24)
+    assert im.load_image(ref, {}, 2**20, stores=("memory",)).size == (32, 24)
 
 
 def test_the_shard_load_compares_the_hash_and_decodes_in_full(tmp_path):
@@ -406,10 +408,10 @@ def toy_images(monkeypatch):
     real = im.decode_image
     lock = threading.Lock()
 
-    def counting(data, ref):  # input.image_workers threads decode
+    def counting(data, ref, *args):  # input.image_workers threads decode
         with lock:
             _ToyImages.decoded["n"] += 1
-        return real(data, ref)
+        return real(data, ref, *args)
 
     monkeypatch.setattr(im, "decode_image", counting)
     _ToyImages.seen, _ToyImages.decoded = [], {"n": 0}
@@ -697,3 +699,219 @@ def test_load_ahead_raises_an_unexpected_error_at_its_item_and_stops_when_the_co
     gen.close()  # a stopped shard: loads not started are dropped, the rest of the input is never read
     time.sleep(0.1)
     assert len(log) <= 1 + 2 * 4 + 4, len(log)
+
+
+# ------------------------------------------------------------------------------------------ where, how big, how fresh
+def _bomb_png(width: int, height: int) -> bytes:
+    """A one-bit PNG of one colour: a few KB on disk, ``width`` x ``height`` pixels decoded (4 bytes each in RGB)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    row = b"\x00" + b"\xff" * ((width + 7) // 8)
+    z = zlib.compressobj(9)
+    data = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)) +
+            chunk(b"IDAT", data) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_every_reference_is_checked_under_one_rule_and_fails_only_its_row(tmp_path, corpus, monkeypatch, workers):
+    """A reference to another store (gs://, s3:// of a run whose storage is local, hf://, memory://), an fsspec wrapper,
+    a NUL byte: each refused by name as its row's error, before any filesystem is made for it (none is made here:
+    making one fails loudly); an allowed store whose client fails in any way (credentials refused) fails its row
+    alone; the good rows are planned, on one thread or several."""
+    from batch_llm.io import storage
+
+    real_as_path = storage.as_path
+    made: list[str] = []
+
+    def as_path(url, options=None):
+        if "://" in url and not url.startswith(("file://", "/")) and path_policy_kind(url) == "storage":
+            made.append(url)
+            if url.startswith("s3://lake-images/"):
+                raise RuntimeError("Unable to locate credentials")
+            raise AssertionError(f"a filesystem was made for {url}")
+        return real_as_path(url, options)
+
+    def path_policy_kind(url):
+        from batch_llm.io import path_policy
+
+        return path_policy.resolve(url).kind
+
+    monkeypatch.setattr(storage, "as_path", as_path)
+    rows = [_row("good", _url_part("imgs/red.png")),
+            _row("gs", _url_part("gs://bucket/cat.png")), _row("hf", _url_part("hf://datasets/org/set/cat.png")),
+            _row("memory", _url_part("memory://bucket/cat.png")), _row("az", _url_part("az://box/cat.png")),
+            _row("wrapped", _url_part("simplecache::file://" + str(corpus / "red.png"))),
+            _row("nul", _url_part("imgs/red\x00.png")), _row("nul-abs", _url_part(str(corpus / "red.png\x00"))),
+            _row("creds", _url_part("s3://lake-images/cat.png")), _row("good-too", _url_part("imgs/blue.jpg"))]
+    src = corpus.parent / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m, good, bad = _plan(_cfg(tmp_path, src, input__image_workers=workers, input__conn_id="lake"), src, tmp_path)
+    assert set(good) == {"good", "good-too"} and m.invalid == len(rows) - 2
+    for rid in ("gs", "hf", "memory", "az"):
+        scheme = rid + "://"
+        assert f"image 1 ({scheme}" in bad[rid] and f"{scheme} is refused (not this run's storage)" in bad[rid], bad
+        assert "through the input's connection" in bad[rid] and "s3://, s3a://" in bad[rid]
+    assert "simplecache:: is refused" in bad["wrapped"]
+    assert bad["nul"].endswith("the reference holds a NUL byte") and bad["nul-abs"].endswith("holds a NUL byte")
+    assert bad["creds"] == "image 1 (s3://lake-images/cat.png): cannot read s3://lake-images/cat.png: RuntimeError: " \
+                           "Unable to locate credentials"
+    assert made == ["s3://lake-images/cat.png"]  # the one store the run has (its connection's); no other was made
+    # without a connection, a local run reads no store at all
+    _, good, bad = _plan(_cfg(tmp_path, src), src, tmp_path / "no-conn")
+    assert set(good) == {"good", "good-too"} and "s3:// is refused" in bad["creds"]
+
+
+def test_an_image_of_huge_dimensions_in_a_small_file_fails_its_row_by_its_header(tmp_path, corpus, vl_model,
+                                                                                toy_images):
+    """A 1-bit PNG of 8000 x 8000 pixels (a few KB on disk, 256 MB decoded in RGB, under PIL's own limit) and one of
+    30000 x 30000 (past PIL's): the planner refuses each as its row's error from the header (input.max_image_pixels),
+    the rest planned. A shard planned under a higher limit and run under the default refuses it from the header
+    before decoding (decoding is not even started), the rows around it generated."""
+    bomb, giant = _bomb_png(8000, 8000), _bomb_png(30000, 30000)
+    assert len(bomb) < 20_000 and len(giant) < 400_000
+    (corpus / "bomb.png").write_bytes(bomb)
+    (corpus / "giant.png").write_bytes(giant)
+    rows = [_row("a", _url_part("imgs/red.png")), _row("bomb", _url_part("imgs/bomb.png")),
+            _row("giant", _url_part("imgs/giant.png")), _row("b", _url_part("imgs/blue.jpg"))]
+    src = corpus.parent / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, good, bad = _plan(_cfg(tmp_path, src), src, tmp_path / "p1")
+    assert set(good) == {"a", "b"} and good["a"]["images"][0]["pixels"] == 32 * 24
+    assert bad["bomb"] == "image 1 (imgs/bomb.png): 8000 x 8000 pixels (244.1 MiB decoded), over " \
+                          "input.max_image_pixels (40,000,000)"
+    assert bad["giant"].startswith("image 1 (imgs/giant.png): over input.max_image_pixels (40,000,000)")
+
+    from batch_llm.manifests import ShardSpec
+    from batch_llm.stages.infer import run_shard
+    from PIL import ImageFile
+
+    cfg = _cfg(tmp_path, src, input__max_image_pixels=100_000_000, cache__enabled=False, engine__max_error_rate=1.0)
+    plan = write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "p2")))
+    assert plan.valid == 3
+    loads: list = []
+    real_load = ImageFile.ImageFile.load
+
+    def noting(img):
+        loads.append(img.size)
+        return real_load(img)
+
+    from unittest import mock
+
+    with mock.patch.object(ImageFile.ImageFile, "load", noting):
+        m = run_shard(cfg.with_overrides({"engine.kind": IMAGES_TOY, "input.max_image_pixels": 40_000_000}),
+                      shard=ShardSpec(index=0, rows=plan.shards[0].rows, url=plan.shards[0].url),
+                      shard_dir=Location(str(tmp_path / "shard")), model_dir=str(vl_model), model_key="toy",
+                      say=lambda s: None)
+    assert {r["id"] for r in iter_jsonl(Location(m.outputs).path())} == {"a", "b"}
+    errors = {r["id"]: r["error"] for r in iter_jsonl(Location(m.errors).path())}
+    assert set(errors) == {"bomb"} and "8000 x 8000 pixels (244.1 MiB decoded), over input.max_image_pixels " \
+                                      "(40,000,000)" in errors["bomb"]
+    assert loads and (8000, 8000) not in loads
+
+
+def test_load_ahead_holds_at_most_its_budget_of_decoded_bytes():
+    """Items whose images report their decoded sizes (a fake decoder: no image is made), loaded on 4 threads under a
+    budget of 1,000 with a slow consumer: whenever a load starts, the items loading or loaded and not yet taken cost
+    at most the budget (the count window alone, 8 items, would let 4,000 in); an item over the budget alone loads,
+    alone; every item comes once, in order, and the loads still overlap."""
+    sizes = {f"i{k}": (900 if k % 5 == 0 else 300) for k in range(40)} | {"huge": 2500}
+    names = [*list(sizes)[:20], "huge", *list(sizes)[20:40]]
+    lock = threading.Lock()
+    state: dict = {"held": 0, "most": 0, "huge_with": None, "together": 0}
+
+    def load(ref):
+        with lock:
+            state["held"] += sizes[ref]
+            if ref == "huge":
+                state["huge_with"] = state["held"] - sizes[ref]
+            else:
+                state["most"] = max(state["most"], state["held"])
+        time.sleep(0.005)
+        return ref
+
+    got = []
+    for item, images in im.load_ahead(iter([(n, [n]) for n in names]), lambda it: it[1], load, workers=4,
+                                      cost=lambda it: sizes[it[0]], budget=1000):
+        with lock:
+            state["together"] = max(state["together"], state["held"] // 300)
+            state["held"] -= sizes[item[0]]
+        got.append(images[0])
+        time.sleep(0.01)  # a slow consumer: without the budget the count window would fill
+    assert got == names
+    assert 900 <= state["most"] <= 1000, state
+    assert state["huge_with"] == 0, state
+    assert state["together"] >= 2, state  # more than one item ahead where they fit
+
+
+def test_an_image_replaced_by_a_fifo_fails_its_row_without_blocking(tmp_path):
+    """The shard reads an image again through the same rule: a FIFO put in its place since the plan is refused as
+    not a regular file, at once (a blocking open would wait for a writer forever); a link put in its place, pointing
+    elsewhere, is refused too (the file read is the one the plan checked under its roots)."""
+    path = tmp_path / "a.png"
+    path.write_bytes(_png("red"))
+    ref = im.ImageChecker(roots=[str(tmp_path)]).check(str(path), "image 1")
+    path.unlink()
+    os.mkfifo(path)
+    outcome: dict = {}
+
+    def load():
+        try:
+            im.load_image(ref, {}, 2**20)
+        except im.ImageProblem as e:
+            outcome["error"] = str(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # blocked in open(): a writer releases it, and the test fails
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(5)
+        pytest.fail("the load blocked on the FIFO")
+    assert "is not a regular file (a device, FIFO or socket is never read)" in outcome["error"]
+    with pytest.raises(im.ImageProblem, match="not a regular file"):  # and the planner, the same
+        im.ImageChecker(roots=[str(tmp_path)]).check(str(path), "image 1")
+    path.unlink()
+    (tmp_path / "elsewhere.png").write_bytes(_png("red"))
+    path.symlink_to(tmp_path / "elsewhere.png")
+    with pytest.raises(im.ImageProblem, match="is no longer the file the plan checked"):
+        im.load_image(ref, {}, 2**20)
+
+
+def test_clearing_the_plan_plans_again_when_an_image_its_rows_read_changed(tmp_path, corpus):
+    """The plan's key holds the stamps of the images its rows read (size, mtime, inode; an object's ETag): unchanged,
+    the committed plan is reused; an image replaced after the plan, or one missing then added, makes a new plan
+    (its shards a new plan key, so nothing committed for the old one is resumed), in which the row is good."""
+    from batch_llm.api import plan_shards
+    from batch_llm.layout import RunLayout
+
+    rows = [_row("a", _url_part("imgs/red.png")), _row("late", _url_part("imgs/late.png")),
+            {"id": "t", "prompt": "text only"}]
+    src = corpus.parent / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, src)
+    layout = RunLayout.for_run(cfg, run_id="scheduled__1", ds="2026-12-05")
+    first = plan_shards(cfg, layout)
+    assert first.valid == 2 and first.images_read and plan_shards(cfg, layout) == first  # unchanged: reused
+    # how a shard holds its images decoded is not what the plan holds: the same plan
+    assert plan_shards(cfg.with_overrides({"input.max_decoded_bytes_ahead": 2**20}), layout) == first
+
+    (corpus / "late.png").write_bytes(_png("green"))  # the missing image arrives
+    second = plan_shards(cfg, layout)
+    assert second.valid == 3 and second.input_key != first.input_key
+    assert {s.plan_key for s in second.shards} == {second.input_key[:16]} != {first.input_key[:16]}
+    assert plan_shards(cfg, layout) == second
+
+    old = next(r for s in second.shards for r in iter_jsonl(Location(s.url).path()) if r["id"] == "a")["images"][0]
+    (corpus / "red.png").write_bytes(_png("blue"))  # replaced after the plan: its shard row would fail
+    with pytest.raises(im.ImageProblem, match="changed since the plan"):
+        im.load_image(old, {}, 2**20)
+    third = plan_shards(cfg, layout)
+    assert third.input_key not in (first.input_key, second.input_key) and third.valid == 3
+    new = next(r for s in third.shards for r in iter_jsonl(Location(s.url).path()) if r["id"] == "a")["images"][0]
+    assert new["sha256"] != old["sha256"] and im.load_image(new, {}, 2**20).getpixel((0, 0)) == (0, 0, 255)

@@ -30,11 +30,15 @@ def stable_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, ensure_ascii=False).encode()).hexdigest()
 
 
+def change_marks(info: dict[str, Any]) -> dict[str, str]:
+    """What of an fsspec ``info()`` changes with the content (``_CHANGE_FIELDS``), as strings."""
+    return {k: str(info[k]) for k in _CHANGE_FIELDS if info.get(k) is not None}
+
+
 def file_fingerprint(path: UPath) -> dict[str, str]:
     """The file's size and its store's change markers, as strings (``info()`` of the file's filesystem)."""
     info = path.fs.info(path.path)
-    marks = {k: str(info[k]) for k in _CHANGE_FIELDS if info.get(k) is not None}
-    return {"name": path.name, "size": str(info.get("size")), **marks}
+    return {"name": path.name, "size": str(info.get("size")), **change_marks(info)}
 
 
 def files_key(files: Iterable[UPath]) -> str:

@@ -3,28 +3,36 @@ against their content hash and decoded when the shard feeds them to the engine.
 
 A row names its images as OpenAI chat content parts (``{"type": "image_url", "image_url": {"url": ...}}``, in
 JSONL prompt rows and OpenAI Batch bodies) or in table columns (``input.image_columns``: a path or URL, a list
-of them, or the image's bytes in a Parquet binary column or a ``{bytes, path}`` struct). What a reference may be:
+of them, or the image's bytes in a Parquet binary column or a ``{bytes, path}`` struct). Where a reference may
+point is one rule, ``path_policy.RowResources``, for the plan's check and the shard's read alike:
 
 - ``data:image/...;base64,...``: the image inline;
-- an object-storage URL (``s3://bucket/key``, any ``path_policy.OBJECT_STORAGE_PROTOCOLS``), read with the input's
-  storage options (``input.conn_id``'s credentials);
+- an object in the run's own store (the input's: ``s3://`` for an input in S3, or through ``input.conn_id``), read
+  with the input's storage options;
 - a local path (plain or ``file://``; relative to the input file's folder), only under the input's own folder or
   ``input.image_roots``, compared after ``realpath`` (``path_policy.under_roots``);
-- nothing else: ``http(s)://`` and fsspec wrappers are refused (the pipeline fetches nothing from the web).
+- nothing else: ``http(s)://``, ``hf://``, another store, fsspec wrappers and a NUL byte are refused by name before
+  any filesystem is made (the pipeline fetches nothing from the web). Any failure of a reference, whatever raised
+  it (a store's client without credentials or its package), is its row's error, never the plan's.
 
 The planner (``ImageChecker``) checks each reference without decoding it: it exists, is a regular file or object,
 holds 1 to ``input.max_image_bytes`` bytes, its first bytes are a raster format PIL decodes here (PNG, JPEG, GIF,
 WebP, BMP, TIFF; an SVG is refused by name), its name's extension (where it names an image format) is that
-format, and for PNG and WebP the end is where the format says (a truncated PNG lacks its IEND chunk; a WebP is
-shorter than its RIFF header says). It hashes the bytes (SHA-256, streamed in ``READ_CHUNK`` pieces: memory holds
-one piece, never an image), and the shard row carries the hash: the prompt's key (the result cache, folding of
-identical prompts) holds the images' content hashes, never their URLs. A reference that fails is the row's error,
-with the reason.
+format, for PNG and WebP the end is where the format says (a truncated PNG lacks its IEND chunk; a WebP is
+shorter than its RIFF header says), and its header's width × height is at most ``input.max_image_pixels`` (a
+decompression bomb, a small file of huge dimensions, is refused by its header). It hashes the bytes (SHA-256,
+streamed in ``READ_CHUNK`` pieces: memory holds one piece, never an image), and the shard row carries the hash
+and the pixels: the prompt's key (the result cache, folding of identical prompts) holds the images' content
+hashes, never their URLs. A reference that fails is the row's error, with the reason. Each file or object read is
+noted with its stamp (``ImageReads``): the plan's key holds them, so a plan is made again once one changed.
 
-The shard (``load_image``) reads each image again as its request goes to the engine, checks the hash (an image
-changed since the plan is the row's error), and decodes it with PIL in full (``Image.load``): a decode failure
-(corrupt data past the header, a JPEG cut short) is the row's error too. Only the requests the engine holds at once,
-and those ``load_ahead`` loads ahead of it on ``input.image_workers`` threads, have decoded images (``stages.infer``).
+The shard (``load_image``) reads each image again as its request goes to the engine, under the same rule (a FIFO
+or a link put in its place is refused, unread), checks the hash (an image changed since the plan is the row's
+error), checks the header's pixels again, and decodes it with PIL in full (``Image.load``): a decode failure
+(corrupt data past the header, a JPEG cut short) is the row's error too. Only the requests the engine holds at
+once, and those ``load_ahead`` loads ahead of it on ``input.image_workers`` threads (at most
+``input.max_decoded_bytes_ahead`` of them decoded, counted from their headers), have decoded images
+(``stages.infer``).
 """
 from __future__ import annotations
 
@@ -32,8 +40,9 @@ import base64
 import binascii
 import hashlib
 import io
+import itertools
+import json
 import os
-import posixpath
 import re
 import stat
 import threading
@@ -47,6 +56,9 @@ from batch_llm.io import path_policy
 
 MIB = 2**20
 DEFAULT_MAX_IMAGE_BYTES = 20 * MIB   # OpenAI's limit per image
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # a 40 MP photo; vision-language models resize to far fewer (Qwen2-VL: 12.8 MP)
+DECODED_BYTES_PER_PIXEL = 4          # PIL holds an RGB image as 4 bytes a pixel
+ABSENT = "absent"                    # the stamp of a resource that is not there
 READ_CHUNK = 1 * MIB                 # bytes read at a time when hashing
 HEAD_BYTES = 64                      # what the format check reads from the start
 
@@ -68,7 +80,13 @@ T = TypeVar("T")
 
 
 class ImageProblem(ValueError):
-    """A reference that cannot be an image of this row; the message says which and why."""
+    """A reference that cannot be an image of this row; the message says which and why. ``read``: the resource
+    the check reached and its stamp (``stamp_of``), where it reached one: the plan's key holds it, so a row
+    refused for an image that is then fixed is planned again."""
+
+    def __init__(self, message: str, read: tuple[str, str] | None = None):
+        super().__init__(message)
+        self.read = read
 
 
 def sniff(head: bytes) -> str | None:
@@ -138,6 +156,57 @@ def _over(n: int, limit: int) -> ImageProblem:
     return ImageProblem(f"{_mib(n)}, over input.max_image_bytes ({_mib(limit)})")
 
 
+def _too_many_pixels(width: int, height: int, limit: int) -> ImageProblem:
+    return ImageProblem(f"{width} x {height} pixels ({_mib(width * height * DECODED_BYTES_PER_PIXEL)} decoded), over "
+                        f"input.max_image_pixels ({limit:,})")
+
+
+def header_pixels(f: Any, limit: int) -> int:
+    """Width × height from an image's header, read from the file object ``f`` (PIL reads the header only; nothing
+    is decoded); ImageProblem when over ``limit`` (``input.max_image_pixels``) or when the header does not read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(f) as img:
+            width, height = img.size
+    except Image.DecompressionBombError as e:  # PIL's own limit, above any this pipeline allows
+        raise ImageProblem(f"over input.max_image_pixels ({limit:,}): {e}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageProblem(f"its header does not read: {e}") from None
+    if width * height > limit:
+        raise _too_many_pixels(width, height, limit)
+    return width * height
+
+
+def local_stamp(st: os.stat_result) -> str:
+    """What changes when a local file is rewritten or replaced: size, mtime, ctime, inode."""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+
+
+def storage_stamp(info: dict) -> str:
+    """What changes when an object is rewritten: its size and its store's change markers (ETag, ...)."""
+    from batch_llm.io.identity import change_marks, stable_hash
+
+    return stable_hash({"size": str(info.get("size")), **change_marks(info)})[:32]
+
+
+def stamp_of(url: str, options: dict | None) -> str:
+    """The stamp (``local_stamp``, ``storage_stamp``, ``ABSENT``) of a resource the plan read, now: compared with
+    the plan's to tell whether the plan still holds. A resource that cannot be asked gets a stamp no plan holds."""
+    try:
+        resolved = path_policy.resolve(url)
+        if resolved.kind == "local":
+            return local_stamp(os.stat(resolved.local_path or url))
+        from batch_llm.io.storage import as_path
+
+        p = as_path(url, options)
+        return storage_stamp(p.fs.info(p.path))
+    except FileNotFoundError:
+        return ABSENT
+    except Exception as e:  # whatever it is, it is not what the plan read
+        return f"unreadable: {type(e).__name__}"
+
+
 # ------------------------------------------------------------------------------------------ references
 @dataclass(frozen=True)
 class ImageRef:
@@ -148,13 +217,27 @@ class ImageRef:
     sha256: str
     format: str
     bytes: int
+    pixels: int = 0  # width × height from its header; 0: not known (a plan made before pixels were counted)
+    stamp: str = field(default="", compare=False)  # the plan's stamp of the file or object (not of inline bytes)
 
     def to_json(self) -> dict:
-        return {"url": self.url, "sha256": self.sha256, "format": self.format, "bytes": self.bytes}
+        d = {"url": self.url, "sha256": self.sha256, "format": self.format, "bytes": self.bytes}
+        return {**d, "pixels": self.pixels} if self.pixels else d
 
     @classmethod
     def from_json(cls, d: dict) -> "ImageRef":
-        return cls(url=d["url"], sha256=d["sha256"], format=d["format"], bytes=int(d["bytes"]))
+        return cls(url=d["url"], sha256=d["sha256"], format=d["format"], bytes=int(d["bytes"]),
+                   pixels=int(d.get("pixels") or 0))
+
+
+def decoded_bytes(refs: Iterable[ImageRef | dict], max_pixels: int) -> int:
+    """The memory a request's images take decoded, from their headers' pixels (``max_pixels`` for one whose
+    pixels the plan did not count)."""
+    total = 0
+    for ref in refs:
+        pixels = ref.pixels if isinstance(ref, ImageRef) else int(ref.get("pixels") or 0)
+        total += (pixels or max_pixels) * DECODED_BYTES_PER_PIXEL
+    return total
 
 
 def data_url(data: bytes, fmt: str) -> str:
@@ -193,13 +276,17 @@ def where_of(n: int, url: Any) -> str:
 
 @dataclass
 class ImageChecker:
-    """The planner's check of a row's image references (see the module's docstring). ``base``: the input
-    file's folder (relative paths resolve against it); ``roots``: the local folders images may be read from;
-    ``options``: the storage options object-storage URLs are read with (the input's). Results are kept for the
-    last ``memo`` references, so an image many rows name is read once per plan."""
+    """The planner's check of a row's image references (see the module's docstring). Where a reference may be read
+    from is ``path_policy.RowResources``' rule: ``stores``, the object-storage protocols of the run's own storage,
+    read with ``options`` (the input's storage options); ``roots``, the local folders; ``base``, the input file's
+    folder (relative paths resolve against it). Any failure of a reference, whatever raised it, is the row's
+    ImageProblem. Results are kept for the last ``memo`` references, so an image many rows name is read once per
+    plan."""
 
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     roots: list[str] = field(default_factory=list)
+    stores: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     base: str | None = None
     memo: int = 4096
@@ -209,10 +296,7 @@ class ImageChecker:
     def check(self, url: Any, where: str) -> ImageRef:
         """The checked reference, or ImageProblem naming ``where`` (the row's n-th image) and why. Safe on several
         threads (the planner's ``input.image_workers``); two threads may then both read an image not yet known."""
-        if not isinstance(url, str) or not url.strip():
-            raise ImageProblem(f"{where}: an image reference is a non-empty string (a data: URL, a path or a "
-                               f"storage URL), got {type(url).__name__}")
-        key = (self.base, url) if not url.startswith("data:") else None  # inline images: their text is the row's
+        key = (self.base, url) if isinstance(url, str) and not url.startswith("data:") else None  # inline: the row's
         with self._lock:
             found = self._seen.get(key) if key is not None else None
             if found is not None:
@@ -228,7 +312,7 @@ class ImageChecker:
                     while len(self._seen) > self.memo:
                         self._seen.popitem(last=False)
         if isinstance(found, ImageProblem):
-            raise ImageProblem(f"{where}: {found}")
+            raise ImageProblem(f"{where}: {found}", found.read)
         return found
 
     def check_bytes(self, data: bytes, name: str, where: str) -> ImageRef:
@@ -237,46 +321,42 @@ class ImageChecker:
             if len(data) > self.max_bytes:
                 raise _over(len(data), self.max_bytes)
             fmt = check_bytes_shape(data[:HEAD_BYTES], data[-16:], len(data), name)
+            pixels = header_pixels(io.BytesIO(data), self.max_pixels)
         except ImageProblem as e:
             raise ImageProblem(f"{where}: {e}") from None
-        return ImageRef(data_url(data, fmt), hashlib.sha256(data).hexdigest(), fmt, len(data))
+        return ImageRef(data_url(data, fmt), hashlib.sha256(data).hexdigest(), fmt, len(data), pixels)
 
-    def _check(self, url: str) -> ImageRef:
-        if url.startswith("data:"):
-            data = _data_payload(url, self.max_bytes)
-            fmt = check_bytes_shape(data[:HEAD_BYTES], data[-16:], len(data), url)
-            return ImageRef(url, hashlib.sha256(data).hexdigest(), fmt, len(data))
-        resolved = path_policy.resolve(url)
-        if resolved.kind == "storage" and not resolved.wrapped:
-            return self._check_storage(url)
-        if resolved.kind == "local" and not resolved.wrapped:
-            if "://" not in url and self.base is not None and not os.path.isabs(os.path.expanduser(url)):
-                joined = _join(self.base, url)
-                target = path_policy.resolve(joined)
-                if target.kind == "storage":  # an input in object storage: relative to its folder there, and under it
-                    if not (joined + "/").startswith(self.base.rstrip("/") + "/"):
-                        raise ImageProblem(f"{url} climbs out of the input's folder {self.base} (a relative path "
-                                           "stays under it; name another object by its full URL)")
-                    return self._check_storage(joined)
-                return self._check_local(target.local_path or joined)
-            return self._check_local(resolved.local_path or url)
-        raise ImageProblem("not read from there: images come from data: URLs, object storage (s3://, gs://, az://, "
-                           "...) through the input's connection, or local paths under the input's folder and "
-                           "input.image_roots")
+    def _check(self, url: Any) -> ImageRef:
+        """One reference under the rule (``path_policy.RowResources``), then read: any failure is an ImageProblem
+        (a store's client refusing credentials or missing its package fails the row, never the plan)."""
+        try:
+            r = path_policy.RowResources(self.stores, tuple(self.roots)).check(url, self.base)
+            if r.kind == "inline":
+                data = _data_payload(url, self.max_bytes)
+                fmt = check_bytes_shape(data[:HEAD_BYTES], data[-16:], len(data), url)
+                pixels = header_pixels(io.BytesIO(data), self.max_pixels)
+                return ImageRef(url, hashlib.sha256(data).hexdigest(), fmt, len(data), pixels)
+            if r.kind == "storage":
+                return self._check_storage(r.url)
+            return self._check_local(r.local_path or url)
+        except ImageProblem:
+            raise
+        except path_policy.PathRefused as e:
+            raise ImageProblem(str(e)) from None
+        except Exception as e:  # the rule: whatever a reference does is its row's error, with what it was
+            raise ImageProblem(f"cannot read {_short(url)}: {type(e).__name__}: {e}") from None
 
     def _check_local(self, path: str) -> ImageRef:
-        if not path_policy.under_roots(path, self.roots):
-            raise ImageProblem(f"{path} is outside the folders images may be read from "
-                               f"({', '.join(self.roots) or 'none'}; add its folder to input.image_roots)")
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise ImageProblem(f"no such file {path}") from None
+            raise ImageProblem(f"no such file {path}", (path, ABSENT)) from None
         except OSError as e:
             raise ImageProblem(f"cannot read {path}: {e.strerror}") from None
+        read = (path, local_stamp(st))
         if not stat.S_ISREG(st.st_mode):
-            raise ImageProblem(f"{path} is not a regular file")
-        return self._checked_stream(os.path.realpath(path), st.st_size, lambda: open(path, "rb"))
+            raise ImageProblem(f"{path} is not a regular file", read)
+        return self._checked_stream(path, st.st_size, lambda: path_policy.open_regular(path), read)
 
     def _check_storage(self, url: str) -> ImageRef:
         from batch_llm.io.storage import as_path
@@ -285,26 +365,34 @@ class ImageChecker:
         try:
             info = p.fs.info(p.path)
         except FileNotFoundError:
-            raise ImageProblem(f"no such object {url}") from None
+            raise ImageProblem(f"no such object {url}", (url, ABSENT)) from None
         except OSError as e:
             raise ImageProblem(f"cannot read {url}: {e}") from None
+        read = (url, storage_stamp(info))
         if info.get("type") == "directory":
-            raise ImageProblem(f"{url} is a folder, not an object")
-        return self._checked_stream(url, int(info.get("size") or 0), lambda: p.open("rb"))
+            raise ImageProblem(f"{url} is a folder, not an object", read)
+        return self._checked_stream(url, int(info.get("size") or 0), lambda: p.open("rb"), read)
 
-    def _checked_stream(self, name: str, size: int, opener: Callable[[], Any]) -> ImageRef:
+    def _checked_stream(self, name: str, size: int, opener: Callable[[], Any], read: tuple[str, str]) -> ImageRef:
         """Size first (nothing read when over the limit), then the bytes streamed once: the head and tail
-        checked, the hash computed; memory holds one ``READ_CHUNK``."""
+        checked, the hash computed, the pixels counted from the header; memory holds one ``READ_CHUNK``. A
+        problem carries ``read``: what was read, as the plan's key holds it."""
+        try:
+            return self._stream(name, size, opener, read[1])
+        except (ImageProblem, path_policy.PathRefused) as e:  # PathRefused: a FIFO or a folder put there since
+            raise ImageProblem(str(e), read) from None
+
+    def _stream(self, name: str, size: int, opener: Callable[[], Any], stamp: str) -> ImageRef:
         if size > self.max_bytes:
             raise _over(size, self.max_bytes)
         h = hashlib.sha256()
-        head, tail, n = b"", b"", 0
+        first, tail, n = b"", b"", 0
         try:
             with opener() as f:
                 while chunk := f.read(READ_CHUNK):
                     if n == 0:
-                        head = chunk[:HEAD_BYTES]
-                        if sniff(head) in (None, "svg"):  # not an image: said without reading the rest
+                        first = chunk
+                        if sniff(chunk[:HEAD_BYTES]) in (None, "svg"):  # not an image: said without reading the rest
                             n = len(chunk)
                             break
                     n += len(chunk)
@@ -316,19 +404,73 @@ class ImageChecker:
             raise ImageProblem(f"no such file or object {name}") from None
         except OSError as e:
             raise ImageProblem(f"cannot read {name}: {e}") from None
-        fmt = check_bytes_shape(head, tail, n, name)
-        return ImageRef(name, h.hexdigest(), fmt, n)
+        fmt = check_bytes_shape(first[:HEAD_BYTES], tail, n, name)
+        return ImageRef(name, h.hexdigest(), fmt, n, self._pixels(first, n, opener), stamp)
+
+    def _pixels(self, first: bytes, size: int, opener: Callable[[], Any]) -> int:
+        """The header's pixels, from the first chunk read (the whole of most images), else (a header further in:
+        a TIFF's directory after its pixel data) from the file opened again, PIL reading only what it needs."""
+        try:
+            return header_pixels(io.BytesIO(first), self.max_pixels)
+        except ImageProblem as e:
+            if len(first) >= size or "over input.max_image_pixels" in str(e):
+                raise
+        with opener() as f:
+            return header_pixels(f, self.max_pixels)
 
 
-def _join(base: str, rel: str) -> str:
-    """A relative reference joined to the input file's folder: a local path, or an object-storage URL whose key's
-    ``.`` and ``..`` segments are resolved (S3 keys hold them literally; no store would find the object meant)."""
-    if path_policy.resolve(base).kind == "storage":
-        scheme, _, rest = base.rstrip("/").partition("://")
-        bucket, _, prefix = rest.partition("/")
-        key = posixpath.normpath(posixpath.join("/" + prefix, rel)).lstrip("/")
-        return f"{scheme}://{bucket}/{key}"
-    return os.path.join(base, rel)
+# ------------------------------------------------------------------------------------------ what a plan read
+class ImageReads:
+    """The image files and objects a plan's rows read, one JSON line ``[url, stamp]`` each (``stamp_of``), in the
+    rows' order (an image many rows name once while it is among the last ``recent`` noted): written while the
+    planner scans; the plan's key holds their ``digest``, and ``stamps_digest`` tells later whether they are
+    still what was read. Inline images are the input file's own bytes (its key holds them)."""
+
+    def __init__(self, path: Any, recent: int = 4096):
+        self.path, self.count, self._recent = path, 0, recent
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._hash = hashlib.sha256()
+        self._file: Any = None
+
+    def __enter__(self) -> "ImageReads":
+        self._file = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def note(self, read: tuple[str, str] | None) -> None:
+        if read is None:
+            return
+        if read in self._seen:
+            self._seen.move_to_end(read)
+            return
+        self._seen[read] = None
+        if len(self._seen) > self._recent:
+            self._seen.popitem(last=False)
+        line = _read_line(*read)
+        self._file.write(line)
+        self._hash.update(line)
+        self.count += 1
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _read_line(url: str, stamp: str) -> bytes:
+    return (json.dumps([url, stamp], ensure_ascii=False) + "\n").encode()
+
+
+def stamps_digest(listing: Any, options: dict | None, workers: int = 4) -> str:
+    """The digest ``ImageReads`` made of the plan's list of reads (``listing``, a path), with each resource's
+    stamp taken now (object stores asked on ``workers`` threads): the same digest while every one is unchanged."""
+    h = hashlib.sha256()
+    with listing.open("rb") as fh, ThreadPoolExecutor(max(1, workers), thread_name_prefix="image-stamp") as pool:
+        while batch := list(itertools.islice(fh, 1024)):
+            urls = [json.loads(line)[0] for line in batch]
+            for url, stamp in zip(urls, pool.map(lambda u: stamp_of(u, options), urls)):
+                h.update(_read_line(url, stamp))
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -353,63 +495,79 @@ def count_images(messages: list[dict]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the shard
-def read_image_bytes(ref: ImageRef, options: dict | None, max_bytes: int) -> bytes:
-    """The image's bytes as the plan checked them, read again; ImageProblem when they cannot be read, grew past
-    ``max_bytes`` or are not the bytes the plan hashed."""
+def read_image_bytes(ref: ImageRef, options: dict | None, max_bytes: int, stores: Sequence[str] = ()) -> bytes:
+    """The image's bytes as the plan checked them, read again under the same rule (``path_policy.RowResources``:
+    the plan's local path, still a regular file at that real path; an object of ``stores``); ImageProblem when
+    they cannot be read, grew past ``max_bytes`` or are not the bytes the plan hashed."""
     where = f"image {_short(ref.url)}"
-    if ref.url.startswith("data:"):
-        try:
+    try:
+        r = path_policy.RowResources(tuple(stores), None).check(ref.url)
+        if r.kind == "inline":
             data = _data_payload(ref.url, max_bytes)
-        except ImageProblem as e:
-            raise ImageProblem(f"{where}: {e}") from None
-    else:
-        from batch_llm.io.storage import as_path
+        else:
+            from batch_llm.io.storage import as_path
 
-        try:
-            with as_path(ref.url, options).open("rb") as f:
+            opened = path_policy.open_regular(r.local_path) if r.kind == "local" and r.local_path else \
+                as_path(r.url, options).open("rb")
+            with opened as f:
                 data = f.read(max_bytes + 1)
-        except FileNotFoundError:
-            raise ImageProblem(f"{where}: gone since the plan (no such file or object)") from None
-        except OSError as e:
-            raise ImageProblem(f"{where}: cannot read it: {e}") from None
-        if len(data) > max_bytes:
-            raise ImageProblem(f"{where} grew past input.max_image_bytes ({_mib(max_bytes)}) since the plan")
+    except (ImageProblem, path_policy.PathRefused) as e:
+        raise ImageProblem(f"{where}: {e}") from None
+    except FileNotFoundError:
+        raise ImageProblem(f"{where}: gone since the plan (no such file or object)") from None
+    except OSError as e:
+        raise ImageProblem(f"{where}: cannot read it: {e}") from None
+    except Exception as e:  # the rule: whatever the read does is the row's error
+        raise ImageProblem(f"{where}: cannot read it: {type(e).__name__}: {e}") from None
+    if len(data) > max_bytes:
+        raise ImageProblem(f"{where} grew past input.max_image_bytes ({_mib(max_bytes)}) since the plan")
     if hashlib.sha256(data).hexdigest() != ref.sha256:
         raise ImageProblem(f"{where} changed since the plan (its SHA-256 is not {ref.sha256[:12]}…): plan the run "
                            "again (clear plan_shards)")
     return data
 
 
-def decode_image(data: bytes, ref: ImageRef) -> Any:
-    """A PIL image, decoded in full (``load``) and in RGB; ImageProblem when PIL cannot decode it (a truncated
-    JPEG, corrupt data past the header, more pixels than PIL's decompression-bomb limit)."""
+def decode_image(data: bytes, ref: ImageRef, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any:
+    """A PIL image, decoded in full (``load``) and in RGB; ImageProblem when its header says more than
+    ``max_pixels`` (told before any pixel is decoded: a small file of huge dimensions never takes their memory)
+    or when PIL cannot decode it (a truncated JPEG, corrupt data past the header)."""
     from PIL import Image, UnidentifiedImageError
 
     where = f"image {_short(ref.url)}"
     try:
         with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise _too_many_pixels(width, height, max_pixels)
             img.load()
             return img.convert("RGB")
+    except ImageProblem as e:
+        raise ImageProblem(f"{where}: {e}") from None
     except Image.DecompressionBombError as e:
         raise ImageProblem(f"{where} does not decode: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageProblem(f"{where} does not decode ({FORMAT_NAME.get(ref.format, ref.format)}): {e}") from None
 
 
-def load_image(ref: ImageRef | dict, options: dict | None, max_bytes: int) -> Any:
+def load_image(ref: ImageRef | dict, options: dict | None, max_bytes: int, *,
+               max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, stores: Sequence[str] = ()) -> Any:
     """The shard's load of one checked image: read, hash compared, decoded (``read_image_bytes``, ``decode_image``)."""
     ref = ref if isinstance(ref, ImageRef) else ImageRef.from_json(ref)
-    return decode_image(read_image_bytes(ref, options, max_bytes), ref)
+    return decode_image(read_image_bytes(ref, options, max_bytes, stores), ref, max_pixels)
 
 
 def load_ahead(items: Iterable[T], refs_of: Callable[[T], Sequence[Any]], load: Callable[[Any], Any],
-               workers: int) -> Iterator[tuple[T, list | ImageProblem | None]]:
+               workers: int, cost: Callable[[T], int] | None = None,
+               budget: int | None = None) -> Iterator[tuple[T, list | ImageProblem | None]]:
     """``(item, its images)`` for each item, in the items' order: the decoded images of ``refs_of(item)`` (``load``
     each), the ``ImageProblem`` that stopped one, or None for an item without images.
 
     With ``workers`` > 1 the loads run on that many threads, up to ``2 × workers`` items ahead of the consumer: an
     object store's reads overlap, and PIL decodes outside the GIL, so a shard of image rows keeps its engine fed
-    (the window is small because each item ahead holds its images decoded).
+    (the window is small because each item ahead holds its images decoded). With a ``budget``, the window also
+    holds at most that many bytes of ``cost`` (an item's images decoded, from their headers: ``decoded_bytes``):
+    an item whose images would take it past the budget starts loading only once the items before it have gone
+    to the consumer; one item alone always loads, whatever its cost.
     An item is yielded as soon as it and every item before it are loaded; a text item waits only for those before
     it. The consumer's thread pulls ``items`` (whatever that iterator does, e.g. failing a row, stays on it); the
     threads only load. Any other exception of a load is raised at its item, as a load one at a time would."""
@@ -418,8 +576,16 @@ def load_ahead(items: Iterable[T], refs_of: Callable[[T], Sequence[Any]], load: 
             yield item, _load_all(refs_of(item), load)
         return
     window = 2 * workers
-    pending: deque[tuple[T, Future | None]] = deque()
+    pending: deque[tuple[T, Future | None, int]] = deque()
+    held = 0  # the cost of the items in the window
     pool: ThreadPoolExecutor | None = None
+
+    def pop() -> tuple[T, list | ImageProblem | None]:
+        nonlocal held
+        head, fut, c = pending.popleft()
+        held -= c
+        return head, (fut.result() if fut is not None else None)
+
     try:
         for item in items:
             refs = refs_of(item)
@@ -427,16 +593,18 @@ def load_ahead(items: Iterable[T], refs_of: Callable[[T], Sequence[Any]], load: 
                 yield item, None
                 continue
             if refs:
+                c = cost(item) if cost is not None else 0
+                while budget is not None and pending and held + c > budget:  # room first: the items before it go
+                    yield pop()
                 pool = pool or ThreadPoolExecutor(workers, thread_name_prefix="image-load")
-                pending.append((item, pool.submit(_load_all, list(refs), load)))
+                pending.append((item, pool.submit(_load_all, list(refs), load), c))
+                held += c
             else:
-                pending.append((item, None))
+                pending.append((item, None, 0))
             while pending and (len(pending) > window or pending[0][1] is None or pending[0][1].done()):
-                head, fut = pending.popleft()
-                yield head, (fut.result() if fut is not None else None)
+                yield pop()
         while pending:
-            head, fut = pending.popleft()
-            yield head, (fut.result() if fut is not None else None)
+            yield pop()
     finally:  # the consumer stopped early (a stop, a failed engine): loads not started are dropped
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -459,7 +627,6 @@ def iter_refs(row: dict) -> Iterator[ImageRef]:
 def model_takes_images(model_dir: str) -> bool:
     """Whether the model folder's config names a vision part (``vision_config``, an image token, ...): a text
     model is sent no images (the row's error says so)."""
-    import json
     from pathlib import Path
 
     try:

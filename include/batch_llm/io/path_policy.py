@@ -12,6 +12,10 @@ Every path of a run a user can name (``input.path``, word lists, the output sche
 - anything else (``http://``, ``zip::``, ``dir::``, ``reference::``, ...): ``other``, which the trigger form and the
   report app refuse.
 
+What a row makes the pipeline read (its images) is held to one rule, ``RowResources``: a data: URL, an object in the
+run's own store, or a local path under the allowed folders; anything else is refused by name before any filesystem
+is made for it, and a local file is opened only as a regular file (``open_regular``).
+
 ``storage.as_path`` opens a local path at exactly the ``local_path`` classified here, so what a check looked at
 (after ``realpath``: ``..`` and symlinks resolved) is what is read.
 
@@ -25,6 +29,7 @@ Nothing here imports Airflow or the rest of the library (it is imported by both)
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import stat
 import string
@@ -55,7 +60,7 @@ class PathRefused(ValueError):
     """A path the policy does not allow (or a file it does not read); the message is one line saying why."""
 
 
-Kind = Literal["local", "storage", "builtin", "other"]
+Kind = Literal["local", "storage", "builtin", "inline", "other"]
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,117 @@ def under_roots(path: str, roots: list[str]) -> bool:
         if real == base or os.path.commonpath([real, base]) == base:
             return True
     return False
+
+
+# ------------------------------------------------------------------------------------------ a row's resources
+# Protocols that name the same store (one connection reads them all)
+_STORE_FAMILIES = (("s3", "s3a"), ("gs", "gcs"), ("az", "abfs", "abfss"))
+
+
+def store_family(protocol: str) -> tuple[str, ...]:
+    """The protocols that name the same store as ``protocol`` (``s3`` and ``s3a``, ...); () for none."""
+    for family in _STORE_FAMILIES:
+        if protocol in family:
+            return family
+    return (protocol,) if protocol in OBJECT_STORAGE_PROTOCOLS else ()
+
+
+def input_stores(input_url: str, conn_id: str | None) -> tuple[str, ...]:
+    """The object-storage protocols a run's rows may name resources in: the input's own store, and S3 where the
+    input has a connection (``input.conn_id`` is an AWS connection). A local input without one: none."""
+    stores = list(store_family(resolve(input_url).protocol)) if resolve(input_url).kind == "storage" else []
+    if conn_id:
+        stores += [p for p in store_family("s3") if p not in stores]
+    return tuple(stores)
+
+
+def join_relative(base: str, rel: str) -> str:
+    """A relative reference joined to an input file's folder: a local path, or an object-storage URL whose key's
+    ``.`` and ``..`` segments are resolved (S3 keys hold them literally; no store would find the object meant)."""
+    if resolve(base).kind == "storage":
+        scheme, _, rest = base.rstrip("/").partition("://")
+        bucket, _, prefix = rest.partition("/")
+        key = posixpath.normpath(posixpath.join("/" + prefix, rel)).lstrip("/")
+        return f"{scheme}://{bucket}/{key}"
+    return os.path.join(base, rel)
+
+
+@dataclass(frozen=True)
+class RowResources:
+    """The one rule for what a row may make the pipeline read (its images): a ``data:`` URL (inline); an object in
+    the run's own store (``stores``: ``input_stores``), read with the input's storage options; a local path under
+    ``roots`` (after ``realpath``); a path relative to the input file's folder (``base``), under it. Anything else
+    (``http://``, ``hf://``, an fsspec wrapper, another store, a NUL byte) is refused by ``check`` with the reason,
+    before any filesystem is made for it: a row never reaches the network or a store the run was not given.
+
+    ``roots`` None: a path the plan checked, read again (absolute and canonical: a link put in its place since is
+    refused, so the file read is still the one under the roots the plan compared)."""
+
+    stores: tuple[str, ...] = ()
+    roots: tuple[str, ...] | None = ()
+
+    def check(self, ref: Any, base: str | None = None) -> ResolvedPath:
+        """Where ``ref`` is read: kind ``inline`` (a data: URL), ``storage`` (its URL, joined to ``base`` when
+        relative) or ``local`` (``local_path``: its real path); PathRefused naming why it is not read."""
+        if not isinstance(ref, str) or not ref.strip():
+            raise PathRefused(f"a reference is a non-empty string (a data: URL, a path or a storage URL), got "
+                              f"{type(ref).__name__}")
+        if "\x00" in ref:
+            raise PathRefused("the reference holds a NUL byte")
+        if ref.startswith("data:"):
+            return ResolvedPath(ref, "inline", "data")
+        r = resolve(ref)
+        if r.kind == "local" and not r.wrapped and "://" not in ref and base is not None and \
+                not os.path.isabs(os.path.expanduser(ref)):
+            joined = join_relative(base, ref)
+            if resolve(joined).kind == "storage":  # an input in object storage: relative to its folder there
+                if not (joined + "/").startswith(base.rstrip("/") + "/"):
+                    raise PathRefused(f"{ref} climbs out of the input's folder {base} (a relative path stays under "
+                                      "it; name another object by its full URL)")
+                return self._stored(resolve(joined))
+            r = resolve(joined)
+        if r.wrapped or r.kind not in ("local", "storage"):
+            scheme = ref.split("::", 1)[0] + "::" if r.wrapped else ref.split(":", 1)[0] + ":" + "//" * ("://" in ref)
+            raise PathRefused(f"{scheme} is refused: {self._allowed()}")
+        if r.kind == "storage":
+            return self._stored(r)
+        path = r.local_path or ref
+        real = os.path.realpath(path)
+        if self.roots is None:
+            if real != path:
+                raise PathRefused(f"{path} is no longer the file the plan checked (a link, or a folder on its way is "
+                                  f"one, now points to {real})")
+        elif not under_roots(real, list(self.roots)):
+            raise PathRefused(f"{path} is outside the folders images may be read from "
+                              f"({', '.join(self.roots) or 'none'}; add its folder to input.image_roots)")
+        return ResolvedPath(ref, "local", r.protocol, real)
+
+    def _stored(self, r: ResolvedPath) -> ResolvedPath:
+        if r.protocol not in self.stores:
+            raise PathRefused(f"{r.protocol}:// is refused (not this run's storage): {self._allowed()}")
+        return r
+
+    def _allowed(self) -> str:
+        stores = ", ".join(f"{p}://" for p in self.stores)
+        store = f"the run's storage ({stores}) through the input's connection, " if stores else ""
+        return (f"a row's images come from data: URLs, {store}or local paths under the input's folder and "
+                "input.image_roots (nothing from the web or another store)")
+
+
+def open_regular(path: str) -> Any:
+    """``path`` opened for reading, binary, where it is a regular file; PathRefused for a folder, device, FIFO or
+    socket (opened without blocking, checked on the open file: a FIFO put in its place cannot hang the reader).
+    FileNotFoundError where it is gone."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PathRefused(f"{path} is {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'} (a device, "
+                              "FIFO or socket is never read)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
 
 
 # ------------------------------------------------------------------------------------------ reading whole files

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from batch_llm.analysis.timeline import Timeline
 from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
@@ -551,11 +551,13 @@ class ShardRun:
         images are loaded here, as the engine pulls it, on ``input.image_workers`` threads a bounded window ahead
         (``io.images.load_ahead``; each as ``_with_images`` says): only the requests the engine holds at once and
         that window have decoded images, never the shard's."""
-        from batch_llm.io.images import ImageProblem, load_ahead, load_image
+        from batch_llm.io.images import ImageProblem, decoded_bytes, load_ahead
 
-        options, max_bytes = self.image_options, self.cfg.input.max_image_bytes
+        inp = self.cfg.input
         for req, images in load_ahead(self._first_requests(spooled, rows), lambda r: r.image_refs or (),
-                                      lambda ref: load_image(ref, options, max_bytes), self.cfg.input.image_workers):
+                                      self._load_image, inp.image_workers,
+                                      cost=lambda r: decoded_bytes(r.image_refs or (), inp.max_image_pixels),
+                                      budget=inp.max_decoded_bytes_ahead):
             if isinstance(images, ImageProblem):
                 self._fail(req.key, str(images))
                 continue
@@ -570,14 +572,24 @@ class ShardRun:
         asked when the request was made (``_request_for``: every request, spooled or asked again, comes from it)."""
         if not req.image_refs:
             return req
-        from batch_llm.io.images import ImageProblem, load_image
+        from batch_llm.io.images import ImageProblem
 
         try:
-            images = [load_image(ref, self.image_options, self.cfg.input.max_image_bytes) for ref in req.image_refs]
+            images = [self._load_image(ref) for ref in req.image_refs]
         except ImageProblem as e:
             self._fail(req.key, str(e))
             return None
         return dataclasses.replace(req, images=images)
+
+    def _load_image(self, ref: dict) -> Any:
+        """One image of a request, loaded under the input's limits and read from where its plan may read
+        (``io.images.load_image``)."""
+        from batch_llm.io import path_policy
+        from batch_llm.io.images import load_image
+
+        inp = self.cfg.input
+        return load_image(ref, self.image_options, inp.max_image_bytes, max_pixels=inp.max_image_pixels,
+                          stores=path_policy.input_stores(inp.path, inp.conn_id))
 
     def _image_refusal(self, n: int) -> str | None:
         """Why this shard's engine or model cannot take a request's ``n`` images (a review pass's rows meet the

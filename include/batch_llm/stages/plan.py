@@ -47,7 +47,17 @@ from batch_llm.io.formats import (
     sniff_openai_batch,
     to_prompt_row,
 )
-from batch_llm.io.images import ImageChecker, ImageProblem, ImageRef, content_text, image_part, load_ahead, where_of
+from batch_llm.io.images import (
+    ImageChecker,
+    ImageProblem,
+    ImageReads,
+    ImageRef,
+    content_text,
+    image_part,
+    load_ahead,
+    stamps_digest,
+    where_of,
+)
 from batch_llm.io.storage import (
     Location,
     atomic_writer,
@@ -133,10 +143,11 @@ class _Scan:
         self.rows_read = 0
         self.capped = 0               # rows whose max_tokens was lowered to sampling.max_tokens_cap
         self.has_references = False
+        self.reads = ImageReads(tmp / "images-read.jsonl")  # every image file or object the rows read: the plan's key
 
     def run(self, files: list) -> None:
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
-        with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors:
+        with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors, self.reads:
             for file_no, f in enumerate(files):
                 self.images.base = str(f.parent)  # a row's relative image paths: from its file's folder
                 rows = read_file_rows(f, read_fmt, self.cfg.input)
@@ -238,6 +249,7 @@ class _Scan:
         if why := self._images_refusal(len(parts)):
             raise ValueError(why)
         if isinstance(images, ImageProblem):
+            self.reads.note(images.read)
             raise ValueError(str(images))
         made = iter(images) if images is not None else None
         refs, n = [], 0
@@ -250,7 +262,10 @@ class _Scan:
             try:
                 ref = next(made) if made is not None else self._check_part((n, p))
             except ImageProblem as problem:
+                self.reads.note(problem.read)
                 raise ValueError(str(problem)) from None
+            if ref.stamp:
+                self.reads.note((ref.url, ref.stamp))
             refs.append(ref.to_json())
             return image_part(ref)
 
@@ -303,9 +318,10 @@ def _shard_fields(r: PromptRow) -> dict:
 
 
 def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageChecker:
-    """The planner's image check for this run: ``input.max_image_bytes``; local images under the input's own
-    folder (the input path, or the folder of an input file) and ``input.image_roots``; object-storage images read
-    with the input's storage options (its connection's)."""
+    """The planner's image check for this run: ``input.max_image_bytes`` and ``input.max_image_pixels``; local
+    images under the input's own folder (the input path, or the folder of an input file) and
+    ``input.image_roots``; object-storage images only in the input's own store (or S3 through its connection),
+    read with the input's storage options (``path_policy.RowResources``)."""
     from batch_llm.io import path_policy
 
     roots = [path_policy.local_path(r) or r for r in cfg.input.image_roots]
@@ -315,7 +331,9 @@ def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageCheck
         local = path_policy.local_path(input_loc.url)
         if local is not None:
             roots.insert(0, local if Path(local).is_dir() else str(Path(local).parent))
-    return ImageChecker(max_bytes=cfg.input.max_image_bytes, roots=roots, options=options)
+    stores = path_policy.input_stores(input_loc.url if input_loc is not None else cfg.input.path, cfg.input.conn_id)
+    return ImageChecker(max_bytes=cfg.input.max_image_bytes, max_pixels=cfg.input.max_image_pixels, roots=roots,
+                        stores=stores, options=options)
 
 
 def _spool_lines(path: Path) -> Iterator[list[bytes]]:
@@ -459,6 +477,14 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         tmp = Path(tmp_dir)
         scan = _Scan(cfg, fmt, tmp, image_checker(cfg, input_loc))
         scan.run(files)
+        images_read = None
+        if scan.reads.count:  # the images are inputs too: the plan's key holds what was read of them
+            read_loc = plan_dir.child("images-read.jsonl")
+            with atomic_writer(read_loc.path()) as w, open(scan.reads.path, "rb") as fh:
+                while chunk := fh.read(2**20):
+                    w.write(chunk)
+            images_read = read_loc.url
+            input_key = with_images_key(input_key, scan.reads.digest()) if input_key else None
         dups = _find_duplicates(scan, files, tmp)
         n_valid = len(scan.id_hashes) - len(dups)
         sizes = shard_sizes(n_valid, cfg.sharding, cfg.sampling.max_tokens)
@@ -474,7 +500,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
         records=plan_dir.child("records.jsonl").url,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
-        peak_rss_mb=peak_rss_mb(), input_key=input_key)
+        peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read)
     manifest.write(plan_dir.path())
     return manifest
 
@@ -515,12 +541,32 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     its key, so chunks committed for an earlier plan are not resumed."""
     key = plan_input_key(cfg, layout.input)
     done = PlanManifest.read_if_done(layout.stage("plan").path())
-    if done is not None and done.input_key == key:
+    if done is not None and done.input_key == _key_now(done, key, layout.input.options, cfg.input.image_workers):
         return done
     if done is not None:
         logging.getLogger("batch_llm.stages.plan").info("the input or the plan's settings changed since the run's last "
                                                  "plan: planning again")
     return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key)
+
+
+def with_images_key(key: str, images_digest: str) -> str:
+    """A plan's key once its rows' images are known: the input's key and what was read of the images."""
+    from batch_llm.io.identity import stable_hash
+
+    return stable_hash({"input": key, "images": images_digest})
+
+
+def _key_now(done: PlanManifest, key: str, options: dict, workers: int) -> str | None:
+    """The key the committed plan ``done`` would have now: ``key`` (the input files and settings), with its images
+    (``images_read``) stamped again where it read any: one image replaced, added where it was missing, or gone
+    makes another key, so a Clear plans again."""
+    if done.images_read is None:
+        return key
+    try:
+        digest = stamps_digest(Location(done.images_read, options).path(), options, workers)
+    except (OSError, ValueError):  # its list unreadable: plan again
+        return None
+    return with_images_key(key, digest)
 
 
 def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
@@ -530,6 +576,7 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
 
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
+    settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
     key = {"files": files_key(input_files(input_loc.path())), "settings": settings, "task": cfg.engine.task}
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
