@@ -139,12 +139,37 @@ def _has_invisible(text: str) -> bool:
     return quick.search(text) is not None and exact.search(text) is not None
 
 
+# Unicode's stream-safe bound (UAX #15): at most this many non-starters in a row before a normalisation
+_MAX_NON_STARTERS = 30
+
+
+@functools.cache
+def _long_non_starter_run() -> re.Pattern:
+    """``_MAX_NON_STARTERS`` characters in a row that decompose to combining marks only (a combining class
+    other than 0), followed by another: where ``_stream_safe`` breaks the run. Built once (~0.1 s)."""
+    marks = [(cp, cp) for cp in range(0x110000) if unicodedata.combining(chr(cp)) or (
+        unicodedata.decomposition(chr(cp)) and unicodedata.combining(unicodedata.normalize("NFKD", chr(cp))[0]))]
+    mark = _char_class(marks).pattern
+    return re.compile(f"{mark}{{{_MAX_NON_STARTERS}}}(?={mark})")
+
+
+def _stream_safe(s: str) -> str:
+    """``s`` with a combining grapheme joiner (U+034F, a starter, invisible: folding drops it again) after every
+    ``_MAX_NON_STARTERS`` combining marks of a run. CPython's normalisation orders a run of marks by insertion
+    sort, quadratic in the run's length: one letter under 80,000 marks of mixed classes took 5 s a call. Only
+    the order of marks beyond the 30th changes, which no listed word holds."""
+    if len(s) <= _MAX_NON_STARTERS:
+        return s
+    return _long_non_starter_run().sub("\\g<0>\u034f", s)
+
+
 def _fold_string(s: str, casefold: bool) -> str:
     """Invisible characters dropped, NFKD, (casefold) full case folding, NFKC: Unicode's compatibility caseless
     match, composed. ``İ`` folds to ``i`` (Unicode's Turkic folding) rather than ``i`` plus a combining dot, so
     ``SHİT`` reads as ``shit``."""
     invisible = _invisible_patterns()[1]
-    s = unicodedata.normalize("NFKD", invisible.sub("", s))  # first: they would keep an accent off its letter
+    # invisible ones first: they would keep an accent off its letter
+    s = unicodedata.normalize("NFKD", _stream_safe(invisible.sub("", s)))
     if casefold:
         s = (_without_dot_above_capital_i(s) if "\u0307" in s else s).casefold()
     return invisible.sub("", unicodedata.normalize("NFKC", s))
@@ -235,16 +260,30 @@ def fold_text(text: str, casefold: bool = True) -> Folded:
 def _fold_by_cluster(text: str, pieces: list[str], casefold: bool) -> Folded:
     """``fold_text`` for a text with characters that compose with the previous one: a cluster (a character and
     those that combine with it) folds as one string, and each of its folded characters maps to all of it."""
-    clusters: list[list] = []  # [first, last, source, folded] each, in the original's order
+    # [first, last, source characters, folded or None while marks join it] each, in the original's order: a
+    # cluster folds again only when a character that is not a mark asks whether it composes with it, and once
+    # at the end, so a letter under thousands of marks folds once, not once a mark. A character that is not a
+    # mark composes only with the one right before it (any mark between blocks it): its last character is what
+    # it is checked against, not the whole cluster.
+    clusters: list[list] = []
     for i, piece in enumerate(pieces):
         if not piece:  # invisible: no part of a cluster, inside whichever span surrounds it
             continue
         cur = clusters[-1] if clusters else None
-        if cur and (unicodedata.combining(piece[0]) or not unicodedata.is_normalized("NFC", cur[3] + piece)):
-            cur[1], cur[2] = i, cur[2] + text[i]
-            cur[3] = _fold_string(cur[2], casefold)
+        if cur and unicodedata.combining(piece[0]):
+            cur[1], cur[3] = i, None
+            cur[2].append(text[i])
+            continue
+        if cur and cur[3] is None:
+            cur[3] = _fold_string("".join(cur[2]), casefold)
+        if cur and not unicodedata.is_normalized("NFC", cur[3][-1:] + piece):
+            cur[1], cur[3] = i, None
+            cur[2].append(text[i])
         else:
-            clusters.append([i, i, text[i], piece])
+            clusters.append([i, i, [text[i]], piece])
+    for c in clusters:
+        if c[3] is None:
+            c[3] = _fold_string("".join(c[2]), casefold)
     return Folded("".join(c[3] for c in clusters), [c[0] for c in clusters for _ in c[3]],
                   [c[1] for c in clusters for _ in c[3]])
 
