@@ -221,6 +221,9 @@ class Folded:
     starts: list[int] | None = None
     ends: list[int] | None = None
     pieces: list[str] | None = None
+    # Where the separators fold dropped a run of separators: the folded characters right after one, each the
+    # start of a word for the whole-word rule
+    joins: frozenset[int] = frozenset()
 
     def span(self, first: int, last: int) -> tuple[int, int]:
         """The original characters (start, end) that folded characters ``first``..``last`` came from, any
@@ -293,24 +296,51 @@ def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Fol
     map back to the original text kept: each character maps to the original characters of the one it came from."""
     if not folds:
         return folded
-    pieces = fold_pieces(folded.text, folds, casefold)
-    if pieces is None:
+    got = fold_pieces(folded.text, folds, casefold)
+    if got is None:
         return folded
+    pieces, dropped = got
     starts: list[int] = []
     ends: list[int] = []
+    joins: set[int] = set()
+    separators, pending = set(dropped), False
     for j, piece in enumerate(pieces):
         if piece:
+            if pending:
+                joins.add(len(starts))
+                pending = False
             start, end = folded.span(j, j)
             starts += [start] * len(piece)
             ends += [end - 1] * len(piece)
-    return Folded("".join(pieces), starts, ends)
+        elif j in separators:
+            pending = True
+    return Folded("".join(pieces), starts, ends, joins=frozenset(joins))
 
 
-def _splits_a_word(hay: str, first: int, last: int, word: str) -> bool:
-    """Whether a hit of an ASCII word is part of a longer word (``ass`` in ``class``): whole words only."""
-    if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]):
-        return True
-    return _is_word_char(word[-1]) and last + 1 < len(hay) and _is_word_char(hay[last + 1])
+# The word forms of ``match: stem`` (English endings after the listed word) and ``match: prefix`` (any letters
+# and digits, up to 32: the hit takes them, so the mask covers ``casinos``, not ``casino`` and an ``s``)
+_FORM_MAX = 32
+_WORD_FORMS = {"stem": re.compile(r"(?:s|es|ed|d|ing|ings|er|ers)?(?![a-z0-9])"),
+               "prefix": re.compile(f"[a-z0-9]{{0,{_FORM_MAX}}}")}
+
+
+def _word_end(folded: Folded, first: int, last: int, word: str, match: str) -> int | None:
+    """Where a hit of ``word`` at folded characters ``first``..``last`` ends (its last folded character), or None
+    when the list does not match it there. Words of ASCII letters match whole words (``ass`` is not in
+    ``class``; ``_`` is a letter there); ``match: prefix`` any word that starts with the listed one, ``match:
+    stem`` the word with an English ending (``casinos``; ``_`` ends a word: ``casino_bonus``). A separator that
+    the separators fold dropped still ends a word (``joins``)."""
+    hay, joins = folded.text, folded.joins
+    if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]) and first not in joins:
+        return None
+    if not _is_word_char(word[-1]) or last + 1 == len(hay) or last + 1 in joins:
+        return last
+    if match == "word":
+        return None if _is_word_char(hay[last + 1]) else last
+    # a dropped separator ends the word form (looked for as far as the longest form reaches)
+    limit = next((k for k in range(last + 2, min(len(hay), last + 2 + _FORM_MAX)) if k in joins), len(hay))
+    form = _WORD_FORMS[match].match(hay, last + 1, limit)
+    return None if form is None else form.end() - 1
 
 
 class ContentFilter:
@@ -348,11 +378,11 @@ class ContentFilter:
             if folds not in by_folds:
                 by_folds[folds] = refold(base, folds, self.casefold)
             folded = by_folds[folds]
-            hay = folded.text
-            for last, word in lst.automaton.iter(hay):
+            for last, word in lst.automaton.iter(folded.text):
                 first = last - len(word) + 1
-                if not _splits_a_word(hay, first, last, word):
-                    hits.append((lst, *folded.span(first, last), word))
+                end = _word_end(folded, first, last, word, lst.cfg.match)
+                if end is not None:
+                    hits.append((lst, *folded.span(first, end), word))
         return hits
 
     def _fold(self, text: str, folds: tuple[str, ...]) -> Folded:
