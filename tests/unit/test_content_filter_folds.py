@@ -111,17 +111,22 @@ def _sample_texts() -> list[str]:
 
 def test_false_positive_cost_on_the_sample_data():
     """docs/user-guide.md's figure: the shipped lists and the demo's watchlist find the same hits in the sample
-    data with each fold as without (the folds change the folded text of the 12 Chinese rows, no hit)."""
+    data with each fold and each word-form match as without (the folds change the folded text of some rows, no
+    hit)."""
     texts = _sample_texts()
     lists = [("en", "builtin:en"), ("zh", "builtin:zh"),
              ("watchlist", str(ROOT / "dags" / "pipelines" / "wordlists" / "demo_watchlist.txt"))]
 
-    def hits(fold: list[str]) -> list[tuple[str, str]]:
-        f = ContentFilter(FilterConfig(lists=[WordListConfig(name=n, path=p, action="flag", fold=fold)
+    def hits(fold: list[str], match: str = "word") -> list[tuple[str, str]]:
+        f = ContentFilter(FilterConfig(lists=[WordListConfig(name=n, path=p, action="flag", fold=fold, match=match)
                                               for n, p in lists]))
         return [(h[0].cfg.name, h[3]) for t in texts for h in f.scan(t)]
 
     plain = hits([])
     assert len(texts) == 97 and len(plain) == 2
-    for fold in (["confusables"], ["separators"], ["confusables", "separators"]):
+    for fold in (["confusables"], ["separators"], ["han_variants"], ["confusables", "separators"],
+                 ["confusables", "han_variants", "separators"]):
         assert hits(fold) == plain, fold
+    for match in ("prefix", "stem"):
+        assert hits([], match) == plain, match
+        assert hits(["confusables", "han_variants", "separators"], match) == plain, match

@@ -1,14 +1,15 @@
 """Content filter: scan outputs against sensitive-word lists, each with an action (flag, mask, drop).
 
 Lists are Aho-Corasick automata (pyahocorasick), so a scan costs one pass over the text however many words
-the lists hold. Words made of ASCII letters and digits match whole words only; others (Chinese has no word
-boundaries) match anywhere.
+the lists hold. Words made of ASCII letters and digits match whole words only, or their forms with a list's
+``match: prefix`` / ``stem``; others (Chinese has no word boundaries) match anywhere.
 
 Text and words are compared folded (``fold_text``): NFKC (full-width ``ＢＡＤ`` is ``bad``, the ligature ``ﬁ``
 is ``fi``), case-folded unless ``filter.case_sensitive`` (``Straße`` is ``strasse``; ``İ`` is ``i``), and without
 invisible characters (zero-width spaces and joiners, soft hyphens, word joiners, BOMs, all of category Cf, and
 variation selectors), so none of these hides a listed word. The folded text keeps a map back to the original
-characters: hits, their offsets and the masks are in the original text, the text around them untouched.
+characters: hits, their offsets and the masks are in the original text, the text around them untouched. Folding
+is linear in the text's length, however many combining marks pile on one letter (``_stream_safe``).
 """
 from __future__ import annotations
 
