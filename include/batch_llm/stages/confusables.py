@@ -90,15 +90,10 @@ def _fold_table(casefold: bool) -> _SkeletonFold:
     return _SkeletonFold(casefold)
 
 
-def _separator_positions(text: str) -> list[int]:
-    """Where the separators between two letters or digits are."""
-    return [i for m in _INNER.finditer(text) for i in range(m.start(), m.end())]
-
-
 def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list[str], list[int]] | None:
     """Each character of ``text`` (already folded by ``fold_text``) as the folds make it (``""``: dropped), and
-    the positions the separators fold dropped; None when the folds change nothing (the common case for the
-    character folds: ASCII text)."""
+    where each run of separators the separators fold dropped ends (the position after it); None when the folds
+    change nothing (the common case for the character folds: ASCII text)."""
     pieces: list[str] | None = None
     if "confusables" in folds and not text.isascii():
         table = _fold_table(casefold)
@@ -111,11 +106,10 @@ def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list
         mapped = ["".join(variants.get(c, c) for c in p) for p in src]
         if mapped != src:
             pieces = mapped
-    dropped: list[int] = []
+    run_ends: list[int] = []
     if "separators" in folds:
-        dropped = _separator_positions(text)
-        if dropped:
+        for m in _INNER.finditer(text):
             pieces = pieces if pieces is not None else list(text)
-            for i in dropped:
-                pieces[i] = ""
-    return None if pieces is None else (pieces, dropped)
+            pieces[m.start():m.end()] = [""] * (m.end() - m.start())
+            run_ends.append(m.end())
+    return None if pieces is None else (pieces, run_ends)

@@ -13,6 +13,7 @@ is linear in the text's length, however many combining marks pile on one letter 
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import functools
 import heapq
@@ -300,22 +301,16 @@ def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Fol
     got = fold_pieces(folded.text, folds, casefold)
     if got is None:
         return folded
-    pieces, dropped = got
-    starts: list[int] = []
-    ends: list[int] = []
-    joins: set[int] = set()
-    separators, pending = set(dropped), False
-    for j, piece in enumerate(pieces):
-        if piece:
-            if pending:
-                joins.add(len(starts))
-                pending = False
-            start, end = folded.span(j, j)
-            starts += [start] * len(piece)
-            ends += [end - 1] * len(piece)
-        elif j in separators:
-            pending = True
-    return Folded("".join(pieces), starts, ends, joins=frozenset(joins))
+    pieces, run_ends = got
+    src = [j for j, piece in enumerate(pieces) for _ in piece]  # each new character's place in ``folded.text``
+    if src:
+        folded.span(0, 0)  # counts the places of a text folded character by character
+    starts = ends = src  # ``folded`` in the places of the original: the common case
+    if folded.starts is not None and folded.ends is not None:
+        starts, ends = [folded.starts[j] for j in src], [folded.ends[j] for j in src]
+    # the character after each dropped run of separators (``src`` is in order)
+    joins = frozenset(k for k in (bisect.bisect_left(src, e) for e in run_ends) if k < len(src))
+    return Folded("".join(pieces), starts, ends, joins=joins)
 
 
 # The word forms of ``match: stem`` (English endings after the listed word) and ``match: prefix`` (any letters
