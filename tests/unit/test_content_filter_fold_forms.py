@@ -95,3 +95,12 @@ def test_a_word_form_is_bounded(tmp_path):
     """A prefix hit takes at most 32 letters after the word: a long run costs one short look per hit."""
     text = "casino" + "x" * 100
     assert _masked(_filter(tmp_path, [], "prefix"), text) == "*" * 38 + "x" * 68
+
+
+def test_word_forms_under_case_sensitive_matching(tmp_path):
+    """A case-sensitive list's word forms take an ending in any case, the listed word in its own."""
+    path = tmp_path / "words.txt"
+    path.write_text("Casino\n", encoding="utf-8")
+    f = ContentFilter(FilterConfig(case_sensitive=True, lists=[WordListConfig(name="w", path=str(path),
+                                                                              match="stem")]))
+    assert _masked(f, "CASINOS and CasinoS") == "CASINOS and *******"

@@ -314,10 +314,11 @@ def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Fol
 
 
 # The word forms of ``match: stem`` (English endings after the listed word) and ``match: prefix`` (any letters
-# and digits, up to 32: the hit takes them, so the mask covers ``casinos``, not ``casino`` and an ``s``)
+# and digits, up to 32: the hit takes them, so the mask covers ``casinos``, not ``casino`` and an ``s``); any
+# case, for a list under filter.case_sensitive
 _FORM_MAX = 32
-_WORD_FORMS = {"stem": re.compile(r"(?:s|es|ed|d|ing|ings|er|ers)?(?![a-z0-9])"),
-               "prefix": re.compile(f"[a-z0-9]{{0,{_FORM_MAX}}}")}
+_WORD_FORMS = {"stem": re.compile(r"(?:s|es|ed|d|ing|ings|er|ers)?(?![a-z0-9])", re.IGNORECASE),
+               "prefix": re.compile(f"[a-z0-9]{{0,{_FORM_MAX}}}", re.IGNORECASE)}
 
 
 def _word_end(folded: Folded, first: int, last: int, word: str, match: str) -> int | None:
