@@ -35,6 +35,7 @@ def _masked(f: ContentFilter, text: str) -> str | None:
     ("ca\u200b-\u200bsino", "*********"),                 # zero-width characters around a hyphen
     ("\u8d4c\n\u535a\u7f51\u7ad9", "***\u7f51\u7ad9"),    # a line break inside a Chinese word
     ("\u8d4c \t \t \u535a", "*******"),                   # a run of spaces and tabs inside it
+    ("c\u0334 a\u0334 s\u0334 i\u0334 n\u0334 o\u0334", "*" * 17),  # struck-through letters spaced out
     ("a s s i g n", "***********"),                       # the longer word's hit covers it all
 ])
 def test_separators_of_any_width_and_kind_between_letters(tmp_path, text, expected):

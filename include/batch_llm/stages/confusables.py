@@ -39,8 +39,9 @@ _ACCENTS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe
 # One separator: whitespace of every kind (line breaks too), connectors, dashes, the other punctuation but what
 # ends a sentence or a clause (ASCII after NFKC: a full-width comma is ","), and symbols
 _SEP_CHARS = r"[\s_\-.*/\\|+~^=#@&%$`'\"·•・‧∙⋅◦°×÷]"
-# A run of them between two letters or digits (CJK characters are letters to \w)
-_INNER = re.compile(rf"(?<=[^\W_]){_SEP_CHARS}+(?=[^\W_])")
+# A run of them between two letters or digits (CJK characters are letters to \w), the first perhaps under
+# accents (``c̴ a̴ s̴``)
+_INNER = re.compile(rf"(?<=[^\W_]|{_ACCENTS.pattern}){_SEP_CHARS}+(?=[^\W_])")
 
 
 @functools.cache
@@ -90,10 +91,10 @@ def _fold_table(casefold: bool) -> _SkeletonFold:
     return _SkeletonFold(casefold)
 
 
-def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list[str], list[int]] | None:
+def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list[str], list[tuple[int, int]]] | None:
     """Each character of ``text`` (already folded by ``fold_text``) as the folds make it (``""``: dropped), and
-    where each run of separators the separators fold dropped ends (the position after it); None when the folds
-    change nothing (the common case for the character folds: ASCII text)."""
+    the runs of separators the separators fold dropped (start, end); None when the folds change nothing (the
+    common case for the character folds: ASCII text)."""
     pieces: list[str] | None = None
     if "confusables" in folds and not text.isascii():
         table = _fold_table(casefold)
@@ -106,10 +107,10 @@ def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list
         mapped = ["".join(variants.get(c, c) for c in p) for p in src]
         if mapped != src:
             pieces = mapped
-    run_ends: list[int] = []
+    runs: list[tuple[int, int]] = []
     if "separators" in folds:
         for m in _INNER.finditer(text):
             pieces = pieces if pieces is not None else list(text)
             pieces[m.start():m.end()] = [""] * (m.end() - m.start())
-            run_ends.append(m.end())
-    return None if pieces is None else (pieces, run_ends)
+            runs.append(m.span())
+    return None if pieces is None else (pieces, runs)

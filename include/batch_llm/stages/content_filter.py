@@ -301,16 +301,23 @@ def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Fol
     got = fold_pieces(folded.text, folds, casefold)
     if got is None:
         return folded
-    pieces, run_ends = got
+    pieces, runs = got
     src = [j for j, piece in enumerate(pieces) for _ in piece]  # each new character's place in ``folded.text``
+    # and the last character of ``folded.text`` it stands for: the accents the fold dropped after it too (a mask
+    # leaves no mark hanging), not a dropped run of separators; the characters after such a run start a word
+    upto = [n - 1 for n in src[1:]] + [len(pieces) - 1]
+    joins: set[int] = set()
+    for start, end in runs:
+        k = bisect.bisect_left(src, end)  # ``src`` is in order
+        if 0 < k < len(src):
+            joins.add(k)
+            upto[k - 1] = start - 1
     if src:
         folded.span(0, 0)  # counts the places of a text folded character by character
-    starts = ends = src  # ``folded`` in the places of the original: the common case
+    starts, ends = src, upto  # ``folded`` in the places of the original: the common case
     if folded.starts is not None and folded.ends is not None:
-        starts, ends = [folded.starts[j] for j in src], [folded.ends[j] for j in src]
-    # the character after each dropped run of separators (``src`` is in order)
-    joins = frozenset(k for k in (bisect.bisect_left(src, e) for e in run_ends) if k < len(src))
-    return Folded("".join(pieces), starts, ends, joins=joins)
+        starts, ends = [folded.starts[j] for j in src], [folded.ends[j] for j in upto]
+    return Folded("".join(pieces), starts, ends, joins=frozenset(joins))
 
 
 # The word forms of ``match: stem`` (English endings after the listed word) and ``match: prefix`` (any letters
