@@ -25,18 +25,24 @@ def _han(c: str) -> bool:
     return unicodedata.name(c, "").startswith("CJK ") and "IDEOGRAPH" in unicodedata.name(c, "")
 
 
-def main() -> int:
+def table_text() -> str:
+    """The table's file as this script writes it."""
     try:
         table = json.loads(resources.files("zhconv").joinpath("zhcdict.json").read_text(encoding="utf-8"))
     except ModuleNotFoundError:
         sys.exit("the zhconv package is not installed (it is in requirements.lock)")
     pairs = sorted((k, v) for k, v in table["zh2Hans"].items()
                    if len(k) == 1 and len(v) == 1 and k != v and _han(k) and _han(v))
+    return (f"# Traditional -> simplified Chinese characters, zhconv {metadata.version('zhconv')} zh2Hans "
+            "(MediaWiki's conversion table; scripts/han_variants_table.py)\n"
+            + "".join(f"{k}\t{v}\n" for k, v in pairs))
+
+
+def main() -> int:
+    text = table_text()
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(f"# Traditional -> simplified Chinese characters, zhconv {metadata.version('zhconv')} zh2Hans "
-                   "(MediaWiki's conversion table; scripts/han_variants_table.py)\n"
-                   + "".join(f"{k}\t{v}\n" for k, v in pairs), encoding="utf-8")
-    print(f"{OUT}: {len(pairs)} characters")
+    OUT.write_text(text, encoding="utf-8")
+    print(f"{OUT}: {text.count(chr(10)) - 1} characters")
     return 0
 
 

@@ -6,10 +6,14 @@ original characters it came from; the whole-word rule still keeps ``ass`` out of
 ``this hit``."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 from batch_llm.config import FilterConfig, WordListConfig
 from batch_llm.stages.content_filter import ContentFilter
 
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["casino", "\u8d4c\u535a", "shit", "ass", "assign"]  # 赌博: simplified
 BOTH = ["confusables", "separators"]
 
@@ -105,3 +109,13 @@ def test_word_forms_under_case_sensitive_matching(tmp_path):
     f = ContentFilter(FilterConfig(case_sensitive=True, lists=[WordListConfig(name="w", path=str(path),
                                                                               match="stem")]))
     assert _masked(f, "CASINOS and CasinoS") == "CASINOS and *******"
+
+
+def test_the_shipped_han_variants_table_is_what_its_script_writes():
+    """data/han_variants.tsv follows scripts/han_variants_table.py and the zhconv table it reads."""
+    spec = importlib.util.spec_from_file_location("han_variants_table", ROOT / "scripts" / "han_variants_table.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert (ROOT / "include" / "batch_llm" / "data" / "han_variants.tsv").read_text(encoding="utf-8") == \
+        script.table_text()
