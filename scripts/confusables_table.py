@@ -9,6 +9,10 @@ character: its code point and its skeleton's code points, hexadecimal. Left out:
 is), characters NFKC changes (texts are NFKC-folded before the skeleton step), characters with a canonical
 decomposition (the skeleton of one is that of its decomposition's characters, so the filter derives it) and
 characters that are their own skeleton. The file's first line names the ICU version it came from.
+
+A second source fills in Latin letters that TR39 leaves as themselves though a reader reads them as the letter:
+by their Unicode names (``LOOK_ALIKE_NAMES``), the small capitals (``ᴄᴀꜱɪɴᴏ``), the negative circled and squared
+capitals (``🅒``, ``🅲``) and the regional indicator letters (``🇨``), each as its small Latin letter.
 """
 from __future__ import annotations
 
@@ -36,6 +40,22 @@ def _icu() -> tuple[ctypes.CDLL, str]:
     if hasattr(lib, "uspoof_open"):
         return lib, ""
     sys.exit(f"{name}: no uspoof_open symbol")
+
+
+# Unicode names of characters read as the Latin letter they name (NFKC leaves them): small capitals, negative
+# circled and squared capitals, regional indicators
+LOOK_ALIKE_NAMES = re.compile(r"LATIN LETTER SMALL CAPITAL ([A-Z])|NEGATIVE (?:CIRCLED|SQUARED) LATIN CAPITAL "
+                              r"LETTER ([A-Z])|REGIONAL INDICATOR SYMBOL LETTER ([A-Z])")
+
+
+def look_alikes_by_name(done: set[int]) -> list[str]:
+    """Table lines for the characters ``LOOK_ALIKE_NAMES`` names that are not in ``done`` (their own skeleton)."""
+    lines = []
+    for cp in range(0x80, 0x110000):
+        m = LOOK_ALIKE_NAMES.fullmatch(unicodedata.name(chr(cp), ""))
+        if m and cp not in done and unicodedata.normalize("NFKC", chr(cp)) == chr(cp):
+            lines.append(f"{cp:04X}\t{ord(next(g for g in m.groups() if g).lower()):04X}")
+    return lines
 
 
 def main() -> int:
@@ -71,9 +91,12 @@ def main() -> int:
         skeleton = dest.raw[:2 * n].decode("utf-16-le")
         if skeleton != unicodedata.normalize("NFD", c):
             lines.append(f"{cp:04X}\t{' '.join(f'{ord(s):04X}' for s in skeleton)}")
+    lines = sorted(lines + look_alikes_by_name({int(line.split("\t")[0], 16) for line in lines}),
+                   key=lambda line: int(line.split("\t")[0], 16))
     version = re.sub(r"^_", "", suffix) or "unknown"
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(f"# Unicode TR39 skeletons from ICU {version} (scripts/confusables_table.py); code point\tskeleton\n"
+    OUT.write_text(f"# Unicode TR39 skeletons from ICU {version} and look-alikes by name (scripts/confusables_table.py); "
+                   "code point\tskeleton\n"
                    + "\n".join(lines) + "\n", encoding="utf-8")
     print(f"{OUT}: {len(lines)} characters")
     return 0

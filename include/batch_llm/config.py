@@ -598,12 +598,19 @@ class WordListConfig(_Section):
     path: str = Field(description="A file (one word per line, # comments) or builtin:en / builtin:zh")
     action: Literal["flag", "mask", "drop"] = "mask"
     scan: list[ScannedField] | None = Field(None, description="The fields this list scans; null: filter.scan")
-    fold: list[Literal["confusables", "separators"]] = Field(
+    fold: list[Literal["confusables", "han_variants", "separators"]] = Field(
         default_factory=list, description="Look-alike spellings this list also matches (stages/confusables.py). "
-        "confusables: each character as its Unicode TR39 skeleton (a Cyrillic а in an English word is a), "
-        "combining accents dropped; ASCII stays as it is. separators: separators inside a CJK word (傻 逼, 傻*逼) "
-        "and between spaced-out letters (b a d, b.a.d) dropped. Their false positives on the sample data: "
+        "confusables: each character as its Unicode TR39 skeleton (a Cyrillic а in an English word is a; small "
+        "capitals ᴄᴀꜱɪɴᴏ are casino), combining accents dropped; ASCII stays as it is. han_variants: traditional "
+        "Chinese characters as simplified (賭博 is 赌博). separators: a run of separators of any length between "
+        "two letters or digits dropped: spaces, tabs, line breaks, dashes, underscores, dots, symbols (傻 逼, "
+        "b  a  d, ca-sino); clause and sentence punctuation stays. Their false positives on the sample data: "
         "docs/user-guide.md")
+    match: Literal["word", "prefix", "stem"] = Field(
+        "word", description="How a listed word of ASCII letters matches: word: whole words only (ass is not in "
+        "class); prefix: also any word that starts with it (casino: casinos, casinobonus); stem: also the word "
+        "with an English ending, s, es, ed, d, ing, ings, er, ers (casinos, casino_bonus). A hit covers the "
+        "word form. Other words (Chinese) match anywhere whatever this says")
 
     @field_validator("fold")
     @classmethod

@@ -2,17 +2,24 @@
 to get past the list, matches it.
 
 ``confusables``: every character becomes its Unicode TR39 skeleton (a Cyrillic ``а`` in ``bаdword`` is the Latin
-``a``; ``ο`` Greek omicron is ``o``), and the combining accents (U+0300–U+036F and the other combining-diacritics
-blocks) are dropped (``bádword``, ``b̶a̶d̶``). ASCII is left as it is: TR39 reads ``m`` as ``rn`` and ``0`` as ``O``,
-so English words would match other English words. The skeletons are ICU's (``data/confusables.tsv``, written by
+``a``; ``ο`` Greek omicron is ``o``; the small capitals ``ᴄᴀꜱɪɴᴏ`` are ``casino``), and the combining accents
+(U+0300–U+036F and the other combining-diacritics blocks) are dropped (``bádword``, ``b̶a̶d̶``). ASCII is left as
+it is: TR39 reads ``m`` as ``rn`` and ``0`` as ``O``, so English words would match other English words. The
+skeletons are ICU's, with the Latin small capitals TR39 leaves out (``data/confusables.tsv``, written by
 ``scripts/confusables_table.py``).
 
-``separators``: separators inside a CJK word (``傻 逼``, ``傻*逼``, ``傻_逼``: a run of up to three spaces,
-dashes, dots, symbols between two CJK characters, not ``，！？；：`` nor CJK punctuation, which end a sentence) and
-between spaced-out letters (``b a d w o r d``, ``b.a.d``: three or more single letters, one separator between
-each) are dropped.
+``separators``: a run of separators of any length and kind between two letters or digits is dropped: spaces,
+tabs, line breaks, dashes, underscores, dots, symbols (``傻 逼``, ``赌\n博``, ``b  a  d``, ``ca-sino``,
+``s.h.i.t``); zero-width characters are gone already (``fold_text``). Clause and sentence punctuation
+(``，！？；：``, CJK punctuation) is not a separator. Where one was dropped, the word boundary it made still
+counts for the whole-word rule: ``as sign`` holds ``assign``, but ``class`` still does not hold ``ass`` and
+``this hit`` does not hold ``shit``.
 
-Both apply to the text as ``content_filter.fold_text`` folded it, and keep its map back to the original: hits,
+``han_variants``: each traditional Chinese character reads as its simplified form (``賭博`` is ``赌博``), by the
+character table of MediaWiki's zh-Hans conversion (``data/han_variants.tsv``, written by
+``scripts/han_variants_table.py`` from the ``zhconv`` package's table; characters only, no phrases).
+
+They apply to the text as ``content_filter.fold_text`` folded it, and keep its map back to the original: hits,
 offsets and masks stay in the original text. Their cost in false positives on the shipped sample data is in
 docs/user-guide.md ("Content filter").
 """
@@ -23,20 +30,18 @@ import re
 import unicodedata
 from importlib import resources
 
-FOLDS = ("confusables", "separators")
+FOLDS = ("confusables", "han_variants", "separators")
 
 # The combining-diacritics blocks: the accents a look-alike spelling puts on a letter (marks of other scripts,
 # vowel signs of Indic scripts and Thai, carry meaning and stay)
 _ACCENTS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
-_CJK = "\u2e80-\u2fdf\u3040-\u30ff\u3100-\u312f\u31a0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff" \
-       "\U00020000-\U0003134f"
-# One separator: whitespace but line breaks, connectors, dashes, the other punctuation but what ends a sentence or
-# a clause (ASCII after NFKC: a full-width comma is ","), and symbols
-_SEP_CHARS = r"[^\S\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]|[_\-.*/\\|+~^=#@&%$`'\"·•・‧∙⋅◦°×÷]"
-_CJK_INNER = re.compile(f"(?<=[{_CJK}])(?:{_SEP_CHARS}){{1,3}}(?=[{_CJK}])")
-_SPACED = re.compile(rf"(?<!\w)(?:[^\W\d_](?:{_SEP_CHARS})){{2,}}[^\W\d_](?!\w)")
-_SEP = re.compile(_SEP_CHARS)
+# One separator: whitespace of every kind (line breaks too), connectors, dashes, the other punctuation but what
+# ends a sentence or a clause (ASCII after NFKC: a full-width comma is ","), and symbols
+_SEP_CHARS = r"[\s_\-.*/\\|+~^=#@&%$`'\"·•・‧∙⋅◦°×÷]"
+# A run of them between two letters or digits (CJK characters are letters to \w), the first perhaps under
+# accents (``c̴ a̴ s̴``)
+_INNER = re.compile(rf"(?<=[^\W_]|{_ACCENTS.pattern}){_SEP_CHARS}+(?=[^\W_])")
 
 
 @functools.cache
@@ -49,6 +54,13 @@ def _skeleton_table() -> dict[str, str]:
             cp, skeleton = line.split("\t")
             table[chr(int(cp, 16))] = "".join(chr(int(x, 16)) for x in skeleton.split())
     return table
+
+
+@functools.cache
+def han_variants() -> dict[str, str]:
+    """The shipped traditional -> simplified character table."""
+    text = resources.files("batch_llm").joinpath("data", "han_variants.tsv").read_text(encoding="utf-8")
+    return dict(line.split("\t") for line in text.splitlines() if line and not line.startswith("#"))
 
 
 def skeleton(c: str) -> str:
@@ -79,29 +91,26 @@ def _fold_table(casefold: bool) -> _SkeletonFold:
     return _SkeletonFold(casefold)
 
 
-def _separator_positions(text: str) -> set[int]:
-    """Where the separators inside a CJK word or between spaced-out letters are."""
-    drop: set[int] = set()
-    for m in _CJK_INNER.finditer(text):
-        drop.update(range(m.start(), m.end()))
-    for m in _SPACED.finditer(text):
-        drop.update(m.start() + i.start() for i in _SEP.finditer(m.group()))
-    return drop
-
-
-def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> list[str] | None:
-    """Each character of ``text`` (already folded by ``fold_text``) as the folds make it (``""``: dropped), or
-    None when they change nothing (the common case: ASCII text without spaced-out letters)."""
+def fold_pieces(text: str, folds: tuple[str, ...], casefold: bool) -> tuple[list[str], list[tuple[int, int]]] | None:
+    """Each character of ``text`` (already folded by ``fold_text``) as the folds make it (``""``: dropped), and
+    the runs of separators the separators fold dropped (start, end); None when the folds change nothing (the
+    common case for the character folds: ASCII text)."""
     pieces: list[str] | None = None
     if "confusables" in folds and not text.isascii():
         table = _fold_table(casefold)
         pieces = [table[c] for c in text]
         if all(p == c for p, c in zip(pieces, text)):
             pieces = None
+    if "han_variants" in folds and not text.isascii():
+        variants = han_variants()
+        src = pieces if pieces is not None else list(text)
+        mapped = ["".join(variants.get(c, c) for c in p) for p in src]
+        if mapped != src:
+            pieces = mapped
+    runs: list[tuple[int, int]] = []
     if "separators" in folds:
-        drop = _separator_positions(text)
-        if drop:
+        for m in _INNER.finditer(text):
             pieces = pieces if pieces is not None else list(text)
-            for i in drop:
-                pieces[i] = ""
-    return pieces
+            pieces[m.start():m.end()] = [""] * (m.end() - m.start())
+            runs.append(m.span())
+    return None if pieces is None else (pieces, runs)

@@ -1,17 +1,19 @@
 """Content filter: scan outputs against sensitive-word lists, each with an action (flag, mask, drop).
 
 Lists are Aho-Corasick automata (pyahocorasick), so a scan costs one pass over the text however many words
-the lists hold. Words made of ASCII letters and digits match whole words only; others (Chinese has no word
-boundaries) match anywhere.
+the lists hold. Words made of ASCII letters and digits match whole words only, or their forms with a list's
+``match: prefix`` / ``stem``; others (Chinese has no word boundaries) match anywhere.
 
 Text and words are compared folded (``fold_text``): NFKC (full-width ``ＢＡＤ`` is ``bad``, the ligature ``ﬁ``
 is ``fi``), case-folded unless ``filter.case_sensitive`` (``Straße`` is ``strasse``; ``İ`` is ``i``), and without
 invisible characters (zero-width spaces and joiners, soft hyphens, word joiners, BOMs, all of category Cf, and
 variation selectors), so none of these hides a listed word. The folded text keeps a map back to the original
-characters: hits, their offsets and the masks are in the original text, the text around them untouched.
+characters: hits, their offsets and the masks are in the original text, the text around them untouched. Folding
+is linear in the text's length, however many combining marks pile on one letter (``_stream_safe``).
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import functools
 import heapq
@@ -139,12 +141,37 @@ def _has_invisible(text: str) -> bool:
     return quick.search(text) is not None and exact.search(text) is not None
 
 
+# Unicode's stream-safe bound (UAX #15): at most this many non-starters in a row before a normalisation
+_MAX_NON_STARTERS = 30
+
+
+@functools.cache
+def _long_non_starter_run() -> re.Pattern:
+    """``_MAX_NON_STARTERS`` characters in a row that decompose to combining marks only (a combining class
+    other than 0), followed by another: where ``_stream_safe`` breaks the run. Built once (~0.1 s)."""
+    marks = [(cp, cp) for cp in range(0x110000) if unicodedata.combining(chr(cp)) or (
+        unicodedata.decomposition(chr(cp)) and unicodedata.combining(unicodedata.normalize("NFKD", chr(cp))[0]))]
+    mark = _char_class(marks).pattern
+    return re.compile(f"{mark}{{{_MAX_NON_STARTERS}}}(?={mark})")
+
+
+def _stream_safe(s: str) -> str:
+    """``s`` with a combining grapheme joiner (U+034F, a starter, invisible: folding drops it again) after every
+    ``_MAX_NON_STARTERS`` combining marks of a run. CPython's normalisation orders a run of marks by insertion
+    sort, quadratic in the run's length: one letter under 80,000 marks of mixed classes took 5 s a call. Only
+    the order of marks beyond the 30th changes, which no listed word holds."""
+    if len(s) <= _MAX_NON_STARTERS:
+        return s
+    return _long_non_starter_run().sub("\\g<0>\u034f", s)
+
+
 def _fold_string(s: str, casefold: bool) -> str:
     """Invisible characters dropped, NFKD, (casefold) full case folding, NFKC: Unicode's compatibility caseless
     match, composed. ``İ`` folds to ``i`` (Unicode's Turkic folding) rather than ``i`` plus a combining dot, so
     ``SHİT`` reads as ``shit``."""
     invisible = _invisible_patterns()[1]
-    s = unicodedata.normalize("NFKD", invisible.sub("", s))  # first: they would keep an accent off its letter
+    # invisible ones first: they would keep an accent off its letter
+    s = unicodedata.normalize("NFKD", _stream_safe(invisible.sub("", s)))
     if casefold:
         s = (_without_dot_above_capital_i(s) if "\u0307" in s else s).casefold()
     return invisible.sub("", unicodedata.normalize("NFKC", s))
@@ -196,6 +223,9 @@ class Folded:
     starts: list[int] | None = None
     ends: list[int] | None = None
     pieces: list[str] | None = None
+    # Where the separators fold dropped a run of separators: the folded characters right after one, each the
+    # start of a word for the whole-word rule
+    joins: frozenset[int] = frozenset()
 
     def span(self, first: int, last: int) -> tuple[int, int]:
         """The original characters (start, end) that folded characters ``first``..``last`` came from, any
@@ -235,16 +265,30 @@ def fold_text(text: str, casefold: bool = True) -> Folded:
 def _fold_by_cluster(text: str, pieces: list[str], casefold: bool) -> Folded:
     """``fold_text`` for a text with characters that compose with the previous one: a cluster (a character and
     those that combine with it) folds as one string, and each of its folded characters maps to all of it."""
-    clusters: list[list] = []  # [first, last, source, folded] each, in the original's order
+    # [first, last, source characters, folded or None while marks join it] each, in the original's order: a
+    # cluster folds again only when a character that is not a mark asks whether it composes with it, and once
+    # at the end, so a letter under thousands of marks folds once, not once a mark. A character that is not a
+    # mark composes only with the one right before it (any mark between blocks it): its last character is what
+    # it is checked against, not the whole cluster.
+    clusters: list[list] = []
     for i, piece in enumerate(pieces):
         if not piece:  # invisible: no part of a cluster, inside whichever span surrounds it
             continue
         cur = clusters[-1] if clusters else None
-        if cur and (unicodedata.combining(piece[0]) or not unicodedata.is_normalized("NFC", cur[3] + piece)):
-            cur[1], cur[2] = i, cur[2] + text[i]
-            cur[3] = _fold_string(cur[2], casefold)
+        if cur and unicodedata.combining(piece[0]):
+            cur[1], cur[3] = i, None
+            cur[2].append(text[i])
+            continue
+        if cur and cur[3] is None:
+            cur[3] = _fold_string("".join(cur[2]), casefold)
+        if cur and not unicodedata.is_normalized("NFC", cur[3][-1:] + piece):
+            cur[1], cur[3] = i, None
+            cur[2].append(text[i])
         else:
-            clusters.append([i, i, text[i], piece])
+            clusters.append([i, i, [text[i]], piece])
+    for c in clusters:
+        if c[3] is None:
+            c[3] = _fold_string("".join(c[2]), casefold)
     return Folded("".join(c[3] for c in clusters), [c[0] for c in clusters for _ in c[3]],
                   [c[1] for c in clusters for _ in c[3]])
 
@@ -254,24 +298,53 @@ def refold(folded: Folded, folds: tuple[str, ...], casefold: bool = True) -> Fol
     map back to the original text kept: each character maps to the original characters of the one it came from."""
     if not folds:
         return folded
-    pieces = fold_pieces(folded.text, folds, casefold)
-    if pieces is None:
+    got = fold_pieces(folded.text, folds, casefold)
+    if got is None:
         return folded
-    starts: list[int] = []
-    ends: list[int] = []
-    for j, piece in enumerate(pieces):
-        if piece:
-            start, end = folded.span(j, j)
-            starts += [start] * len(piece)
-            ends += [end - 1] * len(piece)
-    return Folded("".join(pieces), starts, ends)
+    pieces, runs = got
+    src = [j for j, piece in enumerate(pieces) for _ in piece]  # each new character's place in ``folded.text``
+    # and the last character of ``folded.text`` it stands for: the accents the fold dropped after it too (a mask
+    # leaves no mark hanging), not a dropped run of separators; the characters after such a run start a word
+    upto = [n - 1 for n in src[1:]] + [len(pieces) - 1]
+    joins: set[int] = set()
+    for start, end in runs:
+        k = bisect.bisect_left(src, end)  # ``src`` is in order
+        if 0 < k < len(src):
+            joins.add(k)
+            upto[k - 1] = start - 1
+    if src:
+        folded.span(0, 0)  # counts the places of a text folded character by character
+    starts, ends = src, upto  # ``folded`` in the places of the original: the common case
+    if folded.starts is not None and folded.ends is not None:
+        starts, ends = [folded.starts[j] for j in src], [folded.ends[j] for j in upto]
+    return Folded("".join(pieces), starts, ends, joins=frozenset(joins))
 
 
-def _splits_a_word(hay: str, first: int, last: int, word: str) -> bool:
-    """Whether a hit of an ASCII word is part of a longer word (``ass`` in ``class``): whole words only."""
-    if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]):
-        return True
-    return _is_word_char(word[-1]) and last + 1 < len(hay) and _is_word_char(hay[last + 1])
+# The word forms of ``match: stem`` (English endings after the listed word) and ``match: prefix`` (any letters
+# and digits, up to 32: the hit takes them, so the mask covers ``casinos``, not ``casino`` and an ``s``); any
+# case, for a list under filter.case_sensitive
+_FORM_MAX = 32
+_WORD_FORMS = {"stem": re.compile(r"(?:s|es|ed|d|ing|ings|er|ers)?(?![a-z0-9])", re.IGNORECASE),
+               "prefix": re.compile(f"[a-z0-9]{{0,{_FORM_MAX}}}", re.IGNORECASE)}
+
+
+def _word_end(folded: Folded, first: int, last: int, word: str, match: str) -> int | None:
+    """Where a hit of ``word`` at folded characters ``first``..``last`` ends (its last folded character), or None
+    when the list does not match it there. Words of ASCII letters match whole words (``ass`` is not in
+    ``class``; ``_`` is a letter there); ``match: prefix`` any word that starts with the listed one, ``match:
+    stem`` the word with an English ending (``casinos``; ``_`` ends a word: ``casino_bonus``). A separator that
+    the separators fold dropped still ends a word (``joins``)."""
+    hay, joins = folded.text, folded.joins
+    if _is_word_char(word[0]) and first > 0 and _is_word_char(hay[first - 1]) and first not in joins:
+        return None
+    if not _is_word_char(word[-1]) or last + 1 == len(hay) or last + 1 in joins:
+        return last
+    if match == "word":
+        return None if _is_word_char(hay[last + 1]) else last
+    # a dropped separator ends the word form (looked for as far as the longest form reaches)
+    limit = next((k for k in range(last + 2, min(len(hay), last + 2 + _FORM_MAX)) if k in joins), len(hay))
+    form = _WORD_FORMS[match].match(hay, last + 1, limit)
+    return None if form is None else form.end() - 1
 
 
 class ContentFilter:
@@ -309,11 +382,11 @@ class ContentFilter:
             if folds not in by_folds:
                 by_folds[folds] = refold(base, folds, self.casefold)
             folded = by_folds[folds]
-            hay = folded.text
-            for last, word in lst.automaton.iter(hay):
+            for last, word in lst.automaton.iter(folded.text):
                 first = last - len(word) + 1
-                if not _splits_a_word(hay, first, last, word):
-                    hits.append((lst, *folded.span(first, last), word))
+                end = _word_end(folded, first, last, word, lst.cfg.match)
+                if end is not None:
+                    hits.append((lst, *folded.span(first, end), word))
         return hits
 
     def _fold(self, text: str, folds: tuple[str, ...]) -> Folded:
