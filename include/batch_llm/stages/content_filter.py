@@ -327,7 +327,8 @@ class ContentFilter:
         the tokens, which hold both, by every list, and so is each sample's thinking and answer read as one,
         for a word around the thinking's end. A drop hit in any copy drops the row; masks apply to every copy
         the hit is in (``generated_text.masked``). Each hit names its ``field`` where not the answer, its
-        ``sample`` where the row has several, and an alternative's ``place`` (token, rank)."""
+        ``sample`` where the row has several, and an alternative's ``place`` (token, rank); the row's
+        ``filter_hits`` are these, less the word of a mask hit."""
         hits = [(c, h) for c in generated_text.copies(row)
                 for h in self.scan(c.text, c.field if c.field in SCANNED_FIELDS else None)]
         many = generated_text.sample_count(row) > 1
@@ -347,7 +348,8 @@ class ContentFilter:
                     spans.setdefault(key, []).append(span)
         out = generated_text.masked(row, spans, self.cfg.mask_char)
         out = dict(out) if out is row else out
-        out["filter_hits"] = found
+        # a mask hit's word is the masked text: the published hit names its list and place, not the word
+        out["filter_hits"] = [{k: v for k, v in h.items() if k != "word" or h["action"] != "mask"} for h in found]
         return out, found
 
     def _across_thinking_end(self, row: dict, k: int) -> list[tuple[dict, list]]:
@@ -375,7 +377,9 @@ def _without_markers(text: str) -> tuple[str, list[int] | None]:
     """``text`` without the thinking's markers, and each kept character's place in ``text`` (None: none cut)."""
     if THINK_START not in text and THINK_END not in text:
         return text, None
-    kept, places, at = [], [], 0
+    kept: list[str] = []
+    places: list[int] = []
+    at = 0
     for m in _MARKERS.finditer(text):
         kept.append(text[at:m.start()])
         places += range(at, m.start())
