@@ -83,9 +83,10 @@ def copies(row: dict) -> Iterator[Copy]:
         tokens = tokens_of(row, k)
         if not tokens:
             continue
-        yield Copy("logprobs", k, "".join(_token_text(t) for t in tokens))
-        if alternatives := _alternatives(tokens):
-            yield Copy(ALTERNATIVE, k, _ALT_SEP.join(text for _, _, text in alternatives))
+        chosen, alternatives = _joined(tokens)
+        yield Copy("logprobs", k, chosen)
+        if alternatives:
+            yield Copy(ALTERNATIVE, k, alternatives)
 
 
 def alternative_at(row: dict, sample: int, offset: int) -> tuple[int, int, int]:
@@ -99,12 +100,23 @@ def alternative_at(row: dict, sample: int, offset: int) -> tuple[int, int, int]:
 
 
 def _token_text(t: dict) -> str:
-    return str(t.get("token") or "")
+    text = t.get("token")
+    return text if isinstance(text, str) else ""
+
+
+def _joined(tokens: list[dict]) -> tuple[str, str]:
+    """(the chosen tokens joined, the alternatives joined a line each): every row with log-probabilities pays this,
+    so the tokens as the shards write them take one comprehension each; any other shape goes the careful way."""
+    try:
+        return ("".join([t["token"] for t in tokens]),
+                _ALT_SEP.join([a for t in tokens for c in t["top"] if (a := c["token"]) and a != t["token"]]))
+    except (KeyError, TypeError):
+        return "".join(_token_text(t) for t in tokens), _ALT_SEP.join(text for _, _, text in _alternatives(tokens))
 
 
 def _alternatives(tokens: list[dict]) -> list[tuple[int, int, str]]:
     """(place, rank, text) of each alternative but the chosen token itself (read in the joined tokens, with its
-    neighbours) and empty ones."""
+    neighbours) and empty ones, in the order ``_joined`` joins them: where a hit in that copy is."""
     return [(i, j, text) for i, t in enumerate(tokens) for j, alt in enumerate(t.get("top") or ())
             if (text := _token_text(alt)) and text != _token_text(t)]
 

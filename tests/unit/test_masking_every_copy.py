@@ -136,6 +136,11 @@ def test_a_word_split_across_the_end_of_the_thinking_is_found(tmp_path, scan):
     assert (out["reasoning"], out["output"]) == ("so ***", "**** is it")
     assert [t["token"] for t in out["logprobs"]] == ["<think>", "so", " ***", "</think>", "****", " is", " it"]
     assert _filter(tmp_path, action="drop").apply(row)[0] is None
+    for before, end in (("x " * 200, "so bad"), ("é " * 200, "so b\u200bad")):  # near its end (ASCII), or whole
+        long = {"id": "r", "idx": 0, "reasoning": before + end, "output": "word"}
+        out, (hit,) = _filter(tmp_path).apply(long)
+        assert (out["reasoning"], out["output"]) == (before + "so " + "*" * (len(end) - 3), "****")
+        assert (hit["start"], hit["end"]) == (len(before) + 3, len(before + end) + len("</think>") + 4)
     raw = {"id": "r", "idx": 0, "output": "<think>so bad</think>word is it"}  # no reasoning parser: one field
     assert _filter(tmp_path).apply(raw)[0]["output"] == "<think>so ***</think>**** is it"
 

@@ -280,12 +280,14 @@ class ContentFilter:
         self.cfg = cfg
         self.casefold = not cfg.case_sensitive
         self.lists: list[_List] = []
+        self.longest = 0  # the longest word, folded
         for wl in cfg.lists:
             a = ahocorasick.Automaton()
             for w in _list_words(wl, storage_options):
                 key = self._fold(w, tuple(wl.fold)).text  # words fold as the texts do
                 if key:
                     a.add_word(key, key)
+                    self.longest = max(self.longest, len(key))
             if len(a):
                 a.make_automaton()
                 self.lists.append(_List(wl, a))
@@ -356,14 +358,23 @@ class ContentFilter:
         """Hits of a word begun at the end of sample ``k``'s thinking and ended at the start of its answer (each
         field alone holds part of it), each with the spans it covers in the two fields."""
         reasoning, answer = (generated_text.text_of(row, f, k) for f in ("reasoning", "output"))
-        if not (reasoning and answer):
+        if not (reasoning and answer and self.lists):
             return []
-        cut = len(reasoning) + len(THINK_END)
+        # Only the text around the end can hold such a word. In ASCII a word of n folded characters spans at most
+        # 2n - 1 (letters spaced out, the separators fold); other text may hide any number of invisible
+        # characters in a word, so it is read whole.
+        width = 2 * self.longest + 8
+        skip = max(len(reasoning) - width, 0)
+        tail, head = reasoning[skip:], answer[:width]
+        if not (tail.isascii() and head.isascii()):
+            skip, tail, head = 0, reasoning, answer
+        cut = len(tail) + len(THINK_END)
         found = []
-        for lst, start, end, word in self.scan(reasoning + THINK_END + answer):
-            if start < len(reasoning) and end > cut:
-                hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end,
-                       "field": "reasoning+output"}
+        for lst, start, end, word in self.scan(tail + THINK_END + head):
+            if start < len(tail) and end > cut:
+                start += skip
+                hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start,
+                       "end": end + skip, "field": "reasoning+output"}
                 if generated_text.sample_count(row) > 1:
                     hit["sample"] = k
                 found.append((hit, [(("reasoning", k), (start, len(reasoning))), (("output", k), (0, end - cut))]))
