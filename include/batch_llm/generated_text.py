@@ -93,7 +93,7 @@ def alternative_at(row: dict, sample: int, offset: int) -> tuple[int, int, int]:
     """(token place, rank, offset in that alternative) of an offset into a sample's ``top_logprobs`` copy."""
     at = 0
     for i, j, text in _alternatives(tokens_of(row, sample) or []):
-        if offset <= at + len(text):
+        if offset < at + len(text):
             return i, j, offset - at
         at += len(text) + len(_ALT_SEP)
     raise ValueError(f"offset {offset} is past sample {sample}'s alternatives")
