@@ -170,6 +170,9 @@ def test_review_request_ids_are_apart_from_every_input_id(tmp_path):
     kept = {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())}
     assert kept["x"]["outputs"] == ["a0", "**"] and kept["x"]["review_verdict"] == "unsafe"
     assert kept["x#sample1"]["outputs"] == ["b0", "b1"] and kept["x#sample1"]["review_verdict"] == "safe"
+    # requests written with joined ids (two of them "x#sample1") are not reused: a retry writes them anew
+    legacy = rv.request_key(cfg, shard, joined_ids=True)
+    assert spec.plan_key != legacy and not spec.url.endswith(f"-{legacy}.jsonl")
 
 
 def test_classify_requests_are_plain_text_of_the_template(tmp_path):
@@ -242,6 +245,16 @@ def test_on_error_flag_keeps_the_row(tmp_path):
     (row,) = iter_jsonl(Location(m.outputs).path())
     assert row["review_verdict"] == "error" and row["review_error"].startswith("prompt is 5000 tokens")
     assert m.summary.review.verdicts == {"error": 1} and m.summary.rows_dropped == 0
+
+
+def test_reviews_finished_under_joined_ids_still_join(tmp_path):
+    """A review committed before request ids were (row id, sample) pairs, under that key, is still joined: its
+    verdicts join by idx."""
+    cfg, layout, plan, shard = _run(tmp_path, {"model": GUARD}, [_out(0, "x")], [{"id": "r0", "idx": 0, "text": "q"}])
+    spec = rv.prepare_review(cfg, layout, plan, shard)
+    result = _review_result(layout, spec, {"r0": _verdict("safe")})
+    old = result.model_copy(update={"plan_key": rv.request_key(cfg, shard, joined_ids=True)})
+    assert content_filter(cfg, layout, plan, [shard], reviews=[old]).summary.review.verdicts == {"safe": 1}
 
 
 def test_the_filter_refuses_missing_or_stale_reviews(tmp_path):

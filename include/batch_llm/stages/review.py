@@ -206,10 +206,14 @@ def request_id(row_id: str, sample: int) -> str:
     return json.dumps([row_id, sample], ensure_ascii=False)
 
 
-def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = None) -> str:
+def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = None, *,
+                joined_ids: bool = False) -> str:
     """What a shard's review requests are made from: its outputs file (as stored: size and change markers) and
     the review's prompting. Keys the requests file and the review shard's plan part, so a shard generated again, or
-    a changed template, starts its review over; the content filter checks the reviews it joins by it."""
+    a changed template, starts its review over; the content filter checks the reviews it joins by it.
+    ``joined_ids``: the key of requests whose ids were the row id joined to ``#sample<k>`` (``request_id`` since):
+    those files are not reused (two of their requests could share an id), and reviews finished under them still
+    join (their verdicts join by idx)."""
     from batch_llm.io.identity import file_fingerprint, stable_hash
 
     r = _review(cfg)
@@ -218,6 +222,8 @@ def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = 
                  "task": r.engine.task}
     if r.images != "text":  # keys made before images were reviewed stay the same
         prompting["images"] = {"mode": r.images, "template": image_template(r), "category": r.image_category}
+    if not joined_ids:
+        prompting["ids"] = "request_id"
     return stable_hash({"outputs": file_fingerprint(Location(shard.outputs, options or {}).path()),
                         "prompting": prompting})[:16]
 
@@ -382,7 +388,8 @@ def check_reviews(cfg: PipelineConfig, shards: list[ShardResult], reviews: list[
     """Every shard reviewed, from the outputs it has now, with the review's prompting of now."""
     got = {r.shard: r for r in reviews}
     missing = [s.shard for s in shards if s.shard not in got]
-    stale = [s.shard for s in shards if s.shard in got and got[s.shard].plan_key != request_key(cfg, s, options)]
+    stale = [s.shard for s in shards if s.shard in got and got[s.shard].plan_key not in
+             (request_key(cfg, s, options), request_key(cfg, s, options, joined_ids=True))]
     if missing or stale:
         raise ValueError(f"filter.review: the reviews handed over do not match the shards: not reviewed "
                          f"{missing or 'none'}, reviewed from other outputs or another review prompt "
