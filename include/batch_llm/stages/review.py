@@ -201,8 +201,8 @@ def _request(r: ReviewConfig, rid: str, idx: int, text: str, parts: list, images
 
 def request_id(row_id: str, sample: int) -> str:
     """A review request's id: the row's id and the sample as one JSON array, so that no two (row, sample) pairs
-    share an id whatever the input's ids hold (a joined string would make sample 1 of ``x`` and sample 0 of a row
-    whose id is ``x`` plus the separator and 1 one request). The verdicts join the rows by idx, not by this id."""
+    share an id whatever the input's ids hold (joined as text, sample 1 of row ``x`` was ``x#sample1``, the id of
+    sample 0 of a row named so). The verdicts join the rows by idx, not by this id."""
     return json.dumps([row_id, sample], ensure_ascii=False)
 
 
