@@ -751,8 +751,10 @@ class FilterConfig(_Section):
     case_sensitive: bool = False
     scan: list[ScannedField] = Field(default_factory=lambda: list(typing.get_args(ScannedField)), min_length=1,
                                      description="The fields every list scans unless it names its own (scan): the "
-                                     "answer (output, every sample) and a reasoning model's thinking (reasoning); "
-                                     "masks and drops apply to the field a hit is in")
+                                     "answer (output, every sample) and a reasoning model's thinking (reasoning). "
+                                     "The log-probabilities' tokens and their alternatives hold both: every list "
+                                     "scans them. A mask hides a hit in every copy of it (docs/user-guide.md, "
+                                     "Content filter)")
     review: ReviewConfig | None = Field(None, description="Content review by a model after the word lists' "
                                         "scan (stages/review.py); null: none")
 

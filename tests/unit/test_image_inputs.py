@@ -596,7 +596,7 @@ def test_review_requests_of_rows_with_images(tmp_path, mode):
     write_jsonl(sdir.child("errors.jsonl").path(), [])
     shard = ShardResult(shard=0, outputs=sdir.child("outputs.jsonl").url, errors=sdir.child("errors.jsonl").url,
                         metrics=ShardMetrics(rows=2, ok=2))
-    reqs = {q["id"]: q for q in iter_jsonl(Location(rv.prepare_review(cfg, layout, plan, shard).url).path())}
+    reqs = {json.loads(q["id"])[0]: q for q in iter_jsonl(Location(rv.prepare_review(cfg, layout, plan, shard).url).path())}
     image_turn, text_turn = reqs["r0"]["messages"][-1]["content"], reqs["r1"]["messages"][-1]["content"]
     assert isinstance(text_turn, str) and "Say hi" in text_turn and "images" not in reqs["r1"]
     if mode == "text":

@@ -118,6 +118,21 @@ def test_response_format_is_the_output_schema(tmp_path):
     assert batch.manifest.refused_count == 1 and "another schema than the batch's" in refused
 
 
+def test_a_batch_refuses_a_filter_it_would_not_run(tmp_path):
+    """A batch lands the shards' results as they are: an override that turns the content filter on (its masks
+    would never be applied) is refused, not ignored."""
+    from batch_llm.config import ConfigError
+    from batch_llm.frontends import common_ai as llm_batch
+
+    def cfg(overrides):
+        return llm_batch.batch_config(name="t", model_id="/models/m", result_path=str(tmp_path), max_tokens=8,
+                                      output=llm_batch.OutputType.of(str), overrides=overrides)
+
+    assert not cfg({}).filter.enabled
+    with pytest.raises(ConfigError, match="filter.enabled: a batch lands the model's results as they are"):
+        cfg({"filter.enabled": True})
+
+
 def test_operator_and_decorator_map_like_common_ais():
     from airflow.sdk import DAG, task
     from batch_llm_airflow.llm_batch import GPULLMBatchOperator

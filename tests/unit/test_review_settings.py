@@ -93,12 +93,13 @@ def _run(tmp_path, review: dict, outputs: list[dict], shard_rows: list[dict]):
 
 
 def _review_result(layout, spec: ShardSpec, answers: dict[str, dict]) -> ShardResult:
-    """What the review pass commits for ``spec``'s requests: one result row per request (``answers`` by request id:
-    a verdict's JSON text, a classifier's label, or an error)."""
+    """What the review pass commits for ``spec``'s requests: one result row per request (``answers`` by row id, or
+    ``id#k`` for sample k > 0: a verdict's JSON text, a classifier's label, or an error)."""
     rdir = layout.stage("review").child("shard-00000")
     ok, bad = [], []
     for q in iter_jsonl(Location(spec.url).path()):
-        a = answers[q["id"]]
+        row_id, k = json.loads(q["id"])
+        a = answers[row_id if k == 0 else f"{row_id}#{k}"]
         row = {"id": q["id"], "idx": q["idx"], "output": a.get("output"), "label": a.get("label"),
                "error": a.get("error"), "prompt_tokens": 5, "completion_tokens": 3, "finish_reason": "stop",
                "cached": False}
@@ -134,7 +135,8 @@ def test_requests_show_each_prompt_and_sample_to_the_reviewer(tmp_path):
     spec = rv.prepare_review(cfg, layout, plan, shard)
     reqs = list(iter_jsonl(Location(spec.url).path()))
     # the shard's own order; each sample a request (idx = row idx * 128 + sample); the error row not reviewed
-    assert [(q["id"], q["idx"]) for q in reqs] == [("r1", 128), ("r1#sample1", 129), ("r0", 0), ("r2", 256)]
+    assert [(q["id"], q["idx"]) for q in reqs] == [('["r1", 0]', 128), ('["r1", 1]', 129), ('["r0", 0]', 0),
+                                                   ('["r2", 0]', 256)]
     assert spec.rows == 4 and spec.plan_key and spec.url.endswith(f"shard-00000-{spec.plan_key}.jsonl")
     first = reqs[0]["messages"]
     assert first[0] == {"role": "system", "content": "You are a guard."}
@@ -151,12 +153,34 @@ def test_requests_show_each_prompt_and_sample_to_the_reviewer(tmp_path):
     assert rv.prepare_review(cfg, layout, plan, shard).plan_key != spec.plan_key
 
 
+def test_review_request_ids_are_apart_from_every_input_id(tmp_path):
+    """Rows whose ids read like a sample's (``x`` and ``x#sample1``, two samples each) get four review requests
+    with four ids (the shard runner keys a shard's rows by id: two requests of one id failed the review task), and
+    each row is joined to its own verdicts."""
+    rows = [{"id": "x", "idx": 0, "text": "q0"}, {"id": "x#sample1", "idx": 1, "text": "q1"}]
+    outputs = [{**_out(0, "a0", outputs=["a0", "a1"]), "id": "x"},
+               {**_out(1, "b0", outputs=["b0", "b1"]), "id": "x#sample1"}]
+    cfg, layout, plan, shard = _run(tmp_path, {"model": GUARD, "actions": {"sexual": "mask"}}, outputs, rows)
+    spec = rv.prepare_review(cfg, layout, plan, shard)
+    ids = [q["id"] for q in iter_jsonl(Location(spec.url).path())]
+    assert len(set(ids)) == 4 and not set(ids) & {"x", "x#sample1"}
+    answers = {"x": _verdict("safe"), "x#1": _verdict("unsafe", "sexual"), "x#sample1": _verdict("safe"),
+               "x#sample1#1": _verdict("safe")}
+    m = content_filter(cfg, layout, plan, [shard], reviews=[_review_result(layout, spec, answers)])
+    kept = {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())}
+    assert kept["x"]["outputs"] == ["a0", "**"] and kept["x"]["review_verdict"] == "unsafe"
+    assert kept["x#sample1"]["outputs"] == ["b0", "b1"] and kept["x#sample1"]["review_verdict"] == "safe"
+    # requests written with joined ids (two of them "x#sample1") are not reused: a retry writes them anew
+    legacy = rv.request_key(cfg, shard, joined_ids=True)
+    assert spec.plan_key != legacy and not spec.url.endswith(f"-{legacy}.jsonl")
+
+
 def test_classify_requests_are_plain_text_of_the_template(tmp_path):
     review = {"model": GUARD, "engine": {"task": "classify"}, "labels": {"ok": "safe", "toxic": "unsafe"},
               "template": "Q: {prompt} A: {output} {not_a_placeholder}"}
     cfg, layout, plan, shard = _run(tmp_path, review, [_out(0, "fine")], [{"id": "r0", "idx": 0, "text": "Hi?"}])
     reqs = list(iter_jsonl(Location(rv.prepare_review(cfg, layout, plan, shard).url).path()))
-    assert reqs == [{"id": "r0", "idx": 0, "text": "Q: Hi? A: fine {not_a_placeholder}"}]
+    assert reqs == [{"id": rv.request_id("r0", 0), "idx": 0, "text": "Q: Hi? A: fine {not_a_placeholder}"}]
 
 
 def test_verdict_parsing():
@@ -186,7 +210,7 @@ def test_actions_and_row_accounting(tmp_path):
     spec = rv.prepare_review(cfg, layout, plan, shard)
     answers = {"r0": _verdict("safe"), "r1": _verdict("unsafe", "violence", "other"), "r2": _verdict("unsafe", "sexual"),
                "r3": _verdict("unsafe"), "r4": {"error": "output does not match the schema: 'verdict' is required"},
-               "r5": _verdict("safe"), "r6": _verdict("safe"), "r6#sample1": _verdict("unsafe", "sexual"),
+               "r5": _verdict("safe"), "r6": _verdict("safe"), "r6#1": _verdict("unsafe", "sexual"),
                "r7": _verdict("safe")}
     result = _review_result(layout, spec, answers)
     m = content_filter(cfg, layout, plan, [shard.model_dump()], reviews=[result.model_dump()])
@@ -221,6 +245,16 @@ def test_on_error_flag_keeps_the_row(tmp_path):
     (row,) = iter_jsonl(Location(m.outputs).path())
     assert row["review_verdict"] == "error" and row["review_error"].startswith("prompt is 5000 tokens")
     assert m.summary.review.verdicts == {"error": 1} and m.summary.rows_dropped == 0
+
+
+def test_reviews_finished_under_joined_ids_still_join(tmp_path):
+    """A review committed before request ids were (row id, sample) pairs, under that key, is still joined: its
+    verdicts join by idx."""
+    cfg, layout, plan, shard = _run(tmp_path, {"model": GUARD}, [_out(0, "x")], [{"id": "r0", "idx": 0, "text": "q"}])
+    spec = rv.prepare_review(cfg, layout, plan, shard)
+    result = _review_result(layout, spec, {"r0": _verdict("safe")})
+    old = result.model_copy(update={"plan_key": rv.request_key(cfg, shard, joined_ids=True)})
+    assert content_filter(cfg, layout, plan, [shard], reviews=[old]).summary.review.verdicts == {"safe": 1}
 
 
 def test_the_filter_refuses_missing_or_stale_reviews(tmp_path):

@@ -59,7 +59,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from batch_llm.config import PipelineConfig, apply_overrides, parse_config
+from batch_llm.config import ConfigError, PipelineConfig, apply_overrides, parse_config
 from batch_llm.engines.capabilities import DEFAULT_KIND, serving
 from batch_llm.io.formats import read_rows
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
@@ -308,7 +308,8 @@ def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int,
                  base: PipelineConfig | None = None, overrides: Mapping[str, Any] | None = None,
                  response_format: Any = None) -> PipelineConfig:
     """The pipeline config of a batch: ``base`` (or the defaults) with the batch's model, token cap and output
-    schema, the filter and scoring off (a batch lands raw results), then ``overrides`` (dotted keys).
+    schema, the filter and scoring off (a batch lands raw results), then ``overrides`` (dotted keys); an override
+    that turns the filter on is refused (``land`` would publish what it was to mask).
 
     The output schema is ``output``'s; with ``output_type=str``, ``response_format`` (``request_params``' own,
     OpenAI's shape) gives it (``response_format_schema``). A structured ``output_type`` wins over a
@@ -337,8 +338,12 @@ def batch_config(*, name: str, model_id: str, result_path: str, max_tokens: int,
     if "sampling.guided_decoding" not in overrides and schema is not None:
         data["sampling"]["guided_decoding"] = kind in serving("guided_decoding")
     # validated once, with the overrides in
-    return parse_config(apply_overrides(data, overrides), f"batch {name!r} (with its config_overrides)" if overrides
-                        else f"batch {name!r}")
+    where = f"batch {name!r} (with its config_overrides)" if overrides else f"batch {name!r}"
+    cfg = parse_config(apply_overrides(data, overrides), where)
+    if cfg.filter.enabled:  # land() writes the shards' results: a filter (and its masks) set here would never run
+        raise ConfigError(f"{where}: filter.enabled: a batch lands the model's results as they are, with no content "
+                          "filter or review; run a pipeline (batch-llm run, the pipeline DAGs) to filter outputs")
+    return cfg
 
 
 def _fingerprint_config(cfg: PipelineConfig) -> bytes:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import ahocorasick
 
+from batch_llm import generated_text
 from batch_llm.config import FilterConfig, PipelineConfig, WordListConfig
 from batch_llm.io import path_policy
 from batch_llm.io.storage import (
@@ -45,6 +46,7 @@ from batch_llm.manifests import (
     ShardManifest,
     ShardResult,
 )
+from batch_llm.reasoning import THINK_END, THINK_START
 from batch_llm.stages.confusables import fold_pieces
 from batch_llm.stages.review import (
     ReviewedRows,
@@ -59,9 +61,8 @@ if TYPE_CHECKING:
     pass
 from batch_llm.layout import RunLayout
 
-# The fields the lists scan (config.ScannedField), answer first, and where each keeps every sample's (n > 1)
+# The fields the lists scan by their ``scan`` (config.ScannedField), answer first; the tokens hold both
 SCANNED_FIELDS = ("output", "reasoning")
-_SAMPLES_OF = {"output": "outputs", "reasoning": "outputs_reasoning"}
 
 
 def load_words(path: str, options: dict | None = None) -> list[str]:
@@ -352,29 +353,28 @@ class ContentFilter:
         self.cfg = cfg
         self.casefold = not cfg.case_sensitive
         self.lists: list[_List] = []
+        self.longest = 0  # the longest word, folded
         for wl in cfg.lists:
             a = ahocorasick.Automaton()
             for w in _list_words(wl, storage_options):
                 key = self._fold(w, tuple(wl.fold)).text  # words fold as the texts do
                 if key:
                     a.add_word(key, key)
+                    self.longest = max(self.longest, len(key))
             if len(a):
                 a.make_automaton()
                 self.lists.append(_List(wl, a))
 
-    @property
-    def fields(self) -> list[str]:
-        """The row fields some list scans, answer first (``filter.scan``, a list's own ``scan``)."""
-        wanted = {f for lst in self.lists for f in lst.cfg.scan or self.cfg.scan}
-        return [f for f in SCANNED_FIELDS if f in wanted]
-
     def scan(self, text: str, field: str | None = None) -> list[tuple[_List, int, int, str]]:
         """Every hit as (list, start, end, word): offsets in ``text``, the word as folded; whole-word rule for
-        ASCII words. ``field``: only the lists that scan that field (``output``, ``reasoning``); None: all."""
+        ASCII words. ``field``: only the lists that scan that field (``output``, ``reasoning``); None: all. The
+        thinking's markers (``<think>``, ``</think>``) are read past, as the invisible characters are: a word
+        around one (the end of the thinking and the start of the answer, in the tokens) is a hit over it."""
         lists = [lst for lst in self.lists if field is None or field in (lst.cfg.scan or self.cfg.scan)]
         if not lists:
             return []
-        base = fold_text(text, self.casefold)
+        hay_text, places = _without_markers(text)
+        base = fold_text(hay_text, self.casefold)
         by_folds: dict[tuple[str, ...], Folded] = {(): base}  # lists of the same folds share one folded text
         hits = []
         for lst in lists:
@@ -386,54 +386,116 @@ class ContentFilter:
                 first = last - len(word) + 1
                 end = _word_end(folded, first, last, word, lst.cfg.match)
                 if end is not None:
-                    hits.append((lst, *folded.span(first, end), word))
+                    start, stop = folded.span(first, end)
+                    if places is not None:  # back from the text without the thinking's markers to the row's
+                        start, stop = places[start], places[stop - 1] + 1
+                    hits.append((lst, start, stop, word))
         return hits
 
     def _fold(self, text: str, folds: tuple[str, ...]) -> Folded:
         return refold(fold_text(text, self.casefold), folds, self.casefold)
 
     def apply(self, row: dict) -> tuple[dict | None, list[dict]]:
-        """(the row after its actions, or None when dropped; the hits as dicts). Each scanned field (``fields``:
-        the answer, a reasoning model's thinking) is scanned by the lists that scan it; a hit in the thinking
-        names its ``field``. A row with several samples (``outputs`` / ``outputs_reasoning``, n > 1) is scanned
-        in every sample: a drop hit in any drops the row, masks apply to each, and each hit names its ``sample``;
-        ``output`` (``reasoning``) stays the first sample, masked as it is."""
-        out, found = row, []
-        for field in self.fields:
-            samples = row.get(_SAMPLES_OF[field])
-            texts = samples if isinstance(samples, list) and samples else [row.get(field)]
-            hits = [(i, h) for i, text in enumerate(texts) if text for h in self.scan(text, field)]
-            if not hits:
-                continue
-            found += [_hit(h, i if texts is samples else None, field) for i, h in hits]
-            if any(h[0].cfg.action == "drop" for _, h in hits):
-                return None, found
-            masked = [self._masked(text, [h for j, h in hits if j == i]) for i, text in enumerate(texts)]
-            out = dict(out) if out is row else out
-            if texts is samples:
-                out[_SAMPLES_OF[field]] = masked
-            out[field] = masked[0]
-        if found:
-            out["filter_hits"] = found
+        """(the row after its actions, or None when dropped; the hits as dicts). Every copy of generated text in
+        the row (``generated_text.copies``: each sample's answer and thinking, the log-probabilities' tokens and
+        their alternatives) is scanned: the answer and the thinking by the lists that scan them (``scan``),
+        the tokens, which hold both, by every list, and so is each sample's thinking and answer read as one,
+        for a word around the thinking's end. A drop hit in any copy drops the row; masks apply to every copy
+        the hit is in (``generated_text.masked``). Each hit names its ``field`` where not the answer, its
+        ``sample`` where the row has several, and an alternative's ``place`` (token, rank); the row's
+        ``filter_hits`` are these, less the word of a mask hit."""
+        hits = [(c, h) for c in generated_text.copies(row)
+                for h in self.scan(c.text, c.field if c.field in SCANNED_FIELDS else None)]
+        many = generated_text.sample_count(row) > 1
+        across = [h for k in range(generated_text.sample_count(row)) for h in self._across_thinking_end(row, k)]
+        found = [_hit(h, c, row, many) for c, h in hits] + [hit for hit, _ in across]
+        if not found:
+            return row, []
+        if any(h["action"] == "drop" for h in found):
+            return None, found
+        spans: generated_text.Spans = {}
+        for c, (lst, start, end, _) in hits:
+            if lst.cfg.action == "mask":
+                spans.setdefault(c.key, []).extend(_unmarked(c.text, start, end))
+        for hit, parts in across:
+            if hit["action"] == "mask":
+                for key, span in parts:
+                    spans.setdefault(key, []).append(span)
+        out = generated_text.masked(row, spans, self.cfg.mask_char)
+        out = dict(out) if out is row else out
+        # a mask hit's word is the masked text: the published hit names its list and place, not the word
+        out["filter_hits"] = [{k: v for k, v in h.items() if k != "word" or h["action"] != "mask"} for h in found]
         return out, found
 
-    def _masked(self, text: str | None, hits: list) -> str | None:
-        if not text or not hits:
-            return text
-        chars = list(text)
-        for lst, start, end, _ in hits:
-            if lst.cfg.action == "mask":
-                chars[start:end] = self.cfg.mask_char * (end - start)
-        return "".join(chars)
+    def _across_thinking_end(self, row: dict, k: int) -> list[tuple[dict, list]]:
+        """Hits of a word begun at the end of sample ``k``'s thinking and ended at the start of its answer (each
+        field alone holds part of it), each with the spans it covers in the two fields."""
+        reasoning, answer = (generated_text.text_of(row, f, k) for f in ("reasoning", "output"))
+        if not (reasoning and answer and self.lists):
+            return []
+        # Only the text around the end can hold such a word. In ASCII a word of n folded characters spans at most
+        # 2n - 1 (letters spaced out, the separators fold); other text may hide any number of invisible
+        # characters in a word, so it is read whole.
+        width = 2 * self.longest + 8
+        skip = max(len(reasoning) - width, 0)
+        tail, head = reasoning[skip:], answer[:width]
+        if not (tail.isascii() and head.isascii()):
+            skip, tail, head = 0, reasoning, answer
+        cut = len(tail) + len(THINK_END)
+        found = []
+        for lst, start, end, word in self.scan(tail + THINK_END + head):
+            if start < len(tail) and end > cut:
+                start += skip
+                hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start,
+                       "end": end + skip, "field": "reasoning+output"}
+                if generated_text.sample_count(row) > 1:
+                    hit["sample"] = k
+                found.append((hit, [(("reasoning", k), (start, len(reasoning))), (("output", k), (0, end - cut))]))
+        return found
 
 
-def _hit(h, sample: int | None = None, field: str = "output") -> dict:
+_MARKERS = re.compile("|".join(re.escape(m) for m in (THINK_START, THINK_END)))
+
+
+def _without_markers(text: str) -> tuple[str, list[int] | None]:
+    """``text`` without the thinking's markers, and each kept character's place in ``text`` (None: none cut)."""
+    if THINK_START not in text and THINK_END not in text:
+        return text, None
+    kept: list[str] = []
+    places: list[int] = []
+    at = 0
+    for m in _MARKERS.finditer(text):
+        kept.append(text[at:m.start()])
+        places += range(at, m.start())
+        at = m.end()
+    kept.append(text[at:])
+    places += range(at, len(text))
+    return "".join(kept), places
+
+
+def _unmarked(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """The span ``start``..``end`` of ``text`` less the thinking's markers in it: a mask over a word around
+    ``</think>`` leaves the marker readable (where the thinking ends is no part of the word)."""
+    spans, at = [], start
+    for m in _MARKERS.finditer(text, start, end):
+        if m.start() > at:
+            spans.append((at, m.start()))
+        at = m.end()
+    if end > at:
+        spans.append((at, end))
+    return spans
+
+
+def _hit(h, copy: generated_text.Copy, row: dict, many_samples: bool) -> dict:
     lst, start, end, word = h
     hit = {"list": lst.cfg.name, "word": word, "action": lst.cfg.action, "start": start, "end": end}
-    if sample is not None:
-        hit["sample"] = sample
-    if field != "output":  # a hit in the thinking; offsets are into that field
-        hit["field"] = field
+    if many_samples:
+        hit["sample"] = copy.sample
+    if copy.field != "output":  # a hit in the thinking or the tokens; offsets are into that copy
+        hit["field"] = copy.field
+    if copy.field == generated_text.ALTERNATIVE:  # offsets into the alternative at its place (token, rank)
+        i, j, at = generated_text.alternative_at(row, copy.sample, start)
+        hit.update(place=[i, j], start=at, end=at + end - start)
     return hit
 
 

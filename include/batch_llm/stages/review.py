@@ -32,6 +32,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+from batch_llm import generated_text
 from batch_llm.config import REVIEW_PLACEHOLDERS, PipelineConfig, ReviewConfig, parse_config
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes
 from batch_llm.layout import RunLayout
@@ -198,25 +199,21 @@ def _request(r: ReviewConfig, rid: str, idx: int, text: str, parts: list, images
     return request
 
 
-def _samples(out: dict) -> list[str]:
-    samples = out.get("outputs")
-    if isinstance(samples, list) and samples:
-        return [s if isinstance(s, str) else "" for s in samples]
-    return [out["output"] if isinstance(out.get("output"), str) else ""]
+def request_id(row_id: str, sample: int) -> str:
+    """A review request's id: the row's id and the sample as one JSON array, so that no two (row, sample) pairs
+    share an id whatever the input's ids hold (joined as text, sample 1 of row ``x`` was ``x#sample1``, the id of
+    sample 0 of a row named so). The verdicts join the rows by idx, not by this id."""
+    return json.dumps([row_id, sample], ensure_ascii=False)
 
 
-def _reasoning(out: dict, sample: int) -> str:
-    """A sample's reasoning (a reasoning model's thinking: ``reasoning``, or each sample's in ``outputs_reasoning``)."""
-    samples = out.get("outputs_reasoning")
-    value = samples[sample] if isinstance(samples, list) and sample < len(samples) else \
-        out.get("reasoning") if sample == 0 else None
-    return value if isinstance(value, str) else ""
-
-
-def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = None) -> str:
+def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = None, *,
+                joined_ids: bool = False) -> str:
     """What a shard's review requests are made from: its outputs file (as stored: size and change markers) and
     the review's prompting. Keys the requests file and the review shard's plan part, so a shard generated again, or
-    a changed template, starts its review over; the content filter checks the reviews it joins by it."""
+    a changed template, starts its review over; the content filter checks the reviews it joins by it.
+    ``joined_ids``: the key of requests whose ids were the row id joined to ``#sample<k>`` (``request_id`` since):
+    those files are not reused (two of their requests could share an id), and reviews finished under them still
+    join (their verdicts join by idx)."""
     from batch_llm.io.identity import file_fingerprint, stable_hash
 
     r = _review(cfg)
@@ -225,6 +222,8 @@ def request_key(cfg: PipelineConfig, shard: ShardResult, options: dict | None = 
                  "task": r.engine.task}
     if r.images != "text":  # keys made before images were reviewed stay the same
         prompting["images"] = {"mode": r.images, "template": image_template(r), "category": r.image_category}
+    if not joined_ids:
+        prompting["ids"] = "request_id"
     return stable_hash({"outputs": file_fingerprint(Location(shard.outputs, options or {}).path()),
                         "prompting": prompting})[:16]
 
@@ -259,10 +258,11 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                 prompt, parts = prompt_of(row)
                 images = row.get("images") if parts and r.images != "text" else None
                 shown, asked, cats = ([], template, categories) if images is None else (parts, *with_images)
-                for k, text in enumerate(_samples(out)):
-                    filled = fill(asked, {"prompt": prompt, "output": text, "reasoning": _reasoning(out, k),
+                for k in range(generated_text.sample_count(out)):
+                    filled = fill(asked, {"prompt": prompt, "output": generated_text.text_of(out, "output", k),
+                                          "reasoning": generated_text.text_of(out, "reasoning", k),
                                           "categories": cats})
-                    rid = row["id"] if k == 0 else f"{row['id']}#sample{k}"
+                    rid = request_id(row["id"], k)
                     w.write(json_bytes(_request(r, rid, row["idx"] * SAMPLE_SLOTS + k, filled, shown, images))
                             + b"\n")
     n = sum(1 for _ in iter_jsonl(path))
@@ -358,20 +358,12 @@ class ReviewedRows:
         if action == "mask":
             self.actions["masked"] += 1
             unsafe = {v["idx"] % SAMPLE_SLOTS for v, (verdict_k, _, _) in zip(got, samples) if verdict_k == "unsafe"}
-            self._mask(out, unsafe)
+            # every copy of an unsafe sample: its answer, its thinking, its tokens and their alternatives
+            out = generated_text.masked(out, generated_text.whole(out, unsafe), self.mask_char)
         else:
             self.actions["flagged"] += 1
         return out, None
 
-    def _mask(self, out: dict, samples: set[int]) -> None:
-        def masked(text):
-            return self.mask_char * len(text) if isinstance(text, str) else text
-
-        if isinstance(out.get("outputs"), list) and out["outputs"]:
-            out["outputs"] = [masked(t) if k in samples else t for k, t in enumerate(out["outputs"])]
-            out["output"] = out["outputs"][0]
-        else:
-            out["output"] = masked(out.get("output"))
 
     def summary(self, reviews: list[ShardResult]) -> ReviewSummary:
         m = [s.metrics for s in reviews]
@@ -396,7 +388,8 @@ def check_reviews(cfg: PipelineConfig, shards: list[ShardResult], reviews: list[
     """Every shard reviewed, from the outputs it has now, with the review's prompting of now."""
     got = {r.shard: r for r in reviews}
     missing = [s.shard for s in shards if s.shard not in got]
-    stale = [s.shard for s in shards if s.shard in got and got[s.shard].plan_key != request_key(cfg, s, options)]
+    stale = [s.shard for s in shards if s.shard in got and got[s.shard].plan_key not in
+             (request_key(cfg, s, options), request_key(cfg, s, options, joined_ids=True))]
     if missing or stale:
         raise ValueError(f"filter.review: the reviews handed over do not match the shards: not reviewed "
                          f"{missing or 'none'}, reviewed from other outputs or another review prompt "
