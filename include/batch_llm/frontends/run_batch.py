@@ -262,22 +262,20 @@ def _key(custom_id: Any) -> str | None:
 
 
 def in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
-    """Each input line's answer in turn: its published line, else its error line (a line that could not be read
-    has no custom_id: its error line has none either); whatever is left over (none, where every line was read
-    once) after them."""
+    """Each input line's answer in turn: its published line, else its error line; whatever is left over (none,
+    where every line was read once) after them. The lines are read by the planner's own reader, so each line's
+    custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a lone surrogate, raw
+    bytes that are not UTF-8) by the custom_id still readable in it, else by none (its error line names its line
+    number; those are answered in input order)."""
+    from batch_llm.io.formats import read_file_rows
+
     for f in files:
-        with f.open("rb") as fh:
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                try:
-                    cid = _key(json.loads(raw).get("custom_id"))
-                except (ValueError, AttributeError, RecursionError):
-                    cid = None
-                for source in (done, refused):
-                    if source.get(cid):
-                        yield source[cid].pop(0)
-                        break
+        for row in read_file_rows(f, "openai_batch"):
+            cid = _key((row.record or row.salvaged or {}).get("custom_id"))
+            for source in (done, refused):
+                if source.get(cid):
+                    yield source[cid].pop(0)
+                    break
     for source in (done, refused):
         for rest in source.values():
             yield from rest
