@@ -298,7 +298,13 @@ def _abs(path: str) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # what could not be checked here: said, one line each
+        warnings.simplefilter("always")
+        cfg = config_from_args(args)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
     shards = f"num_shards {cfg.sharding.num_shards}" if cfg.sharding.num_shards else \
         f"rows_per_shard {cfg.sharding.rows_per_shard or 'default'}"
     print(f"OK: {args.config}: pipeline {cfg.name!r}, model {cfg.model.ref}, engine {cfg.engine.kind}, {shards}")
