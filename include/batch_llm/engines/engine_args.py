@@ -81,16 +81,16 @@ def engine_arg_names(kind: str) -> frozenset[str] | None:
 def extra_problems(kind: str, extra: dict[str, Any]) -> list[str]:
     """One refusal per ``engine.extra`` key that engine ``kind``'s constructor does not take, with the closest
     argument it does take. Keys that cannot be checked here: an ``EngineArgsUnchecked`` warning, no refusal."""
-    if not extra or not capabilities(kind).engine_args:
+    caps = capabilities(kind)
+    if not extra or not caps.engine_args:
         return []
     names = engine_arg_names(kind)
     if names is None:
-        package = capabilities(kind).engine_args[0].partition("/")[0]
-        warnings.warn(f"engine.extra ({', '.join(sorted(extra))}): not checked: {package} is not installed here, so "
-                      f"its engine arguments could not be read; a key it does not take fails when the engine starts",
-                      EngineArgsUnchecked, stacklevel=2)
+        package = caps.engine_args[0].partition("/")[0]
+        warnings.warn(f"engine.extra ({', '.join(sorted(extra))}): not checked: {package} is not installed here (or "
+                      f"its source no longer holds {', '.join(caps.engine_args)}), so its engine arguments could not "
+                      f"be read; a key it does not take fails when the engine starts", EngineArgsUnchecked, stacklevel=2)
         return []
-    caps = capabilities(kind)
     takes = ", ".join(dict.fromkeys(s.partition(":")[2].split(".")[0] for s in caps.engine_args))
     problems = []
     for key in sorted(set(extra) - names):
