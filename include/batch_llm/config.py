@@ -363,7 +363,11 @@ class EngineConfig(_Section):
         "choice elsewhere; true: vLLM's own choice always; false: off (vLLM's compilation mode 0), on a CPU too. A "
         "compilation_config in engine.extra wins")
     extra: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine constructor as is "
-                                  "(LMDeploy: `backend` and fields of that backend's engine config)")
+                                  "(LMDeploy: `backend` and fields of that backend's engine config). Each key is "
+                                  "checked when the config loads against the engine's own arguments, read from its "
+                                  "installed source (vLLM: EngineArgs and LLM; SGLang: ServerArgs; LMDeploy: its "
+                                  "engine config's fields), a typo refused with the closest name; where the engine "
+                                  "is not installed, a warning says the keys were not checked")
     python: str | None = Field(None, description="Interpreter for the engine process (default: this one)")
     compile_cache: str | None = Field(None, description="vLLM's compilation cache: a worker-local folder, or an "
                                       "object-storage prefix (the output's connection) whose archive is synced "
@@ -458,6 +462,10 @@ class EngineConfig(_Section):
                      for kind, other in ENGINES.items() if other.settings_section and kind != self.kind
                      and getattr(self, other.settings_section, None) != type(getattr(self, other.settings_section))()]
         problems += caps.problems(self)
+        if not problems:  # the engine's own argument list, once the keys this project maps are refused above
+            from batch_llm.engines.engine_args import extra_problems
+
+            problems = extra_problems(self.kind, self.extra)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -501,7 +509,10 @@ class SamplingConfig(_Section):
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended an output at its end")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables of the chat template "
                                                  "(e.g. enable_thinking: false for Qwen3); a row's own are laid over "
-                                                 "these. Every engine: the prompts are rendered before the engine")
+                                                 "these. Every engine: the prompts are rendered before the engine. "
+                                                 "Each key must be a variable the chat template reads: checked when "
+                                                 "the config loads where the template is known (model.chat_template, "
+                                                 "a local model folder), else when the model is fetched")
     output_schema: dict | None = Field(None, description="The JSON Schema every output must match: the schema, "
                                        "or a string naming it, a JSON Schema file (./relative to this YAML) or a "
                                        "pydantic model (module:Class), loaded into the schema itself when the "
@@ -1006,6 +1017,24 @@ class PipelineConfig(_Section):
                                 "finds the thinking; engine.reasoning_parser is null (set it, or auto)")
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_template_variables(self) -> "PipelineConfig":
+        """``sampling.chat_template_kwargs`` keys the chat template reads, where the template is known when the
+        config loads (``model.chat_template``, or a local model folder's); a model fetched later is checked by
+        the fetch stage (``stages/infer.py``'s reasoning_problems), before any engine starts."""
+        if not self.sampling.chat_template_kwargs:
+            return self
+        from batch_llm.engines.probes import model_chat_template
+        from batch_llm.reasoning import template_kwargs_problem
+
+        template, where = self.model.chat_template, "model.chat_template"
+        ref = path_policy.resolve(self.model.ref)
+        if not template and ref.is_local and ref.local_path and os.path.isdir(ref.local_path):
+            template, where = model_chat_template(ref.local_path), f"the model's, at {ref.local_path}"
+        if problem := template_kwargs_problem(self.sampling.chat_template_kwargs, template, where):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -47,7 +47,10 @@ class RunLayout:
         benchmarks, tests). ``ds`` fills ``{ds}`` of the partition and the input path (default: today).
         ``output_location`` / ``input_location``: the locations already resolved (the operators' storage hook,
         with the connection's credentials: ``cfg.output.path`` and ``cfg.input.path`` with ``{ds}`` filled);
-        otherwise they are made from the config's paths and ``*_options``."""
+        otherwise they are made from the config's paths and ``*_options``. ``run_id``: refused (ConfigError) where
+        ``path_policy.run_id_problem`` says it cannot name a run folder, wherever it came from."""
+        if problem := path_policy.run_id_problem(run_id):  # "..": the stages' folders would land in runs/ itself
+            raise ConfigError(problem)
         ds = ds or dt.date.today().isoformat()
         partition = cfg.output.partition.format(ds=ds)
         if problem := path_policy.partition_problem(partition):  # a ds of "../x" would fill it out of the pipeline

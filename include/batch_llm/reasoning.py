@@ -103,6 +103,20 @@ def _template_variables(template: str) -> set[str]:
         return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
 
 
+def template_kwargs_problem(kwargs: dict[str, Any], template: str | None, where: str) -> str | None:
+    """Why ``kwargs`` (``sampling.chat_template_kwargs``) cannot all reach the chat ``template``: a key that is no
+    variable the template reads would be rendered as if it were not set, silently. ``where``: the template's
+    source, for the message. None when every key is one of its variables, or there is no template to read."""
+    if not kwargs or not template:
+        return None
+    variables = _template_variables(template)
+    unknown = sorted(set(kwargs) - variables)
+    if not unknown:
+        return None
+    return (f"sampling.chat_template_kwargs.{unknown[0]}: the chat template ({where}) has no variable {unknown[0]!r}, "
+            f"so it would change nothing; the template's variables: {', '.join(sorted(variables)) or 'none'}")
+
+
 def _opens_thinking(template: str) -> bool:
     """Whether the generation prompt of a one-message chat, rendered with the template's defaults, ends inside a
     thinking block (its last ``<think>`` after its last ``</think>``). A template that cannot be rendered so

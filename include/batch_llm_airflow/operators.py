@@ -16,7 +16,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import api
 from batch_llm.analysis import metrics_push
-from batch_llm.config import ConfigDump, PipelineConfig, parse_config
+from batch_llm.config import ConfigDump, ConfigError, PipelineConfig, parse_config
 from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
 from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
@@ -88,7 +88,10 @@ class PipelineStageOperator(BaseOperator):
         # One run folder per DAG run, whatever its retries and Clears: a cleared task finds its upstream's
         # committed manifests there, and a cleared shard its committed chunks. Whether a stage's committed work
         # still holds is decided by the stage (plan by its input's fingerprint, a shard by its plan and model).
-        layout = RunLayout.for_run(cfg, run_id=context["run_id"], ds=ds, output_location=out, input_location=inp)
+        try:
+            layout = RunLayout.for_run(cfg, run_id=context["run_id"], ds=ds, output_location=out, input_location=inp)
+        except ConfigError as e:  # a DAG run id (REST API, trigger form) that cannot name a run folder: no retry
+            raise AirflowFailException(str(e)) from None
         self._storage_targets = [StorageTarget(cfg.output.conn_id, out)] + (
             [StorageTarget(cfg.input.conn_id, inp, must_exist=True)] if self.reads_input else [])
         return cfg, layout

@@ -240,11 +240,15 @@ def test_refused_requests_are_error_lines_of_the_batch_error_format(parity):
 
 def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity, tmp_path, demo_model_dir):
     """`batch-llm run-batch` with the flags the reference `vllm run-batch` ran with, no YAML: the same answers,
-    one line per input line in input order, the refused request's error line among them."""
+    one line per input line in input order, the refused request's error line among them, and so too the lines that
+    are not UTF-8 JSON text (a lone surrogate escaped, raw bytes that are not UTF-8), each by its custom_id."""
     ref, _, _ = parity
     lines_in = PARITY_LINES + REFUSED
+    unreadable = [b'{"custom_id": "surrogate", "body": {"messages": [{"role": "user", "content": "\\ud800"}]}}\n',
+                  b'{"custom_id": "bytes", "body": {"messages": [{"role": "user", "content": "\xff\xfe"}]}}\n']
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(x) + "\n" for x in lines_in))
+    encoded = [json.dumps(x).encode() + b"\n" for x in lines_in]
+    src.write_bytes(b"".join(encoded[:2] + unreadable + encoded[2:]))
     run = run_in_group(
         [sys.executable, "-m", "batch_llm", "run-batch", "-i", str(src), "-o", str(out), "--model",
          str(demo_model_dir), "--served-model-name", "smol", "--enforce-eager", "--max-model-len", "1024",
@@ -254,11 +258,15 @@ def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity
         timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = list(iter_jsonl(out))
-    assert [x["custom_id"] for x in got] == [x["custom_id"] for x in lines_in]
+    ids = [x["custom_id"] for x in lines_in]
+    assert [x["custom_id"] for x in got] == ids[:2] + ["surrogate", "bytes"] + ids[2:]
     for line in got:
         if line["custom_id"] in ref:
             assert _answer(line) == _answer(ref[line["custom_id"]]), line["custom_id"]
-    *answered, refused = got
+    surrogate, raw_bytes = got[2:4]
+    answered, refused = got[:2] + got[4:-1], got[-1]
     assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["model"] == "smol" for x in answered)
     assert refused["response"]["status_code"] == 400 and "tools=" in refused["response"]["body"]["error"]["message"]
-    assert f"output: {out} ({len(lines_in)} lines, 1 refused or failed)" in run.stdout
+    assert "lone UTF-16 surrogate" in surrogate["response"]["body"]["error"]["message"]
+    assert "not valid UTF-8" in raw_bytes["response"]["body"]["error"]["message"]
+    assert f"output: {out} ({len(lines_in) + 2} lines, 3 refused or failed)" in run.stdout

@@ -94,3 +94,39 @@ def test_every_flag_is_documented():
     text = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text(encoding="utf-8")
     for f in rb.FLAGS:
         assert f"`{f.names[-1]}`" in text, f.names[-1]
+
+
+def test_a_line_that_is_not_utf8_json_text_is_answered_once_in_its_place(tmp_path):
+    """A lone surrogate (``\\ud800`` escaped) or raw bytes that are not UTF-8: the line's answer is an error line
+    carrying its custom_id where that still reads cleanly (else none, its line number in the message), and every
+    line is answered exactly once, in input order, with the planner's own reading of each line."""
+    from batch_llm.io.formats import openai_error_line, output_record
+    from batch_llm.io.storage import Location, iter_jsonl
+    from batch_llm.stages import plan as plan_mod
+    from helpers import demo_config
+
+    def request(cid: str, content: str) -> bytes:
+        return ('{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+                '[{"role": "user", "content": "%s"}]}}\n' % (cid, content)).encode()
+
+    src = tmp_path / "requests.jsonl"
+    src.write_bytes(request("a", "hi") + request("s", "\\ud800") + request("r", "hi").replace(b"hi", b"\xff\xfe")
+                    + request("\\udc00x", "hi") + b"\n" + request("b", "hi"))
+    cfg = demo_config(tmp_path, input__path=str(src))
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(src)), plan_dir=Location(str(tmp_path / "plan")))
+    assert (m.valid, m.invalid) == (2, 3)
+    done: dict = {}
+    for rec in iter_jsonl(Location(m.records).path()):
+        out = output_record(rec["record"], {"id": rec["id"], "output": "ok", "finish_reason": "stop",
+                                            "prompt_tokens": 1, "completion_tokens": 1}, "openai_batch")
+        done.setdefault(rb._key(out["custom_id"]), []).append(out)
+    refused: dict = {}
+    for e in iter_jsonl(Location(m.errors).path()):  # as the published error file carries them
+        line = openai_error_line(e["id"], f"{e['reason']} ({e['source']} line {e['line']})", code="invalid_request")
+        refused.setdefault(rb._key(line["custom_id"]), []).append(line)
+    got = list(rb.in_input_order([src], done, refused))
+    assert [(x["custom_id"], x["response"]["status_code"]) for x in got] == [
+        ("a", 200), ("s", 400), ("r", 400), (None, 400), ("b", 200)]
+    messages = [x["response"]["body"].get("error", {}).get("message", "") for x in got]
+    assert "lone UTF-16 surrogate" in messages[1] and "not valid UTF-8" in messages[2]
+    assert "requests.jsonl line 4" in messages[3]

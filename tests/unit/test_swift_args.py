@@ -47,7 +47,7 @@ def test_the_swift_run_maps_onto_yaml_keys(tmp_path):
     (["--infer_backend", "vllm", "--vllm_enforce_eager"], "engine.enforce_eager", True),  # a bare bool is true
     (["--infer_backend", "vllm", "--vllm_max_model_len=4096"], "engine.max_model_len", 4096),
     (["--infer_backend", "vllm", "--gpu_memory_utilization", "0.7"], "engine.gpu_memory_utilization", 0.7),
-    (["--infer_backend", "vllm", "--vllm_engine_kwargs", '{"swap_space": 1}'], "engine.extra.swap_space", 1),
+    (["--infer_backend", "vllm", "--vllm_engine_kwargs", '{"max_logprobs": 30}'], "engine.extra.max_logprobs", 30),
     (["--infer_backend", "lmdeploy", "--lmdeploy_tp", "2"], "engine.tensor_parallel_size", 2),
     (["--infer_backend", "lmdeploy", "--lmdeploy_session_len", "4096"], "engine.max_model_len", 4096),
     (["--infer_backend", "lmdeploy", "--lmdeploy_cache_max_entry_count", "0.5"], "engine.gpu_memory_utilization",

@@ -63,6 +63,8 @@ class EngineCapabilities:
     sampling_keys: frozenset[str] = frozenset()  # the EXTRA_SAMPLING_KEYS it applies (pipeline-wide and per row)
     extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
     settings_section: str | None = None  # engine.<name>: a sub-section of this engine's own settings
+    engine_args: tuple[str, ...] = ()  # "package/file.py:Class[.method]": what engine.extra keys may be, read by
+                                       # engines/engine_args.py from the installed source (none: not checked there)
 
     @property
     def row_params(self) -> frozenset[str]:
@@ -90,7 +92,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
-        compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS),
+        compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS,
+        engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__")),
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
         kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
@@ -109,7 +112,7 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         samples_and_logprobs=True, penalties=True, lora_served=True, tensor_parallel=True, kv_cache_pool=True,
         overlap_engine_start=False,  # SGLang installs signal handlers and its event loop in the thread it starts in
         config_check="batch_llm.engines.sglang_config:sglang_problems", sampling_keys=EXTRA_SAMPLING_KEYS,
-        settings_section="sglang"),
+        settings_section="sglang", engine_args=("sglang/srt/server_args.py:ServerArgs",)),
 )}
 
 

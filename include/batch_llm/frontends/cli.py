@@ -298,7 +298,13 @@ def _abs(path: str) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # what could not be checked here: said, one line each
+        warnings.simplefilter("always")
+        cfg = config_from_args(args)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
     shards = f"num_shards {cfg.sharding.num_shards}" if cfg.sharding.num_shards else \
         f"rows_per_shard {cfg.sharding.rows_per_shard or 'default'}"
     print(f"OK: {args.config}: pipeline {cfg.name!r}, model {cfg.model.ref}, engine {cfg.engine.kind}, {shards}")
@@ -312,7 +318,15 @@ def _layout(cfg: PipelineConfig, args: argparse.Namespace, default_run_id: str):
     if out.is_local and out.local_path and (problem := path_policy.local_folder_problem(out.local_path)):
         # before anything is written there (the run's log file is the first thing): one line, not a traceback
         raise ConfigError(f"output.path: {problem}; name a folder (--output or output.path)")
-    return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
+    inp = path_policy.resolve(cfg.input.path)
+    if out.is_local and inp.is_local and out.local_path and inp.local_path and \
+            os.path.realpath(out.local_path) == os.path.realpath(inp.local_path):
+        raise ConfigError(f"output.path: {cfg.output.path} is the input (input.path); name another folder "
+                          f"(--output or output.path)")
+    try:  # a --run-id of "..": refused before anything is written, in one line
+        return RunLayout.for_run(cfg, run_id=args.run_id or default_run_id, ds=args.ds)
+    except ConfigError as e:
+        raise ConfigError(f"--run-id: {e}" if args.run_id else str(e)) from None
 
 
 def _prepare(cfg: PipelineConfig, layout, say: Callable[[str], None]) -> tuple[QuantizeManifest, PlanManifest]:

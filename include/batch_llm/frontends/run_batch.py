@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,7 +30,8 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
-from batch_llm.frontends.written_config import run_written_config
+from batch_llm.frontends.written_config import keep_work_folder, run_written_config
+from batch_llm.io import path_policy
 
 PIPELINE_NAME = "run_batch"
 #: The sampling defaults a model's generation_config.json may set (vLLM's get_diff_sampling_param) and the
@@ -196,9 +196,13 @@ def _model_folder(cfg: PipelineConfig) -> str:
 
 
 def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
+    # -o is checked before any work (the model's fetch included): a run whose output cannot be written is lost
+    if not args.print_config and (problem := path_policy.output_file_problem(args.output_file, (args.input_file,))):
+        raise ConfigError(f"-o {problem}")
     keep = args.work_dir is not None
     work = Path(os.path.abspath(os.path.expanduser(args.work_dir))) if keep else \
         Path(tempfile.mkdtemp(prefix="batch-llm-run-batch-"))
+    started = finished = False
     try:
         work.mkdir(parents=True, exist_ok=True)
         cfg, warnings = build_config(args, work, keep=keep)
@@ -212,6 +216,7 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
         if args.print_config:
             print(config_path.read_text(), end="")
             return 0
+        started = True
         rc, ds = run_written_config(config_path, run, args, run_prefix="run_batch", plain=args.plain,
                                     verbose=args.verbose)
         if rc != 0:
@@ -219,10 +224,10 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
         name = args.served_model_name[0] if args.served_model_name else args.model
         n, failed = write_output(args.output_file, cfg, ds, served_model_name=name)
         print(f"output: {args.output_file} ({n} lines, {failed} refused or failed)")
+        finished = True
         return 0
     finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+        keep_work_folder(work, keep=keep, started=started, finished=finished)
 
 
 def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: str) -> tuple[int, int]:
@@ -257,22 +262,20 @@ def _key(custom_id: Any) -> str | None:
 
 
 def in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
-    """Each input line's answer in turn: its published line, else its error line (a line that could not be read
-    has no custom_id: its error line has none either); whatever is left over (none, where every line was read
-    once) after them."""
+    """Each input line's answer in turn: its published line, else its error line; whatever is left over (none,
+    where every line was read once) after them. The lines are read by the planner's own reader, so each line's
+    custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a lone surrogate, raw
+    bytes that are not UTF-8) by the custom_id still readable in it, else by none (its error line names its line
+    number; those are answered in input order)."""
+    from batch_llm.io.formats import read_file_rows
+
     for f in files:
-        with f.open("rb") as fh:
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                try:
-                    cid = _key(json.loads(raw).get("custom_id"))
-                except (ValueError, AttributeError, RecursionError):
-                    cid = None
-                for source in (done, refused):
-                    if source.get(cid):
-                        yield source[cid].pop(0)
-                        break
+        for row in read_file_rows(f, "openai_batch"):
+            cid = _key((row.record or row.salvaged or {}).get("custom_id"))
+            for source in (done, refused):
+                if source.get(cid):
+                    yield source[cid].pop(0)
+                    break
     for source in (done, refused):
         for rest in source.values():
             yield from rest

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -43,7 +42,8 @@ import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
 from batch_llm.engines.capabilities import engine_kinds
-from batch_llm.frontends.written_config import run_written_config
+from batch_llm.frontends.written_config import keep_work_folder, run_written_config
+from batch_llm.io import path_policy
 
 PIPELINE_NAME = "swift_infer"
 MAP, OWN, NOTE, WARN, REFUSE = "map", "own", "note", "warn", "refuse"
@@ -653,6 +653,10 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
         print(usage())
         return 0
     plan = plan_invocation(inv)
+    # before any work: a run whose results could not be written is lost
+    if not inv.print_config and (problem := path_policy.output_file_problem(
+            plan.result_path, tuple(d.partition("#")[0] for d in plan.datasets))):
+        raise ConfigError(f"--result_path {problem}")
     rows = read_swift_rows(plan.datasets, plan.sample)
     if not rows:
         raise ConfigError(f"--val_dataset {' '.join(plan.datasets)}: no rows")
@@ -664,6 +668,7 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
         plan.overrides.setdefault("cache.enabled", False)
     work = Path(os.path.abspath(os.path.expanduser(inv.work_dir))) if inv.work_dir is not None else \
         Path(tempfile.mkdtemp(prefix="batch-llm-infer-"))
+    started = finished = False
     try:
         work.mkdir(parents=True, exist_ok=True)
         cfg = build_config(plan, work)
@@ -678,6 +683,7 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
             return 0
         with open(work / "rows.jsonl", "w", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in pipeline_in))
+        started = True
         rc, ds = run_written_config(config_path, run, args, run_prefix="infer", plain=inv.plain, verbose=inv.verbose)
         if rc != 0:
             return rc
@@ -688,10 +694,10 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
         print(f"result: {plan.result_path} ({len(lines)} lines appended, {failed} without a response)")
         if keep:
             print(f"  pipeline: {config_path} (batch-llm run {shlex.quote(str(config_path))})")
+        finished = True
         return 0
     finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+        keep_work_folder(work, keep=keep, started=started, finished=finished)
 
 
 # ------------------------------------------------------------------------------------------ the docs table

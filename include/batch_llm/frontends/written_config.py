@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,3 +23,16 @@ def run_written_config(config_path: Path, run: Callable[[argparse.Namespace], in
     if getattr(run_args, "log_file", None):
         outer.log_file = run_args.log_file
     return rc, ds
+
+
+def keep_work_folder(work: Path, *, keep: bool, started: bool, finished: bool) -> None:
+    """Removes a temporary work folder, unless a run started there and the command did not finish: then what the
+    run finished (its published results, its log, its committed shards) stays, and the folder is named."""
+    if keep:
+        return
+    if started and not finished:
+        print(f"note: the run's work folder is kept: {work} (its published results under {work / 'output'}, "
+              f"its logs under its runs/ folder)", file=sys.stderr)
+        return
+    shutil.rmtree(work, ignore_errors=True)
+

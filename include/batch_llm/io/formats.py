@@ -47,6 +47,8 @@ class RawRow:
     record: dict | None           # None when the row could not be parsed
     error: str | None = None
     source: str = ""
+    salvaged: dict | None = None  # a row that could not be used: its top-level ids and strings that read cleanly,
+                                  # so that its error names it (an OpenAI Batch line's custom_id)
 
 
 @dataclass
@@ -142,7 +144,8 @@ def _read_jsonl(path: UPath) -> Iterator[RawRow]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield RawRow(n, None, f"not valid UTF-8 at byte {e.start}")
+                yield RawRow(n, None, f"not valid UTF-8 at byte {e.start}",
+                             salvaged=_salvaged(raw.decode("utf-8", errors="surrogateescape")))
                 continue
             try:
                 obj = _json_value(text)
@@ -156,7 +159,7 @@ def _read_jsonl(path: UPath) -> Iterator[RawRow]:
                 yield RawRow(n, None, f"expected a JSON object, got {type(obj).__name__}")
                 continue
             why = _unencodable(obj)
-            yield RawRow(n, None, why) if why else RawRow(n, obj)
+            yield RawRow(n, None, why, salvaged=_clean_scalars(obj)) if why else RawRow(n, obj)
 
 
 def _json_value(text: str) -> Any:
@@ -166,6 +169,29 @@ def _json_value(text: str) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError(f"JSON nested deeper than {sys.getrecursionlimit()} levels") from None
+
+
+def _salvaged(text: str) -> dict | None:
+    """What of a line that is not UTF-8 still reads (its bytes kept as lone surrogates, which ``_clean_scalars``
+    leaves out): its clean top-level values, None where it is not a JSON object even so."""
+    try:
+        obj = _json_value(text)
+    except ValueError:
+        return None
+    return _clean_scalars(obj) if isinstance(obj, dict) else None
+
+
+def _clean_scalars(obj: dict) -> dict:
+    """The top-level strings and integers of an unusable row that UTF-8 can hold: its id, for its error line."""
+    out = {}
+    for k, v in obj.items():
+        if isinstance(v, (str, int)) and not isinstance(v, bool):
+            try:
+                msgspec.json.encode({k: v})
+            except UnicodeEncodeError:
+                continue
+            out[k] = v
+    return out
 
 
 def _unencodable(obj: dict) -> str | None:

@@ -435,14 +435,71 @@ def partition_template_problem(template: str, sample_ds: str = "2026-01-01") -> 
 
 # ------------------------------------------------------------------------------------------ output folders
 def local_folder_problem(path: str) -> str | None:
-    """Why the local ``path`` cannot be (or become) a folder: it, or a folder above it, is a file."""
+    """Why the local ``path`` cannot be (or become) a folder: it, or a folder above it, is a file, or the nearest
+    folder of it that exists is not writable (nothing could be made there)."""
     p = Path(path)
     for candidate in (p, *p.parents):
         if candidate.exists():
             if not candidate.is_dir():
                 what = "is a file" if candidate == p else f"lies under {candidate}, which is a file"
                 return f"{path} {what}, not a folder"
-            return None
+            return None if folder_writable(str(candidate)) else f"{path}: the folder {candidate} is not writable"
+    return None
+
+
+def folder_writable(folder: str) -> bool:
+    """Whether a file can be made in ``folder``: a file is made and removed (``os.access`` answers yes to root on
+    a read-only or pseudo file system, where the write would still fail)."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".batch-llm-probe-"):
+            return True
+    except OSError:
+        return False
+
+
+def output_file_problem(path: str, inputs: tuple[str, ...] = ()) -> str | None:
+    """Why a command cannot write its output file at the local ``path``; None when it can. Checked before the
+    command works, so that no run is lost to an output it could never write: a folder, a file in a folder that is
+    missing (none is made: a typo'd folder is refused, not created) or not writable, a file that is not writable,
+    or one of the command's ``inputs`` (writing it would destroy what is read)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full):
+        return f"{path} is a folder; name a file in it"
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        what = "is a file, not a folder" if os.path.exists(parent) else "does not exist (create it first)"
+        return f"{path}: the folder {parent} {what}"
+    for given in inputs:
+        source = os.path.abspath(os.path.expanduser(given))
+        if os.path.realpath(source) == os.path.realpath(full):
+            return f"{path} is the input {given}; writing it would destroy the input: name another file"
+    if not folder_writable(parent):
+        return f"{path}: the folder {parent} is not writable"
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        return f"{path}: the file is not writable"
+    return None
+
+
+#: The longest run id: Airflow's own column holds 250 characters; the run folder's name must fit a file name too.
+MAX_RUN_ID_CHARS = 250
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot name a run (its folder is ``runs/<partition>/<run id>``); None when it can. One rule
+    wherever a run id enters (``--run-id``, a DAG run's id from the trigger form or the REST API): not empty, no
+    ``/`` or ``\\``, not ``.`` or ``..``, no control characters, at most ``MAX_RUN_ID_CHARS`` characters."""
+    if not isinstance(run_id, str) or not run_id.strip():
+        return "a run id is not empty"
+    if "/" in run_id or "\\" in run_id:
+        return f"run id {run_id!r} holds a path separator ('/' or '\\'): it names one folder"
+    if run_id in (".", ".."):
+        return f"run id {run_id!r} would name the partition's folder or its parent, not a run's own"
+    if any(ord(c) < 32 or ord(c) == 127 for c in run_id):
+        return f"run id {run_id!r} holds a control character"
+    if len(run_id) > MAX_RUN_ID_CHARS:
+        return f"run id of {len(run_id)} characters; at most {MAX_RUN_ID_CHARS}"
     return None
 
 

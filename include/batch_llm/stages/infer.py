@@ -68,6 +68,7 @@ from batch_llm.reasoning import (
     TemplateThinking,
     ThinkingRefused,
     resolved_reasoning_parser,
+    template_kwargs_problem,
     template_thinking,
     thinking_variables,
 )
@@ -894,6 +895,9 @@ def reasoning_problems(cfg: PipelineConfig, model_dir: str) -> list[str]:
         thinking_variables(cfg.sampling.thinking, template_thinking(template))
     except ThinkingRefused as e:
         problems.append(f"sampling.{e}")
+    where = "model.chat_template" if cfg.model.chat_template else f"the model's, at {model_dir}"
+    if problem := template_kwargs_problem(cfg.sampling.chat_template_kwargs, template, where):
+        problems.append(problem)
     if cfg.sampling.max_thinking_tokens is not None and reasoning_parser(cfg, model_dir) is None:
         problems.append(f"sampling.max_thinking_tokens: engine.reasoning_parser: {cfg.engine.reasoning_parser} found "
                         f"no reasoning parser for the model at {model_dir} (its chat template neither switches nor "

@@ -159,8 +159,8 @@ class _Scan:
                 for (raw, parsed, parts), images in checked_rows:
                     self.rows_read += 1
                     where = b"%d\t%d\t" % (file_no, raw.line)
-                    if raw.error:
-                        errors.write(where + json_bytes({"source": f.name, "line": raw.line, "id": None,
+                    if raw.error:  # its id where what was read of it names one (else its line names it)
+                        errors.write(where + json_bytes({"source": f.name, "line": raw.line, "id": self._raw_id(raw),
                                                      "reason": raw.error}) + b"\n")
                         continue
                     try:
@@ -275,7 +275,8 @@ class _Scan:
         return row
 
     def _raw_id(self, raw) -> str | int | None:
-        rid = (raw.record or {}).get("custom_id" if self.fmt == "openai_batch" else self.cfg.input.id_column)
+        rid = (raw.record or raw.salvaged or {}).get("custom_id" if self.fmt == "openai_batch"
+                                                      else self.cfg.input.id_column)
         return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
