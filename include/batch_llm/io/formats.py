@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from upath import UPath
 
-from batch_llm.config import InputConfig
+from batch_llm.config import InputConfig, token_ids_problem
 from batch_llm.io.storage import atomic_writer, iter_jsonl, json_bytes, list_files, utf8_safe, write_jsonl
 from batch_llm.output_schema import OutputSchema, column_value
 from batch_llm.row_params import RowParams
@@ -558,6 +558,8 @@ def _row_id(rec: dict, column: str) -> str:
 def _check_token_ids(tokens: Any) -> list[int]:
     if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    if problem := token_ids_problem(tokens, "prompt_token_ids", most=None):  # its length: the context's to say
+        raise ValueError(problem)
     return tokens
 
 
