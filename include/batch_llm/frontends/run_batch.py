@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.config import MAX_LINE_BYTES, ConfigError, PipelineConfig, parse_config
 from batch_llm.frontends.written_config import run_written_config
 
 PIPELINE_NAME = "run_batch"
@@ -242,7 +242,8 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
         refused.setdefault(_key(line.get("custom_id")), []).append(line)
     from batch_llm.io.formats import input_files
 
-    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused))
+    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused,
+                                max_line_bytes=cfg.input.max_line_bytes))
     out = Path(os.path.expanduser(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -256,17 +257,19 @@ def _key(custom_id: Any) -> str | None:
     return str(custom_id) if isinstance(custom_id, (str, int)) and not isinstance(custom_id, bool) else None
 
 
-def in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
-    """Each input line's answer in turn: its published line, else its error line (a line that could not be read
-    has no custom_id: its error line has none either); whatever is left over (none, where every line was read
-    once) after them."""
+def in_input_order(files: list, done: dict, refused: dict, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict]:
+    """Each input line's answer in turn: its published line, else its error line (a line that could not be read,
+    or one past ``max_line_bytes``, has no custom_id: its error line has none either); whatever is left over (none,
+    where every line was read once) after them."""
+    from batch_llm.io.formats import bounded_lines
+
     for f in files:
         with f.open("rb") as fh:
-            for raw in fh:
-                if not raw.strip():
+            for raw in bounded_lines(fh, max_line_bytes):
+                if raw is not None and not raw.strip():
                     continue
                 try:
-                    cid = _key(json.loads(raw).get("custom_id"))
+                    cid = _key(json.loads(raw).get("custom_id")) if raw is not None else None
                 except (ValueError, AttributeError, RecursionError):
                     cid = None
                 for source in (done, refused):
