@@ -168,8 +168,9 @@ class RowParams:
             elif name in REFUSED:
                 neutral, why = REFUSED[name]
             else:
-                raise ValueError(f"{name if len(name) <= 64 else name[:64] + '...'}: not a field of an OpenAI or vLLM chat or completions request (an "
-                                 "unknown field is refused, not ignored)")
+                shown = name if len(name) <= 64 else name[:64] + "..."
+                raise ValueError(f"{shown}: not a field of an OpenAI or vLLM chat or completions request (an unknown "
+                                 "field is refused, not ignored)")
             if value not in neutral:
                 raise ValueError(f"{name}={_shown(value)} is not supported by this batch pipeline ({why})")
         limit = body.get("max_completion_tokens")
