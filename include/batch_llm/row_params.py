@@ -371,8 +371,11 @@ def _check_token_ids(v: Any) -> tuple[int, ...] | None:
 
 
 def _shown(v: Any, most: int = 200) -> str:
-    """A refused value in its reason, cut: a row's reason stays a line however large the value."""
-    text = repr(v)
+    """A refused value in its reason, cut: a row's reason stays a line however large (or deep) the value."""
+    try:
+        text = repr(v)
+    except RecursionError:
+        return "a value nested too deep to show"
     return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 

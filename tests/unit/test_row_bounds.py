@@ -118,3 +118,12 @@ def test_rows_out_of_bounds_are_their_own_errors_and_the_others_are_planned(tmp_
     assert errors["temp"] == "temperature must be in [0.0, 2.0], got inf"
     assert errors["n"] == "n must be in [1, 128], got an integer of 100 bits"
     assert errors["top_k"] == "top_k must be in [-1, 2147483647], got 1099511627776"
+
+
+def test_a_refused_value_too_deep_to_print_is_still_the_rows_error():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    for body in ({"stop": deep}, {"logit_bias": deep}, {"temperature": deep}):
+        with pytest.raises(ValueError, match="a value nested too deep to show"):
+            RowParams.from_openai_body({"messages": CHAT, **body})
