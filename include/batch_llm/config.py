@@ -505,10 +505,10 @@ class Bound(typing.NamedTuple):
         return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
 
 
-# Every sampling value's bounds, the engine's own (vLLM's SamplingParams._verify_args; n: VLLM_MAX_N_SEQUENCES's
-# default; logprobs: its default max_logprobs, OpenAI's top_logprobs limit): the sampling section's keys and a row's
-# own values (row_params.py) are held to this one table, so a row outside it is that row's error, never an engine
-# failure that takes the run's other rows with it.
+# Every sampling value's bounds, the engine's own (vLLM's SamplingParams._verify_args; logprobs: its default
+# max_logprobs, OpenAI's top_logprobs limit; n: OpenAI's limit, well under vLLM's 16384 samples a request): the
+# sampling section's keys and a row's own values (row_params.py) are held to this one table, so a row outside it is
+# that row's error, never an engine failure that takes the run's other rows with it.
 SAMPLING_BOUNDS: dict[str, Bound] = {
     "max_tokens": Bound(1, MAX_INT32), "n": Bound(1, 128), "logprobs": Bound(0, 20), "seed": Bound(0, MAX_SEED),
     "top_k": Bound(-1, MAX_INT32), "max_thinking_tokens": Bound(0, MAX_INT32),
