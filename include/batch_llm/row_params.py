@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, overload
 
-from batch_llm.config import RESERVED_TEMPLATE_KWARGS, SamplingConfig
+from batch_llm.config import (
+    RESERVED_TEMPLATE_KWARGS,
+    SAMPLING_BOUNDS,
+    SamplingConfig,
+    stop_problem,
+    token_ids_problem,
+)
 from batch_llm.engines.capabilities import ENGINES, who_can
 from batch_llm.reasoning import THINKING_MODES, TemplateThinking, effort_variables, thinking_variables
 
@@ -88,7 +94,11 @@ _SPECIAL_TOKENS_NEUTRAL = {False: (None, False), True: (None, True)}
 # other set parameter is a row error on that engine.
 
 # Table columns that may carry per-row parameters: config.SamplingColumn (``input.sampling_columns`` picks which).
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
+# A row's numbers are held to config.SAMPLING_BOUNDS, the sampling section's own table.
+
+# The deepest nesting of a row's objects (chat_template_kwargs, a json_schema): deeper ones are the row's error
+# rather than a recursion in the template renderer or the schema compiler.
+MAX_NESTING = 32
 
 
 @dataclass(frozen=True)
@@ -158,10 +168,11 @@ class RowParams:
             elif name in REFUSED:
                 neutral, why = REFUSED[name]
             else:
-                raise ValueError(f"{name}: not a field of an OpenAI or vLLM chat or completions request (an unknown "
+                shown = name if len(name) <= 64 else name[:64] + "..."
+                raise ValueError(f"{shown}: not a field of an OpenAI or vLLM chat or completions request (an unknown "
                                  "field is refused, not ignored)")
             if value not in neutral:
-                raise ValueError(f"{name}={value!r} is not supported by this batch pipeline ({why})")
+                raise ValueError(f"{name}={_shown(value)} is not supported by this batch pipeline ({why})")
         limit = body.get("max_completion_tokens")
         values = {"max_tokens": limit if limit is not None else body.get("max_tokens"),
                   "logprobs": _openai_logprobs(body, completions),
@@ -170,7 +181,7 @@ class RowParams:
                   "max_thinking_tokens": body.get("thinking_token_budget"),
                   **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                                                "frequency_penalty", "n", *_EXTRA)}}
-        return cls.from_values(values)
+        return cls.from_values(values, nan_unset=False)
 
     @classmethod
     def from_columns(cls, record: dict, columns: Sequence[str]) -> RowParams | None:
@@ -178,10 +189,12 @@ class RowParams:
         return cls.from_values({c: record.get(c) for c in columns})
 
     @classmethod
-    def from_values(cls, values: dict) -> RowParams | None:
+    def from_values(cls, values: dict, *, nan_unset: bool = True) -> RowParams | None:
+        """Each value checked against its bounds (ValueError names the field). ``nan_unset``: a NaN is unset, as
+        a float column's missing cell is (pandas writes NaN); in a request body it is a value, and refused."""
         out = {}
         for name, v in values.items():
-            if v is None or (isinstance(v, float) and v != v) or v == "":  # unset, NaN or an empty CSV cell
+            if v is None or (nan_unset and isinstance(v, float) and v != v) or v == "":  # unset, or an empty CSV cell
                 continue
             out[name] = _check(name, v)
         return cls(**out) if out else None
@@ -277,10 +290,12 @@ def _response_format(rf: Any) -> dict | None:
         schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
         if not isinstance(schema, dict):
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON Schema object")
+        if problem := _nesting_problem(schema, "response_format's json_schema"):
+            raise ValueError(problem)
         from batch_llm.output_schema import check_schema
 
         return {"type": "json_schema", "schema": check_schema(schema)}
-    raise ValueError(f"response_format={rf!r}: type text, json_object or json_schema")
+    raise ValueError(f"response_format={_shown(rf)}: type text, json_object or json_schema")
 
 
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs")
@@ -301,10 +316,10 @@ def _openai_logprobs(body: dict, completions: bool):
             raise ValueError("top_logprobs is a chat field; a /v1/completions body gives k as logprobs")
         return None if lp is None or lp is False else lp  # False: as absent; True/other types: _check says
     if lp not in (None, False, True):
-        raise ValueError(f"logprobs must be true or false in a chat body (top_logprobs gives k), got {lp!r}")
+        raise ValueError(f"logprobs must be true or false in a chat body (top_logprobs gives k), got {_shown(lp)}")
     if lp is not True:
         if top not in (None, 0):
-            raise ValueError(f"top_logprobs={top!r} needs logprobs: true")
+            raise ValueError(f"top_logprobs={_shown(top)} needs logprobs: true")
         return None
     return 0 if top is None else top
 
@@ -328,35 +343,55 @@ def _check(name: str, v):
     if name in _SHAPED:
         return _SHAPED[name](v)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a number, got {v!r}")
-    v = float(v)
-    if name == "repetition_penalty":  # vLLM's range: above 0, 1 is off
-        if not 0 < v <= 100:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {v}")
-        return v
-    bounds = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-              "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0)}[name]
-    if not bounds[0] <= v <= bounds[1] or (name == "top_p" and v == 0):
-        raise ValueError(f"{name} must be in {'(' if name == 'top_p' else '['}{bounds[0]}, {bounds[1]}], got {v}")
+        raise ValueError(f"{name} must be a number, got {_shown(v)}")
+    try:
+        v = float(v)
+    except OverflowError:  # an integer past any float
+        raise ValueError(f"{name} must be in {SAMPLING_BOUNDS[name]}, got an integer of {v.bit_length()} bits") from None
+    if not SAMPLING_BOUNDS[name].holds(v):  # NaN and the infinities included
+        raise ValueError(f"{name} must be in {SAMPLING_BOUNDS[name]}, got {v}")
     return v
 
 
 def _check_stop(v: Any) -> tuple[str, ...]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-        raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
+        raise ValueError(f"stop must be a string or a list of strings, got {_shown(v)}")
+    if problem := stop_problem(stops):
+        raise ValueError(f"stop: {problem}")
     return tuple(stops)
 
 
 def _check_token_ids(v: Any) -> tuple[int, ...] | None:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {v!r}")
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {_shown(v)}")
+    if problem := token_ids_problem(v, "stop_token_ids"):
+        raise ValueError(problem)
     return tuple(v) if v else None
+
+
+def _shown(v: Any, most: int = 200) -> str:
+    """A refused value in its reason, cut: a row's reason stays a line however large (or deep) the value."""
+    try:
+        text = repr(v)
+    except RecursionError:
+        return "a value nested too deep to show"
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def _nesting_problem(v: Any, name: str) -> str | None:
+    """Why an object nests too deep (``MAX_NESTING``), or None; walked without recursion."""
+    level = [v]
+    for _ in range(MAX_NESTING + 1):
+        level = [x for c in level for x in (c.values() if isinstance(c, dict) else c if isinstance(c, list) else ())]
+        if not level:
+            return None
+    return f"{name} nests deeper than {MAX_NESTING} levels"
 
 
 def _check_bool(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ValueError(f"include_stop_str_in_output must be true or false, got {v!r}")
+        raise ValueError(f"include_stop_str_in_output must be true or false, got {_shown(v)}")
     return v
 
 
@@ -365,7 +400,7 @@ def _check_thinking(v: Any) -> str:
     if isinstance(v, bool):
         return "on" if v else "off"
     if not isinstance(v, str) or v.strip().lower() not in THINKING_MODES:
-        raise ValueError(f"thinking must be auto, on or off (or true / false), got {v!r}")
+        raise ValueError(f"thinking must be auto, on or off (or true / false), got {_shown(v)}")
     return v.strip().lower()
 
 
@@ -375,7 +410,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 def _check_effort(v: Any) -> str:
     if v not in REASONING_EFFORTS:
-        raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {v!r}")
+        raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {_shown(v)}")
     return v
 
 
@@ -386,9 +421,12 @@ _SHAPED = {"stop": _check_stop, "thinking": _check_thinking, "reasoning_effort":
 
 
 def check_template_kwargs(v: Any) -> dict:
-    """Chat template variables: a JSON object whose keys are not apply_chat_template's own arguments."""
+    """Chat template variables: a JSON object whose keys are not apply_chat_template's own arguments, nested at
+    most ``MAX_NESTING`` levels."""
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {v!r}")
+        raise ValueError(f"chat_template_kwargs must be an object of template variables, got {_shown(v)}")
+    if problem := _nesting_problem(v, "chat_template_kwargs"):
+        raise ValueError(problem)
     reserved = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise ValueError(f"chat_template_kwargs: {', '.join(reserved)}: arguments of the tokenizer's "
@@ -396,21 +434,16 @@ def check_template_kwargs(v: Any) -> dict:
     return v
 
 
-_INT_RANGE = {"max_tokens": (1, None), "seed": (None, None), "n": (1, 128), "logprobs": (0, MAX_LOGPROBS),
-              "top_k": (-1, None), "max_thinking_tokens": (0, None)}
-
-
 def _check_int(name: str, v):
     if isinstance(v, float) and v.is_integer():  # a Parquet/CSV integer column with gaps is float
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         kind = "a positive integer" if name in ("max_tokens", "n") else "an integer"
-        raise ValueError(f"{name} must be {kind}, got {v!r}")
-    lo, hi = _INT_RANGE[name]
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        if name == "max_tokens":
+        raise ValueError(f"{name} must be {kind}, got {_shown(v)}")
+    bound = SAMPLING_BOUNDS[name]
+    if not bound.holds(v):
+        if name == "max_tokens" and v < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {v!r}")
-        if hi is None:
-            raise ValueError(f"{name} must be at least {lo}, got {v}")
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+        shown = v if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
+        raise ValueError(f"{name} must be in {bound}, got {shown}")
     return v

@@ -155,7 +155,10 @@ PARITY_LINES = [
                      "seed": 7}),
     _line("short", {"messages": _chat("What is 2+2?"), "max_tokens": 6, "temperature": 0}),
 ]
-REFUSED = [_line("two", {"messages": _chat("hi"), "tools": [{"type": "function"}], "max_tokens": 4})]
+REFUSED = [_line("two", {"messages": _chat("hi"), "tools": [{"type": "function"}], "max_tokens": 4}),
+           # past the int64 vLLM's engine carries: refused as the row's own error, not an engine failure
+           _line("huge_seed", {"messages": _chat("Name a colour."), "max_tokens": 4, "temperature": 0.7,
+                               "seed": 2**70})]
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +243,9 @@ def test_refused_requests_are_error_lines_of_the_batch_error_format(parity):
 
 def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity, tmp_path, demo_model_dir):
     """`batch-llm run-batch` with the flags the reference `vllm run-batch` ran with, no YAML: the same answers,
-    one line per input line in input order, the refused request's error line among them, and so too the lines that
-    are not UTF-8 JSON text (a lone surrogate escaped, raw bytes that are not UTF-8), each by its custom_id."""
+    one line per input line in input order, the refused requests' error lines among them (a seed of 2**70, past
+    what the engine holds, is its line's error; the lines around it are answered), and so too the lines that are not
+    UTF-8 JSON text (a lone surrogate escaped, raw bytes that are not UTF-8), each by its custom_id."""
     ref, _, _ = parity
     lines_in = PARITY_LINES + REFUSED
     unreadable = [b'{"custom_id": "surrogate", "body": {"messages": [{"role": "user", "content": "\\ud800"}]}}\n',
@@ -264,9 +268,12 @@ def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity
         if line["custom_id"] in ref:
             assert _answer(line) == _answer(ref[line["custom_id"]]), line["custom_id"]
     surrogate, raw_bytes = got[2:4]
-    answered, refused = got[:2] + got[4:-1], got[-1]
+    *answered, refused, huge_seed = got[:2] + got[4:]
     assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["model"] == "smol" for x in answered)
     assert refused["response"]["status_code"] == 400 and "tools=" in refused["response"]["body"]["error"]["message"]
     assert "lone UTF-16 surrogate" in surrogate["response"]["body"]["error"]["message"]
     assert "not valid UTF-8" in raw_bytes["response"]["body"]["error"]["message"]
-    assert f"output: {out} ({len(lines_in) + 2} lines, 3 refused or failed)" in run.stdout
+    assert huge_seed["response"]["status_code"] == 400
+    assert "seed must be in [0, 9223372036854775807], got an integer of 71 bits" in \
+        huge_seed["response"]["body"]["error"]["message"]
+    assert f"output: {out} ({len(lines_in) + 2} lines, 4 refused or failed)" in run.stdout

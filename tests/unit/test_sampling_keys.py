@@ -163,7 +163,7 @@ def test_a_json_schema_response_format_is_the_rows_schema():
 
 
 def test_row_values_are_checked():
-    cases = [({"top_k": -2}, "top_k must be at least -1"), ({"min_p": 1.5}, "min_p must be in [0.0, 1.0]"),
+    cases = [({"top_k": -2}, "top_k must be in [-1, 2147483647], got -2"), ({"min_p": 1.5}, "min_p must be in [0.0, 1.0]"),
              ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
              ({"stop_token_ids": [1, -1]}, "stop_token_ids must be a list of token ids"),
              ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output must be true or false"),

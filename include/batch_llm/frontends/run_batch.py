@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.config import ConfigError, InputConfig, PipelineConfig, parse_config
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
 from batch_llm.io import path_policy
 
@@ -247,7 +247,7 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
         refused.setdefault(_key(line.get("custom_id")), []).append(line)
     from batch_llm.io.formats import input_files
 
-    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused))
+    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused, cfg.input))
     out = Path(os.path.expanduser(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -261,16 +261,16 @@ def _key(custom_id: Any) -> str | None:
     return str(custom_id) if isinstance(custom_id, (str, int)) and not isinstance(custom_id, bool) else None
 
 
-def in_input_order(files: list, done: dict, refused: dict) -> Iterator[dict]:
+def in_input_order(files: list, done: dict, refused: dict, input_cfg: InputConfig | None = None) -> Iterator[dict]:
     """Each input line's answer in turn: its published line, else its error line; whatever is left over (none,
-    where every line was read once) after them. The lines are read by the planner's own reader, so each line's
-    custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a lone surrogate, raw
-    bytes that are not UTF-8) by the custom_id still readable in it, else by none (its error line names its line
-    number; those are answered in input order)."""
+    where every line was read once) after them. The lines are read by the planner's own reader (``input_cfg``: its
+    line limit), so each line's custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a
+    lone surrogate, raw bytes that are not UTF-8) by the custom_id still readable in it, else by none (a line past
+    ``input.max_line_bytes`` too: its error line names its line number; those are answered in input order)."""
     from batch_llm.io.formats import read_file_rows
 
     for f in files:
-        for row in read_file_rows(f, "openai_batch"):
+        for row in read_file_rows(f, "openai_batch", input_cfg):
             cid = _key((row.record or row.salvaged or {}).get("custom_id"))
             for source in (done, refused):
                 if source.get(cid):

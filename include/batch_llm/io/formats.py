@@ -2,16 +2,19 @@
 
 Readers never raise on a bad row, in any format: they yield ``RawRow`` objects carrying either the parsed
 record or the reason it could not be parsed (bad bytes, a malformed line, a value Python cannot hold, text
-UTF-8 cannot hold), so the planner can report it and go on. A UTF-8 byte order mark opening a text file is no
-data. A file none of whose rows can be read (a corrupt Parquet file, a table without
-a prompt column) raises ``InputFileError`` naming the file.
+UTF-8 cannot hold, a line longer than ``input.max_line_bytes``, skipped without being held), so the planner can
+report it and go on. A UTF-8 byte order mark opening a text file is no data. A file none of whose rows can be read
+(a corrupt Parquet file, a table without a prompt column) and a local input that is not a regular file (a FIFO, a
+device, a socket) raise ``InputFileError`` naming the file.
 """
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
 import re
+import stat
 import string
 import sys
 import tempfile
@@ -24,8 +27,16 @@ from typing import Any
 import msgspec
 from upath import UPath
 
-from batch_llm.config import InputConfig
-from batch_llm.io.storage import atomic_writer, iter_jsonl, json_bytes, list_files, utf8_safe, write_jsonl
+from batch_llm.config import MAX_LINE_BYTES, InputConfig, token_ids_problem
+from batch_llm.io.storage import (
+    atomic_writer,
+    is_local,
+    iter_jsonl,
+    json_bytes,
+    list_files,
+    utf8_safe,
+    write_jsonl,
+)
 from batch_llm.output_schema import OutputSchema, column_value
 from batch_llm.row_params import RowParams
 
@@ -75,15 +86,57 @@ def detect_format(path: UPath, fmt: str) -> str:
 
 
 def input_files(path: UPath) -> list[UPath]:
-    """One file, or every data file of a folder (a partition), in name order."""
+    """One file, or every data file of a folder (a partition), in name order; a local one that is not a regular
+    file is refused (``regular_file``)."""
     if path.is_dir():
         files = [p for p in list_files(path) if p.suffix.lower() in SUFFIX_FORMAT and not p.name.startswith("_")]
         if not files:
             raise FileNotFoundError(f"no input files (.jsonl, .parquet, .csv) under {path}")
-        return files
-    if not path.exists():
+    elif not path.exists():
         raise FileNotFoundError(f"input not found: {path}")
-    return [path]
+    else:
+        files = [path]
+    for f in files:
+        regular_file(f)
+    return files
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(f: UPath) -> None:
+    """Refuses a local input that is not a regular file, before it is opened: reading a FIFO blocks until a writer
+    comes, a device (/dev/zero) never ends. Objects in a store are always files."""
+    if not is_local(f):
+        return
+    mode = os.stat(f.path).st_mode  # through symbolic links: what a read would open
+    if not stat.S_ISREG(mode):
+        kind = next((what for test, what in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise InputFileError(f"{f}: the input is {kind}, not a regular file; give a file or a folder of files")
+
+
+def bounded_lines(fh: Any, max_bytes: int) -> Iterator[bytes | None]:
+    """A binary file's lines, each with its newline; None for a line longer than ``max_bytes`` (its newline not
+    counted), skipped in reads of at most ``max_bytes``: memory holds one line at most that long, whatever the file
+    holds (a line of gigabytes, a file of zeros without a newline)."""
+    if not isinstance(fh, io.BufferedIOBase):  # an object store's file (fsspec) reads lines whole
+        fh = io.BufferedReader(fh, buffer_size=1 << 20)
+    while line := fh.readline(max_bytes + 1):
+        if line.endswith(b"\n") or len(line) <= max_bytes:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = fh.readline(_SKIP_BYTES)
+        yield None
+
+
+_SKIP_BYTES = 1 << 20  # what an over-long line's rest is skipped in
+
+
+def long_line(limit: int, unit: str = "bytes") -> str:
+    """The error of a line past ``input.max_line_bytes``."""
+    return f"longer than {limit} {unit} (input.max_line_bytes); skipped without being read"
 
 
 def read_rows(path: UPath, fmt: str) -> Iterator[RawRow]:
@@ -101,17 +154,18 @@ def read_file_rows(f: UPath, fmt: str, cfg: InputConfig | None = None) -> Iterat
     elif kind == "parquet":
         rows = _read_parquet(f, cfg)
     else:
-        rows = _read_jsonl(f)
+        rows = _read_jsonl(f, cfg.max_line_bytes if cfg is not None else MAX_LINE_BYTES)
     for raw in rows:
         raw.source = f.name
         yield raw
 
 
-def sniff_openai_batch(path: UPath) -> str | None:
-    """A .jsonl file whose first object has custom_id and body is OpenAI Batch API input."""
+def sniff_openai_batch(path: UPath, max_line_bytes: int = MAX_LINE_BYTES) -> str | None:
+    """A .jsonl file whose first object has custom_id and body is OpenAI Batch API input (a line past
+    ``max_line_bytes`` is passed over: the scan reports it)."""
     with path.open("rb") as fh:
-        for line in fh:
-            if line.strip():
+        for line in bounded_lines(fh, max_line_bytes):
+            if line is not None and line.strip():
                 try:
                     obj = json.loads(line.removeprefix(UTF8_BOM))
                 except (ValueError, RecursionError):
@@ -126,9 +180,12 @@ _FAST_DECODER = msgspec.json.Decoder()
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _read_jsonl(path: UPath) -> Iterator[RawRow]:
+def _read_jsonl(path: UPath, max_line_bytes: int) -> Iterator[RawRow]:
     with path.open("rb") as fh:
-        for n, raw in enumerate(fh, start=1):
+        for n, raw in enumerate(bounded_lines(fh, max_line_bytes), start=1):
+            if raw is None:
+                yield RawRow(n, None, f"the line is {long_line(max_line_bytes)}")
+                continue
             if n == 1:
                 raw = raw.removeprefix(UTF8_BOM)
             if not raw.strip():
@@ -290,7 +347,7 @@ def _read_csv(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
     with path.open("rb") as fh:
         # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is not part of the first column's name.
         text = io.TextIOWrapper(fh, encoding="utf-8-sig", errors="surrogateescape", newline="")
-        lines = _CountedLines(text)
+        lines = _CountedLines(text, cfg.max_line_bytes if cfg is not None else MAX_LINE_BYTES)
         reader = csv.reader(lines)
         header = _csv_header(reader, lines, path)
         if header is None:  # an empty file: no rows
@@ -304,12 +361,21 @@ def _read_csv(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
 _UNDECODED = re.compile("[\udc80-\udcff]")
 
 
+class _LongLine(Exception):
+    """A CSV line longer than ``input.max_line_bytes`` characters, skipped: raised through ``csv.reader``, which
+    starts its next record afresh on the line after it."""
+
+    def __init__(self, line: int, limit: int) -> None:
+        super().__init__(f"line {line} is {long_line(limit, 'characters')}")
+
+
 class _CountedLines:
     """A text file's lines for ``csv.reader``, counted, noting the first one since ``clear()`` that held bytes
-    that are not UTF-8, as (line, byte offset in that line)."""
+    that are not UTF-8, as (line, byte offset in that line); a line longer than ``max_chars`` is skipped without
+    being held (``_LongLine``)."""
 
-    def __init__(self, text: io.TextIOWrapper) -> None:
-        self.text = text
+    def __init__(self, text: io.TextIOWrapper, max_chars: int) -> None:
+        self.text, self.max_chars = text, max_chars
         self.n = 0
         self.bad: tuple[int, int] | None = None
 
@@ -317,8 +383,14 @@ class _CountedLines:
         return self
 
     def __next__(self) -> str:
-        line = next(self.text)
+        line = self.text.readline(self.max_chars + 1)
+        if not line:
+            raise StopIteration
         self.n += 1
+        if len(line) > self.max_chars and not line.endswith(("\n", "\r")):
+            while line and not line.endswith(("\n", "\r")):
+                line = self.text.readline(_SKIP_BYTES)
+            raise _LongLine(self.n, self.max_chars)
         if self.bad is None and (m := _UNDECODED.search(line)):
             self.bad = (self.n, len(line[:m.start()].encode("utf-8")))
         return line
@@ -333,6 +405,8 @@ def _csv_header(reader, lines: _CountedLines, path: UPath) -> list[str] | None:
         header = next((fields for fields in reader if fields), None)
     except csv.Error as e:
         raise InputFileError(f"{path}: the header (line {lines.n}) is not valid CSV: {e}") from None
+    except _LongLine as e:
+        raise InputFileError(f"{path}: the header: {e}") from None
     if lines.bad:
         raise InputFileError(f"{path}: the header is not valid UTF-8 at byte {lines.bad[1]} (line {lines.bad[0]})")
     return header
@@ -348,6 +422,9 @@ def _csv_records(reader, lines: _CountedLines, header: list[str]) -> Iterator[Ra
             return
         except csv.Error as e:  # the reader starts afresh on the next line
             yield RawRow(start, None, f"not valid CSV: {e}")
+            continue
+        except _LongLine as e:  # so does it after this one
+            yield RawRow(start, None, str(e))
             continue
         if fields:  # a blank line is no row
             yield _csv_row(start, fields, header, lines.bad)
@@ -584,6 +661,8 @@ def _row_id(rec: dict, column: str) -> str:
 def _check_token_ids(tokens: Any) -> list[int]:
     if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+    if problem := token_ids_problem(tokens, "prompt_token_ids", most=None):  # its length: the context's to say
+        raise ValueError(problem)
     return tokens
 
 

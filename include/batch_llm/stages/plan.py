@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batch_llm.config import PipelineConfig, ShardingConfig
+from batch_llm.config import MAX_LINE_BYTES, PipelineConfig, ShardingConfig
 from batch_llm.engines.capabilities import takes_no_images
 from batch_llm.io.formats import (
     IMAGE_BYTES,
@@ -446,7 +446,7 @@ def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
         yield body
 
 
-def resolve_format(files: list, configured: str) -> str:
+def resolve_format(files: list, configured: str, max_line_bytes: int = MAX_LINE_BYTES) -> str:
     """The run's one input format, which it publishes in: ``input.format``, or the first file's (its name, and
     for JSONL its first line: OpenAI Batch lines have ``custom_id`` and ``body``). A folder whose file names
     tell several formats is refused here, before any row is read, naming files of each; JSONL prompt rows
@@ -459,7 +459,7 @@ def resolve_format(files: list, configured: str) -> str:
         raise _mixed_formats(files[0].parent, names)
     fmt = detect_format(files[0], configured)
     if fmt == "jsonl" and configured == "auto":
-        fmt = sniff_openai_batch(files[0]) or fmt
+        fmt = sniff_openai_batch(files[0], max_line_bytes) or fmt
     return fmt
 
 
@@ -469,7 +469,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
     listed for mapping)."""
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
-    fmt = resolve_format(files, cfg.input.format)
+    fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
     if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
         made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
         raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
