@@ -1,4 +1,4 @@
-"""The distribution's dependencies say the truth (issue 37, item 1).
+"""The distribution's dependencies say the truth.
 
 Every third-party import in ``include/`` and ``dags/`` (an AST walk: module level, or inside a function) maps to a
 distribution declared in ``pyproject.toml`` where it is needed:

@@ -1,4 +1,4 @@
-"""common-ai parity of ``GPULLMBatchOperator`` / ``@task.gpu_llm_batch`` (issue 37, item 4), without an engine.
+"""common-ai parity of ``GPULLMBatchOperator`` / ``@task.gpu_llm_batch``, without an engine.
 
 Compared against apache-airflow-providers-common-ai 1.0.0: ``exceptions.py`` (the ``LLMBatch*`` classes and their
 bases), ``operators/llm_batch.py`` (``_raise_if_partial``: ``LLMBatchPartialFailureError``, retryable, state kept),
