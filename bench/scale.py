@@ -59,7 +59,7 @@ def synthesize_outputs(cfg, layout, plan) -> list[dict]:
     rng = random.Random(1)
     shards = []
     for s in plan.shards:
-        d = layout.stage("infer").child(f"shard-{s.index:05d}")
+        d = layout.shard_dir(s.index)
         rows = sorted((r["idx"], r["id"]) for r in iter_jsonl(Location(s.url).path()))  # one shard: bounded
         n = write_jsonl(d.child("outputs.jsonl").path(), (
             {"id": rid, "idx": idx, "output": _text(rng, 200) + (" my password" if idx % 100 == 0 else ""),  # 1 % hits

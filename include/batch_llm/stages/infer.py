@@ -1011,7 +1011,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
 
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
-    shard_dir = layout.stage(stage).child(f"shard-{shard.index:05d}")
+    shard_dir = layout.shard_dir(shard.index, stage)
     drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,

@@ -239,7 +239,7 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
     result = ShardResult.of(shard)
     opts = layout.output_root.options
     key = request_key(cfg, result, opts)
-    loc = layout.stage("review").child("requests", f"shard-{result.shard:05d}-{key}.jsonl")
+    loc = layout.review_requests(result.shard, key)
     path = loc.path()
     if not exists(path):
         spec = next((s for s in plan.shards if s.index == result.shard), None)
