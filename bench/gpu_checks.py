@@ -68,7 +68,11 @@ def check_stop(a) -> dict:
     idle = gpu_used_mib()
     h = WorkerHandle.start(spec)
     lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(x) for x in h.proc.stdout], daemon=True).start()
+    def read_lines(stream) -> None:
+        for x in stream:
+            lines.append(x)
+
+    threading.Thread(target=read_lines, args=(h.proc.stdout,), daemon=True).start()
     while not any("progress:" in x for x in lines):
         if h.proc.poll() is not None:
             raise RuntimeError("worker ended early:\n" + "\n".join(lines[-30:]))
