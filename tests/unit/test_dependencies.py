@@ -195,6 +195,13 @@ def test_the_extras_a_worker_needs():
     assert {"pytest", "pytest-xdist", "ruff", "mypy", "playwright"} <= dev
 
 
+def test_make_check_type_checks_the_library_the_provider_and_the_benchmarks():
+    """mypy (``make check``) reads every package of Python the project ships or measures with: the stage library,
+    the Airflow provider and ``bench/``, whose figures docs/benchmarks.md quotes."""
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert {"include/batch_llm", "include/batch_llm_airflow", "bench"} <= set(files), files
+
+
 def test_requires_python_is_what_setup_accepts():
     supported = re.search(r'^SUPPORTED="([^"]+)"', (ROOT / "scripts/setup.sh").read_text(), re.M).group(1).split()
     assert PROJECT["requires-python"] == f">={supported[0]}", (PROJECT["requires-python"], supported)
