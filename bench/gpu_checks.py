@@ -60,7 +60,7 @@ def make_shard(a, n: int, work: Path, seed: int = 0) -> tuple:
 
 def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
     cfg, layout, model, shard = make_shard(a, n, work, seed)
-    return worker_spec(cfg, layout, model, shard), layout.stage("infer").child("shard-00000")
+    return worker_spec(cfg, layout, model, shard), layout.shard_dir(0)
 
 
 def check_stop(a) -> dict:

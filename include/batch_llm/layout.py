@@ -71,6 +71,11 @@ class RunLayout:
         """The folder shard ``index`` commits in under a stage (``infer``; ``review`` for the review's pass)."""
         return self.stage(stage).child(shard_name(index))
 
+    @property
+    def review_model(self) -> Location:
+        """Where the review's model manifest is committed (the fetch of ``filter.review.model``)."""
+        return self.stage("review").child("model")
+
     def review_requests(self, index: int, key: str) -> Location:
         """The review's requests of shard ``index``, made with the review settings whose key is ``key``."""
         return self.stage("review").child("requests", f"{shard_name(index)}-{key}.jsonl")

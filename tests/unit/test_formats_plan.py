@@ -166,7 +166,7 @@ def test_run_token_usage_sums_the_shards():
 
 def test_every_shard_path_of_a_run_is_the_layouts(tmp_path):
     """A shard's paths in a run's folders come from ``RunLayout``: the plan's shard files, the folder a shard
-    commits in under a stage, the review's requests; all named by ``shard_name``."""
+    commits in under a stage, the review's requests and model; shards named by ``shard_name``."""
     from batch_llm.layout import RunLayout, shard_name
 
     p = tmp_path / "in.jsonl"
@@ -179,3 +179,4 @@ def test_every_shard_path_of_a_run_is_the_layouts(tmp_path):
     assert layout.shard_dir(3).url == layout.stage("infer").child("shard-00003").url
     assert layout.shard_dir(3, "review").url == layout.stage("review").child("shard-00003").url
     assert layout.review_requests(3, "k1").url == layout.stage("review").child("requests", "shard-00003-k1.jsonl").url
+    assert layout.review_model.url == layout.stage("review").child("model").url

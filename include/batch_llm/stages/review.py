@@ -123,7 +123,7 @@ def review_fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dic
     t0 = time.perf_counter()
     m = fetch_model(_review(cfg).model, storage_options=storage_options)
     m.seconds = round(time.perf_counter() - t0, 2)
-    m.write(layout.stage("review").child("model").path())
+    m.write(layout.review_model.path())
     return m
 
 
