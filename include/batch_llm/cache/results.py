@@ -6,6 +6,9 @@ model's weights, adapter and quantization, the chat template, the sampling, the 
 the prompt that is rendered (chat messages or token ids) and the row's own parameters. A hit is only ever an
 earlier result for the same full key, never older than ``max_age_days``.
 
+The tables a namespace holds, their format and why it is shaped so: ``cache/table.py``; a lookup of a run's keys
+against them: ``cache/lookup.py``.
+
 Writes: a shard streams its newly generated rows into ``write_table`` at its end; the entries are sorted in
 bounded memory (runs of 50k entries spilled to local temporary files, ``io/external_sort.py``) and streamed into
 ``atomic_writer``: the object is visible only once complete. A retry writes the table again, which is harmless
