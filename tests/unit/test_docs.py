@@ -138,3 +138,12 @@ def test_every_test_module_opens_with_the_behaviour_it_holds():
         if re.search(r"\bissue\s+#?\d+", first, re.I):
             opening_with_issue.append(f"{path.relative_to(ROOT)}: {first}")
     assert not opening_with_issue, "\n".join(opening_with_issue)
+
+
+def test_readme_shows_the_run_report_as_a_picture():
+    """The README shows what a run leaves behind: a picture of a run report (a PNG under docs/images/)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    pictures = [t for t in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", _prose(text)) if t.startswith("docs/images/")]
+    assert any("report" in t for t in pictures), pictures
+    for t in pictures:
+        assert (ROOT / t).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", t
