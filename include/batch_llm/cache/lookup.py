@@ -194,7 +194,6 @@ class Lookup:
 def _candidates(reader: RangeReader, metas: list[TableMeta], gone: set[str], w_all: np.ndarray, gap: int) -> list:
     """Round 1 of a wave: the key pages that can hold a wanted key64 ``w_all``, read in one batch; returns
     (rank, table, entry indexes, key64s) per table of every key-page slot equal to a wanted key64."""
-    # Round 1: the key pages that can hold a wanted key.
     plans = []
     reqs: list[tuple[str, int, int]] = []
     for rank, m in enumerate(metas):
@@ -243,7 +242,6 @@ def _candidates(reader: RangeReader, metas: list[TableMeta], gone: set[str], w_a
 def _value_ranges(reader: RangeReader, cands: list, gone: set[str], gap: int) -> list:
     """Round 2 of a wave: the offsets of the candidates, read in one batch; returns (key64s, ranks, value starts,
     value ends, table) per table."""
-    # Round 2: the offsets of the candidates, hence their value ranges.
     reqs: list[tuple[str, int, int]] = []
     offset_plans = []
     for rank, m, idx, ks in cands:
