@@ -4,8 +4,8 @@ out as they arrive."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -14,15 +14,13 @@ from batch_llm.cache.table import (
     DECODE,
     PAGE,
     RangeReader,
+    Table,
     TableMeta,
     all_read,
     coalesce,
     key64_array,
     open_tables,
 )
-
-if TYPE_CHECKING:
-    from batch_llm.cache.results import ResultCache
 
 WAVE_KEYS = 65_536               # wanted keys looked up per round trip, at most...
 WAVE_PAGE_BYTES = 64 * 2**20     # ...and fewer when their key pages would come to more than this
@@ -31,11 +29,16 @@ WAVE_PAGE_BYTES = 64 * 2**20     # ...and fewer when their key pages would come 
 class Lookup:
     """An iterator of the found entries of one lookup; ``stats``: namespace, keys, hits, expired (candidates older
     than max_age), tables (consulted), objects_read, ranges_read, bytes_read, cache_bytes (of the tables
-    consulted), retried (a table was deleted under it), seconds (its own time, not the consumer's)."""
+    consulted), retried (a table was deleted under it), seconds (its own time, not the consumer's).
 
-    def __init__(self, cache: ResultCache, keys: Iterable[str]):
+    Of the namespace (``ResultCache.lookup`` gives them) it takes: its name ``ns``; ``list_tables``, its tables
+    newest first, listed now and again when one was deleted under it; ``open_reader(stats)``, a range reader that
+    counts into ``stats``; ``gap_bytes``; ``cutoff``, the oldest write time a hit may have (None: any)."""
+
+    def __init__(self, keys: Iterable[str], *, ns: str, list_tables: Callable[[], list[Table]],
+                 open_reader: Callable[[dict], RangeReader], gap_bytes: int, cutoff: float | None):
         t0 = time.perf_counter()
-        self.cache = cache
+        self._list_tables, self._open_reader, self._gap_bytes = list_tables, open_reader, gap_bytes
         uniq = list(set(keys))
         k64 = key64_array(uniq)
         order = np.argsort(k64, kind="stable")
@@ -45,11 +48,11 @@ class Lookup:
         self._gstart = np.flatnonzero(np.r_[True, self._k64[1:] != self._k64[:-1]]) if len(uniq) else \
             np.zeros(0, dtype=np.int64)
         self._gk = self._k64[self._gstart]
-        self._cutoff = cache._cutoff(cache.max_age_days)
-        listed = cache.tables()
+        self._cutoff = cutoff
+        listed = list_tables()
         self._tables = [t for t in listed if self._cutoff is None or t.max_t >= self._cutoff]
         self.stats: dict[str, Any] = {
-            "namespace": cache.ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
+            "namespace": ns, "keys": len(uniq), "hits": 0, "expired": 0, "tables": 0, "objects_read": 0,
             "ranges_read": 0, "bytes_read": 0, "cache_bytes": 0, "retried": False, "seconds": time.perf_counter() - t0}
         self._it: Iterator[dict] | None = None
 
@@ -63,7 +66,7 @@ class Lookup:
 
     def _run(self) -> Iterator[dict]:
         t = time.perf_counter()
-        reader = RangeReader(self.cache.fs, self.cache.local, self.stats)
+        reader = self._open_reader(self.stats)
         consulted: set[str] = set()
         try:
             tables = self._tables if len(self._keys) else []
@@ -85,7 +88,7 @@ class Lookup:
                     break
                 # A table was deleted under us (a compaction committed its output first): list again.
                 self.stats["retried"] = True
-                tables = [x for x in self.cache.tables() if x.name not in consulted
+                tables = [x for x in self._list_tables() if x.name not in consulted
                           and (self._cutoff is None or x.max_t >= self._cutoff)]
         finally:
             reader.close()
@@ -93,7 +96,7 @@ class Lookup:
 
     def _wave(self, reader: RangeReader, metas: list[TableMeta], gone: set[str], a: int, b: int) -> Iterator[dict]:
         """Looks up wanted keys [a, b) in every table: key pages, then offsets of candidates, then values."""
-        gap = self.cache.gap_bytes
+        gap = self._gap_bytes
         todo = np.flatnonzero(~self._found[a:b]) + a
         if not len(todo):
             return

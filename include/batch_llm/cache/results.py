@@ -157,11 +157,13 @@ class ResultCache:
             pass
 
     # ---------------------------------------------------------------------------------- lookup
-    def lookup(self, keys: Iterable[str]) -> "Lookup":
+    def lookup(self, keys: Iterable[str]) -> Lookup:
         """The cached entries of the wanted keys, streamed: iterate the result (each key found comes once, as
         its stored entry: key, t, output, finish_reason, token counts); ``.stats`` holds what it cost. The keys
         are taken and the namespace listed now; the tables are read as it is iterated."""
-        return Lookup(self, keys)
+        return Lookup(keys, ns=self.ns, list_tables=self.tables,
+                      open_reader=lambda stats: RangeReader(self.fs, self.local, stats), gap_bytes=self.gap_bytes,
+                      cutoff=self._cutoff(self.max_age_days))
 
     # ---------------------------------------------------------------------------------- writes
     def write_table(self, entries: Iterable[dict], *, kind: str = "s") -> dict | None:

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from batch_llm.analysis.timeline import Timeline
-from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
+from batch_llm.cache.lookup import Lookup
+from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engines.base import Engine, EngineCannotRun, EngineInfo, GenRequest, GenResult
 from batch_llm.engines.probes import model_chat_template
