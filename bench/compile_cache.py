@@ -33,7 +33,7 @@ def child(a) -> None:
     cc = info.settings["compile_cache"]
     ready = time.time() - T0 - (cc.get("upload_seconds") or 0)
     try:  # the engine serves: a few greedy tokens (a failure here is reported, the start times still count)
-        served = serves(engine)
+        served: bool | str = serves(engine)
     except Exception as e:  # noqa: BLE001 - reported in the result
         served = f"{type(e).__name__}: {e}"
     print_result({"mode": a.mode, "engine_ready_s": round(ready, 2),

@@ -92,6 +92,7 @@ class Check:
         self.out, self.model, self.timeout, self.env = out, model, timeout, env
         self.input = write_rows(out / "rows.jsonl", make_rows(rows))
         self.rows = rows
+        self.greedy_bf16: dict[str, str] = {}  # the bf16 item's outputs, which later items compare with
 
     def run(self, name: str, sets: list[str], *, yaml: Path = DEMO_YAML, src: Path | None = None,
             env: dict | None = None) -> dict:

@@ -60,7 +60,7 @@ def make_shard(a, n: int, work: Path, seed: int = 0) -> tuple:
 
 def make_spec(a, n: int, work: Path, seed: int = 0) -> tuple[dict, Location]:
     cfg, layout, model, shard = make_shard(a, n, work, seed)
-    return worker_spec(cfg, layout, model, shard), layout.stage("infer").child("shard-00000")
+    return worker_spec(cfg, layout, model, shard), layout.shard_dir(0)
 
 
 def check_stop(a) -> dict:
@@ -68,7 +68,11 @@ def check_stop(a) -> dict:
     idle = gpu_used_mib()
     h = WorkerHandle.start(spec)
     lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(x) for x in h.proc.stdout], daemon=True).start()
+    def read_lines(stream) -> None:
+        for x in stream:
+            lines.append(x)
+
+    threading.Thread(target=read_lines, args=(h.proc.stdout,), daemon=True).start()
     while not any("progress:" in x for x in lines):
         if h.proc.poll() is not None:
             raise RuntimeError("worker ended early:\n" + "\n".join(lines[-30:]))

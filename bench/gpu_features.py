@@ -39,6 +39,7 @@ import json
 import statistics
 import time
 import traceback
+from typing import Any
 
 from bench.inference import make_dataset
 from bench.runners import ROOT, alternating, model_vocab, spread, start_vllm
@@ -160,7 +161,7 @@ def cmd_guided(a) -> None:
     so = {"backend": a.backend} if a.backend != "auto" else {}
     if a.compact_json:  # no free whitespace between JSON tokens (xgrammar's and guidance's option)
         so = {"backend": "xgrammar" if a.backend == "auto" else a.backend, "disable_any_whitespace": True}
-    extra = {"structured_outputs_config": so} if so else {}
+    extra: dict[str, Any] = {"structured_outputs_config": so} if so else {}
     if a.match_vocab:  # the model's vocabulary cut to the tokenizer's (as a real model's is): a mask of that size
         from transformers import AutoTokenizer
 
@@ -186,7 +187,7 @@ def cmd_guided(a) -> None:
              "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
     rates: dict[str, list[float]] = {"plain": [], "guided": []}
     for rep, mode in alternating(("plain", "guided"), a.repeats):
-        before = timers.snapshot() if timers else None
+        before = timers.snapshot() if timers else {}
         seconds, outs = generate(llm, prompts, guided if mode == "guided" else plain)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rates[mode].append(tokens / seconds)
@@ -220,7 +221,7 @@ def repeated_pattern_prompts(n: int, seed: int, vocab: int, pattern: int = 16, l
 
 
 def spec_counters(llm) -> dict:
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
     names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted"}
     for m in llm.get_metrics():
@@ -251,7 +252,7 @@ def cmd_spec(a) -> None:
     for bs in (int(x) for x in a.batch_sizes.split(",")):
         for rep in range(a.repeats):
             prompts = repeated_pattern_prompts(bs, 1000 * bs + rep, vocab)
-            before = spec_counters(llm) if spec else None
+            before = spec_counters(llm) if spec else {}
             seconds, outs = generate(llm, prompts, params)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             rec = {"phase": "timed", "method": a.method, "batch": bs, "repeat": rep, "seconds": round(seconds, 3),

@@ -34,6 +34,8 @@ def _nvml():
             raise SystemExit("no pynvml and no vLLM to take its copy from") from None
         path = f"{list(spec.submodule_search_locations)[0]}/third_party/pynvml.py"
         mod_spec = importlib.util.spec_from_file_location("pynvml", path)
+        if mod_spec is None or mod_spec.loader is None:
+            raise SystemExit(f"no pynvml and none at {path}") from None
         pynvml = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(pynvml)
     return pynvml

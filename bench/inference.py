@@ -106,6 +106,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.runners import (
     DUMMY,
@@ -344,6 +345,8 @@ def run_raw_lmdeploy(a, rows) -> dict:
         async for part in engine.generate(pre, stream_response=False):
             resp = part.to_response(0)
             out = out.extend(resp) if out else resp
+        if out is None:
+            raise RuntimeError("LMDeploy's engine answered nothing")
         return list(getattr(out, "token_ids", None) or []), int(out.generate_token_len)
 
     t1 = time.perf_counter()
@@ -437,12 +440,12 @@ def stage_config(a, mode: str = "stage", **paths):
     if detokenizes(a) and a.engine == "vllm":  # random weights, but the tokenizer (chat template, detokenized text)
         extra = {"skip_tokenizer_init": False, **extra}
     more = json.loads(a.stage_engine or "{}") if mode == "stage-x" else {}
-    thinking = {}
+    thinking: dict[str, Any] = {}
     if a.thinking_budget is not None:  # a reasoning model: thinking on (budgeted) or off, the parser from the model
         thinking = {"thinking": "off"} if mode == "stage-think-off" else {
             "thinking": "on", "max_thinking_tokens": a.thinking_budget}
         more = {"reasoning_parser": "auto", **more}
-    guided = {}
+    guided: dict[str, Any] = {}
     if a.output_schema:  # decoded under the schema, rows end where the object does; no free whitespace, in which
         # random weights would otherwise loop to max_tokens
         guided = {"sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0,

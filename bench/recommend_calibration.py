@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 from batch_llm.sizing import recommend as R
 
@@ -43,16 +44,22 @@ def bisect(f, lo, hi, n=80):
     return (lo + hi) / 2
 
 
+def _probe(constant: str, value: float, residual: Callable[[], float]) -> float:
+    """The residual with the model's ``constant`` set to ``value``: what the bisection looks for the zero of."""
+    setattr(R, constant, value)
+    return residual()
+
+
 def fit() -> dict:
     # ETA_MEMORY: batch 1 (h200-ngram-spec-2026-12-01.jsonl, plain: 210.9 / 210.5 / 211.1 tok/s)
     b1 = R.Job(rows=1, prompt_tokens=256, output_tokens=256)
-    R.ETA_MEMORY = bisect(lambda e: (setattr(R, "ETA_MEMORY", e), rate(Q7, H200, b1) - 210.9)[1], 0.1, 1.0)
+    R.ETA_MEMORY = bisect(lambda e: _probe("ETA_MEMORY", e, lambda: rate(Q7, H200, b1) - 210.9), 0.1, 1.0)
     # ETA_COMPUTE: the fixed workload's median
-    R.ETA_COMPUTE = bisect(lambda e: (setattr(R, "ETA_COMPUTE", e), rate(Q7, H200, FIXED_JOB) - FIXED)[1], 0.1, 1.0)
+    R.ETA_COMPUTE = bisect(lambda e: _probe("ETA_COMPUTE", e, lambda: rate(Q7, H200, FIXED_JOB) - FIXED), 0.1, 1.0)
     # FP8_COMPUTE: FP8 weights 1.217x bf16 at the fixed workload (h200-fp8-2026-12-01.jsonl)
     bf16 = rate(Q7, H200, FIXED_JOB)
     fp8 = dataclasses.replace(FIXED_JOB, scheme="fp8")
-    R.FP8_COMPUTE = bisect(lambda k: (setattr(R, "FP8_COMPUTE", k), rate(Q7, H200, fp8) / bf16 - 1.217)[1], 0.5, 3.0)
+    R.FP8_COMPUTE = bisect(lambda k: _probe("FP8_COMPUTE", k, lambda: rate(Q7, H200, fp8) / bf16 - 1.217), 0.5, 3.0)
     # CPU: two points, two constants (cpu-make-bench*.txt raw 81.4 / 77.4 s; guided_engine_cpu.jsonl plain 39.05 s)
     cpu_fixed = R.Job(rows=256, prompt_tokens=128, output_tokens=64, max_model_len=1024)
     cpu_small = R.Job(rows=8, prompt_tokens=100, output_tokens=64, max_model_len=1024, cached_prompt_share=1.0)

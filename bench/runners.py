@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 T0 = time.time()  # this process's start, near enough (``python -m bench`` imports this first)
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +219,7 @@ def serves(engine) -> bool:
     return len(out) == 8 and all(r.error is None and r.completion_tokens == 16 for r in out)
 
 
-def start_vllm(model: str, **kwargs) -> tuple[object, dict]:
+def start_vllm(model: str, **kwargs) -> tuple[Any, dict]:
     """vLLM's ``LLM`` on random weights (bf16, max_model_len 2048, 90 % of the GPU, seed 0; ``kwargs`` add or
     replace), imported and built in this process. Returns it with what it got: vLLM's version, the GPU, the
     seconds (process start -> imported -> built), the KV cache, the scheduler's settings."""

@@ -51,7 +51,7 @@ def make_input(path: Path, rows: int, seed: int = 0) -> int:
     return path.stat().st_size
 
 
-def synthesize_outputs(cfg, layout, plan) -> list[dict]:
+def synthesize_outputs(cfg, layout, plan) -> list:
     """What the shard runner would have written (outputs in input order, no errors), labelled synthesized."""
     from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
     from batch_llm.manifests import ShardMetrics, ShardResult
@@ -59,7 +59,7 @@ def synthesize_outputs(cfg, layout, plan) -> list[dict]:
     rng = random.Random(1)
     shards = []
     for s in plan.shards:
-        d = layout.stage("infer").child(f"shard-{s.index:05d}")
+        d = layout.shard_dir(s.index)
         rows = sorted((r["idx"], r["id"]) for r in iter_jsonl(Location(s.url).path()))  # one shard: bounded
         n = write_jsonl(d.child("outputs.jsonl").path(), (
             {"id": rid, "idx": idx, "output": _text(rng, 200) + (" my password" if idx % 100 == 0 else ""),  # 1 % hits
@@ -83,23 +83,23 @@ def run_stage(name: str, workdir: Path) -> dict:
     t0 = time.perf_counter()
     extra: dict = {}
     if name == "plan":
-        m = api.plan_shards(cfg, layout)
-        extra = {"valid": m.valid, "shards": len(m.shards)}
+        plan = api.plan_shards(cfg, layout)
+        extra = {"valid": plan.valid, "shards": len(plan.shards)}
     elif name == "synthesize":
         shards = synthesize_outputs(cfg, layout, read_manifest_at(layout, "plan"))
         (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in shards]))
     elif name == "filter":
-        shards = json.loads((workdir / "shards.json").read_text())
-        m = api.content_filter(cfg, layout, read_manifest_at(layout, "plan"), shards)
-        extra = {"rows": m.rows, "affected": m.summary.rows_affected}
+        results = json.loads((workdir / "shards.json").read_text())
+        filtered = api.content_filter(cfg, layout, read_manifest_at(layout, "plan"), results)
+        extra = {"rows": filtered.rows, "affected": filtered.summary.rows_affected}
     elif name == "evaluate":
-        m = api.evaluate(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"))
-        extra = {"num_samples": m.num_samples, "rows_with_references": m.rows_with_references}
+        scored = api.evaluate(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"))
+        extra = {"num_samples": scored.num_samples, "rows_with_references": scored.rows_with_references}
     elif name == "publish":
-        m = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
-                           read_manifest_at(layout, "evaluate"),
-                           extra_manifests={"infer": json.loads((workdir / "shards.json").read_text())})
-        extra = {"rows": m.rows, "dataset_bytes": os.path.getsize(m.dataset.removeprefix("file://"))}
+        published = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
+                                read_manifest_at(layout, "evaluate"),
+                                extra_manifests={"infer": json.loads((workdir / "shards.json").read_text())})
+        extra = {"rows": published.rows, "dataset_bytes": os.path.getsize(published.dataset.removeprefix("file://"))}
     else:
         raise SystemExit(f"unknown stage {name}")
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -128,7 +128,7 @@ def bench_size(rows: int, base: Path, fmt: str, evaluate: bool) -> dict:
            "output": {"path": str(work / "out")}, "sharding": {"rows_per_shard": 100_000},
            "evaluate": {"enabled": evaluate}, "cache": {"enabled": False}}
     (work / "config.json").write_text(json.dumps(cfg))
-    res = {"rows": rows, "input_bytes": size, "input_seconds": round(made, 1)}
+    res: dict = {"rows": rows, "input_bytes": size, "input_seconds": round(made, 1)}
     for name in ("plan", "synthesize", "filter", "evaluate", "publish"):
         r = _stage_in_process(name, work)
         res[name] = r

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from batch_llm.cache.results import ResultCache
 from batch_llm.config import CacheConfig
@@ -96,10 +97,10 @@ def main(argv: list[str] | None = None) -> None:  # noqa: C901
     now = [T0]
     cache = ResultCache(root, "synthetic", max_age_days=args.max_age_days, clock=lambda: now[0])
     rng = random.Random(args.seed)
-    results = {"synthesized": True, "config": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    results: dict = {"synthesized": True, "config": vars(args), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "storage": "s3 (SeaweedFS, loopback)" if args.s3 else "local disk", "sizes": []}
     written, day, write_s, maintain_s = 0, 0, 0.0, 0.0
-    maintains = []
+    maintains: list[dict] = []
     t_all = time.perf_counter()
     try:
         for size in sizes:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: C901
                 if m["tables_merged"] or m["expired_tables_deleted"]:
                     maintains.append({"day": day, **m})
                 print(f"day {day}: {written:,} entries, {len(cache.tables())} tables", file=sys.stderr, flush=True)
-            layouts = [("maintained", None)]
+            layouts: list[tuple[str, bool]] = [("maintained", False)]
             if args.also_compacted and size == sizes[-1]:
                 layouts.append(("compacted", True))
             for layout, compact in layouts:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: C901
                 run = min(args.run_rows, written)
                 hit_keys = [key(i) for i in rng.sample(range(written), run)]
                 miss_keys = [key(MISS_OFFSET + day * 10**7 + i) for i in range(args.run_rows)]
-                row = {"entries": written, "days": day, "layout": layout, "tables": len(tables),
+                row: dict[str, Any] = {"entries": written, "days": day, "layout": layout, "tables": len(tables),
                        "runs": sum(t.kind == "r" for t in tables), "cache_bytes": sum(t.size for t in tables),
                        "write_seconds_so_far": round(write_s, 1), "maintain_seconds_so_far": round(maintain_s, 1),
                        "all_hit": measure(cache, hit_keys, run), "all_miss": measure(cache, miss_keys, 0)}

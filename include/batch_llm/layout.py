@@ -70,6 +70,19 @@ class RunLayout:
     def stage(self, name: str) -> Location:
         return self.run_dir.child(name)
 
+    def shard_dir(self, index: int, stage: str = "infer") -> Location:
+        """The folder shard ``index`` commits in under a stage (``infer``; ``review`` for the review's pass)."""
+        return self.stage(stage).child(shard_name(index))
+
+    @property
+    def review_model(self) -> Location:
+        """Where the review's model manifest is committed (the fetch of ``filter.review.model``)."""
+        return self.stage("review").child("model")
+
+    def review_requests(self, index: int, key: str) -> Location:
+        """The review's requests of shard ``index``, made with the review settings whose key is ``key``."""
+        return self.stage("review").child("requests", f"{shard_name(index)}-{key}.jsonl")
+
     @property
     def published(self) -> Location:
         return self.pipeline_root.child(self.partition)
@@ -87,6 +100,12 @@ class RunLayout:
     def from_dict(cls, d: dict) -> "RunLayout":
         return cls(output_root=Location.from_any(d["output_root"]), pipeline=d["pipeline"],
                    partition=d["partition"], run_id=d["run_id"], input=Location.from_any(d["input"]))
+
+
+def shard_name(index: int) -> str:
+    """A shard's name in a run's folders: its plan file (``plan/shard-00003.jsonl``), its folder under a stage,
+    its log."""
+    return f"shard-{index:05d}"
 
 
 STAGE_MANIFESTS: dict[str, type[Manifest]] = {

@@ -10,8 +10,8 @@ The same task, hosted or self-hosted; only the operator line changes::
     summarize(classify.output)      # the manifest: counts, result_uri; the rows are JSONL at result_uri
 
 Why a group of tasks and not one operator: a hosted batch is one job to wait on, a self-hosted one is GPU work
-that should spread over the GPU workers. ``GPULLMBatchOperator`` therefore adds the project's stages as tasks
-(in a task group, ``<task_id>_gpu_batch``)::
+that should spread over the GPU workers. ``GPULLMBatchOperator`` therefore builds Airflow's own ``TaskGroup``
+(``<task_id>_gpu_batch``) of the project's stages, thin operators over the stage library::
 
     <task_id>.plan_shards ─> <task_id>.fetch_model ─> <task_id>.batch_inference × N ─> <task_id>
 
@@ -374,9 +374,13 @@ class BatchXComArg(PlainXComArg):
             root.set_upstream(task_or_task_list, edge_modifier)
 
 
-class GPULLMBatchOperator:
+@attrs.define(init=False, kw_only=True, repr=False)
+class GPULLMBatchOperator(TaskGroup):
     """common-ai's ``LLMBatchOperator`` run on this project's engines: the same arguments where the meaning is the
-    same, the same result rows and manifest; the batch runs as tasks of its own (see the module docstring).
+    same, the same result rows and manifest; the batch runs as tasks of its own (see the module docstring), and
+    this is their group: Airflow's ``TaskGroup`` (``<task_id>_gpu_batch``, task ids not prefixed) built by the
+    constructor, so ``a >> batch >> b`` is the group's own dependency protocol (its root is the plan task, its
+    leaf the landing task), and ``.output`` / ``.task_id`` are the landing task's, as common-ai's one task's are.
 
     Same as common-ai's (``airflow.providers.common.ai.operators.llm_batch.LLMBatchOperator``, 1.0.0):
 
@@ -433,6 +437,9 @@ class GPULLMBatchOperator:
     Hosted-only arguments (``llm_conn_id``, ``deferrable``, ``poll_interval``, ...) are refused with the reason.
     """
 
+    plan: Any = attrs.field(init=False, default=None)      # the plan task: one, or mapped (one per batch)
+    operator: Any = attrs.field(init=False, default=None)  # the landing task, whose XCom is the manifest: the same
+
     def __init__(self, *, task_id: str, result_path: str, model_id: str, requests: Any = None,
                  input_path: str | None = None, input_format: str = "auto", system_prompt: str = "",
                  output_type: Any = str, max_tokens: int = 1024, request_params: dict | None = None,
@@ -480,9 +487,10 @@ class GPULLMBatchOperator:
                 result_path=plan_args.get("result_path", "(mapped)"), max_tokens=plan_args.get("max_tokens", 1024),
                 output=output, base=base, overrides=config_overrides,
                 response_format=params.get("response_format") if isinstance(params, Mapping) else None)
-        with TaskGroup(group_id=f"{task_id}_gpu_batch", prefix_group_id=False,
-                       tooltip=f"GPU batch {task_id}: plan, model, shards, landing") as self.group:
-            parent = self.group.parent_group
+        self.__attrs_init__(group_id=f"{task_id}_gpu_batch", prefix_group_id=False,
+                            tooltip=f"GPU batch {task_id}: plan, model, shards, landing")
+        with self:
+            parent = self.parent_group
             full_id = parent.child_id(task_id) if parent is not None else task_id
             every, start, outcome = split_task_kwargs(task_kwargs)
             plan = make_plan(task_id=f"{full_id}.plan_shards", batch_task_id=full_id, output_type=output_type,
@@ -494,7 +502,6 @@ class GPULLMBatchOperator:
             land = dict(task_id=full_id, output_type=output_type, fail_on_partial_error=fail_on_partial_error,
                         **common, **outcome)
             model: GPUBatchModelOperator | MappedOperator  # one task, or one per batch (mapped)
-            self.operator: GPUBatchLandOperator | MappedOperator  # the landing task: the same
             if not mapped:
                 batch = XComArg(plan, key="batch")
                 model = GPUBatchModelOperator(task_id=f"{full_id}.fetch_model", batch=batch, **common)
@@ -523,47 +530,13 @@ class GPULLMBatchOperator:
 
     @property
     def task_id(self) -> str:
+        """The landing task's id (``ti.xcom_pull(task_ids=batch.task_id)`` is the manifest)."""
         return self.operator.task_id
 
     @property
     def output(self) -> BatchXComArg:
         """The manifest, as ``LLMBatchOperator(...).output`` is."""
         return BatchXComArg(operator=self.operator, batch_roots=[self.plan])
-
-    @property
-    def roots(self) -> list:
-        return [self.plan]
-
-    @property
-    def leaves(self) -> list:
-        return [self.operator]
-
-    # Airflow's dependency protocol, written out (its DependencyMixin is private API): ``a >> batch >> b``,
-    # ``[a, b] >> batch``, ``batch << a``; Airflow's own tasks call update_relative, roots and leaves.
-    def set_upstream(self, other, edge_modifier=None):
-        self.plan.set_upstream(other, edge_modifier)
-
-    def set_downstream(self, other, edge_modifier=None):
-        self.operator.set_downstream(other, edge_modifier)
-
-    def update_relative(self, other, upstream: bool = True, edge_modifier=None) -> None:
-        """Nothing to record: the edges are the plan's and the landing task's own."""
-
-    def __rshift__(self, other):
-        self.set_downstream(other)
-        return other
-
-    def __lshift__(self, other):
-        self.set_upstream(other)
-        return other
-
-    def __rrshift__(self, other):
-        self.set_upstream(other)
-        return self
-
-    def __rlshift__(self, other):
-        self.set_downstream(other)
-        return self
 
 
 # The arguments a mapped batch may expand: those of the plan task, which makes each batch. The rest (output_type,

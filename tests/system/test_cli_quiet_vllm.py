@@ -1,4 +1,4 @@
-"""``batch-llm run`` on the real CPU vLLM engine is quiet (issue 36, item 8): no vLLM or transformers log line
+"""``batch-llm run`` on the real CPU vLLM engine is quiet: no vLLM or transformers log line
 on the terminal, all of them (the engine core process's included) in the run's log file, whose path is the
 first line printed; ``--verbose`` puts them back on the terminal. The same with stub libraries, in seconds:
 ``tests/unit/test_cli_quiet.py``."""

@@ -1,4 +1,4 @@
-"""A model in object storage replaced in place is fetched again (issue 33, item 3), on a real S3 server
+"""A model in object storage replaced in place is fetched again, on a real S3 server
 (SeaweedFS ``weed mini`` on loopback, fixture ``s3``).
 
 A storage prefix is copied into one snapshot folder per state of the prefix (every object's name, size and

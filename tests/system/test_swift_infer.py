@@ -1,4 +1,4 @@
-"""``batch-llm infer`` with ms-swift's ``swift infer`` flags (issue 37, item 5), as a user runs it: a process of its
+"""``batch-llm infer`` with ms-swift's ``swift infer`` flags, as a user runs it: a process of its
 own over swift rows, on the transformers engine (``--infer_backend pt``) and on the CPU vLLM engine; the result file
 has swift's result shape (response, labels, logprobs, messages), one line per input row, in input order."""
 from __future__ import annotations

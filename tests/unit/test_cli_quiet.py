@@ -1,4 +1,4 @@
-"""``batch-llm run`` is quiet (issue 36, item 8): the terminal shows the stages and the progress; what the engine
+"""``batch-llm run`` is quiet: the terminal shows the stages and the progress; what the engine
 libraries print goes to the run's log file, whose path is printed first; ``--verbose`` shows everything.
 
 The run is the real command (``batch_llm.frontends.cli.main`` in a process of its own, real file descriptors) over stub

@@ -1,6 +1,6 @@
 """Look-alike spellings of a listed word (``filter.lists[].fold``, ``stages/confusables.py``).
 
-Issue 46: a space inside a Chinese word, letters spaced out, a look-alike letter from another script and a combining
+A space inside a Chinese word, letters spaced out, a look-alike letter from another script and a combining
 accent each walked past the word lists. With the list's ``fold`` they match, the hit and the mask in the original
 text; without it the list matches as before; and the folds cost no extra hits on the shipped sample data (the
 figure docs/user-guide.md gives).

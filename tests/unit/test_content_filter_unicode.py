@@ -1,6 +1,6 @@
 """The content filter matches words as a reader sees them, not as their code points happen to be spelled.
 
-Issue 33 (item 5): lower-casing ``İ`` gives two characters, and the filter then scanned the whole row
+Lower-casing ``İ`` gives two characters, and the filter then scanned the whole row
 case-sensitively, so one ``İ`` anywhere let ``BADWORD`` through a drop list. Full-width letters, ``ß`` for
 ``ss``, zero-width characters between letters and decomposed accents were further ways past a list. These tests
 pin the folded matching (NFKC, case folding, invisible characters dropped) and that hits, offsets and masks

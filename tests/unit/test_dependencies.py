@@ -1,4 +1,4 @@
-"""The distribution's dependencies say the truth (issue 37, item 1).
+"""The distribution's dependencies say the truth.
 
 Every third-party import in ``include/`` and ``dags/`` (an AST walk: module level, or inside a function) maps to a
 distribution declared in ``pyproject.toml`` where it is needed:
@@ -193,6 +193,13 @@ def test_the_extras_a_worker_needs():
     dev = {norm(Requirement(r).name) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())
            ["dependency-groups"]["dev"]}
     assert {"pytest", "pytest-xdist", "ruff", "mypy", "playwright"} <= dev
+
+
+def test_make_check_type_checks_the_library_the_provider_and_the_benchmarks():
+    """mypy (``make check``) reads every package of Python the project ships or measures with: the stage library,
+    the Airflow provider and ``bench/``, whose figures docs/benchmarks.md quotes."""
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert {"include/batch_llm", "include/batch_llm_airflow", "bench"} <= set(files), files
 
 
 def test_requires_python_is_what_setup_accepts():

@@ -104,7 +104,7 @@ def test_configuration_reference_is_current():
 
 
 def test_layout_table_lists_every_module_of_the_tree(tmp_path):
-    """The user guide's layout table is the tree today (issue 45, item 6): every package and module under include/,
+    """The user guide's layout table is the tree today: every package and module under include/,
     one line each from its docstring. A module added, moved or removed without the table following fails here."""
     spec = importlib.util.spec_from_file_location("layout_reference", ROOT / "scripts" / "layout_reference.py")
     module = importlib.util.module_from_spec(spec)
@@ -117,3 +117,33 @@ def test_layout_table_lists_every_module_of_the_tree(tmp_path):
                for p in (ROOT / "include" / pkg).rglob("*.py")
                if p.name not in {"__init__.py", "__main__.py"} and "__pycache__" not in p.parts}
     assert on_disk <= listed, f"modules missing from the layout table: {sorted(on_disk - listed)}"
+
+
+BENCHMARKS_MAX_LINES = 300
+
+
+def test_benchmarks_page_holds_todays_figures_and_links_its_history():
+    """docs/benchmarks.md stays a page of today's figures: how they were reached and the figures they replace are in
+    docs/benchmarks-history.md, which it links."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert text.count("\n") <= BENCHMARKS_MAX_LINES, "move the detail into docs/benchmarks-history.md, by date"
+    assert "benchmarks-history.md" in _links(ROOT / "docs" / "benchmarks.md")
+
+
+def test_every_test_module_opens_with_the_behaviour_it_holds():
+    """A test module's first line says what behaviour it holds, not which issue asked for it."""
+    opening_with_issue = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        if re.search(r"\bissue\s+#?\d+", first, re.I):
+            opening_with_issue.append(f"{path.relative_to(ROOT)}: {first}")
+    assert not opening_with_issue, "\n".join(opening_with_issue)
+
+
+def test_readme_shows_the_run_report_as_a_picture():
+    """The README shows what a run leaves behind: a picture of a run report (a PNG under docs/images/)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    pictures = [t for t in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", _prose(text)) if t.startswith("docs/images/")]
+    assert any("report" in t for t in pictures), pictures
+    for t in pictures:
+        assert (ROOT / t).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", t

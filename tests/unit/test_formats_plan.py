@@ -162,3 +162,21 @@ def test_run_token_usage_sums_the_shards():
         [{"input_tokens": 100, "cached_prompt_tokens": 64, "output_tokens": 20},
          {"input_tokens": 50, "output_tokens": 5}])]   # an engine that does not report cached tokens
     assert TokenUsage.of_shards(shards) == TokenUsage(prompt_tokens=150, cached_prompt_tokens=64, completion_tokens=25)
+
+
+def test_every_shard_path_of_a_run_is_the_layouts(tmp_path):
+    """A shard's paths in a run's folders come from ``RunLayout``: the plan's shard files, the folder a shard
+    commits in under a stage, the review's requests and model; shards named by ``shard_name``."""
+    from batch_llm.layout import RunLayout, shard_name
+
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps({"id": r["id"], "prompt": r["text"]}) + "\n" for r in ROWS))
+    cfg = demo_config(tmp_path, input__path=str(p), sharding__rows_per_shard=4)
+    layout = RunLayout.for_run(cfg, run_id="manual__1", ds="2026-12-01")
+    m = plan_mod.plan_shards(cfg, layout)
+    assert [s.url for s in m.shards] == [layout.stage("plan").child(f"{shard_name(i)}.jsonl").url for i in (0, 1)]
+    assert shard_name(3) == "shard-00003"
+    assert layout.shard_dir(3).url == layout.stage("infer").child("shard-00003").url
+    assert layout.shard_dir(3, "review").url == layout.stage("review").child("shard-00003").url
+    assert layout.review_requests(3, "k1").url == layout.stage("review").child("requests", "shard-00003-k1.jsonl").url
+    assert layout.review_model.url == layout.stage("review").child("model").url

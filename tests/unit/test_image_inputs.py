@@ -1,4 +1,4 @@
-"""Images in rows without an engine (issue 48): chat image parts in JSONL and OpenAI Batch lines, image columns of
+"""Images in rows without an engine: chat image parts in JSONL and OpenAI Batch lines, image columns of
 CSV and Parquet tables, the planner's cheap checks (each bad image the row's error with its reason, the rest of the
 file going on), the content hash in the prompt's key instead of the URL, object storage through fsspec, the
 shard-time load (hash compared, decoded with PIL) and its errors, images decoded only as the engine pulls them, the

@@ -1,4 +1,4 @@
-"""The import graph of include/ has no cycle (issue 36, item 1).
+"""The import graph of include/ has no cycle.
 
 Every .py under include/batch_llm and include/batch_llm_airflow is parsed with ast and every import in it counts:
 at module level, inside functions, under `if TYPE_CHECKING:`, relative ones; `from pkg import name` is an edge to

@@ -1,4 +1,4 @@
-"""common-ai parity of ``GPULLMBatchOperator`` / ``@task.gpu_llm_batch`` (issue 37, item 4), without an engine.
+"""common-ai parity of ``GPULLMBatchOperator`` / ``@task.gpu_llm_batch``, without an engine.
 
 Compared against apache-airflow-providers-common-ai 1.0.0: ``exceptions.py`` (the ``LLMBatch*`` classes and their
 bases), ``operators/llm_batch.py`` (``_raise_if_partial``: ``LLMBatchPartialFailureError``, retryable, state kept),
@@ -274,3 +274,32 @@ def test_plan_and_fetch_tasks_carry_no_outlets():
     with_outlets = sorted(t.task_id for t in dag.tasks if _attr(t, "outlets"))
     assert with_outlets == ["classify"]
     assert not dag.get_task("classify.plan_shards").outlets and not dag.get_task("classify.fetch_model").outlets
+
+
+def test_the_batch_is_airflows_own_task_group():
+    """``GPULLMBatchOperator`` builds Airflow's ``TaskGroup`` (no dependency methods of its own): ``a >> batch >> b``
+    is the group's protocol, ``a`` before the plan task and ``b`` after the landing task, mapped or not; its
+    ``task_id`` and ``output`` are the landing task's, as common-ai's one task's are."""
+    from airflow.sdk import DAG, TaskGroup
+    from airflow.sdk.bases.operator import BaseOperator
+    from batch_llm_airflow.llm_batch import GPULLMBatchOperator
+
+    class Noop(BaseOperator):
+        def execute(self, context):
+            return None
+
+    with DAG("grouped", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        a, b = Noop(task_id="a"), Noop(task_id="b")
+        batch = GPULLMBatchOperator(task_id="classify", requests=["x"], **KW)
+        mapped = GPULLMBatchOperator.partial(task_id="many", **KW).expand(requests=[["y"], ["z"]])
+        a >> batch >> b
+        [a] >> mapped >> [b]
+    for group, name in ((batch, "classify"), (mapped, "many")):
+        assert isinstance(group, TaskGroup) and dag.task_group.children[f"{name}_gpu_batch"] is group
+        assert [t.task_id for t in group.roots] == [f"{name}.plan_shards"]
+        assert [t.task_id for t in group.leaves] == [name] and group.task_id == name
+        assert dag.get_task(f"{name}.plan_shards").upstream_task_ids == {"a"}
+        assert group.output.operator is dag.get_task(name)
+    assert dag.get_task("b").upstream_task_ids == {"classify", "many"}
+    own = vars(GPULLMBatchOperator)
+    assert not {"__rshift__", "__lshift__", "set_upstream", "set_downstream", "update_relative"} & set(own)

@@ -1,4 +1,4 @@
-"""A local model folder whose weights are rewritten in place is hashed again (issue 33, item 3).
+"""A local model folder whose weights are rewritten in place is hashed again.
 
 ``file_hashes`` remembers each file's SHA-256 under a stamp so that a re-fetch costs nothing. A stamp of size and
 mtime alone let retrained weights of the same shape, written by a tool that carries the old mtime over (``cp -p``,

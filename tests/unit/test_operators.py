@@ -117,7 +117,7 @@ def test_the_gpu_operator_fails_without_retry_only_when_the_library_says_so(tmp_
 
 
 def test_the_gpu_operator_is_thin():
-    """Issue 36: the operator's execute is one library call (resolve, run, metrics, result)."""
+    """The operator's execute is one library call (resolve, run, metrics, result)."""
     import inspect
 
     from batch_llm_airflow.operators import BatchInferenceOperator
@@ -127,7 +127,7 @@ def test_the_gpu_operator_is_thin():
 
 
 def test_every_operator_builds_the_layout_as_the_library_does_with_the_run_id_unchanged(tmp_path):
-    """One way to build a run's layout (issue 36, item 4): the operators' resolve is RunLayout.for_run with the
+    """One way to build a run's layout: the operators' resolve is RunLayout.for_run with the
     locations their storage hook resolved; a cleared run (clear_number 2) keeps the DAG run's run_id."""
     from batch_llm.layout import RunLayout
 

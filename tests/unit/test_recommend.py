@@ -263,3 +263,16 @@ def test_fetch_stage_logs_the_warning(demo_model_dir, tmp_path, monkeypatch, cap
         api.fetch(cfg, RunLayout.for_run(cfg, run_id="r", ds="2026-12-01"))
     warned = [r.getMessage() for r in caplog.records if "will not start" in r.getMessage()]
     assert len(warned) == 1 and "0.3 GiB" in warned[0] and "SmolLM2" in warned[0]
+
+
+def test_cpu_recommendation_names_no_build_machine():
+    """What ``batch-llm recommend --gpus cpu`` prints describes the user's CPU and the model, never the machine the
+    constants were fitted on."""
+    smol = R.ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
+    gpus = R.parse_gpus("cpu")
+    out = R.format_recommendation(R.recommend(smol, gpus, R.Job(rows=1000, prompt_tokens=128, output_tokens=64,
+                                                                max_model_len=1024)))
+    assert str(gpus) == "CPU" and "CPU: 1 engine(s)" in out
+    for machine_word in ("VM", "CI", "2-core", "this machine"):
+        assert machine_word not in out, out

@@ -10,6 +10,7 @@ import threading
 import pytest
 from batch_llm import api
 from batch_llm.cache import results as result_cache
+from batch_llm.cache import table as cache_table
 from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.io.storage import Location, write_jsonl
 from batch_llm.layout import RunLayout
@@ -315,8 +316,8 @@ def _newer_format_table(cache: ResultCache, entries: list[dict]) -> str:
     info = cache.write_table(entries)
     path = cache.dir.child(info["name"]).path()
     data = bytearray(path.read_bytes())
-    data[len(data) - result_cache.FOOTER.size + 8:len(data) - result_cache.FOOTER.size + 12] = \
-        (result_cache.VERSION + 1).to_bytes(4, "little")
+    data[len(data) - cache_table.FOOTER.size + 8:len(data) - cache_table.FOOTER.size + 12] = \
+        (cache_table.VERSION + 1).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     return info["name"]
 

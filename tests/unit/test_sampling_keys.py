@@ -1,4 +1,4 @@
-"""Every sampling key is honoured or refused, never dropped (issue 50, item 3).
+"""Every sampling key is honoured or refused, never dropped.
 
 Walks every field of OpenAI's chat and completions request bodies (the ``openai`` package's own types) and vLLM's
 (its ChatCompletionRequest / CompletionRequest, read from its source without importing vLLM): each is honoured (it

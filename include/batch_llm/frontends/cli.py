@@ -438,10 +438,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_shard(args: argparse.Namespace) -> int:
+    from batch_llm.layout import shard_name
+
     cfg = config_from_args(args)
     ds = args.ds or dt.date.today().isoformat()
     layout = _layout(cfg, args, f"cli__{ds}")
-    with quiet_run(args, layout, f"shard-{args.shard:05d}") as rep:
+    with quiet_run(args, layout, shard_name(args.shard)) as rep:
         model, plan = _prepare(cfg, layout, rep.say)
         by_index = {s.index: s for s in plan.shards}
         m = _shard(cfg, layout, model, by_index[args.shard], rep) if args.shard in by_index else None

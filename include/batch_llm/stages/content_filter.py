@@ -617,7 +617,7 @@ def _reviewed_rows(cfg: PipelineConfig, layout: RunLayout, shards: list[ShardRes
     results = flat_results(reviews)
     check_reviews(cfg, shards, results, opts)
     model = ""
-    fetched = layout.stage("review").child("model").path()
+    fetched = layout.review_model.path()
     if exists(fetched / "manifest.json"):
         model = FetchManifest.read(fetched).model_key
     return (ReviewedRows(cfg.filter.review, review_verdict_rows(results, opts), cfg.filter.mask_char, model),

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from batch_llm.analysis.timeline import Timeline
-from batch_llm.cache.results import Lookup, ResultCache, namespace, prompt_key
+from batch_llm.cache.lookup import Lookup
+from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engines.base import Engine, EngineCannotRun, EngineInfo, GenRequest, GenResult
 from batch_llm.engines.probes import model_chat_template
@@ -1015,7 +1016,7 @@ def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchM
 
     shard = ShardSpec.model_validate(shard)
     ref = ModelRef.of(model)
-    shard_dir = layout.stage(stage).child(f"shard-{shard.index:05d}")
+    shard_dir = layout.shard_dir(shard.index, stage)
     drop_stale_shard(shard_dir, shard_inputs(cfg, ref, shard), say)
     return run_shard(cfg, shard=shard, shard_dir=shard_dir,
                      model_dir=ref.local_dir, model_key=ref.model_key, lora_dir=ref.lora_dir,

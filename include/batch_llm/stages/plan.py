@@ -19,7 +19,6 @@ about three times the input's size in local temporary space (``$TMPDIR``).
 """
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import math
@@ -27,13 +26,14 @@ import tempfile
 import time
 from array import array
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batch_llm.config import MAX_LINE_BYTES, PipelineConfig, ShardingConfig
 from batch_llm.engines.capabilities import takes_no_images
+from batch_llm.io.external_sort import ExternalSort, merge_sorted
 from batch_llm.io.formats import (
     IMAGE_BYTES,
     IMAGE_URL,
@@ -64,16 +64,12 @@ from batch_llm.io.storage import (
     json_bytes,
     peak_rss_mb,
 )
+from batch_llm.layout import RunLayout, shard_name
 from batch_llm.manifests import (
     PlanManifest,
     ShardSpec,
 )
 from batch_llm.row_params import engine_refusal
-
-if TYPE_CHECKING:
-
-    pass
-from batch_llm.layout import RunLayout
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
 id_hash = hash
@@ -384,57 +380,24 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
 
 
 class _SortedShardWriter:
-    """Writes one shard's rows sorted by (``shard_order``, input position), in bounded memory: runs of
-    ``SORT_RUN_ROWS`` rows are sorted in memory and spilled to local files, then merged into the shard."""
+    """Writes one shard's rows sorted by (``shard_order``, input position), or in input order when ``sort`` is off,
+    in bounded memory: the external sort spills runs of ``SORT_RUN_ROWS`` rows to local files under ``tmp``."""
 
     def __init__(self, loc: Location, tmp: Path, *, sort: bool):
-        self.loc, self.tmp, self.sort = loc, tmp, sort
-        self.buf: list[tuple[int, int, bytes]] = []
-        self.runs: list[Path] = []
+        self.loc, self.sort = loc, sort
+        self.rows: ExternalSort[tuple[int, int, bytes]] = ExternalSort(tmp, run_items=SORT_RUN_ROWS)
 
     def add(self, order: int, idx: int, line: bytes) -> None:
-        self.buf.append((order, idx, line))
-        if len(self.buf) >= SORT_RUN_ROWS:
-            self._spill()
-
-    def _spill(self) -> None:
-        run = self.tmp / f"run-{len(self.runs):05d}.tsv"
-        with open(run, "wb") as fh:
-            fh.writelines(b"%d\t%d\t%s" % item for item in self._sorted_buf())
-        self.runs.append(run)
-        self.buf = []
-
-    def _sorted_buf(self) -> list[tuple[int, int, bytes]]:
-        return sorted(self.buf) if self.sort else self.buf
+        # Unsorted, the order is the input position alone: the rows come in that order, so sorting keeps it.
+        self.rows.add((order if self.sort else 0, idx, line))
 
     def close(self) -> None:
         with atomic_writer(self.loc.path()) as w:
-            if not self.runs:
-                for _, _, line in self._sorted_buf():
-                    w.write(line)
-                return
-            self._spill()
-            handles = [open(run, "rb") for run in self.runs]
-            try:
-                # Unsorted runs are consecutive input ranges: chaining them keeps input order.
-                items = heapq.merge(*map(_run_items, handles)) if self.sort else \
-                    (item for h in handles for item in _run_items(h))
-                for _, _, line in items:
-                    w.write(line)
-            finally:
-                for h in handles:
-                    h.close()
-        for run in self.runs:
-            run.unlink(missing_ok=True)
+            for _, _, line in self.rows.sorted_items():
+                w.write(line)
 
 
-def _run_items(fh) -> Iterator[tuple[int, int, bytes]]:
-    for ln in fh:
-        order, idx, line = ln.split(b"\t", 2)
-        yield int(order), int(idx), line
-
-
-def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
+def _merged_errors(paths: list[Path], tmp: Path) -> Iterator[bytes]:
     """Row errors and duplicate errors in input order (file, line), as JSON lines."""
     def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
         with open(p, "rb") as fh:
@@ -442,7 +405,7 @@ def _merged_errors(paths: list[Path]) -> Iterator[bytes]:
                 file_no, line, body = ln.split(b"\t", 2)
                 yield int(file_no), int(line), body
 
-    for _, _, body in heapq.merge(*(items(p) for p in paths)):
+    for _, _, body in merge_sorted([partial(items, p) for p in paths], tmp):
         yield body
 
 
@@ -493,7 +456,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         errors_loc = plan_dir.child("errors.jsonl")
         n_errors = 0
         with atomic_writer(errors_loc.path()) as w:
-            for line in _merged_errors([scan.errors_path, tmp / "errors-dups.tsv"]):
+            for line in _merged_errors([scan.errors_path, tmp / "errors-dups.tsv"], tmp):
                 w.write(line)
                 n_errors += 1
     manifest = PlanManifest(
@@ -524,7 +487,7 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
                 if writer is not None:
                     writer.close()
                 left = next(bounds)
-                loc = plan_dir.child(f"shard-{len(shards):05d}.jsonl")
+                loc = plan_dir.child(f"{shard_name(len(shards))}.jsonl")
                 shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
                 writer = _SortedShardWriter(loc, tmp, sort=sort)
             writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))

@@ -124,7 +124,7 @@ def review_fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dic
     t0 = time.perf_counter()
     m = fetch_model(_review(cfg).model, storage_options=storage_options)
     m.seconds = round(time.perf_counter() - t0, 2)
-    m.write(layout.stage("review").child("model").path())
+    m.write(layout.review_model.path())
     return m
 
 
@@ -238,7 +238,7 @@ def prepare_review(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
     result = ShardResult.of(shard)
     opts = layout.output_root.options
     key = request_key(cfg, result, opts)
-    loc = layout.stage("review").child("requests", f"shard-{result.shard:05d}-{key}.jsonl")
+    loc = layout.review_requests(result.shard, key)
     path = loc.path()
     if not exists(path):
         spec = next((s for s in plan.shards if s.index == result.shard), None)

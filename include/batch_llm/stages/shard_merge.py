@@ -7,13 +7,13 @@ row per id, and both outputs are streamed atomic writes: a worker's memory does 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
-import os
 import tempfile
 from collections.abc import Iterator
+from functools import partial
 
-from batch_llm.io.storage import Location, atomic_writer, iter_jsonl, json_bytes, list_files, write_jsonl
+from batch_llm.io.external_sort import merge_sorted
+from batch_llm.io.storage import Location, atomic_writer, iter_jsonl, json_bytes, list_files
 from batch_llm.manifests import ShardManifest, ShardMetrics
 
 
@@ -29,20 +29,15 @@ MERGE_FAN_IN = 64
 def _merged_rows(files: list, tmp_dir: str) -> Iterator[dict]:
     """Rows of idx-sorted JSONL files in one idx-sorted stream, each id once (a row committed twice by an
     interrupted commit is the same row). Holds one row per open file, not the shard."""
-    level = 0
-    while len(files) > MERGE_FAN_IN:
-        runs = []
-        for i in range(0, len(files), MERGE_FAN_IN):
-            run = Location(os.path.join(tmp_dir, f"run-{level}-{i:06d}.jsonl")).path()
-            write_jsonl(run, heapq.merge(*(iter_jsonl(f) for f in files[i:i + MERGE_FAN_IN]),
-                                         key=lambda r: r["idx"]))
-            runs.append(run)
-        files, level = runs, level + 1
     last = None
-    for r in heapq.merge(*(iter_jsonl(f) for f in files), key=lambda r: r["idx"]):
+    for r in merge_sorted([partial(iter_jsonl, f) for f in files], tmp_dir, key=_idx, fan_in=MERGE_FAN_IN):
         if r["id"] != last:
             yield r
         last = r["id"]
+
+
+def _idx(row: dict) -> int:
+    return row["idx"]
 
 
 def finish_shard(index: int, shard_dir: Location, chunks_dir: Location, shard_path, n_rows: int) -> ShardManifest:
