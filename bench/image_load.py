@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shard_load(a, base: str, options: dict):
+    from batch_llm.host import path_policy
     from batch_llm.io import images as im
-    from batch_llm.io import path_policy
 
     stores = path_policy.input_stores(base, None)  # the images' store is the run's own, as an input there
     checker = im.ImageChecker(options=options, roots=[] if a.s3 else [base], stores=stores, memo=0)

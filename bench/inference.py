@@ -678,7 +678,7 @@ def run_hf_images(a, rows) -> dict:
     image read with PIL, the processor over a batch (left padding), one greedy ``generate`` each batch, every row's
     tokens written."""
     from batch_llm.engines.base import gc_paused_import
-    from batch_llm.engines.probes import cpu_dtype
+    from batch_llm.host.probes import cpu_dtype
     from PIL import Image
 
     with gc_paused_import("transformers"):  # as TransformersEngine.start imports it

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batch_llm.isolation.procgroup import process_group_alive
+from batch_llm.host.procgroup import process_group_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "BATCH_LLM_TEST_SERVICES"

@@ -132,7 +132,7 @@ def run_in_group(cmd: Sequence[str], *, timeout: float, **kwargs) -> subprocess.
     """subprocess.run(capture_output=True, text=True) in a session of its own: at the timeout the whole process
     group is ended (the workers' GroupLeader). subprocess.run kills only the child, and vLLM's engine-core and
     worker processes (~3 GB each) outlived it and slowed every later test."""
-    from batch_llm.isolation.procgroup import GroupLeader
+    from batch_llm.host.procgroup import GroupLeader
 
     with subprocess.Popen(list(cmd), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, **kwargs) as proc:

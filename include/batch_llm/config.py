@@ -31,7 +31,7 @@ from batch_llm.engines.capabilities import (
     who_can,
 )
 from batch_llm.engines.sglang_config import SglangSettings
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.reasoning import SWITCH_VARIABLES
 
 
@@ -1103,7 +1103,7 @@ class PipelineConfig(_Section):
         the fetch stage (``stages/infer.py``'s reasoning_problems), before any engine starts."""
         if not self.sampling.chat_template_kwargs:
             return self
-        from batch_llm.engines.probes import model_chat_template
+        from batch_llm.host.probes import model_chat_template
         from batch_llm.reasoning import template_kwargs_problem
 
         template, where = self.model.chat_template, "model.chat_template"

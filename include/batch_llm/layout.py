@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batch_llm.config import ConfigError, PipelineConfig
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.io.storage import (
     Location,
     list_files,

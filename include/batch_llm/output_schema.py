@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 INVALID_OUTPUT = "invalid_output"
 

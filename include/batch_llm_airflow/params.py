@@ -4,7 +4,7 @@ Defaults come from the pipeline's YAML file, so an untouched form runs the pipel
 
 Who may trigger a run may not thereby read any file of the worker: a local path in ``model_ref`` or
 ``filter_lists`` (plain, ``file://``, ``local://`` or behind a caching wrapper such as ``simplecache::``, resolved
-by ``batch_llm.io.path_policy`` the way it will be opened) must lie under an allowed root (after ``~``, ``..`` and
+by ``batch_llm.host.path_policy`` the way it will be opened) must lie under an allowed root (after ``~``, ``..`` and
 symlinks are resolved), and a local word list must be a regular file within the policy's size limit. The roots:
 what the pipeline's YAML names itself (its local model folder, its model cache, its local word-list files) and
 the folders in ``$BATCH_LLM_ALLOWED_LOCAL_ROOTS`` or ``[batch_llm] allowed_local_roots`` (comma separated).
@@ -18,7 +18,7 @@ from typing import Any
 from airflow.sdk import Param
 from batch_llm.config import ConfigError, PipelineConfig
 from batch_llm.engines.capabilities import engine_kinds
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.reasoning import THINKING_MODES
 
 ALLOWED_ROOTS_ENV = "BATCH_LLM_ALLOWED_LOCAL_ROOTS"
@@ -107,7 +107,7 @@ def _as_local(path: str) -> str:
 
 def local_model_path(ref: Any) -> str | None:
     """The local folder a model ref names; None for a ModelScope id or an object-storage prefix."""
-    from batch_llm.io.path_policy import classify_ref
+    from batch_llm.host.path_policy import classify_ref
 
     if not isinstance(ref, str):
         return None
@@ -154,7 +154,7 @@ def check_local_paths(over: dict, cfg: PipelineConfig) -> None:
     ``file://``, ``local://`` or wrapped: ``simplecache::file://``) outside the allowed roots, a local word list
     that is not a regular file within ``MAX_WORD_LIST_BYTES`` (a device, a FIFO), a ``builtin:`` other than a
     shipped list, or a URL that is neither local nor object storage (``http://``, ``zip::``, ...)."""
-    from batch_llm.io.path_policy import classify_ref
+    from batch_llm.host.path_policy import classify_ref
 
     roots: list[str] | None = None
     for param, url in _named_paths(over):

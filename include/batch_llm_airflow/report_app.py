@@ -12,7 +12,7 @@ Who may read what:
 - Only files under an allowed root: ``<output.path>/<name>`` of every pipeline YAML the DAGs are built from
   (``$BATCH_LLM_PIPELINES_DIR`` or ``<dags_folder>/pipelines``), plus the prefixes in
   ``$BATCH_LLM_REPORT_ROOTS`` (comma separated output roots, ``s3://conn@bucket/prefix`` names a connection).
-  Local paths (plain, ``file://``, ``local://``: ``batch_llm.io.path_policy`` decides) are compared after ``realpath``
+  Local paths (plain, ``file://``, ``local://``: ``batch_llm.host.path_policy`` decides) are compared after ``realpath``
   (no ``..`` or symlink escapes), object-store URLs segment by segment; wrapped (``simplecache::``) and other URLs
   are refused; only ``*.html`` files are served. Anything else: 403.
 - Only reports of DAGs the user may read: the path's pipeline (``<root>/<pipeline>/...``, the pipeline name
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 from batch_llm_airflow.storage_bridge import split_conn
 

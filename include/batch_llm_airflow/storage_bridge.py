@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 if TYPE_CHECKING:
     from batch_llm.io.storage import Location

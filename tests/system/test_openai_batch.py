@@ -13,7 +13,7 @@ import os
 import sys
 
 import pytest
-from batch_llm.engines.probes import cpu_dtype
+from batch_llm.host.probes import cpu_dtype
 from batch_llm.io.formats import PromptRow, RawRow, to_prompt_row
 from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.row_params import RowParams, engine_refusal, resolve

@@ -77,7 +77,7 @@ def test_task_killed_mid_shard_resumes(tmp_path, baseline):
         time.sleep(0.2)
     handle.stop(grace_seconds=5)
     assert handle.proc.poll() is not None
-    from batch_llm.isolation.procgroup import process_group_alive
+    from batch_llm.host.procgroup import process_group_alive
 
     assert not process_group_alive(handle.pid)
     # the first attempt was cut short: some rows committed, not all, and no shard manifest

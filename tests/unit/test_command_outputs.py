@@ -15,7 +15,7 @@ import pytest
 from batch_llm.config import ConfigError
 from batch_llm.frontends import cli, run_batch, swift
 from batch_llm.frontends.cli import main
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from helpers import DEMO_YAML, demo_config
 
 

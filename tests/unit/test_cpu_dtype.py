@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from batch_llm.engines import probes
+from batch_llm.host import probes
 
 
 def _cpuinfo(tmp_path, flags: str) -> str:

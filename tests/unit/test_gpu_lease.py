@@ -8,8 +8,8 @@ import textwrap
 import time
 
 import pytest
+from batch_llm.host.procgroup import process_group_alive
 from batch_llm.isolation.gpu_lease import GpuLease, NoGpuFree
-from batch_llm.isolation.procgroup import process_group_alive
 
 GPUS = ["0", "1", "2", "3"]
 

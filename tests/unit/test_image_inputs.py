@@ -316,8 +316,8 @@ def test_the_image_keys_are_checked_and_refused_with_a_reason(tmp_path):
 
 
 def test_the_processor_settings_a_model_has_are_the_ones_honoured(tmp_path):
-    from batch_llm.engines.probes import processor_kwargs_refusal
     from batch_llm.engines.vllm_engine import tokens_prompt
+    from batch_llm.host.probes import processor_kwargs_refusal
 
     (tmp_path / "processor_config.json").write_text(json.dumps(
         {"image_processor": {"size": {"height": 28, "width": 28}, "do_normalize": True,
@@ -737,7 +737,7 @@ def test_every_reference_is_checked_under_one_rule_and_fails_only_its_row(tmp_pa
         return real_as_path(url, options)
 
     def path_policy_kind(url):
-        from batch_llm.io import path_policy
+        from batch_llm.host import path_policy
 
         return path_policy.resolve(url).kind
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError
+from batch_llm.host.probes import vllm_max_lora_rank
 from batch_llm.stages.fetch import fetch_model
-from batch_llm.stages.lora import AdapterInvalid, check_adapter, vllm_max_lora_rank
+from batch_llm.stages.lora import AdapterInvalid, check_adapter
 from helpers import demo_config
 
 HIDDEN = 576  # SmolLM2-135M's hidden size; its k/v projections are 192 wide (3 KV heads of 64)

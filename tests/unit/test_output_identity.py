@@ -8,7 +8,7 @@ import json
 import pytest
 from batch_llm import api
 from batch_llm.config import EngineConfig
-from batch_llm.engines import probes
+from batch_llm.host import probes
 from batch_llm.io import identity
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.layout import RunLayout

@@ -1,4 +1,4 @@
-"""The path policy (batch_llm/io/path_policy.py): every path a user can name is classified the way it will be opened,
+"""The path policy (batch_llm/host/path_policy.py): every path a user can name is classified the way it will be opened,
 local ones are checked against the allowed roots after ``..`` and symlinks, files read whole are bounded, YAML is
 bounded before it is built, and the templates of paths are checked when a pipeline file is validated."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import fsspec
 import pytest
 from batch_llm.config import ConfigError, load_config
 from batch_llm.frontends import cli
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.io.storage import as_path
 from batch_llm.stages.content_filter import load_words
 from helpers import DEMO_YAML, ROOT, demo_config

@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 import pytest
-from batch_llm.isolation.procgroup import live_group_members
+from batch_llm.host.procgroup import live_group_members
 from batch_llm.stages import quantize
 
 

@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from batch_llm.isolation.procgroup import process_group_alive
+from batch_llm.host.procgroup import process_group_alive
 from batch_llm.isolation.worker_child import RESULT_PREFIX
 from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 

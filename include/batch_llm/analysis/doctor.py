@@ -514,7 +514,7 @@ def _check_timeline(run: RunStats) -> Iterable[Finding]:
 
 def _expected_rate(run: RunStats) -> tuple[float, float, str] | None:
     """(measured, predicted generation output tok/s, the GPU) of a GPU vLLM run whose model folder is here."""
-    from batch_llm.engines.probes import model_config_json
+    from batch_llm.host.probes import model_config_json
     from batch_llm.sizing import recommend as rec
 
     device = rec.device_named(run.settings.get("gpu_name"))

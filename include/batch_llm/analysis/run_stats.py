@@ -15,9 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from batch_llm.host.gpus import visible_gpus
 from batch_llm.io.images import content_text
 from batch_llm.io.storage import Location, exists, iter_jsonl
-from batch_llm.isolation.gpus import visible_gpus
 from batch_llm.manifests import (
     EngineRecord,
     EvaluateManifest,
@@ -345,7 +345,7 @@ def model_limit_of(summary: RunSummary, settings: dict) -> int | None:
     v = settings.get("model_context_limit")
     if isinstance(v, int) and v > 0:
         return v
-    from batch_llm.engines.probes import model_context_limit
+    from batch_llm.host.probes import model_context_limit
 
     m = summary.manifests
     for d in (m.quantize.local_dir if m.quantize else None, m.fetch.local_dir if m.fetch else None,

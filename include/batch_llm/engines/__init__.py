@@ -8,5 +8,5 @@
 - ``start``: engine start for a shard, with memory back-off
 - one module per engine (``vllm_engine``, ``sglang_engine``, ``lmdeploy_engine``, ``transformers_engine``) and the
   config translations that need no engine import (``lmdeploy_config``, ``sglang_config``)
-- ``probes``, ``output_capture``: what engines read before they start, and capturing their processes' output
+- ``output_capture``: capturing the engines' processes' output
 """

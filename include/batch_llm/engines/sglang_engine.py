@@ -33,7 +33,6 @@ from batch_llm.engines.base import (
     stream_requests,
 )
 from batch_llm.engines.output_capture import OutputTail
-from batch_llm.engines.probes import cpu_dtype, model_context_limit
 from batch_llm.engines.registry import register_engine
 from batch_llm.engines.sglang_config import (
     LORA_NAME,
@@ -45,6 +44,7 @@ from batch_llm.engines.sglang_config import (
     sglang_engine_args,
     sglang_request_refusal,
 )
+from batch_llm.host.probes import cpu_dtype, model_context_limit
 from batch_llm.row_params import Sampling
 
 # SGLang 0.5.17, model_executor/pool_configurator.py: the weights leave no KV pool at this memory share; SGLang asks
@@ -128,7 +128,7 @@ class SglangEngine(Engine):
         self.deterministic = deterministic_inference(self.cfg, self.sampling)
         lora = None
         if self.lora_dir is not None:
-            from batch_llm.stages.lora import adapter_rank
+            from batch_llm.host.probes import adapter_rank
 
             lora = (self.lora_dir, adapter_rank(self.lora_dir))
         return sglang_engine_args(self.cfg, self.model_dir, seed=self.sampling.seed,

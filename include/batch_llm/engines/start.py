@@ -33,7 +33,7 @@ def _prepare_compile_cache(model_dir: str, cfg: PipelineConfig, say: Callable[[s
         return None
     rank = None
     if lora_dir is not None:
-        from batch_llm.stages.lora import adapter_rank
+        from batch_llm.host.probes import adapter_rank
 
         rank = adapter_rank(lora_dir)
     return compile_cache.prepare(cfg.engine.compile_cache, model_dir, cfg.engine, say, options=storage_options,

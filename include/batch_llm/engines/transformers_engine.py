@@ -23,8 +23,8 @@ from batch_llm.engines.base import (
     classify_start_failure,
     gc_paused_import,
 )
-from batch_llm.engines.probes import cpu_dtype, model_context_limit, processor_kwargs_refusal
 from batch_llm.engines.registry import register_engine
+from batch_llm.host.probes import cpu_dtype, model_context_limit, processor_kwargs_refusal
 from batch_llm.row_params import Sampling
 
 

@@ -31,7 +31,8 @@ from batch_llm.engines.base import (
     stream_requests,
 )
 from batch_llm.engines.output_capture import OutputTail
-from batch_llm.engines.probes import (
+from batch_llm.engines.registry import register_engine
+from batch_llm.host.probes import (
     cpu_dtype,
     is_fp8_channel_weights,
     is_int_weight_only,
@@ -40,7 +41,6 @@ from batch_llm.engines.probes import (
     model_quantization,
     processor_kwargs_refusal,
 )
-from batch_llm.engines.registry import register_engine
 from batch_llm.row_params import Sampling
 
 # Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
@@ -152,7 +152,7 @@ class VllmEngine(Engine):
         """A served adapter: LoRA on, one adapter slot, the rank the adapter needs (engine.extra may override)."""
         if self.lora_dir is None:
             return {}
-        from batch_llm.stages.lora import adapter_rank, vllm_max_lora_rank
+        from batch_llm.host.probes import adapter_rank, vllm_max_lora_rank
 
         args = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_max_lora_rank(adapter_rank(self.lora_dir)))
         return {k: v for k, v in args.items() if k not in self.cfg.extra}

@@ -42,7 +42,7 @@ from typing import Any, TextIO
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, load_config
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")

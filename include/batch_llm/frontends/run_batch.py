@@ -31,7 +31,7 @@ import yaml
 
 from batch_llm.config import ConfigError, InputConfig, PipelineConfig, parse_config
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 PIPELINE_NAME = "run_batch"
 #: The sampling defaults a model's generation_config.json may set (vLLM's get_diff_sampling_param) and the

@@ -43,7 +43,7 @@ import yaml
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
 from batch_llm.engines.capabilities import engine_kinds
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 PIPELINE_NAME = "swift_infer"
 MAP, OWN, NOTE, WARN, REFUSE = "map", "own", "note", "warn", "refuse"

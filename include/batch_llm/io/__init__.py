@@ -3,9 +3,8 @@
 - ``storage``: ``Location`` (a URL plus its storage options), atomic writes, JSON/JSONL helpers, listing, removal
 - ``formats``: the input and output formats (JSONL, Parquet, CSV, OpenAI Batch): rows in, rows out
 - ``current_pointer``: a partition's ``_CURRENT.json``, switched by compare-and-swap
-- ``path_policy``: what a user-named path is (local, object storage, shipped list) and whether a run may read it
 - ``retention``: which folders publish may delete (proven retired versions, old orphans), and only those
 - ``identity``: stable hashes of settings and files (what keys a plan, a shard, a cache entry)
 """
 
-__all__ = ["current_pointer", "formats", "identity", "path_policy", "retention", "storage"]
+__all__ = ["current_pointer", "formats", "identity", "retention", "storage"]

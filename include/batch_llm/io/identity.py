@@ -74,7 +74,7 @@ ENGINE_FIELDS_NOT_IN_OUTPUT = frozenset({
 def engine_dtype(dtype: str, model_dir: str) -> str:
     """``engine.dtype`` as the engine here will get it (``probes.cpu_dtype``): ``auto`` is float32 on a CPU
     without native bfloat16 (for an unquantized model), the checkpoint's dtype elsewhere."""
-    from batch_llm.engines.probes import cpu_dtype
+    from batch_llm.host.probes import cpu_dtype
 
     return cpu_dtype(dtype, model_dir, on_gpu=engine_on_gpu())
 
@@ -87,7 +87,7 @@ def engine_on_gpu() -> bool:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return visible.strip() not in ("", "-1")
-    from batch_llm.isolation.gpus import visible_gpus
+    from batch_llm.host.gpus import visible_gpus
 
     return bool(visible_gpus())
 

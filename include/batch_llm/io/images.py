@@ -52,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 MIB = 2**20
 DEFAULT_MAX_IMAGE_BYTES = 20 * MIB   # OpenAI's limit per image

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import msgspec
 from upath import UPath
 
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 MANIFEST = "manifest.json"
 

@@ -5,8 +5,6 @@
 - ``worker_child``: the worker itself (``python -m batch_llm.isolation.worker_child``): imports the engine, runs
   the shard(s), reports back
 - ``gpu_lease``: which GPUs a shard may use, leased through files so that concurrent tasks never share one
-- ``gpus``: the GPUs this machine has (nvidia-smi)
-- ``procgroup``: process-group control (signal a whole worker tree, wait for it)
 """
 
-__all__ = ["gpu_lease", "gpus", "procgroup", "shard_process", "worker_child", "worker_parent"]
+__all__ = ["gpu_lease", "shard_process", "worker_child", "worker_parent"]

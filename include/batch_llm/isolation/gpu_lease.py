@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from batch_llm.isolation.gpus import visible_gpus
-from batch_llm.isolation.procgroup import live_group_members, process_group_alive, stop_process_group
+from batch_llm.host.gpus import visible_gpus
+from batch_llm.host.procgroup import live_group_members, process_group_alive, stop_process_group
 
 LEASE_DIR_ENV = "BATCH_LLM_LEASE_DIR"
 

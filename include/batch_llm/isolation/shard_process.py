@@ -27,8 +27,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from batch_llm.config import PipelineConfig
+from batch_llm.host.gpus import visible_gpus
 from batch_llm.isolation.gpu_lease import GpuLease
-from batch_llm.isolation.gpus import visible_gpus
 from batch_llm.isolation.worker_parent import WorkerFailed, WorkerHandle
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardManifest, ShardSpec

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from batch_llm.isolation.procgroup import live_group_members
+from batch_llm.host.procgroup import live_group_members
 
 RESULT_PREFIX = "BATCH_LLM_RESULT "
 EXIT_SHARD_FAILED = 3      # too many error rows, or an engine that cannot run the model here: no retry

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from batch_llm.isolation.procgroup import GroupLeader
+from batch_llm.host.procgroup import GroupLeader
 from batch_llm.isolation.worker_child import EXIT_SHARD_FAILED, RESULT_PREFIX
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from batch_llm.config import ConfigError, PipelineConfig, TableConfig
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.io.storage import Location
 from batch_llm.layout import RunLayout
 from batch_llm.sinks.base import TableSink

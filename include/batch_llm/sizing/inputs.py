@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batch_llm.engines.probes import model_config_json
+from batch_llm.host.probes import model_config_json
 from batch_llm.sizing.recommend import ModelShape, RecommendError, gpu_fit_warning, job_from_config
 
 
@@ -18,7 +18,7 @@ def worker_gpu_memory_gib() -> list[float]:
     import shutil
     import subprocess
 
-    from batch_llm.isolation.gpus import visible_gpus
+    from batch_llm.host.gpus import visible_gpus
 
     ids = visible_gpus()
     if not ids or not shutil.which("nvidia-smi"):
@@ -65,7 +65,7 @@ def find_model_config(cfg) -> Path:
     import hashlib
 
     from batch_llm.demo_model import snapshot_dir
-    from batch_llm.io.path_policy import classify_ref, local_path
+    from batch_llm.host.path_policy import classify_ref, local_path
 
     ref, cache = cfg.model.ref, Path(cfg.model.resolved_cache_dir())
     try:

@@ -29,7 +29,7 @@ import ahocorasick
 
 from batch_llm import generated_text
 from batch_llm.config import FilterConfig, PipelineConfig, WordListConfig
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 from batch_llm.io.storage import (
     Location,
     as_path,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batch_llm.config import ConfigError, ModelConfig, PipelineConfig
-from batch_llm.io import path_policy
-from batch_llm.io.path_policy import classify_ref
+from batch_llm.host import path_policy
+from batch_llm.host.path_policy import classify_ref
 from batch_llm.io.storage import as_path
 from batch_llm.manifests import (
     AdapterRecord,

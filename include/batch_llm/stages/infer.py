@@ -39,8 +39,8 @@ from batch_llm.cache.lookup import Lookup
 from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig, SamplingConfig
 from batch_llm.engines.base import Engine, EngineCannotRun, EngineInfo, GenRequest, GenResult
-from batch_llm.engines.probes import model_chat_template
 from batch_llm.engines.start import start_engine
+from batch_llm.host.probes import model_chat_template
 from batch_llm.io.identity import ENGINE_FIELDS_NOT_IN_OUTPUT, OUTPUT_IDENTITY_FORMAT, engine_dtype
 from batch_llm.io.storage import (
     Location,
@@ -586,7 +586,7 @@ class ShardRun:
     def _load_image(self, ref: dict) -> Any:
         """One image of a request, loaded under the input's limits and read from where its plan may read
         (``io.images.load_image``)."""
-        from batch_llm.io import path_policy
+        from batch_llm.host import path_policy
         from batch_llm.io.images import load_image
 
         inp = self.cfg.input

@@ -16,20 +16,16 @@ import json
 import logging
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from batch_llm.config import ConfigError
+from batch_llm.host.probes import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shapes, safetensors_shapes
 
 log = logging.getLogger("batch_llm.stages.lora")
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 MERGED_RECORD = "batch_llm_merged.json"  # written last into a merged folder: its presence is a cache hit
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
-# vLLM's max_lora_rank takes one of these (vllm.config.lora.MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class AdapterInvalid(ConfigError):
@@ -44,36 +40,11 @@ class AdapterInfo:
     weights: str                    # the weights file's name
 
 
-def _safetensors_shapes(path: Path) -> dict[str, list[int]] | None:
-    """Tensor shapes from a safetensors header (the weights are not read); None when it is not one."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n)) if 0 < n <= path.stat().st_size - 8 else None
-    except (OSError, ValueError, struct.error):
-        return None
-    if not isinstance(header, dict):
-        return None
-    return {k: t["shape"] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)}
-
-
-def _adapter_shapes(path: Path) -> dict[str, list[int]] | None:
-    if path.suffix == ".safetensors":
-        return _safetensors_shapes(path)
-    import torch  # a .bin adapter: a pickled state dict (small), loaded without running code
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - any failure means the file is not a readable state dict
-        return None
-    return {k: list(v.shape) for k, v in state.items()} if isinstance(state, dict) else None
-
-
 def _base_shapes(model_dir: str) -> dict[str, list[int]]:
     """Every weight's shape in the base model's safetensors files ({} when its weights are in another format)."""
     shapes: dict[str, list[int]] = {}
     for p in sorted(Path(model_dir).glob("*.safetensors")):
-        shapes.update(_safetensors_shapes(p) or {})
+        shapes.update(safetensors_shapes(p) or {})
     return shapes
 
 
@@ -113,7 +84,7 @@ def check_adapter(ref: str, adapter_dir: str, model_dir: str) -> AdapterInfo:
     weights = next((root / w for w in ADAPTER_WEIGHTS if (root / w).is_file()), None)
     if weights is None:
         raise invalid(f"no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
-    shapes = _adapter_shapes(weights)
+    shapes = adapter_shapes(weights)
     if not shapes:
         raise invalid(f"{weights.name} is not a readable weights file (truncated, or a Git LFS pointer?)")
     ranks = [s[0] for n, s in shapes.items() if n.endswith(".lora_A.weight") and s]
@@ -133,24 +104,6 @@ def check_adapter(ref: str, adapter_dir: str, model_dir: str) -> AdapterInfo:
     return AdapterInfo(rank=max(ranks), target_modules=tuple([targets] if isinstance(targets, str) else targets),
                        base_model_name_or_path=base_name if isinstance(base_name, str) else None,
                        weights=weights.name)
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``rank``."""
-    for allowed in VLLM_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
-
-
-def adapter_rank(adapter_dir: str) -> int:
-    """The adapter's largest rank, from its weights (as at fetch); its config's ``r`` when they are unreadable."""
-    root = Path(adapter_dir)
-    for w in ADAPTER_WEIGHTS:
-        shapes = _adapter_shapes(root / w) if (root / w).is_file() else None
-        if shapes:
-            return max(s[0] for n, s in shapes.items() if n.endswith(".lora_A.weight"))
-    return int(json.loads((root / ADAPTER_CONFIG).read_text(encoding="utf-8"))["r"])
 
 
 def merged_dir(cache_root: str, model_hash: str, adapter_hash: str) -> Path:

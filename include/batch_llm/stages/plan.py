@@ -319,7 +319,7 @@ def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageCheck
     images under the input's own folder (the input path, or the folder of an input file) and
     ``input.image_roots``; object-storage images only in the input's own store (or S3 through its connection),
     read with the input's storage options (``path_policy.RowResources``)."""
-    from batch_llm.io import path_policy
+    from batch_llm.host import path_policy
 
     roots = [path_policy.local_path(r) or r for r in cfg.input.image_roots]
     options: dict = {}

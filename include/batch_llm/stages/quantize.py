@@ -286,7 +286,7 @@ def stop_exporter(proc: subprocess.Popen) -> None:
     The group is named by the exporter's pid, which names it only until the exporter is reaped (then the pid
     may be anyone's): ``WorkerHandle`` signals only an unreaped leader (a zombie still holds its pid) and reaps
     it after the group is gone, so a child of the exporter is not left running either."""
-    from batch_llm.isolation.procgroup import GroupLeader  # WorkerHandle's group ending; worker itself sits above stages
+    from batch_llm.host.procgroup import GroupLeader  # WorkerHandle's group ending; worker itself sits above stages
 
     GroupLeader(proc).stop(grace_seconds=STOP_GRACE_SECONDS)
 

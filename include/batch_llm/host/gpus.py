@@ -1,7 +1,6 @@
 """GPU discovery: which GPUs this worker may hand out.
 
-A leaf module: standard library only, nothing of the project, so the run statistics, the recommendations and
-the GPU leases can all ask without an import cycle.
+Standard library only: the run statistics, the recommendations, the GPU leases and the output identity ask it.
 """
 from __future__ import annotations
 

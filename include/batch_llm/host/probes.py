@@ -1,9 +1,11 @@
-"""Probes the engines read before they start: the model folder's config.json (context limit, quantization) and
-this CPU's features (native bfloat16), and the dtype an engine gets from them."""
+"""Probes the engines read before they start: the model folder's config.json (context limit, quantization), a LoRA
+adapter's rank (and the ``max_lora_rank`` vLLM takes for it), this CPU's features (native bfloat16), and the dtype
+an engine gets from them."""
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +132,53 @@ def processor_kwargs_refusal(model_dir: str, kwargs: dict) -> str | None:
                 f"setting (it has: {', '.join(sorted(has))}); remove it or use a model whose processor takes it "
                 "(min_pixels / max_pixels: Qwen2-VL's)")
     return None
+
+
+# A LoRA adapter's folder: what the engines size vLLM's and SGLang's LoRA slots by, and the fetch stage's check reads
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# vLLM's max_lora_rank takes one of these (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]] | None:
+    """Tensor shapes from a safetensors header (the weights are not read); None when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 0 < n <= path.stat().st_size - 8 else None
+    except (OSError, ValueError, struct.error):
+        return None
+    if not isinstance(header, dict):
+        return None
+    return {k: t["shape"] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)}
+
+
+def adapter_shapes(path: Path) -> dict[str, list[int]] | None:
+    if path.suffix == ".safetensors":
+        return safetensors_shapes(path)
+    import torch  # a .bin adapter: a pickled state dict (small), loaded without running code
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - any failure means the file is not a readable state dict
+        return None
+    return {k: list(v.shape) for k, v in state.items()} if isinstance(state, dict) else None
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
+
+
+def adapter_rank(adapter_dir: str) -> int:
+    """The adapter's largest rank, from its weights (as at fetch); its config's ``r`` when they are unreadable."""
+    root = Path(adapter_dir)
+    for w in ADAPTER_WEIGHTS:
+        shapes = adapter_shapes(root / w) if (root / w).is_file() else None
+        if shapes:
+            return max(s[0] for n, s in shapes.items() if n.endswith(".lora_A.weight"))
+    return int(json.loads((root / ADAPTER_CONFIG).read_text(encoding="utf-8"))["r"])

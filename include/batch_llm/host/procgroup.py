@@ -5,8 +5,7 @@ export processes share the leader's process group and one ``killpg`` reaches the
 the leader's pid, which names it only until the leader is reaped (then the pid may be anyone's): ``GroupLeader``
 signals only an unreaped leader and reaps it after the group is gone.
 
-A leaf module: standard library only, nothing of the project, so the process-group helpers can be used from
-anywhere (``gpu_lease``, ``quantize``, ``worker``) without an import cycle.
+Standard library only: ``gpu_lease``, ``quantize`` and the worker use it from their own floors.
 """
 from __future__ import annotations
 
