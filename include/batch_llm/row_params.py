@@ -18,14 +18,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, overload
 
-from batch_llm.config import (
-    RESERVED_TEMPLATE_KWARGS,
-    SAMPLING_BOUNDS,
-    SamplingConfig,
-    stop_problem,
-    token_ids_problem,
-)
-from batch_llm.engines.capabilities import ENGINES, who_can
+from batch_llm.config import SamplingConfig
+from batch_llm.config.capabilities import ENGINES, who_can
+from batch_llm.config.model import RESERVED_TEMPLATE_KWARGS, SAMPLING_BOUNDS, stop_problem, token_ids_problem
 from batch_llm.reasoning import THINKING_MODES, TemplateThinking, effort_variables, thinking_variables
 
 # What becomes of each field of an OpenAI Batch request body: OpenAI's chat and completions fields and vLLM's extra

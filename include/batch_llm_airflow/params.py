@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import Param
 from batch_llm.config import ConfigError, PipelineConfig
-from batch_llm.engines.capabilities import engine_kinds
+from batch_llm.config.capabilities import engine_kinds
 from batch_llm.host import path_policy
 from batch_llm.reasoning import THINKING_MODES
 

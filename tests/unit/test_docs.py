@@ -1,5 +1,5 @@
 """The README stays short, the links of README.md and docs/*.md lead somewhere, and docs/configuration.md is what
-scripts/config_reference.py makes of include/batch_llm/config.py today."""
+scripts/config_reference.py makes of include/batch_llm/config/ today."""
 from __future__ import annotations
 
 import importlib.util
@@ -99,7 +99,7 @@ def test_configuration_reference_is_current():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     current = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert current == module.render(), ("docs/configuration.md is not what include/batch_llm/config.py gives "
+    assert current == module.render(), ("docs/configuration.md is not what include/batch_llm/config/ gives "
                                         f"today; regenerate it: {module.REGENERATE}")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError, EngineConfig, SamplingConfig
-from batch_llm.engines.capabilities import (
+from batch_llm.config.capabilities import (
     ENGINES,
     EngineCapabilities,
     capabilities,
@@ -42,7 +42,7 @@ def toy(monkeypatch):
 
 
 def test_the_table_imports_without_any_engine():
-    code = ("import sys, batch_llm.engines.capabilities, batch_llm.config, batch_llm.row_params; "
+    code = ("import sys, batch_llm.config.capabilities, batch_llm.config, batch_llm.row_params; "
             "print(sorted(m for m in ('vllm', 'lmdeploy', 'sglang', 'transformers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -180,14 +180,14 @@ def test_no_engine_kind_string_checks_outside_the_engines():
     checks = _kind_checks()
     assert checks, "the scan found not even the allowed checks: is it looking at the source?"
     unexplained = [c for c in checks if c[:2] not in ALLOWED]
-    assert not unexplained, f"ask the capability table (batch_llm.engines.capabilities) instead: {unexplained}"
+    assert not unexplained, f"ask the capability table (batch_llm.config.capabilities) instead: {unexplained}"
     stale = set(ALLOWED) - {c[:2] for c in checks}
     assert not stale, f"these checks are gone: drop their allowance here: {sorted(stale)}"
 
 
 def test_the_docs_capability_table_is_the_table():
-    from batch_llm.engines.capabilities import markdown_table
+    from batch_llm.config.capabilities import markdown_table
 
     text = (HERE.parents[1] / "docs" / "engines-and-gpus.md").read_text(encoding="utf-8")
     block = text.split("<!-- engine-capabilities:start -->\n", 1)[1].split("\n<!-- engine-capabilities:end -->")[0]
-    assert block == markdown_table(), "docs/engines-and-gpus.md: paste batch_llm.engines.capabilities.markdown_table()"
+    assert block == markdown_table(), "docs/engines-and-gpus.md: paste batch_llm.config.capabilities.markdown_table()"

@@ -10,8 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from batch_llm.config import ConfigError
-from batch_llm.engines import engine_args
+from batch_llm.config import ConfigError, engine_args
 from batch_llm.frontends.cli import main
 from helpers import DEMO_YAML, demo_config
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 from batch_llm import api
-from batch_llm.analysis.metric_names import METRICS
 from batch_llm.config import ConfigError
+from batch_llm.config.metric_names import METRICS
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import EvaluateManifest
 from batch_llm.stages.evaluate import EvaluationBelowThreshold, MetricNotScored

@@ -398,9 +398,9 @@ class _ToyImages:
 
 @pytest.fixture
 def toy_images(monkeypatch):
+    from batch_llm.config.capabilities import EngineCapabilities, register_capabilities, unregister_capabilities
     from batch_llm.engines import registry
     from batch_llm.engines.base import Engine
-    from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities, unregister_capabilities
 
     register_capabilities(EngineCapabilities(IMAGES_TOY, __name__, title="toy", images=True))
     engine = type("ToyImagesEngine", (_ToyImages, Engine), {"kind": IMAGES_TOY})
@@ -479,9 +479,9 @@ def _shard_under_a_memory_limit(args: dict, conn) -> None:
     at once under the same limit. Sends what each did."""
     import resource
 
+    from batch_llm.config.capabilities import EngineCapabilities, register_capabilities
     from batch_llm.engines import registry
     from batch_llm.engines.base import Engine
-    from batch_llm.engines.capabilities import EngineCapabilities, register_capabilities
     from batch_llm.manifests import ShardSpec
     from batch_llm.stages.infer import load_tokenizer, run_shard
     from PIL import Image

@@ -1,9 +1,13 @@
-"""The import graph of include/ has no cycle.
+"""The import graph of include/ has no cycle, and no import runs from a lower floor up to a higher one.
 
 Every .py under include/batch_llm and include/batch_llm_airflow is parsed with ast and every import in it counts:
 at module level, inside functions, under `if TYPE_CHECKING:`, relative ones; `from pkg import name` is an edge to
 pkg.name when that is a module of the project, else to pkg. A package's __init__ is a node of its own (the package's
-name). A strongly connected component of more than one module, or a module importing itself, is a cycle."""
+name). A strongly connected component of more than one module, or a module importing itself, is a cycle.
+
+The floors (``FLOORS``, bottom to top) are folders: a module is on its package's floor, a top-level module of
+``batch_llm`` is placed by name (``TOP_LEVEL``). An import from a floor to a higher one is allowed only when
+``ALLOWED_UP`` names it with its reason."""
 from __future__ import annotations
 
 import ast
@@ -121,3 +125,85 @@ def test_include_has_no_import_cycle():
     graph = import_graph()
     found = cycles(graph)
     assert not found, "import cycles in include/:\n" + "\n".join(_describe(scc, graph) for scc in found)
+
+
+
+# The floors of include/, bottom to top: a module imports its own floor and those below it, never one above.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("host", ("batch_llm.host",)),              # this machine: GPUs, process groups, user paths, model-folder probes
+    ("config", ("batch_llm.config",)),          # the pipeline model and the tables it checks against
+    ("rows", ("batch_llm.rows",)),              # a row's own sampling parameters, prompt rows, output records
+    ("io", ("batch_llm.io",)),                  # bytes and files: storage, formats, images, identity, retention
+    ("cache", ("batch_llm.cache",)),
+    ("engines", ("batch_llm.engines",)),
+    ("sizing", ("batch_llm.sizing",)),
+    ("analysis", ("batch_llm.analysis",)),
+    ("sinks", ("batch_llm.sinks",)),
+    ("stages", ("batch_llm.stages",)),
+    ("api", ()),                                # batch_llm.api: the facade over the stages
+    ("isolation", ("batch_llm.isolation",)),    # a shard in a process of its own, which calls the api
+    ("frontends", ("batch_llm.frontends",)),
+    ("airflow", ("batch_llm_airflow",)),
+)
+# batch_llm's own modules outside the sub-packages, by name: a module here that no floor names fails the test.
+TOP_LEVEL = {
+    "batch_llm": "host",                # the package: its version only
+    "batch_llm.demo_model": "host",     # builds the demo model folder (standard library; the config's default cache)
+    "batch_llm.tiny_models": "host",    # builds the tests' tiny model folders
+    "batch_llm.reasoning": "config",    # the thinking switch's template variables, which the config checks
+    "batch_llm.output_schema": "config",  # the structured-output schema the config loads and checks
+    "batch_llm.generated_text": "rows",  # every copy of generated text a result row holds
+    "batch_llm.row_params": "rows",
+    "batch_llm.manifests": "io",        # a stage's manifest file
+    "batch_llm.layout": "io",           # a run's folders in storage
+    "batch_llm.api": "api",
+    "batch_llm.__main__": "frontends",  # python -m batch_llm: the CLI
+}
+# (importer, imported) → why the import runs up. Each entry must still exist (a stale one fails the test).
+ALLOWED_UP: dict[tuple[str, str], str] = {}
+MAX_ALLOWED_UP = 2
+
+
+def floor_of(module: str, floors=FLOORS, top_level=TOP_LEVEL) -> int:
+    """The index in ``floors`` of the module's floor: its own name in ``top_level``, else the longest package prefix."""
+    names = [name for name, _ in floors]
+    if module in top_level:
+        return names.index(top_level[module])
+    best = max(((len(prefix), i) for i, (_, prefixes) in enumerate(floors) for prefix in prefixes
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} is on no floor: add its package to FLOORS or its name to TOP_LEVEL"
+    return best[1]
+
+
+def up_edges(graph: dict[str, set[str]], floors=FLOORS, top_level=TOP_LEVEL) -> list[tuple[str, str]]:
+    """Every import from a module to one on a higher floor."""
+    return sorted((a, b) for a in graph for b in graph[a]
+                  if floor_of(b, floors, top_level) > floor_of(a, floors, top_level))
+
+
+def test_up_edges_are_found():
+    """The checker itself: an import to a higher floor is found, one to the same or a lower floor is not; a
+    top-level module is placed by name, a module of a sub-package by its package."""
+    floors = (("low", ("p.low",)), ("high", ("p.high",)))
+    top = {"p.leaf": "low", "p.facade": "high"}
+    graph = {"p.low.a": {"p.high.b", "p.low.c", "p.leaf"}, "p.high.b": {"p.low.a", "p.high.d.e"}, "p.low.c": set(),
+             "p.high.d.e": set(), "p.leaf": {"p.facade"}, "p.facade": {"p.leaf"}}
+    assert up_edges(graph, floors, top) == [("p.leaf", "p.facade"), ("p.low.a", "p.high.b")]
+
+
+def test_every_module_is_on_a_floor():
+    for module in import_graph():
+        floor_of(module)
+    assert set(TOP_LEVEL.values()) <= {name for name, _ in FLOORS}
+
+
+def test_no_import_runs_up_a_floor():
+    """host → config → rows → io → cache → engines → sizing → analysis → sinks → stages → api → isolation →
+    frontends → airflow: an import to a higher floor is a fault unless ALLOWED_UP names it with its reason."""
+    found = up_edges(import_graph())
+    unexplained = [f"{a} ({FLOORS[floor_of(a)][0]}) → {b} ({FLOORS[floor_of(b)][0]})"
+                   for a, b in found if (a, b) not in ALLOWED_UP]
+    assert not unexplained, "imports that run up a floor in include/:\n" + "\n".join(unexplained)
+    stale = sorted(set(ALLOWED_UP) - set(found))
+    assert not stale, f"ALLOWED_UP names imports that no longer exist: {stale}"
+    assert len(ALLOWED_UP) <= MAX_ALLOWED_UP

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError, SamplingConfig
-from batch_llm.engines.capabilities import EXTRA_SAMPLING_KEYS, serving
+from batch_llm.config.capabilities import EXTRA_SAMPLING_KEYS, serving
 from batch_llm.engines.vllm_engine import sampling_kwargs
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.reasoning import TemplateThinking

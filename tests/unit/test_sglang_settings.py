@@ -14,10 +14,10 @@ import types
 
 import pytest
 from batch_llm.config import ConfigError, EngineConfig, SamplingConfig
+from batch_llm.config.capabilities import capabilities
+from batch_llm.config.sglang import SglangSettings
 from batch_llm.engines.base import EngineFailed, EngineStartError, GenRequest
-from batch_llm.engines.capabilities import capabilities
 from batch_llm.engines.sglang_config import (
-    SglangSettings,
     deterministic_inference,
     row_json_schema,
     sampling_params,

@@ -4,8 +4,7 @@
 - ``timeline``: the run's phases on one clock (for the report's timeline)
 - ``doctor``: findings and advice (what slowed a run, what failed, what to change)
 - ``report``: the self-contained ``report.html`` of a run and the index of runs (``templates/``)
-- ``metric_names``: EvalScope's metric names and their canonical spellings
 - ``metrics_push``: a shard's metrics pushed to a Prometheus Pushgateway
 """
 
-__all__ = ["doctor", "metric_names", "metrics_push", "report", "run_stats", "timeline"]
+__all__ = ["doctor", "metrics_push", "report", "run_stats", "timeline"]

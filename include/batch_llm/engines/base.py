@@ -159,7 +159,7 @@ def gc_paused_import(module: str) -> Iterator[None]:
 
 
 class Engine(ABC):
-    kind: str = ""  # whether it serves a LoRA adapter (lora_dir) and every other feature: engines/capabilities.py
+    kind: str = ""  # whether it serves a LoRA adapter (lora_dir) and every other feature: config/capabilities.py
 
     def __init__(self, model_dir: str, engine: EngineConfig, sampling: SamplingConfig, *,
                  trust_remote_code: bool = False, lora_dir: str | None = None):

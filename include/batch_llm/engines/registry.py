@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, TypeVar
 
-from batch_llm.engines.capabilities import (
+from batch_llm.config.capabilities import (
     ENGINES,
     EngineCapabilities,
     capabilities,
@@ -38,7 +38,7 @@ def register_engine(cls: E) -> E:
         raise TypeError(f"{cls.__name__} has no `kind` to register under")
     if kind not in ENGINES:
         raise TypeError(f"{cls.__name__}: engine kind {kind!r} has no row in the capability table "
-                        "(batch_llm.engines.capabilities: add one or call register_capabilities first)")
+                        "(batch_llm.config.capabilities: add one or call register_capabilities first)")
     _registered[kind] = cls
     return cls
 

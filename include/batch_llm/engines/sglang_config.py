@@ -3,8 +3,8 @@
 Written against SGLang 0.5.17 (``python/sglang/srt/server_args.py``, ``sampling/sampling_params.py``,
 ``managers/tokenizer_manager.py``); the CPU check ran 0.5.19, whose fields used here are the same. Every key of
 ``EngineConfig`` is mapped onto a ``ServerArgs`` field or refused when the configuration is loaded, naming the key;
-``engine.sglang`` holds SGLang's own settings (``SglangSettings``), and ``engine.extra`` any other ``ServerArgs``
-field, passed as is (an unknown one fails the engine start, naming it).
+``engine.sglang`` holds SGLang's own settings (``SglangSettings``, config/sglang.py), and ``engine.extra`` any
+other ``ServerArgs`` field, passed as is (an unknown one fails the engine start, naming it).
 
 =========================  ==========================================================================
 engine key                 SGLang
@@ -43,8 +43,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 #: The ServerArgs fields the engine section sets (engine.extra names them only through their engine key).
 MAPPED = {"context_length": "max_model_len", "max_running_requests": "max_num_seqs",
           "mem_fraction_static": "gpu_memory_utilization", "tp_size": "tensor_parallel_size",
@@ -63,28 +61,6 @@ OWNED = {"custom_sigquit_handler": "the engine's start-failure handling installs
          "device": "the engine picks cuda when a GPU is visible, cpu otherwise"}
 #: SGLang's ``--dtype`` choices (server_args.py).
 DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
-
-
-class SglangSettings(BaseModel):
-    """SGLang's own settings (``engine.kind: sglang``); null is SGLang's own choice, which stays the default until
-    measured on an H200 (not yet). The memory share, the batch limit, the context, the radix cache and CUDA
-    graphs on or off are the engine section's common keys (engines/sglang_config.py maps them)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    cuda_graph_max_bs: int | None = Field(None, gt=0, description="The largest decode batch captured in a CUDA graph "
-                                          "(SGLang's --cuda-graph-max-bs). null: SGLang's own, from the GPU's memory "
-                                          "(256 on an H100 or H200 below tensor parallel 4, 512 at 4 and above)")
-    max_total_tokens: int | None = Field(None, gt=0, description="The KV pool's size in tokens, at most (SGLang's "
-                                         "--max-total-tokens). null: what engine.gpu_memory_utilization leaves "
-                                         "after the weights")
-    chunked_prefill_size: int | None = Field(None, ge=-1, description="Prompt tokens prefilled per step, at most "
-                                             "(SGLang's --chunked-prefill-size; -1: no chunking). null: SGLang's own "
-                                             "(8192 on an H100 or H200)")
-    deterministic_inference: bool | None = Field(
-        None, description="SGLang's enable_deterministic_inference (batch-invariant kernels), which per-request seeds "
-        "need: without it SGLang ignores a seed. null: on when the pipeline samples with a seed (sampling.temperature "
-        "> 0 and sampling.seed set); a row that samples with a seed on an engine without it is an error row")
 
 
 def _default(cfg: Any, key: str) -> Any:

@@ -7,7 +7,7 @@
 
 The flags are spelled as ms-swift 4.x spells them (``swift/arguments/infer_args.py``, ``base_args/``,
 ``rlhf_trainers/args_mixin.py``'s ``VllmArguments``); ``FLAGS`` below says what each one becomes: a key of the
-pipeline YAML (``config.py``), a setting of this command, accepted without effect (a note or a warning), or refused
+pipeline YAML (``config/``), a setting of this command, accepted without effect (a note or a warning), or refused
 with the reason. A flag that is in no row is an error naming it. ``docs/ms-swift.md`` holds the same table
 (``markdown_table()``; a unit test checks that they agree).
 
@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from batch_llm.config import ConfigError, PipelineConfig, parse_config
-from batch_llm.engines.capabilities import engine_kinds
+from batch_llm.config.capabilities import engine_kinds
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
 from batch_llm.host import path_policy
 

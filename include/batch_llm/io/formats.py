@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 from upath import UPath
 
-from batch_llm.config import MAX_LINE_BYTES, InputConfig, token_ids_problem
+from batch_llm.config import InputConfig
+from batch_llm.config.model import MAX_LINE_BYTES, token_ids_problem
 from batch_llm.io.storage import (
     atomic_writer,
     is_local,

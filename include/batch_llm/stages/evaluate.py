@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batch_llm.analysis.metric_names import canonical_metric, metric_key
 from batch_llm.config import PipelineConfig
+from batch_llm.config.metric_names import canonical_metric, metric_key
 from batch_llm.io.formats import (
     joined_outputs,
 )

@@ -596,7 +596,7 @@ class ShardRun:
     def _image_refusal(self, n: int) -> str | None:
         """Why this shard's engine or model cannot take a request's ``n`` images (a review pass's rows meet the
         review model's engine here), or None."""
-        from batch_llm.engines.capabilities import takes_no_images
+        from batch_llm.config.capabilities import takes_no_images
 
         if why := takes_no_images(self.cfg.engine.kind):
             return f"the row has {n} image(s): {why} (a review: or filter.review.images: text)"

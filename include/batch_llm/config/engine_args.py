@@ -8,7 +8,7 @@ The sources are the capability table's (``EngineCapabilities.engine_args``): vLL
 ``importlib`` finds, not imported: importing vLLM takes seconds (torch, its platform probes), and every DAG file's
 parse loads a config. Where the package is not installed here (the scheduler of a GPU pool, say) or its source no
 longer holds the class, the keys cannot be checked: ``EngineArgsUnchecked`` says so, as a warning, rather than
-accepting them silently. LMDeploy's keys are checked against its engine configs' fields in ``lmdeploy_config.py``.
+accepting them silently. LMDeploy's keys are checked against its engine configs' fields in ``engines/lmdeploy_config.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import os
 import warnings
 from typing import Any
 
-from batch_llm.engines.capabilities import capabilities
+from batch_llm.config.capabilities import capabilities
 
 
 class EngineArgsUnchecked(UserWarning):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batch_llm.engines.capabilities import (
+from batch_llm.config.capabilities import (
     DEFAULT_KIND,
     ENGINES,
     EXTRA_SAMPLING_KEYS,
@@ -30,7 +30,7 @@ from batch_llm.engines.capabilities import (
     takes_no_images,
     who_can,
 )
-from batch_llm.engines.sglang_config import SglangSettings
+from batch_llm.config.sglang import SglangSettings
 from batch_llm.host import path_policy
 from batch_llm.reasoning import SWITCH_VARIABLES
 
@@ -327,10 +327,10 @@ _ENGINE_ONLY_KEYS = (
 
 class EngineConfig(_Section):
     """The engine and its parameters; ``kind`` picks a row of the engine capability table
-    (``engines/capabilities.py``: vLLM, LMDeploy, plain transformers, SGLang), which decides what the section may set."""
+    (``config/capabilities.py``: vLLM, LMDeploy, plain transformers, SGLang), which decides what the section may set."""
 
     kind: str = Field(DEFAULT_KIND, description="The engine: a kind of the engine capability table "
-                      "(batch_llm.engines.capabilities.ENGINES)")
+                      "(batch_llm.config.capabilities.ENGINES)")
     # Under engine, not top level: it is the runner the engine starts with (vLLM's runner/convert), so it
     # reaches the engine with its section through every start (memory back-off copies included).
     task: Literal["generate", "embed", "classify"] = Field(
@@ -473,7 +473,7 @@ class EngineConfig(_Section):
                      and getattr(self, other.settings_section, None) != type(getattr(self, other.settings_section))()]
         problems += caps.problems(self)
         if not problems:  # the engine's own argument list, once the keys this project maps are refused above
-            from batch_llm.engines.engine_args import extra_problems
+            from batch_llm.config.engine_args import extra_problems
 
             problems = extra_problems(self.kind, self.extra)
         if problems:
@@ -860,7 +860,7 @@ class EvaluateConfig(_Section):
     @classmethod
     def _known_metric(cls, v: str) -> str:
         # A name the gate would not find makes min_score a silent no-op: refused here, spelled as EvalScope does.
-        from batch_llm.analysis.metric_names import canonical_metric
+        from batch_llm.config.metric_names import canonical_metric
 
         return canonical_metric(v)
 

@@ -1,7 +1,6 @@
 """EvalScope's metric names and how a config may spell them.
 
-A leaf module: standard library only, nothing of the project, so the config can check ``evaluate.metric`` without
-importing the evaluation (which imports the formats, which import the config: an import cycle).
+The config checks ``evaluate.metric`` against them; the evaluate stage reads its scores by them.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ class EngineCapabilities:
     extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
     settings_section: str | None = None  # engine.<name>: a sub-section of this engine's own settings
     engine_args: tuple[str, ...] = ()  # "package/file.py:Class[.method]": what engine.extra keys may be, read by
-                                       # engines/engine_args.py from the installed source (none: not checked there)
+                                       # config/engine_args.py from the installed source (none: not checked there)
 
     @property
     def row_params(self) -> frozenset[str]:
