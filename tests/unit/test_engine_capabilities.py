@@ -21,7 +21,7 @@ from batch_llm.config.capabilities import (
     who_can,
 )
 from batch_llm.engines.registry import engine_class, make_engine, register_engine, unregister_engine
-from batch_llm.row_params import RowParams, engine_refusal
+from batch_llm.rows.params import RowParams, engine_refusal
 from helpers import demo_config
 
 HERE = Path(__file__).resolve().parent
@@ -42,7 +42,7 @@ def toy(monkeypatch):
 
 
 def test_the_table_imports_without_any_engine():
-    code = ("import sys, batch_llm.config.capabilities, batch_llm.config, batch_llm.row_params; "
+    code = ("import sys, batch_llm.config.capabilities, batch_llm.config, batch_llm.rows.params; "
             "print(sorted(m for m in ('vllm', 'lmdeploy', 'sglang', 'transformers', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

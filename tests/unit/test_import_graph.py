@@ -153,7 +153,6 @@ TOP_LEVEL = {
     "batch_llm.reasoning": "config",    # the thinking switch's template variables, which the config checks
     "batch_llm.output_schema": "config",  # the structured-output schema the config loads and checks
     "batch_llm.generated_text": "rows",  # every copy of generated text a result row holds
-    "batch_llm.row_params": "rows",
     "batch_llm.manifests": "io",        # a stage's manifest file
     "batch_llm.layout": "io",           # a run's folders in storage
     "batch_llm.api": "api",

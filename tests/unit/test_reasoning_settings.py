@@ -21,7 +21,7 @@ from batch_llm.reasoning import (
     template_thinking,
     thinking_variables,
 )
-from batch_llm.row_params import RowParams, engine_refusal, template_kwargs
+from batch_llm.rows.params import RowParams, engine_refusal, template_kwargs
 from batch_llm.stages.content_filter import ContentFilter
 from batch_llm.stages.infer import reasoning_problems, sampling_identity
 from helpers import demo_config

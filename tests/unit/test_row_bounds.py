@@ -10,7 +10,7 @@ import pytest
 from batch_llm.config import SamplingConfig
 from batch_llm.config.model import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SAMPLING_BOUNDS
 from batch_llm.io.storage import Location, iter_jsonl
-from batch_llm.row_params import MAX_NESTING, RowParams
+from batch_llm.rows.params import MAX_NESTING, RowParams
 from batch_llm.stages import plan as plan_mod
 from helpers import demo_config
 from pydantic import ValidationError

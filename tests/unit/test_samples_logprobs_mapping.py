@@ -17,7 +17,7 @@ from batch_llm.engines.base import GenResult, Sample, TokenLogprob, TopLogprob
 from batch_llm.engines.vllm_engine import gen_result, token_logprobs
 from batch_llm.io.formats import output_record, write_rows
 from batch_llm.io.storage import Location, as_path, iter_jsonl, write_jsonl
-from batch_llm.row_params import RowParams, engine_refusal, resolve
+from batch_llm.rows.params import RowParams, engine_refusal, resolve
 from batch_llm.stages import plan as plan_mod
 from batch_llm.stages.content_filter import ContentFilter
 from batch_llm.stages.infer import SAMPLE_FIELDS, result_row, sample_fields, sampling_identity

@@ -20,7 +20,7 @@ from batch_llm.config.capabilities import EXTRA_SAMPLING_KEYS, serving
 from batch_llm.engines.vllm_engine import sampling_kwargs
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.reasoning import TemplateThinking
-from batch_llm.row_params import (
+from batch_llm.rows.params import (
     HONOURED,
     NO_EFFECT,
     REFUSED,

@@ -27,7 +27,7 @@ from batch_llm.engines.sglang_config import (
 )
 from batch_llm.engines.sglang_engine import SglangEngine, classify_sglang_start_failure, gen_result
 from batch_llm.frontends import swift as sa
-from batch_llm.row_params import RowParams, Sampling, engine_refusal, resolve
+from batch_llm.rows.params import RowParams, Sampling, engine_refusal, resolve
 from helpers import demo_config
 
 # SGLang 0.5.17's ServerArgs fields (python/sglang/srt/server_args.py) that the engine section can set, and its

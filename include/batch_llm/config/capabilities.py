@@ -18,7 +18,7 @@ from dataclasses import dataclass
 #: ``engine.kind`` when a config sets none.
 DEFAULT_KIND = "vllm"
 
-#: Per-row sampling parameters every engine applies (``row_params.py``).
+#: Per-row sampling parameters every engine applies (``rows/params.py``).
 BASE_ROW_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
 PENALTY_PARAMS = frozenset({"presence_penalty", "frequency_penalty"})
 SAMPLE_PARAMS = frozenset({"n", "logprobs"})

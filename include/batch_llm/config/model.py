@@ -515,7 +515,7 @@ class Bound(typing.NamedTuple):
 
 # Every sampling value's bounds, the engine's own (vLLM's SamplingParams._verify_args; logprobs: its default
 # max_logprobs, OpenAI's top_logprobs limit; n: OpenAI's limit, well under vLLM's 16384 samples a request): the
-# sampling section's keys and a row's own values (row_params.py) are held to this one table, so a row outside it is
+# sampling section's keys and a row's own values (rows/params.py) are held to this one table, so a row outside it is
 # that row's error, never an engine failure that takes the run's other rows with it.
 SAMPLING_BOUNDS: dict[str, Bound] = {
     "max_tokens": Bound(1, MAX_INT32), "n": Bound(1, 128), "logprobs": Bound(0, 20), "seed": Bound(0, MAX_SEED),
@@ -554,7 +554,7 @@ def token_ids_problem(ids: typing.Sequence[int], name: str, *, most: int | None 
 
 
 class SamplingConfig(_Section):
-    """The default sampling of every request; a row may set its own (``row_params.py``). A row's values are held to
+    """The default sampling of every request; a row may set its own (``rows/params.py``). A row's values are held to
     the bounds shown here (the engine's own, vLLM's SamplingParams ranges: one table, ``SAMPLING_BOUNDS``); a row
     outside them is that row's error with the reason, the other rows go on."""
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from batch_llm.config import EngineConfig, SamplingConfig
-from batch_llm.row_params import RowParams, Sampling, resolve
+from batch_llm.rows.params import RowParams, Sampling, resolve
 
 
 @dataclass

@@ -28,7 +28,7 @@ from batch_llm.engines.base import (
 from batch_llm.engines.lmdeploy_config import lmdeploy_backend_config, lmdeploy_request_refusal
 from batch_llm.engines.registry import register_engine
 from batch_llm.host.probes import model_context_limit
-from batch_llm.row_params import Sampling
+from batch_llm.rows.params import Sampling
 
 
 @register_engine

@@ -45,7 +45,7 @@ from batch_llm.engines.sglang_config import (
     sglang_request_refusal,
 )
 from batch_llm.host.probes import cpu_dtype, model_context_limit
-from batch_llm.row_params import Sampling
+from batch_llm.rows.params import Sampling
 
 # SGLang 0.5.17, model_executor/pool_configurator.py: the weights leave no KV pool at this memory share; SGLang asks
 # for a larger share, so a smaller one (the memory back-off) cannot help.

@@ -25,7 +25,7 @@ from batch_llm.engines.base import (
 )
 from batch_llm.engines.registry import register_engine
 from batch_llm.host.probes import cpu_dtype, model_context_limit, processor_kwargs_refusal
-from batch_llm.row_params import Sampling
+from batch_llm.rows.params import Sampling
 
 
 @register_engine

@@ -41,7 +41,7 @@ from batch_llm.host.probes import (
     model_quantization,
     processor_kwargs_refusal,
 )
-from batch_llm.row_params import Sampling
+from batch_llm.rows.params import Sampling
 
 # Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
 # reading the weights (a 7B model on an H200: ~3.1 ms to read them, ~1.8 ms to compute 128 rows), and padded rows

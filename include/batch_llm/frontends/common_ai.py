@@ -77,7 +77,7 @@ STATUS_BUCKET = {"success": "succeeded", "error": "errored", "invalid_output": "
                  "expired": "expired", "cancelled": "cancelled", "missing": "missing"}
 RowStatus = Literal["success", "error", "invalid_output", "expired", "cancelled", "missing"]
 
-# Request body keys: the sampling parameters the engines apply per request (row_params.py checks each engine),
+# Request body keys: the sampling parameters the engines apply per request (rows/params.py checks each engine),
 # metadata that changes nothing (dropped), and keys the batch manages itself (dropped: the request's prompt,
 # system prompt, token cap and output_type decide them, as common-ai's adapters do).
 SAMPLING_PARAMS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")

@@ -39,7 +39,7 @@ from batch_llm.io.storage import (
     write_jsonl,
 )
 from batch_llm.output_schema import OutputSchema, column_value
-from batch_llm.row_params import RowParams
+from batch_llm.rows.params import RowParams
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -72,7 +72,7 @@ class PromptRow:
     messages: list[dict]
     reference: str | None = None
     prompt_token_ids: list[int] | None = None   # a pre-tokenized prompt, sent to the engine as is
-    params: RowParams | None = None             # the row's own sampling parameters (row_params.py)
+    params: RowParams | None = None             # the row's own sampling parameters (rows/params.py)
     text: str | None = None                     # a completion prompt (``/v1/completions``): no chat template
     images: list[dict] | None = None            # the checked images of its image parts, in order (io/images.py)
 

@@ -73,7 +73,7 @@ from batch_llm.reasoning import (
     template_thinking,
     thinking_variables,
 )
-from batch_llm.row_params import RowParams, resolve, response_schema, template_kwargs
+from batch_llm.rows.params import RowParams, resolve, response_schema, template_kwargs
 from batch_llm.stages.shard_merge import committed_ids, finish_shard
 
 if TYPE_CHECKING:

@@ -70,7 +70,7 @@ from batch_llm.manifests import (
     PlanManifest,
     ShardSpec,
 )
-from batch_llm.row_params import engine_refusal
+from batch_llm.rows.params import engine_refusal
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
 id_hash = hash
