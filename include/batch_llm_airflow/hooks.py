@@ -43,7 +43,7 @@ from batch_llm.io.storage import Location
 
 from batch_llm_airflow.storage_bridge import split_conn
 
-__all__ = ["BatchLlmStorageHook", "split_conn"]
+__all__ = ["BatchLlmStorageHook"]
 
 
 class BatchLlmStorageHook(BaseHook):

@@ -206,3 +206,29 @@ def test_no_import_runs_up_a_floor():
     stale = sorted(set(ALLOWED_UP) - set(found))
     assert not stale, f"ALLOWED_UP names imports that no longer exist: {stale}"
     assert len(ALLOWED_UP) <= MAX_ALLOWED_UP
+
+
+def reexports(path: Path) -> list[str]:
+    """The names a module's ``__all__`` lists that it only imports (a re-export): a name has one home, and only a
+    package's __init__ gathers its package's public names."""
+    tree = ast.parse(path.read_text(), str(path))
+    imported: set[str] = set()
+    exported: list[str] = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            exported = [e.value for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)]
+    return sorted(set(exported) & imported)
+
+
+def test_reexports_are_found(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from a import b, c\nimport d\n\n\ndef e(): ...\n\n\n__all__ = ['b', 'd', 'e']\n")
+    assert reexports(module) == ["b", "d"]
+
+
+def test_only_a_package_init_reexports():
+    found = {name: names for name, path in _modules().items()
+             if path.name != "__init__.py" and (names := reexports(path))}
+    assert not found, f"modules that re-export what they import (import it from its home instead): {found}"

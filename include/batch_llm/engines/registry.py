@@ -2,7 +2,7 @@
 
 An engine's module is imported only when a shard asks for its kind (importing vLLM costs ~15 s, LMDeploy does
 not install on CPU machines), so the registry knows each kind's module by name from the capability table
-(``capabilities.py``, one row per kind, importable without any engine), and each module registers its class
+(``config/capabilities.py``, one row per kind, importable without any engine), and each module registers its class
 with :func:`register_engine` when it is imported. ``base.py`` (the interface) knows no concrete engine, so there
 is no import circle.
 """
@@ -11,16 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, TypeVar
 
-from batch_llm.config.capabilities import (
-    ENGINES,
-    EngineCapabilities,
-    capabilities,
-    register_capabilities,
-    unregister_capabilities,
-)
+from batch_llm.config.capabilities import ENGINES, capabilities, unregister_capabilities
 
-__all__ = ["ENGINES", "EngineCapabilities", "capabilities", "engine_class", "make_engine", "register_capabilities",
-           "register_engine", "unregister_engine"]
+__all__ = ["engine_class", "make_engine", "register_engine", "unregister_engine"]
 
 if TYPE_CHECKING:
     from batch_llm.config import EngineConfig, SamplingConfig
