@@ -127,7 +127,6 @@ def test_include_has_no_import_cycle():
     assert not found, "import cycles in include/:\n" + "\n".join(_describe(scc, graph) for scc in found)
 
 
-
 # The floors of include/, bottom to top: a module imports its own floor and those below it, never one above.
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("host", ("batch_llm.host",)),              # this machine: GPUs, process groups, user paths, model-folder probes
@@ -147,7 +146,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # batch_llm's own modules outside the sub-packages, by name: a module here that no floor names fails the test.
 TOP_LEVEL = {
-    "batch_llm": "host",                # the package: its version only
+    "batch_llm": "host",                # the package: a docstring, no import
     "batch_llm.demo_model": "host",     # builds the demo model folder (standard library; the config's default cache)
     "batch_llm.tiny_models": "host",    # builds the tests' tiny model folders
     "batch_llm.reasoning": "config",    # the thinking switch's template variables, which the config checks
