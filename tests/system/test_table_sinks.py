@@ -161,6 +161,39 @@ def test_two_publishers_of_one_day_racing(backend, attempts):
         assert day == expected(won.metadata["run_id"])
 
 
+@pytest.mark.parametrize("backend", ["delta-local", "delta-s3"], indirect=True)
+def test_racing_publishers_each_record_the_version_their_own_commit_made(backend):
+    """Twelve publishers of twelve days commit at once (delta-rs commits each after the others, no conflict):
+    the version each one returns is the one whose commit file carries its run id, whatever landed after it."""
+    import json
+
+    from batch_llm.io.storage import Location
+
+    publish(backend.sink(), D1, "first")   # the table exists: every racer reads it, then commits
+    barrier = threading.Barrier(12)
+    results: dict[str, object] = {}
+
+    def run(i: int):
+        barrier.wait(timeout=60)
+        try:
+            results[f"run-{i}"] = publish(backend.sink(attempts=3), f"2026-12-{i + 1:02d}", f"run-{i}")
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results[f"run-{i}"] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    log = Location(backend.table["url"], backend.options or {}).child("_delta_log")
+    carried = {}
+    for run_id, commit in results.items():
+        assert not isinstance(commit, Exception), (run_id, commit)
+        lines = log.child(f"{commit.snapshot_id:020d}.json").path().read_text().splitlines()
+        carried[run_id] = next(json.loads(x)["commitInfo"] for x in lines if '"commitInfo"' in x).get("run_id")
+    assert carried == {run_id: run_id for run_id in results}
+
+
 def test_a_backfill_over_three_days_then_one_day_again(backend):
     sink = backend.sink()
     for day in (D1, D2, D3):
