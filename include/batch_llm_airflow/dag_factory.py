@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
+import time
 from pathlib import Path
 
 from airflow.sdk import DAG, task
@@ -46,11 +48,40 @@ def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get("BATCH_LLM_PIPELINES_DIR", default))
 
 
-def build_pipeline_dags(folder: Path) -> dict[str, DAG]:
+# The share of Airflow's DAG-file import timeout (core.dagbag_import_timeout) that loading pipeline files may
+# take; the rest is left to building and serializing the DAGs. A file reached after it is its own error.
+IMPORT_BUDGET_SHARE = 0.5
+
+
+def import_budget_s() -> float:
+    """Seconds the pipeline files of one DAG file may take to load (no bound where Airflow sets no timeout)."""
+    from airflow.configuration import conf
+
+    timeout = conf.getfloat("core", "dagbag_import_timeout", fallback=30.0)
+    return timeout * IMPORT_BUDGET_SHARE if timeout > 0 else math.inf
+
+
+def build_pipeline_dags(folder: Path, *, budget_s: float | None = None) -> dict[str, DAG]:
+    """A DAG per pipeline file of ``folder``, in file-name order. A file that cannot be one (invalid, too big,
+    a name an earlier file already took, reached after ``budget_s`` seconds of loading: by default a share of
+    Airflow's import timeout) becomes ``<file>__invalid_config``, so the DAG file itself always imports."""
+    budget = import_budget_s() if budget_s is None else budget_s
     dags: dict[str, DAG] = {}
+    owners: dict[str, Path] = {}  # pipeline name: the file whose DAG it is
+    t0 = time.monotonic()
     for path in sorted(Path(folder).glob("*.y*ml")):
         try:
+            spent = time.monotonic() - t0
+            if spent > budget:
+                raise ConfigError(f"{path}: not loaded: the pipeline files before it took {spent:.1f} s of the "
+                                  f"{budget:.1f} s this DAG file may spend loading pipelines (half of Airflow's "
+                                  "core.dagbag_import_timeout); make them smaller or fewer, or raise the timeout")
             cfg = load_config(path)
+            if cfg.name in owners:
+                # a pipeline's name is its DAG id: a second file of that name would silently take the DAG
+                raise ConfigError(f"{path}: name: {cfg.name!r} is also the name of {owners[cfg.name]}, which keeps "
+                                  "that DAG (the first file by name does); give each pipeline file its own name")
+            owners[cfg.name] = path
             dags[cfg.name] = pipeline_dag(cfg, source=path.name)
         except ConfigError as e:
             log.error("invalid pipeline config:\n%s", e)
