@@ -1,7 +1,8 @@
 """Fault injection for the resume tests, loaded only into processes whose PYTHONPATH names this folder.
 
-The shard runner announces its checkpoints as audit events (``sys.audit(CHECKPOINT_EVENT, point)``), which
-cost nothing when nobody listens. Here a listener kills its own process with SIGKILL at a checkpoint: a worker
+The shard runner and the table sinks announce their checkpoints as audit events (``sys.audit(CHECKPOINT_EVENT,
+point)``; a sink's ``before_table_commit``: its data files written, its commit not made), which cost nothing when
+nobody listens. Here a listener kills its own process with SIGKILL at a checkpoint: a worker
 dying at the worst moment. Two ways to ask for it:
 
 - ``BATCH_LLM_FAULT="after_commit:2"``: every process so started dies the 2nd time it reaches that checkpoint;
@@ -14,7 +15,8 @@ import os
 import signal
 import sys
 
-CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"  # the name in batch_llm/stages/infer.py
+# the names in batch_llm/stages/infer.py (a shard's checkpoints) and batch_llm/sinks/base.py (a table commit's)
+CHECKPOINT_EVENTS = ("batch_llm.shard.checkpoint", "batch_llm.sink.checkpoint")
 _spec = os.environ.get("BATCH_LLM_FAULT", "")
 _point, _, _nth = _spec.partition(":")
 _file = os.environ.get("BATCH_LLM_FAULT_FILE", "")
@@ -23,7 +25,7 @@ _seen = 0
 
 def _kill_at_the_nth_checkpoint(event: str, args: tuple) -> None:
     global _seen
-    if event != CHECKPOINT_EVENT or args[0] != _point:
+    if event not in CHECKPOINT_EVENTS or args[0] != _point:
         return
     _seen += 1
     if _seen == int(_nth or 1):
@@ -31,7 +33,7 @@ def _kill_at_the_nth_checkpoint(event: str, args: tuple) -> None:
 
 
 def _kill_while_the_file_counts(event: str, args: tuple) -> None:
-    if event != CHECKPOINT_EVENT:
+    if event not in CHECKPOINT_EVENTS:
         return
     try:
         with open(_file) as fh:

@@ -221,7 +221,7 @@ def test_retention_keeps_the_window_and_removes_what_only_older_snapshots_read(b
     sink = backend.sink()
     first = publish(sink, D1, "run-a")
     publish(sink, D1, "run-b")
-    assert sink.expire(1.0) in ({"removed_files": 0}, {"expired_snapshots": 0, "removed_files": 0})
+    assert sink.expire(1.0) in ({"removed_files": 0}, {"expired_snapshots": 0, "removed_files": 0, "removed_orphans": 0})
     assert _day_at(backend, first.snapshot_id, D1) == expected("run-a")   # within the window: still readable
     if backend.name == "delta-local":
         # an orphan of a publisher whose commit failed, older than the window, goes; run-a's files stay
@@ -240,3 +240,43 @@ def test_retention_keeps_the_window_and_removes_what_only_older_snapshots_read(b
         assert done["expired_snapshots"] == before - 1 and done["removed_files"] > 0   # all but the current one
         assert rows_by_day(backend.con, backend.table) == {D1: expected("run-b")}
         assert sink.table().snapshot_by_id(first.snapshot_id) is None
+
+
+_KILLED_PUBLISH = """
+import json, sys
+from batch_llm.sinks import IcebergSink, spooled_rows
+catalog, identifier, day = json.loads(sys.argv[1])
+with spooled_rows([{"id": f"r{i}", "output": "killed", "prompt_tokens": i} for i in range(6)], batch_rows=2) as rows:
+    IcebergSink(catalog, identifier, partition_columns=["dt"]).publish(rows, {"dt": day}, {"run_id": "killed"})
+"""
+
+
+@pytest.mark.parametrize("backend", ["iceberg-local"], indirect=True)
+def test_a_publisher_killed_before_its_iceberg_commit_leaves_orphans_the_next_retention_removes(backend):
+    """A publisher killed after writing its data files and before its commit leaves files no snapshot reads; the
+    next publish's retention deletes them once older than the window (younger ones may be a running publisher's
+    and stay), never a file a snapshot reads, and the table reads as before."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import fault_env
+
+    sink = backend.sink()
+    publish(sink, D1, "run-a")
+    data = Path(sink.table().location_provider().data_path.removeprefix("file://"))
+    committed = set(data.rglob("*.parquet"))
+    killed = subprocess.run([sys.executable, "-c", _KILLED_PUBLISH,
+                             json.dumps([backend.catalog, backend.table["identifier"], D1])],
+                            env={**os.environ, **fault_env("before_table_commit:1")}, capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    orphans = set(data.rglob("*.parquet")) - committed
+    assert len(orphans) == 3   # six rows, two a batch
+    publish(sink, D2, "run-b")
+    assert sink.expire(1.0)["removed_orphans"] == 0 and all(p.exists() for p in orphans)   # young: kept
+    old = time.time() - 2 * 3600
+    for p in data.rglob("*.parquet"):   # every data file, the committed ones too, older than the window
+        os.utime(p, (old, old))
+    assert sink.expire(1.0) == {"expired_snapshots": 0, "removed_files": 0, "removed_orphans": 3}
+    assert not any(p.exists() for p in orphans) and all(p.exists() for p in committed)
+    assert rows_by_day(backend.con, backend.table) == {D1: expected("run-a"), D2: expected("run-b")}

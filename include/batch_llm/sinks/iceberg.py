@@ -14,25 +14,29 @@ Schema changes follow Iceberg's rules (``union_by_name``): a new column is added
 column a run lacks is null in its rows; a column's type does not change. The commit's
 metadata is in both snapshots' summaries (the snapshot log, ``<table>.snapshots`` in Spark or Trino).
 Retention expires snapshots older than the window (never the current one) and deletes the files only they
-reached.
+reached, then the orphans: data files under the table's data folder that no snapshot reads and older than the
+window (a publisher killed between writing them and its commit), at most ``MAX_ORPHANS_PER_PASS`` a pass.
 """
 from __future__ import annotations
 
 import datetime as dt
 import itertools
 import logging
+import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batch_llm.sinks.base import COMMIT_TOKEN, TableSchemaError, TableSink
+from batch_llm.sinks.base import CHECKPOINT_EVENT, COMMIT_TOKEN, TableSchemaError, TableSink
 
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyiceberg.catalog import Catalog
 
 log = logging.getLogger("batch_llm.sinks")
+
+MAX_ORPHANS_PER_PASS = 1000  # orphan data files one retention pass deletes
 
 
 class IcebergSink(TableSink):
@@ -136,6 +140,7 @@ class IcebergSink(TableSink):
                             df=_conform(batch, target), io=table.io, counter=counter):
                         written.append(data_file.file_path)
                         append.append_data_file(data_file)
+            sys.audit(CHECKPOINT_EVENT, "before_table_commit", self.name)  # the data files are written
             committed = txn.commit_transaction()
         except BaseException:
             _delete_files(table.io, written)  # none of them is in a snapshot
@@ -150,19 +155,55 @@ class IcebergSink(TableSink):
     def expire(self, retention_hours: float, *, now: dt.datetime | None = None) -> dict[str, Any]:
         table = self.table()
         if table is None:
-            return {"expired_snapshots": 0, "removed_files": 0}
-        cutoff_ms = int(((now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(hours=retention_hours))
-                        .timestamp() * 1000)
+            return {"expired_snapshots": 0, "removed_files": 0, "removed_orphans": 0}
+        cutoff = (now or dt.datetime.now(dt.timezone.utc)) - dt.timedelta(hours=retention_hours)
+        cutoff_ms = int(cutoff.timestamp() * 1000)
         protected = {ref.snapshot_id for ref in table.metadata.refs.values()}
         expired = [s for s in table.snapshots() if s.timestamp_ms < cutoff_ms and s.snapshot_id not in protected]
-        if not expired:
-            return {"expired_snapshots": 0, "removed_files": 0}
-        reached_by_expired = _files_of(expired, table.io)
-        table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
+        gone: set[str] = set()
+        if expired:
+            reached_by_expired = _files_of(expired, table.io)
+            table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in expired]).commit()
+            table.refresh()
+            gone = reached_by_expired - _files_of(table.snapshots(), table.io)
+            _delete_files(table.io, sorted(gone))
+        return {"expired_snapshots": len(expired), "removed_files": len(gone),
+                "removed_orphans": self._remove_orphans(table, cutoff)}
+
+    def _remove_orphans(self, table, cutoff: dt.datetime) -> int:
+        """Deletes data files under the table's data folder that no snapshot reads and that were written before
+        ``cutoff``: the files of a publisher killed between writing them and its commit (a failed commit deletes
+        its own). A file younger than the window may be a running publisher's, not yet committed, so it stays.
+        At most ``MAX_ORPHANS_PER_PASS`` a pass: a backlog goes over the next publishes."""
+        from pyarrow.fs import FileSelector, FileType
+        from pyiceberg.io.pyarrow import PyArrowFileIO
+
+        if not isinstance(table.io, PyArrowFileIO):  # the other FileIO lists nothing: no orphans found
+            return 0
+        scheme, netloc, root = PyArrowFileIO.parse_location(table.location_provider().data_path)
+        fs = table.io.fs_by_scheme(scheme, netloc)
+        # listed before the snapshots are read: a commit landing in between is then among the snapshots read
+        listed = [f for f in fs.get_file_info(FileSelector(root, recursive=True, allow_not_found=True))
+                  if f.type == FileType.File]
+        old = [f.path for f in listed if f.mtime is not None and f.mtime < cutoff]
+        if not old:
+            return 0
         table.refresh()
-        gone = reached_by_expired - _files_of(table.snapshots(), table.io)
-        _delete_files(table.io, sorted(gone))
-        return {"expired_snapshots": len(expired), "removed_files": len(gone)}
+        read = {PyArrowFileIO.parse_location(p)[2] for p in _files_of(table.snapshots(), table.io)}
+        if read.isdisjoint(f.path for f in listed) and any(p.startswith(root) for p in read):
+            # the snapshots' files are not named as the listing names them: delete nothing rather than guess
+            log.warning("table %s: its data files are not found under %s; orphans left", self.name, root)
+            return 0
+        orphans = [p for p in old if p not in read][:MAX_ORPHANS_PER_PASS]
+        for p in orphans:
+            try:
+                fs.delete_file(p)
+            except OSError as e:  # an orphan left is a cost, not a wrong result: the next pass tries again
+                log.warning("table %s: could not delete the orphan %s: %s", self.name, p, e)
+        if orphans:
+            log.info("table %s: deleted %d data files no snapshot reads (older than %s)", self.name, len(orphans),
+                     cutoff.isoformat(timespec="seconds"))
+        return len(orphans)
 
 
 def _conform(batch: pa.RecordBatch, target: pa.Schema) -> pa.Table:
@@ -185,11 +226,14 @@ def _snapshots_of(table, token: str, name: str) -> tuple[int, int | None]:
 
 
 def _files_of(snapshots: Iterable, io) -> set[str]:
-    """Every file the snapshots read: their manifest lists, manifests and live data files."""
+    """Every file the snapshots read: their manifest lists, manifests and live data files (a manifest that
+    several snapshots share is read once)."""
     out: set[str] = set()
     for s in snapshots:
         out.add(s.manifest_list)
         for m in s.manifests(io):
+            if m.manifest_path in out:
+                continue
             out.add(m.manifest_path)
             out.update(e.data_file.file_path for e in m.fetch_manifest_entry(io, discard_deleted=True))
     return out
