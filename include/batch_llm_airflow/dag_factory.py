@@ -6,11 +6,13 @@ import datetime as dt
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, get_parsing_context, task
 from batch_llm.config import ConfigError, PipelineConfig, load_config
+from batch_llm.io import path_policy
 
 from batch_llm_airflow.params import params_for
 from batch_llm_airflow.task_group import batch_llm_task_group
@@ -68,8 +70,12 @@ def build_pipeline_dags(folder: Path, *, budget_s: float | None = None) -> dict[
     budget = import_budget_s() if budget_s is None else budget_s
     dags: dict[str, DAG] = {}
     owners: dict[str, Path] = {}  # pipeline name: the file whose DAG it is
+    paths = sorted(Path(folder).glob("*.y*ml"))
+    wanted = get_parsing_context().dag_id  # set in a task's process: it needs its own DAG only
+    if wanted and not wanted.endswith("__invalid_config"):
+        paths = _files_naming(wanted, paths) or paths
     t0 = time.monotonic()
-    for path in sorted(Path(folder).glob("*.y*ml")):
+    for path in paths:
         try:
             spent = time.monotonic() - t0
             if spent > budget:
@@ -93,3 +99,20 @@ def build_pipeline_dags(folder: Path, *, budget_s: float | None = None) -> dict[
             d = invalid_config_dag(path, f"{path}: building the DAG failed: {type(e).__name__}: {e}")
             dags[d.dag_id] = d
     return dags
+
+
+def _files_naming(name: str, paths: list[Path]) -> list[Path]:
+    """The files that may be the pipeline ``name``, in order: those holding ``name`` as the value of a ``name``
+    key, found by a text search without parsing (a false match costs one load: the loop checks each file's real
+    name, and the first file of that name keeps its DAG as in a full parse). A file that cannot be read is kept."""
+    pattern = re.compile(rb"""name['"]?\s*:\s*['"]?""" + re.escape(name.encode()) + rb"""(?![\w.-])""")
+    found = []
+    for path in paths:
+        try:
+            text = path_policy.read_local_bounded(str(path), path_policy.MAX_PIPELINE_FILE_BYTES)
+        except (OSError, ValueError):
+            found.append(path)
+            continue
+        if pattern.search(text):
+            found.append(path)
+    return found

@@ -305,6 +305,27 @@ def test_pipeline_files_reached_after_the_import_budget_are_each_refused(tmp_pat
     assert "not loaded: the pipeline files before it took" in dags["good__invalid_config"].doc_md
 
 
+def test_a_task_s_process_loads_only_the_pipeline_files_that_may_be_its_dag(tmp_path, monkeypatch):
+    """In a task's process (Airflow's parsing context names its DAG) only the files naming that pipeline are
+    loaded; a DAG id of an invalid file, or a name no file spells out, loads every file as the DAG processor
+    does."""
+    from batch_llm_airflow import dag_factory
+
+    _good_pipeline(tmp_path, tmp_path)
+    for other in ("other_a", "other_b"):
+        (tmp_path / f"{other}.yaml").write_text((tmp_path / "good.yaml").read_text().replace(
+            "name: batch_llm_demo", f"name: {other}").replace("description: ", "description: not batch_llm_demo; "))
+    loaded: list[str] = []
+    real = dag_factory.load_config
+    monkeypatch.setattr(dag_factory, "load_config", lambda path: loaded.append(path.name) or real(path))
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "batch_llm_demo")
+    assert list(dag_factory.build_pipeline_dags(tmp_path)) == ["batch_llm_demo"] and loaded == ["good.yaml"]
+    for dag_id in ("other_b__invalid_config", "nowhere"):
+        loaded.clear()
+        monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", dag_id)
+        assert len(dag_factory.build_pipeline_dags(tmp_path)) == 3 and len(loaded) == 3
+
+
 # ------------------------------------------------------------------------------------------ output schema $ref
 @pytest.mark.parametrize("schema", [
     '{"$ref": "#"}',
