@@ -12,7 +12,7 @@ from pathlib import Path
 
 from airflow.sdk import DAG, get_parsing_context, task
 from batch_llm.config import ConfigError, PipelineConfig, load_config
-from batch_llm.io import path_policy
+from batch_llm.host import path_policy
 
 from batch_llm_airflow.params import params_for
 from batch_llm_airflow.task_group import batch_llm_task_group
