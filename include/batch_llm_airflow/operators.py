@@ -170,6 +170,9 @@ class BatchInferenceOperator(PipelineStageOperator):
     # The GPU task marker: the Kubernetes cluster policy (batch_llm_airflow.policy) gives every task of this
     # class, and of every class built on it, a GPU pod.
     runs_on_gpu = True
+    # Where in the pipeline config the engine this task runs is: the policy sizes the pod from its
+    # tensor_parallel_size
+    engine_section: tuple[str, ...] = ("engine",)
 
     def __init__(self, *, shard: Any, model: Any, **kwargs: Any):
         super().__init__(**kwargs)
@@ -240,6 +243,8 @@ class ReviewOperator(BatchInferenceOperator):
     builds the review requests from the shard's outputs, then runs them as ``BatchInferenceOperator`` runs a shard
     (lease, isolated worker, chunk commits, resume; the review model's engine), committed under
     ``<run>/review/``. Mapped over the shard tasks' results; returns the review shards' results."""
+
+    engine_section = ("filter", "review", "engine")  # the review model's engine, not the pipeline's
 
     @names_storage_errors
     def execute(self, context: Context) -> dict | list[dict] | None:

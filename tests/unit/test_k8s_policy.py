@@ -111,3 +111,74 @@ def test_gpu_operator_classes_carry_the_marker(task_class):
                        llm_batch.GPUBatchPlanOperator, llm_batch.GPUBatchLandOperator, llm_batch.GPUBatchModelOperator)
            if getattr(c, "runs_on_gpu", False)]
     assert cpu == [] and not policy.runs_on_gpu(object())
+
+
+def _review_dag(engine_tp: int, review_tp: int):
+    from airflow.sdk import DAG
+    from batch_llm.config import load_config
+    from batch_llm_airflow.task_group import batch_llm_task_group
+
+    cfg = load_config(ROOT / "dags" / "pipelines" / "demo.yaml").with_overrides({
+        "engine.tensor_parallel_size": engine_tp,
+        "filter.review": {"model": {"ref": "/models/guard"}, "engine": {"tensor_parallel_size": review_tp}}})
+    with DAG("review_pods", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        batch_llm_task_group(cfg)
+    return dag
+
+
+@pytest.mark.parametrize(("engine_tp", "review_tp"), [(1, 2), (4, 1)])
+def test_the_review_task_gets_the_pod_of_the_review_engine(monkeypatch, engine_tp, review_tp):
+    """The content review's task runs the review model's engine: its pod asks for that engine's
+    tensor_parallel_size GPUs (none over the template's one for a one-GPU review beside a 4-GPU main engine),
+    while the shards' pod asks for the main engine's."""
+    import airflow.settings
+    from batch_llm_airflow import policy
+
+    monkeypatch.setenv("BATCH_LLM_GPU_POD_TEMPLATE", TEMPLATE)
+    monkeypatch.setattr(policy, "gpu_pod_override", lambda n: {"gpus": n})
+    dag = _review_dag(engine_tp, review_tp)
+    for task in dag.tasks:
+        airflow.settings.task_policy(task)
+    pods = {tid: _kwargs(dag.get_task(f"batch_llm.{tid}"))["executor_config"] for tid in ("batch_inference", "review")}
+    for tid, tp in (("batch_inference", engine_tp), ("review", review_tp)):
+        want = {"pod_template_file": TEMPLATE, **({"pod_override": {"gpus": tp}} if tp > 1 else {})}
+        assert pods[tid] == want, (tid, pods)
+
+
+def _tp2_pipelines(tmp_path: Path) -> Path:
+    """A copy of the demo pipeline (with its word lists) whose engine wants 2 GPUs."""
+    import shutil
+
+    import yaml
+
+    folder = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "dags" / "pipelines", folder)
+    for other in folder.glob("*.y*ml"):
+        if other.name != "demo.yaml":
+            other.unlink()
+    data = yaml.safe_load((folder / "demo.yaml").read_text())
+    data["engine"] = {**(data.get("engine") or {}), "tensor_parallel_size": 2}
+    (folder / "demo.yaml").write_text(yaml.safe_dump(data, allow_unicode=True))
+    return folder
+
+
+def test_without_the_kubernetes_client_only_a_set_pod_template_refuses_and_clearly(monkeypatch, tmp_path):
+    """Without the ``kubernetes`` extra (its client cannot be imported) a pipeline whose engine wants 2 GPUs
+    parses when no pod template is set; with one set, the DagBag shows an import error naming the extra, not a
+    bare ModuleNotFoundError."""
+    import sys
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # import kubernetes raises ImportError
+    monkeypatch.delenv("BATCH_LLM_GPU_POD_TEMPLATE", raising=False)
+    monkeypatch.setenv("BATCH_LLM_PIPELINES_DIR", str(_tp2_pipelines(tmp_path)))
+    dag_file = str(ROOT / "dags" / "batch_llm_pipelines.py")
+    bag = DagBag(dag_folder=dag_file)
+    assert bag.import_errors == {} and "batch_llm_demo" in bag.dags
+    assert bag.dags["batch_llm_demo"].get_task("pipeline.batch_inference").pool_slots == 2
+
+    monkeypatch.setenv("BATCH_LLM_GPU_POD_TEMPLATE", TEMPLATE)
+    bag = DagBag(dag_folder=dag_file)
+    errors = "\n".join(bag.import_errors.values())
+    assert "AirflowClusterPolicyViolation" in errors and "batch-llm[kubernetes]" in errors, bag.import_errors
