@@ -476,3 +476,37 @@ def test_score_trend_reads_only_the_newest_partitions_it_shows(tmp_path, monkeyp
     assert [t["partition"] for t in trend] == ["dt=2026-11-10", "dt=2026-11-11", "dt=2026-11-12", summary.partition]
     assert trend[-1]["current"] and not any(t["current"] for t in trend[:-1])
     assert sorted(checked) == ["dt=2026-11-10", "dt=2026-11-11", "dt=2026-11-12"]
+
+
+@pytest.mark.parametrize("n_shards", [1, 8, 300])
+def test_no_chart_legend_covers_a_plot(tmp_path, n_shards):
+    """Every chart of the report keeps its legend off the plotting areas: drawn, no legend's box overlaps any
+    axes of its figure (the timeline's legend used to sit over the bars of shard 0). One shard, a few (bars and
+    the timeline) and many (histograms and scatter plots)."""
+    import batch_llm.analysis.report as report
+
+    pytest.importorskip("matplotlib")
+    figures = []
+    draw = report._img
+
+    def keep(fig, alt):
+        figures.append((alt, fig))
+        return draw(fig, alt)
+
+    summary, version, pipe = make_run(tmp_path, n_shards)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(report, "_img", keep)
+    try:
+        report.render_report(summary, pipeline_root=pipe)
+    finally:
+        mp.undo()
+    legends = 0
+    for alt, fig in figures:
+        renderer = fig.canvas.get_renderer()
+        boxes = [ax.get_window_extent(renderer) for ax in fig.axes]
+        for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]:
+            legends += 1
+            box = legend.get_window_extent(renderer)
+            assert not [b for b in boxes if b.overlaps(box)], (alt, box, boxes)
+            assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height, (alt, box)
+    assert legends >= 4, [alt for alt, _ in figures]  # the charts with a legend were drawn

@@ -294,7 +294,7 @@ def _throughput(r: _Page) -> list:
         ax.set_xlabel("shard")
         ax.set_ylabel("output tokens / s")
         ax.set_title("output tokens per second of generation, per shard")
-        ax.legend(loc="lower right")
+        _legend_beside(ax)
         return [_img(fig, "tokens per second per shard")]
     table = _pct_table([("output tokens / s", tps)], note="slowest shards are listed under Shards")
     if not r.plots:
@@ -305,7 +305,7 @@ def _throughput(r: _Page) -> list:
     a1.set_xlabel("output tokens / s")
     a1.set_ylabel("shards")
     a1.set_title(f"distribution over {len(tps):,} shards")
-    a1.legend()
+    _legend_beside(a1)
     a2.scatter(idx, tps, s=5, color=C_GEN, alpha=0.7, lw=0)
     a2.axhline(med, color="#333", lw=0.8, ls="--")
     a2.set_xlabel("shard")
@@ -361,7 +361,9 @@ def _timeline_plot(shown: list, phase_order: tuple) -> Figure:
     ax.set_title("run timeline: each shard's phases")
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: phase_order.index(labels[i]) if labels[i] in phase_order else 99)
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="lower right", ncols=5, fontsize=7)
+    # below the chart, not on it: inside, it covered the first shards' bars
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
+               ncols=5, fontsize=7)
     return _img(fig, "run timeline")
 
 
@@ -415,8 +417,8 @@ def _time_plot(rows: list[tuple], many: bool) -> Figure:
         ax.set_xlabel("shard")
     ax.set_ylabel("seconds")
     ax.set_title("where each shard's time went")
-    ax.legend(loc="upper left", ncols=3, fontsize=7.5)
-    ax.set_ylim(0, max(t[4] for t in rows) * 1.18 or 1)
+    _legend_beside(ax)
+    ax.set_ylim(0, max(t[4] for t in rows) or 1)
     return _img(fig, "engine start and generation time per shard")
 
 
@@ -447,8 +449,8 @@ def _lengths_plot(t, max_tokens: int | None) -> Figure:
         ax.set_ylabel("rows")
     if max_tokens:
         a2.axvline(max_tokens, color=C_INVALID, lw=1, label=f"max_tokens {max_tokens}")
-    a1.legend(fontsize=7.5)
-    a2.legend(fontsize=7.5)
+    _legend_beside(a1)
+    _legend_beside(a2)
     return _img(fig, "input and output token length histograms")
 
 
@@ -569,7 +571,7 @@ def _scores_plot(scored: list[ScorePoint], names: list[str], min_score: float | 
     ax.set_ylim(0, max(values, default=1.0) * 1.2 or 1.0)
     ax.set_title(f"EvalScope scores, this run and the {len(scored) - 1} partition(s) before it"
                  if len(scored) > 1 else "EvalScope scores (no earlier partitions to compare with)")
-    ax.legend(loc="lower left", ncols=3, fontsize=7.5)
+    _legend_beside(ax)
     return _img(fig, "EvalScope score trend")
 
 
@@ -655,6 +657,12 @@ def _img(fig, alt: str) -> Figure:
     fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
     data = base64.b64encode(buf.getvalue()).decode("ascii")
     return Figure(alt, f"data:image/png;base64,{data}")
+
+
+def _legend_beside(ax) -> None:
+    """The chart's legend to the right of its plot, outside it (the constrained layout makes room), so that it
+    covers no bar, point or line whatever the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7.5)
 
 
 def _hist_counts(ax, counts, color: str) -> None:
