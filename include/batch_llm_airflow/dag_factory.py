@@ -1,5 +1,14 @@
-"""One DAG per pipeline YAML file. A broken file becomes a DAG that shows its error, never an import error
-that would hide the other pipelines."""
+"""One DAG per pipeline YAML file, in a DAG file of its own (broken: an import error) or in the folder's:
+
+- **A DAG file of its own** (``pipeline_file_dags``): ``<name>.py`` beside ``<name>.yaml`` in the pipelines
+  folder, three lines (``dags/pipelines/demo.py``). A broken pipeline file makes that DAG file's import raise,
+  which is how Airflow reports a broken DAG: its import errors (the UI's banner, ``DagBag.import_errors``, the
+  REST API's ``importErrors``, the ``dag_processing.import_errors`` metric); the other pipelines, in files of
+  their own, load.
+- **The folder's DAG file** (``build_pipeline_dags``, ``dags/batch_llm_pipelines.py``): every pipeline file
+  without a DAG file of its own, all in one DAG file, so one broken file must not raise there: it becomes a DAG
+  ``<file>__invalid_config`` that shows its error.
+"""
 from __future__ import annotations
 
 import datetime as dt
@@ -50,6 +59,47 @@ def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get("BATCH_LLM_PIPELINES_DIR", default))
 
 
+PIPELINE_SUFFIXES = (".yaml", ".yml")
+
+
+def has_own_dag_file(path: Path) -> bool:
+    """Whether the pipeline file ``path`` has a DAG file of its own (``<name>.py`` beside it)."""
+    return path.with_suffix(".py").is_file()
+
+
+def pipeline_file_dags(dag_file: str | Path, *, default_dir: Path | None = None) -> dict[str, DAG]:
+    """The DAG of the pipeline file beside ``dag_file`` (``<name>.yaml`` or ``.yml`` for ``<name>.py``), for a
+    pipeline's own DAG file: ``globals().update(pipeline_file_dags(__file__))``. An invalid or missing pipeline
+    file, or a name an earlier file of the folder (by file name) already has, raises ``ConfigError``: the DAG
+    file's import error, the rest of the folder unaffected. Nothing where the pipelines folder in use
+    (``$BATCH_LLM_PIPELINES_DIR``, else ``default_dir``, else the DAG file's folder) is another one: a deployment
+    that reads its pipelines from elsewhere does not get these too."""
+    here = Path(dag_file).resolve().parent
+    if pipelines_dir(default_dir or here).resolve() != here:
+        return {}
+    stem = Path(dag_file).stem
+    found = [p for p in (here / f"{stem}{s}" for s in PIPELINE_SUFFIXES) if p.is_file()]
+    if len(found) != 1:
+        raise ConfigError(f"{dag_file}: a pipeline's DAG file needs one pipeline file {stem}.yaml or {stem}.yml "
+                          f"beside it; found {len(found)}")
+    path = found[0]
+    cfg = load_config(path)
+    earlier = sorted(p for p in here.iterdir() if p.suffix in PIPELINE_SUFFIXES and p.name < path.name)
+    for other in _files_naming(cfg.name, earlier):
+        # a pipeline's name is its DAG id: two files of one name would take turns holding the DAG
+        if _loads_name(other) == cfg.name:
+            raise ConfigError(f"{path}: name: {cfg.name!r} is also the name of {other}, which keeps that DAG (the "
+                              "first file by name does); give each pipeline file its own name")
+    return {cfg.name: pipeline_dag(cfg, source=path.name)}
+
+
+def _loads_name(path: Path) -> str | None:
+    try:
+        return load_config(path).name
+    except ConfigError:
+        return None  # a broken file is its own error, and holds no name
+
+
 # The share of Airflow's DAG-file import timeout (core.dagbag_import_timeout) that loading pipeline files may
 # take; the rest is left to building and serializing the DAGs. A file reached after it is its own error.
 IMPORT_BUDGET_SHARE = 0.5
@@ -63,14 +113,19 @@ def import_budget_s() -> float:
     return timeout * IMPORT_BUDGET_SHARE if timeout > 0 else math.inf
 
 
-def build_pipeline_dags(folder: Path, *, budget_s: float | None = None) -> dict[str, DAG]:
+def build_pipeline_dags(folder: Path, *, budget_s: float | None = None,
+                        dag_folder: Path | None = None) -> dict[str, DAG]:
     """A DAG per pipeline file of ``folder``, in file-name order. A file that cannot be one (invalid, too big,
     a name an earlier file already took, reached after ``budget_s`` seconds of loading: by default a share of
-    Airflow's import timeout) becomes ``<file>__invalid_config``, so the DAG file itself always imports."""
+    Airflow's import timeout) becomes ``<file>__invalid_config``, so the DAG file itself always imports. Where
+    ``folder`` lies within ``dag_folder`` (the calling DAG file's folder, which Airflow parses), a file with a DAG
+    file of its own is left to that one; elsewhere such a ``.py`` is never parsed."""
     budget = import_budget_s() if budget_s is None else budget_s
     dags: dict[str, DAG] = {}
     owners: dict[str, Path] = {}  # pipeline name: the file whose DAG it is
-    paths = sorted(Path(folder).glob("*.y*ml"))
+    parsed = dag_folder is not None and Path(folder).resolve().is_relative_to(Path(dag_folder).resolve())
+    # a file with a DAG file of its own is built there, and reported broken as that file's import error
+    paths = [p for p in sorted(Path(folder).glob("*.y*ml")) if not (parsed and has_own_dag_file(p))]
     wanted = get_parsing_context().dag_id  # set in a task's process: it needs its own DAG only
     if wanted and not wanted.endswith("__invalid_config"):
         paths = _files_naming(wanted, paths) or paths

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError, load_config, parse_config
@@ -52,6 +53,71 @@ def test_invalid_pipeline_does_not_break_the_others(tmp_path, monkeypatch):
     broken = dags["bad__invalid_config"]
     assert "sampling.temperature" in broken.doc_md and "bad.yaml" in broken.doc_md
     assert [t.task_id for t in broken.tasks] == ["report_config_error"]
+
+
+def _own_dag_files(dags, names: dict[str, str]):
+    """A DAGs folder with the folder's DAG file and a pipelines/ folder where each pipeline file (``file stem:
+    YAML text``) has its own DAG file, a copy of dags/pipelines/demo.py."""
+    folder = dags / "pipelines"
+    folder.mkdir(parents=True)
+    shutil.copy(DEMO_YAML.parents[1] / "batch_llm_pipelines.py", dags)
+    (folder / "wordlists").symlink_to(DEMO_YAML.parent / "wordlists")
+    for stem, text in names.items():
+        (folder / f"{stem}.yaml").write_text(text)
+        shutil.copy(DEMO_YAML.with_suffix(".py"), folder / f"{stem}.py")
+    return folder
+
+
+def _demo_text(tmp_path, name: str = "batch_llm_demo") -> str:
+    return DEMO_YAML.read_text().replace("../../include", str(DEMO_YAML.parents[2] / "include")).replace(
+        "../../var", str(tmp_path / "var")).replace("name: batch_llm_demo", f"name: {name}")
+
+
+def test_a_broken_pipeline_is_an_airflow_import_error_and_the_others_load(tmp_path, monkeypatch):
+    """Each pipeline file with a DAG file of its own: Airflow's own DagBag lists the broken one's DAG file in
+    ``import_errors`` with the config error (where the UI, the REST API and monitoring look), builds the valid
+    pipelines' DAGs, and the folder's DAG file builds no second DAG nor an ``__invalid_config`` one for them. A
+    second file of an existing name is its own import error; the first file keeps the DAG."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    dags = tmp_path / "dags"
+    folder = _own_dag_files(dags, {
+        "a_good": _demo_text(tmp_path), "b_bad": "name: bad\nmodel: {ref: a/b}\ninput: {path: x}\n"
+        "output: {path: y}\nsampling: {temperature: -1}\n", "c_other": _demo_text(tmp_path, "other_pipeline"),
+        "d_same": _demo_text(tmp_path)})
+    monkeypatch.setenv("BATCH_LLM_PIPELINES_DIR", str(folder))
+    bag = DagBag(dag_folder=str(dags))
+    errors = {Path(f).name: e for f, e in bag.import_errors.items()}
+    assert set(errors) == {"b_bad.py", "d_same.py"}, bag.import_errors
+    assert "ConfigError" in errors["b_bad.py"] and "sampling.temperature" in errors["b_bad.py"]
+    assert "also the name of" in errors["d_same.py"] and "a_good.yaml" in errors["d_same.py"]
+    assert set(bag.dags) == {"batch_llm_demo", "other_pipeline"}
+    assert Path(bag.dags["batch_llm_demo"].fileloc).name == "a_good.py"
+
+
+def test_pipeline_dag_files_stand_aside_for_another_pipelines_folder(tmp_path, monkeypatch):
+    """A pipeline's DAG file builds nothing while $BATCH_LLM_PIPELINES_DIR names another folder (a deployment
+    that reads its pipelines from there), so its pipeline is not built twice nor raised for."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    dags = tmp_path / "dags"
+    _own_dag_files(dags, {"b_bad": "name: bad\n"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("BATCH_LLM_PIPELINES_DIR", str(elsewhere))
+    bag = DagBag(dag_folder=str(dags))
+    assert bag.import_errors == {} and bag.dags == {}
+
+
+def test_a_pipelines_folder_outside_the_dags_folder_is_built_whole(tmp_path, monkeypatch):
+    """Pipeline files read from outside the DAGs folder (a copy that kept its ``.py`` files, which Airflow never
+    parses there): the folder's DAG file builds every one, a broken one as ``<file>__invalid_config``."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    folder = _own_dag_files(tmp_path / "copy", {"a_good": _demo_text(tmp_path), "b_bad": "name: bad\n"})
+    monkeypatch.setenv("BATCH_LLM_PIPELINES_DIR", str(folder))
+    bag = DagBag(dag_folder=str(DEMO_YAML.parents[1] / "batch_llm_pipelines.py"))
+    assert bag.import_errors == {} and set(bag.dags) == {"batch_llm_demo", "b_bad__invalid_config"}
 
 
 def test_params_override_through_the_same_model(tmp_path, monkeypatch):

@@ -1,0 +1,4 @@
+"""Airflow DAG file of the pipeline in demo.yaml beside it: an invalid pipeline file is this file's import error."""
+from batch_llm_airflow.dag_factory import pipeline_file_dags
+
+globals().update(pipeline_file_dags(__file__))
