@@ -6,7 +6,8 @@
 # (_AIRFLOW_WWW_USER_CREATE with _AIRFLOW_WWW_USER_USERNAME / _AIRFLOW_WWW_USER_PASSWORD). This script does the
 # rest; idempotent, run it again after changing a value:
 #   1. checks that the migration finished (the entrypoint does not stop when `airflow db migrate` fails)
-#   2. the GPU pool: GPU_POOL_SLOTS = GPUs of all GPU workers (a shard takes engine.tensor_parallel_size slots)
+#   2. the GPU pools: BATCH_LLM_GPU_POOL and every airflow.gpu_pool of the pipelines, GPU_POOL_SLOTS slots each
+#      (= GPUs of all GPU workers; a shard takes engine.tensor_parallel_size slots): batch_llm_airflow.pools
 #   3. the object-storage connection (LAKE_CONN_ID, type aws, endpoint in its extra), stored encrypted with
 #      the Fernet key; and the bucket, when it does not exist yet
 # Secrets come from the environment only and are never printed: the commands that take them have their
@@ -21,8 +22,8 @@ conn=${LAKE_CONN_ID:-lake}
 echo "airflow-init: checking that the metadata database is migrated"
 airflow db check-migrations --migration-wait-timeout 60
 
-echo "airflow-init: pool ${pool} with ${GPU_POOL_SLOTS:-1} slot(s)"
-airflow pools set "$pool" "${GPU_POOL_SLOTS:-1}" "GPU slots: GPUs of the gpu-queue workers (a shard takes tensor_parallel_size)" >/dev/null
+echo "airflow-init: pool ${pool} and the pools the pipelines name, ${GPU_POOL_SLOTS:-1} slot(s) each"
+python -m batch_llm_airflow.pools --slots "${GPU_POOL_SLOTS:-1}" --pool "$pool" "${BATCH_LLM_PIPELINES_DIR:-/opt/airflow/pipelines}"
 
 echo "airflow-init: connection ${conn} (aws, endpoint ${S3_ENDPOINT_URL})"
 extra=$(python -c 'import json, os; print(json.dumps({"endpoint_url": os.environ["S3_ENDPOINT_URL"],

@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 source scripts/airflow_env.sh
 echo "demo: model at $(.venv/bin/python -m batch_llm.demo_model)"
 .venv/bin/airflow db migrate >/dev/null
+# the GPU pool the pipelines name, for a scheduler started on this Airflow home later (`airflow dags test` runs
+# without one): as many slots as GPUs (1 on a CPU machine), GPU_POOL_SLOTS to choose
+slots=${GPU_POOL_SLOTS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+.venv/bin/python -m batch_llm_airflow.pools --slots "${slots:-1}" --airflow .venv/bin/airflow dags/pipelines
 ds=$(date -u +%F)
 echo "demo: running DAG batch_llm_demo for $ds (log: var/demo.log)"
 .venv/bin/airflow dags test batch_llm_demo "$ds" > var/demo.log 2>&1 || { tail -40 var/demo.log; exit 1; }

@@ -24,6 +24,7 @@ from batch_llm.config import ConfigError, PipelineConfig, load_config
 from batch_llm.host import path_policy
 
 from batch_llm_airflow.params import params_for
+from batch_llm_airflow.pools import task_slots
 from batch_llm_airflow.task_group import batch_llm_task_group
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,17 @@ def pipeline_dag(cfg: PipelineConfig, *, source: str = "") -> DAG:
     default_args = {"retries": a.retries, "retry_delay": dt.timedelta(seconds=a.retry_delay_seconds)}
     if a.execution_timeout_minutes:
         default_args["execution_timeout"] = dt.timedelta(minutes=a.execution_timeout_minutes)
-    with DAG(dag_id=cfg.name, description=cfg.description or None, schedule=a.schedule,
+    # the pool a scheduler needs before it queues the GPU tasks (no DAG file can create one): said where the
+    # DAG is listed, and how to make it (batch_llm_airflow.pools does it for every pipeline)
+    pool = f"needs Airflow pool '{a.gpu_pool}', {task_slots(cfg)} slot(s) a GPU task"
+    with DAG(dag_id=cfg.name, description=f"{cfg.description}; {pool}" if cfg.description else pool.capitalize(),
+             schedule=a.schedule,
              start_date=dt.datetime.fromisoformat(a.start_date).replace(tzinfo=dt.timezone.utc), catchup=a.catchup,
              default_args=default_args, params=params_for(cfg), tags=["batch_llm", *a.tags],
-             doc_md=f"Batch LLM pipeline from `{source}`.\n\n{cfg.description}", max_active_runs=4) as dag:
+             doc_md=f"Batch LLM pipeline from `{source}`.\n\n{cfg.description}\n\n**Pool.** This DAG {pool}: "
+                    f"`airflow pools set {a.gpu_pool} <GPUs of the {a.gpu_queue!r} queue's workers> <description>`, "
+                    "or `python -m batch_llm_airflow.pools --slots <GPUs> <pipelines folder>`.",
+             max_active_runs=4) as dag:
         batch_llm_task_group(cfg, group_id="pipeline")
     return dag
 

@@ -147,3 +147,22 @@ def test_readme_shows_the_run_report_as_a_picture():
     assert any("report" in t for t in pictures), pictures
     for t in pictures:
         assert (ROOT / t).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", t
+
+
+def test_every_airflow_import_outside_the_sdk_is_listed_with_its_reason():
+    """The provider, the DAGs and the plugin import Airflow through ``airflow.sdk``; each other Airflow module
+    they import is in docs/install.md's table of them, with why (a module, or a package ``prefix.*`` of it)."""
+    doc = (ROOT / "docs" / "install.md").read_text()
+    table = doc.split("### Airflow imports outside `airflow.sdk`", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"`(airflow(?:\.\w+)+)(?:\.\*)?[`.]", table))
+    prefixes = set(re.findall(r"`(airflow(?:\.\w+)+)\.\*", table))
+    found = set()
+    for path in [*(ROOT / "include" / "batch_llm_airflow").rglob("*.py"), *(ROOT / "dags").rglob("*.py"),
+                 *(ROOT / "plugins").rglob("*.py")]:
+        for module in re.findall(r"^\s*(?:from|import) (airflow(?:\.\w+)*)", path.read_text(), re.M):
+            if module != "airflow" and not module.startswith("airflow.sdk"):
+                found.add(module)
+    assert found, "no Airflow import outside airflow.sdk found: the scan is broken"
+    missing = {m for m in found if not any(n == m or n.startswith(m + ".") for n in listed)  # module or its name
+               and not any(m.startswith(p + ".") for p in prefixes)}
+    assert not missing, f"docs/install.md does not list: {sorted(missing)}"
