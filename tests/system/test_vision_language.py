@@ -14,6 +14,7 @@ Unit-level checks of the same path: tests/unit/test_image_inputs.py.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +24,13 @@ from batch_llm import tiny_models
 from batch_llm.config import load_config
 from batch_llm.io.storage import Location, iter_jsonl, read_json
 from helpers import ROOT, run_in_group
+
+
+def _row_of(request_id: str) -> str:
+    """The row a review request is for: review requests carry ``[row id, sample]`` as JSON (review.request_id)."""
+    row_id, _sample = json.loads(request_id)
+    return row_id
+
 
 PIPELINE = ROOT / "tests" / "data" / "image_review_pipeline.yaml"
 CORPUS = ROOT / "tests" / "data" / "images"
@@ -131,7 +139,7 @@ def test_the_image_review_asks_whether_each_caption_agrees_with_its_image(cli_ru
     assert set(review["categories"]) <= {"violence", "other", "image_mismatch"}
     run_dir = out / "image_review_demo" / "runs" / f"dt={DS}" / "cli-images" / "review"
     [requests] = list((run_dir / "requests").glob("shard-00000-*.jsonl"))
-    asked = {q["id"]: q for q in iter_jsonl(requests)}
+    asked = {_row_of(q["id"]): q for q in iter_jsonl(requests)}
     made = _generated(out)
     for rid in GOOD - {"good-text"}:
         turn = asked[rid]["messages"][-1]["content"]
@@ -186,9 +194,9 @@ def test_the_transformers_engine_takes_the_same_images_as_vllm(cli_run, transfor
     run_dir = out / "image_review_demo" / "runs" / f"dt={DS}" / "cli-images-hf" / "review"
     manifest = read_json(Location(str(run_dir)).child("shard-00000", "manifest.json").path())
     assert manifest["engine"]["kind"] == "transformers"
-    reviewed = {r["id"]: r for r in iter_jsonl(run_dir / "shard-00000" / "errors.jsonl")}
+    reviewed = {_row_of(r["id"]): r for r in iter_jsonl(run_dir / "shard-00000" / "errors.jsonl")}
     assert set(reviewed) == GOOD and all(r["error_kind"] == "invalid_output" for r in reviewed.values())
-    asked = {q["id"]: q for q in iter_jsonl(next((run_dir / "requests").glob("shard-00000-*.jsonl")))}
+    asked = {_row_of(q["id"]): q for q in iter_jsonl(next((run_dir / "requests").glob("shard-00000-*.jsonl")))}
     assert all(len(asked[rid].get("images") or []) == (rid != "good-text") for rid in GOOD)
     assert all(r["review_verdict"] == "error" for r in rows.values())
 
