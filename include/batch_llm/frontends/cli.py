@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from batch_llm.config import ConfigError, PipelineConfig, load_config
+from batch_llm.config import ConfigError, EngineNotInstalled, PipelineConfig, load_config, require_engine_installed
 from batch_llm.host import path_policy
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
@@ -403,6 +403,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from batch_llm.layout import read_manifest_at, shard_manifests
 
     cfg = config_from_args(args)
+    require_engine_installed(cfg.engine.kind, cfg.engine.python)
     layout = _layout(cfg, args, f"cli__{time.strftime('%Y%m%dT%H%M%S')}")
     with quiet_run(args, layout, "run") as rep:
         model, plan = _prepare(cfg, layout, rep.say)
@@ -441,6 +442,7 @@ def cmd_run_shard(args: argparse.Namespace) -> int:
     from batch_llm.layout import shard_name
 
     cfg = config_from_args(args)
+    require_engine_installed(cfg.engine.kind, cfg.engine.python)
     ds = args.ds or dt.date.today().isoformat()
     layout = _layout(cfg, args, f"cli__{ds}")
     with quiet_run(args, layout, shard_name(args.shard)) as rep:
@@ -601,6 +603,9 @@ def exit_without_teardown(rc: int) -> None:
 def _run_command(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
+    except EngineNotInstalled as e:  # nothing to run it with: a usage error, as argparse's (exit 2)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -29,7 +29,8 @@ from typing import Any
 
 import yaml
 
-from batch_llm.config import ConfigError, InputConfig, PipelineConfig, parse_config
+from batch_llm.config import ConfigError, InputConfig, PipelineConfig, parse_config, require_engine_installed
+from batch_llm.config.capabilities import DEFAULT_KIND
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
 from batch_llm.host import path_policy
 
@@ -199,6 +200,8 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
     # -o is checked before any work (the model's fetch included): a run whose output cannot be written is lost
     if not args.print_config and (problem := path_policy.output_file_problem(args.output_file, (args.input_file,))):
         raise ConfigError(f"-o {problem}")
+    if not args.print_config:  # before the model's fetch: the engine (vLLM's, as vllm run-batch) must be here
+        require_engine_installed(DEFAULT_KIND, chosen_by="run-batch: engine.kind")
     keep = args.work_dir is not None
     work = Path(os.path.abspath(os.path.expanduser(args.work_dir))) if keep else \
         Path(tempfile.mkdtemp(prefix="batch-llm-run-batch-"))

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from batch_llm.config import ConfigError, PipelineConfig, parse_config
+from batch_llm.config import ConfigError, PipelineConfig, parse_config, require_engine_installed
 from batch_llm.config.capabilities import engine_kinds
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
 from batch_llm.host import path_policy
@@ -653,6 +653,9 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
         print(usage())
         return 0
     plan = plan_invocation(inv)
+    if not inv.print_config:  # before any row is read: the engine this would start must be here
+        require_engine_installed(plan.backend, plan.overrides.get("engine.python"),
+                                 chosen_by=f"--infer_backend {inv.values.get('infer_backend', 'transformers')} (engine.kind)")
     # before any work: a run whose results could not be written is lost
     if not inv.print_config and (problem := path_policy.output_file_problem(
             plan.result_path, tuple(d.partition("#")[0] for d in plan.datasets))):
