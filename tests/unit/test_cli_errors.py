@@ -72,3 +72,77 @@ def test_infer_backend_not_installed_is_one_line(backend, tmp_path, capsys):
     assert f"--infer_backend {backend}" in line
     assert f"pip install 'batch-llm[{backend}]'" in line and "engine.python" in line
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------ doctor and report
+def pipeline_file(tmp_path, name: str = "pipe", table: bool = False) -> Path:
+    """A pipeline YAML whose output.path is ``tmp_path`` (relative, as the README's demo.yaml has it)."""
+    cfg = tmp_path / "conf" / f"{name}.yaml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    table_section = "\n  table: {format: iceberg, name: ns.answers}" if table else ""
+    cfg.write_text(f"name: {name}\nmodel: {{ref: some/model}}\ninput: {{path: rows.jsonl}}\n"
+                   f"output:\n  path: ../{table_section}\n")
+    return cfg
+
+
+def published_run(tmp_path):
+    """A run published as file versions: its summary in the partition's version, _CURRENT.json naming it."""
+    from batch_llm.io.storage import write_json
+    from synthetic_runs import make_run
+
+    summary, version, pipe = make_run(tmp_path, 2)
+    summary.write(version.path())
+    write_json(pipe.child(summary.partition, "_CURRENT.json").path(), {"version": version.url})
+    return summary, version, pipe
+
+
+def table_run(tmp_path, run_ids=("r0", "r1")):
+    """Runs of a table pipeline: no partition folders (the rows went to the table), each run's summary in its
+    publish folder; the last of ``run_ids`` published last."""
+    import datetime as dt
+
+    from synthetic_runs import make_run
+
+    summary, _, pipe = make_run(tmp_path, 2, earlier=())
+    for k, run_id in enumerate(run_ids):
+        at = dt.datetime(2026, 12, 3, 10 + k, tzinfo=dt.timezone.utc)
+        s = summary.model_copy(update={"run_id": run_id, "published_at": at})
+        s.write(pipe.child("runs", summary.partition, run_id, "publish").path())
+    return summary, pipe
+
+
+@pytest.mark.parametrize("command", ["doctor", "report"])
+def test_doctor_and_report_take_the_pipeline_yaml(command, tmp_path, capsys):
+    """`batch-llm doctor|report <pipeline>.yaml`, as the README prints them: the pipeline's latest partition."""
+    summary, version, _ = published_run(tmp_path)
+    rc = main([command, str(pipeline_file(tmp_path))])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Traceback" not in err and "error" not in err
+    if command == "doctor":
+        assert f"{summary.partition} (run {summary.run_id})" in out
+    else:
+        assert f"report written: {version.child('report.html').url}" in out
+        assert (Path(version.path()) / "report.html").is_file()
+
+
+@pytest.mark.parametrize("target", ["yaml", "folder"])
+def test_doctor_and_report_on_a_table_pipeline_read_its_latest_published_run(target, tmp_path, capsys):
+    """A table pipeline keeps its summaries in its runs' publish folders: the latest published run is found
+    from the pipeline file or folder, and its report is written beside its summary."""
+    from batch_llm.frontends.cli import find_summary
+
+    summary, pipe = table_run(tmp_path)
+    where = str(pipeline_file(tmp_path, table=True)) if target == "yaml" else str(Path(pipe.path()))
+    found, version, root = find_summary(where)
+    assert found.run_id == "r1" and root.url == pipe.url
+    assert main(["doctor", where]) == 0
+    assert f"{summary.partition} (run r1)" in capsys.readouterr().out
+    assert main(["report", where]) == 0
+    assert (Path(pipe.path()) / "runs" / summary.partition / "r1" / "publish" / "report.html").is_file()
+
+
+def test_doctor_on_a_pipeline_without_a_published_run_is_one_line(tmp_path, capsys):
+    rc = main(["doctor", str(pipeline_file(tmp_path))])
+    line = one_error_line(capsys)
+    assert rc == 1 and "no run summary here" in line and "once a run published" in line

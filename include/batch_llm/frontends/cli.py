@@ -479,11 +479,17 @@ def finish_command(args: argparse.Namespace, run_id: str, ds: str) -> str:
 
 def find_summary(target: str):
     """(RunSummary, version Location, pipeline root Location) for a summary.json, a published version, a
-    partition, a run folder or a pipeline folder (its latest partition)."""
-    from batch_llm.io.storage import Location, exists, list_files, read_json, read_manifest
+    partition, a run folder, a pipeline folder or a pipeline YAML file (the pipeline folder of its output.path):
+    a pipeline's latest partition, or where it publishes into a table (no partition folders), its latest
+    published run."""
+    from batch_llm.io.storage import Location, exists, read_json, read_manifest
 
     loc = Location(_abs(target))
     p = loc.path()
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        cfg = load_config(loc.url)
+        loc = Location(_abs(cfg.output.path)).child(cfg.name)
+        p = loc.path()
     if p.name != "summary.json":
         if exists(p / "summary.json"):
             loc = loc.child("summary.json")
@@ -491,19 +497,49 @@ def find_summary(target: str):
             loc = Location(read_json(p / "_CURRENT.json")["version"]).child("summary.json")
         elif exists(p / "publish" / "manifest.json"):
             loc = Location(read_manifest(p / "publish")["summary"])
+        elif (latest := _latest_summary(loc)) is not None:
+            loc = latest
         else:
-            parts = sorted(d.name for d in list_files(p) if exists(d / "_CURRENT.json"))
-            if not parts:
-                raise FileNotFoundError(
-                    f"{target}: no run summary here (give a summary.json, a published version, a partition with "
-                    f"_CURRENT.json, a run folder with publish/manifest.json or a pipeline folder)")
-            loc = Location(read_json(p / parts[-1] / "_CURRENT.json")["version"]).child("summary.json")
+            raise FileNotFoundError(
+                f"{target}: no run summary here (give a pipeline YAML, a summary.json, a published version, a "
+                f"partition with _CURRENT.json, a run folder with publish/manifest.json or a pipeline folder; a "
+                f"pipeline has one once a run published)")
     if not exists(loc.path()):
         raise FileNotFoundError(f"{loc.url}: no such summary")
     summary = RunSummary.read(loc.path())
     version = Location(loc.url.rsplit("/", 1)[0], loc.options)
-    pipeline_root = Location(version.url.rsplit("/", 2)[0], loc.options)
-    return summary, version, pipeline_root
+    return summary, version, _pipeline_root(version)
+
+
+def _latest_summary(pipeline: Any) -> Any:
+    """The summary of a pipeline folder's latest run: its last partition's published version (``_CURRENT.json``),
+    else (a table pipeline: the rows went to the table, the summary stayed in the run's ``publish`` folder) the
+    last published run of its last partition with one; None where no run published."""
+    from batch_llm.io.storage import Location, exists, list_files, read_json
+
+    p = pipeline.path()
+    if not exists(p) or not p.is_dir():
+        return None
+    parts = sorted(d.name for d in list_files(p) if exists(d / "_CURRENT.json"))
+    if parts:
+        return Location(read_json(p / parts[-1] / "_CURRENT.json")["version"], pipeline.options).child("summary.json")
+    for part in sorted((d.name for d in list_files(p / "runs")), reverse=True):
+        published = [s for run in list_files(p / "runs" / part) if exists(s := run / "publish" / "summary.json")]
+        if published:
+            latest = max(published, key=lambda s: RunSummary.read(s).published_at)
+            return pipeline.child("runs", part, latest.parent.parent.name, "publish", "summary.json")
+    return None
+
+
+def _pipeline_root(version: Any) -> Any:
+    """The pipeline folder of a summary's folder: ``<pipeline>/<partition>/<version>`` (a published version) or
+    ``<pipeline>/runs/<partition>/<run>/publish`` (a table pipeline's run)."""
+    from batch_llm.io.storage import Location
+
+    parts = version.url.rsplit("/", 4)
+    if len(parts) == 5 and parts[1] == "runs" and parts[4] == "publish":
+        return Location(parts[0], version.options)
+    return Location(version.url.rsplit("/", 2)[0], version.options)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -654,8 +654,7 @@ def cmd_infer(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]
         return 0
     plan = plan_invocation(inv)
     if not inv.print_config:  # before any row is read: the engine this would start must be here
-        require_engine_installed(plan.backend, plan.overrides.get("engine.python"),
-                                 chosen_by=f"--infer_backend {inv.values.get('infer_backend', 'transformers')} (engine.kind)")
+        require_engine_installed(plan.backend, plan.overrides.get("engine.python"), chosen_by="--infer_backend")
     # before any work: a run whose results could not be written is lost
     if not inv.print_config and (problem := path_policy.output_file_problem(
             plan.result_path, tuple(d.partition("#")[0] for d in plan.datasets))):
