@@ -379,6 +379,32 @@ def test_truncation():
     assert "truncation" not in checks(run_doctor(summary_of(healthy()), gpus=8, tok=tokens(truncated=5)))
 
 
+def test_truncation_at_the_rows_own_max_tokens_reads_their_budgets(tmp_path):
+    """Rows that set their own max_tokens (an OpenAI Batch request's, an input column) and stopped there: the
+    doctor reads their budgets from the planned shard and does not advise sampling.max_tokens, which is only the
+    default of rows that set none; rows stopped at that default still get it."""
+    summary, _, _ = make_run(tmp_path, 1, rows_per_shard=12)
+    shard_out = Location(summary.manifests.shards[0].outputs).path()
+    plan_rows = Location(summary.manifests.plan.shards[0].url).path()
+    budgets = [4 + 4 * i for i in range(12)]  # the requests ask 4-48 tokens; sampling.max_tokens is 256
+    write_jsonl(shard_out, [{"id": f"q{i}", "idx": i, "output": "ok", "finish_reason": "length", "prompt_tokens": 30,
+                             "completion_tokens": b, "cached": False, "error": None} for i, b in enumerate(budgets)])
+    write_jsonl(plan_rows, [{"id": f"q{i}", "idx": i, "messages": [{"role": "user", "content": "q"}],
+                             "params": {"max_tokens": b}} for i, b in enumerate(budgets)])
+    tok = read_token_stats(summary)
+    assert tok.truncated == 12 and tok.truncated_own == Counter(budgets)
+    f = [x for x in run_doctor(summary, tok=tok) if x.check == "truncation"]
+    assert len(f) == 1 and "(4–48 tokens)" in f[0].evidence
+    assert "sampling.max_tokens:" not in f[0].change and "rows' own max_tokens" in f[0].change
+    capped = summary.model_copy(update={"config": {**summary.config, "sampling": {"max_tokens": 256,
+                                                                                   "max_tokens_cap": 48}}})
+    assert any(c.startswith("sampling.max_tokens_cap: 96") for c in changes(run_doctor(capped, tok=tok)))
+    write_jsonl(plan_rows, [{"id": f"q{i}", "idx": i, "messages": [{"role": "user", "content": "q"}]}
+                            for i in range(12)])  # no row sets one: the pipeline's default stopped them
+    tok = read_token_stats(summary)
+    assert not tok.truncated_own and "sampling.max_tokens: 512" in changes(run_doctor(summary, tok=tok))
+
+
 def test_cache_duplicates_and_random_sampling():
     s = [shard(i, rows=4096, start=60, gen=1200, unique=3000) for i in range(8)]
     f = run_doctor(summary_of(s, engine={"dedupe_prompts": False}), gpus=8)

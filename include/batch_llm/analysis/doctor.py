@@ -447,11 +447,28 @@ def _check_truncation(run: RunStats) -> Iterable[Finding]:
     t = run.tokens
     if not t or t.rows < 3 or t.truncated / t.rows < TRUNCATED_MAX:
         return
-    max_tokens = int((run.cfg.get("sampling") or {}).get("max_tokens") or 256)
-    yield Finding("info", "completions cut off by max_tokens",
-                  f"{t.truncated:,} of {t.rows:,} completions ({_pct(t.truncated / t.rows)}) stopped at "
-                  f"sampling.max_tokens = {max_tokens} (finish_reason \"length\")",
-                  f"sampling.max_tokens: {2 * max_tokens}", "truncation")
+    samp = run.cfg.get("sampling") or {}
+    max_tokens = int(samp.get("max_tokens") or 256)
+    own = sum(t.truncated_own.values())
+    if own * 2 < t.truncated:  # most stopped at the pipeline's default: raising it lengthens them
+        yield Finding("info", "completions cut off by max_tokens",
+                      f"{t.truncated:,} of {t.rows:,} completions ({_pct(t.truncated / t.rows)}) stopped at "
+                      f"sampling.max_tokens = {max_tokens} (finish_reason \"length\")",
+                      f"sampling.max_tokens: {2 * max_tokens}", "truncation")
+        return
+    # Most stopped at a max_tokens their rows set (a request's own, an input column): sampling.max_tokens is only
+    # the default of rows that set none, so raising it changes nothing for them.
+    lo, hi = min(t.truncated_own), max(t.truncated_own)
+    asked = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+    cap = samp.get("max_tokens_cap")
+    if cap is not None and hi >= int(cap):
+        change = f"sampling.max_tokens_cap: {2 * int(cap)} (it lowered the rows' own max_tokens)"
+    else:
+        change = "the rows' own max_tokens, where longer answers are wanted (sampling.max_tokens does not apply)"
+    yield Finding("info", "completions cut off by their rows' own max_tokens",
+                  f"{t.truncated:,} of {t.rows:,} completions ({_pct(t.truncated / t.rows)}) stopped at their "
+                  f"max_tokens (finish_reason \"length\"), {own:,} of them at the budget their rows set "
+                  f"({asked} tokens)", change, "truncation")
 
 
 def _check_cache(run: RunStats) -> Iterable[Finding]:

@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -89,7 +90,8 @@ class TokenStats:
     reasoning: Counter = field(default_factory=Counter)     # thinking tokens -> rows (a reasoning parser's split)
     rows: int = 0                 # rows read
     rows_total: int = 0           # rows the manifests report as ok
-    truncated: int = 0            # finish_reason "length": stopped by sampling.max_tokens
+    truncated: int = 0            # finish_reason "length": stopped by their max_tokens
+    truncated_own: Counter = field(default_factory=Counter)  # of those, rows that set their own: max_tokens -> rows
     batch_size: int = 0           # static batches simulated over the rows sent to the engine
     padded_tokens: int = 0        # prompt slots in those batches (longest prompt x rows)
     real_tokens: int = 0          # prompt tokens in them
@@ -119,19 +121,40 @@ def read_token_stats(summary: RunSummary, options: dict | None = None, *, max_ro
     shards = summary.manifests.shards
     st = TokenStats(batch_size=bs, rows_total=sum(s.metrics.ok for s in shards))
     per_shard = max(1000, max_rows // max(1, len(shards)))
+    planned = {p.index: p.url for p in summary.manifests.plan.shards}
     for s in shards:
         if not s.outputs:
             continue
         path = Location(s.outputs, options or {}).path()
         if exists(path):
-            _add_shard_tokens(st, path, per_shard, sort)
+            cut = _add_shard_tokens(st, path, per_shard, sort)
+            if cut and planned.get(s.shard):
+                st.truncated_own.update(_own_budgets(Location(planned[s.shard], options or {}).path(), cut))
     return st
 
 
-def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
-    """One shard's rows (its first ``per_shard``) into the token statistics, and its static batches."""
+def _own_budgets(plan_shard, ids: set[str]) -> Iterator[int]:
+    """The max_tokens that the rows ``ids`` of a planned shard set themselves (a request's own, an input
+    column's), one per such row; rows that set none (``sampling.max_tokens`` applied) give nothing."""
+    if not exists(plan_shard):
+        return
+    left = set(ids)
+    for r in iter_jsonl(plan_shard):
+        if str(r.get("id")) in left:
+            left.discard(str(r.get("id")))
+            params = r["params"] if "params" in r else r  # shards planned before row params: max_tokens alone
+            if isinstance(params, dict) and params.get("max_tokens"):
+                yield int(params["max_tokens"])
+            if not left:
+                return
+
+
+def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> set[str]:
+    """One shard's rows (its first ``per_shard``) into the token statistics, and its static batches; returns the
+    ids of its rows stopped by their max_tokens."""
     bs = st.batch_size
     sent: list[tuple[int, int]] = []
+    cut: set[str] = set()
     for i, r in enumerate(iter_jsonl(path)):
         if i >= per_shard:
             break
@@ -139,7 +162,9 @@ def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
         st.prompt[p] += 1
         st.completion[c] += 1
         st.rows += 1
-        st.truncated += r.get("finish_reason") == "length"
+        if r.get("finish_reason") == "length":
+            st.truncated += 1
+            cut.add(str(r.get("id")))
         if "reasoning_tokens" in r:
             st.reasoning[int(r["reasoning_tokens"] or 0)] += 1
         if not r.get("cached"):
@@ -153,6 +178,7 @@ def _add_shard_tokens(st: TokenStats, path, per_shard: int, sort: bool) -> None:
         st.real_tokens += sum(p for p, _ in batch)
         st.decode_slots += max(c for _, c in batch) * len(batch)
         st.decode_used += sum(c for _, c in batch)
+    return cut
 
 
 @dataclass
