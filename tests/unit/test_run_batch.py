@@ -130,3 +130,25 @@ def test_a_line_that_is_not_utf8_json_text_is_answered_once_in_its_place(tmp_pat
     messages = [x["response"]["body"].get("error", {}).get("message", "") for x in got]
     assert "lone UTF-16 surrogate" in messages[1] and "not valid UTF-8" in messages[2]
     assert "requests.jsonl line 4" in messages[3]
+
+
+def test_the_report_outlives_the_temporary_work_folder(tmp_path):
+    """Without --work-dir the run's folder is removed at the end: its report is copied beside -o first
+    (results.jsonl -> results.report.html), so the path printed still opens after the command."""
+    from batch_llm.frontends.written_config import keep_work_folder
+    from batch_llm.io.storage import Location, write_json
+
+    work = tmp_path / "work"
+    out = tmp_path / "answers" / "results.jsonl"
+    out.parent.mkdir()
+    cfg, _ = rb.build_config(_args("-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(_model(tmp_path)),
+                                   "--generation-config", "vllm"), work, keep=False)
+    part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds="2026-12-06"))
+    version = part.child("v-1")
+    Path(version.path()).mkdir(parents=True)
+    Path(version.child("report.html").path()).write_text("<html>the run</html>")
+    write_json(part.child("_CURRENT.json").path(), {"version": version.url})
+    kept = rb.keep_report(cfg, "2026-12-06", str(out))
+    keep_work_folder(work, keep=False, started=True, finished=True)
+    assert not work.exists()
+    assert kept == out.parent / "results.report.html" and kept.read_text() == "<html>the run</html>"

@@ -6,14 +6,15 @@
     batch-llm run dags/pipelines/demo.yaml --ds 2026-11-30 --set sampling.max_tokens=64
     batch-llm run-shard dags/pipelines/demo.yaml --shard 1 --run-id cli__2026-11-30
     batch-llm report var/output/batch_llm_demo/dt=2026-11-30
-    batch-llm doctor var/output/batch_llm_demo --gpus 8
+    batch-llm doctor dags/pipelines/demo.yaml --gpus 8
     batch-llm recommend dags/pipelines/demo.yaml --rows 1000000 --gpus 8xH200 --prompt-tokens 512
 
 ``run`` goes through fetch, quantize, plan, every shard, content filter, EvalScope and publish, and prints
 where the dataset and the run report are. ``run-shard`` runs one shard of a run (planning it first when
 needed); a later ``run --run-id`` with the same id reuses every committed shard. ``report`` and ``doctor``
 take a ``summary.json``, a published version, a partition (``_CURRENT.json``), a run's folder under
-``runs/`` or a pipeline's output folder (its latest partition).
+``runs/``, a pipeline's output folder or its YAML file (its latest partition; a table pipeline's latest published
+run).
 
 Long work shows a progress bar (rows, output tokens/s, ETA) on a terminal, and plain lines otherwise.
 
@@ -113,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("report", "show a run's HTML report (written when missing) and the doctor's findings"),
                        ("doctor", "the doctor's findings for a run")):
         sp = sub.add_parser(name, help=text)
-        sp.add_argument("target", metavar="RUN_OUTPUT_PARTITION_OR_SUMMARY",
-                        help="summary.json, a published version, a partition, a run folder or a pipeline folder")
+        sp.add_argument("target", metavar="PIPELINE_RUN_PARTITION_OR_SUMMARY",
+                        help="a pipeline YAML or folder (its latest run), a partition, a published version, a run "
+                        "folder or a summary.json")
         sp.add_argument("--gpus", type=int, default=None, help="GPUs in the pool (default: $BATCH_LLM_GPUS)")
         if name == "report":
             sp.add_argument("--regenerate", action="store_true", help="write report.html again")
@@ -427,11 +429,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             "fetch": read_manifest_at(layout, "fetch"), "quantize": read_manifest_at(layout, "quantize"),
             "infer": shard_manifests(layout)})
     print(f"published {m.rows} rows")
-    print(f"  dataset: {m.dataset}")
-    print(f"  errors:  {m.errors} ({m.error_rows} rows)")
-    print(f"  summary: {m.summary}")
-    if m.report:
-        print(f"  report:  {m.report}")
+    if getattr(args, "published_paths", True):  # not where a front-end's work folder is removed at the end
+        print(f"  dataset: {m.dataset}")
+        print(f"  errors:  {m.errors} ({m.error_rows} rows)")
+        print(f"  summary: {m.summary}")
+        if m.report:
+            print(f"  report:  {m.report}")
     from batch_llm.io.storage import Location
 
     print(format_findings(diagnose(RunSummary.read(Location(m.summary, layout.output_root.options).path()))))

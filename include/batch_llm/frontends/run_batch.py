@@ -221,12 +221,14 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
             return 0
         started = True
         rc, ds = run_written_config(config_path, run, args, run_prefix="run_batch", plain=args.plain,
-                                    verbose=args.verbose)
+                                    verbose=args.verbose, temporary=not keep)
         if rc != 0:
             return rc
         name = args.served_model_name[0] if args.served_model_name else args.model
         n, failed = write_output(args.output_file, cfg, ds, served_model_name=name)
         print(f"output: {args.output_file} ({n} lines, {failed} refused or failed)")
+        if not keep and (report := keep_report(cfg, ds, args.output_file)) is not None:
+            print(f"  report: {report} (--work-dir keeps the whole run)")
         finished = True
         return 0
     finally:
@@ -257,6 +259,25 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
     tmp.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
     tmp.replace(out)
     return len(lines), sum(1 for x in lines if x["response"]["status_code"] != 200)
+
+
+def keep_report(cfg: PipelineConfig, ds: str, output_file: str) -> Path | None:
+    """The run's report (one self-contained HTML file) copied out of the temporary work folder, beside ``-o``
+    (``results.jsonl`` -> ``results.report.html``), so that it outlives the command; None where the run wrote
+    none."""
+    import shutil
+
+    from batch_llm.analysis.report import REPORT_NAME
+    from batch_llm.io.storage import Location, exists, read_json
+
+    part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
+    report = Location(read_json(part.child("_CURRENT.json").path())["version"]).child(REPORT_NAME).path()
+    if not exists(report):
+        return None
+    out = Path(os.path.abspath(os.path.expanduser(output_file)))
+    kept = out.with_name(f"{out.stem if out.suffix else out.name}.report.html")
+    shutil.copyfile(report, kept)
+    return kept
 
 
 def _key(custom_id: Any) -> str | None:

@@ -12,13 +12,16 @@ from pathlib import Path
 
 
 def run_written_config(config_path: Path, run: Callable[[argparse.Namespace], int], outer: argparse.Namespace, *,
-                       run_prefix: str, plain: bool, verbose: bool) -> tuple[int, str]:
+                       run_prefix: str, plain: bool, verbose: bool, temporary: bool = False) -> tuple[int, str]:
     """Returns the run's exit code and its ``ds``. The run's log file is named on ``outer`` (the front-end's
-    own arguments), which ``cli.main`` reports when the command fails."""
+    own arguments), which ``cli.main`` reports when the command fails. ``temporary``: the config's output lies in
+    a work folder removed at the end, so the run does not print its published files' paths (the front-end says
+    where what it keeps went)."""
     ds = dt.date.today().isoformat()
     run_args = argparse.Namespace(command="run", config=str(config_path), overrides=[], input=None, output=None,
                                   ds=ds, run_id=f"{run_prefix}__{dt.datetime.now().strftime('%Y%m%dT%H%M%S%f')}",
-                                  plain=plain, verbose=verbose, argv=["run", str(config_path), "--ds", ds])
+                                  plain=plain, verbose=verbose, argv=["run", str(config_path), "--ds", ds],
+                                  published_paths=not temporary)
     rc = run(run_args)
     if getattr(run_args, "log_file", None):
         outer.log_file = run_args.log_file
