@@ -265,8 +265,6 @@ def keep_report(cfg: PipelineConfig, ds: str, output_file: str) -> Path | None:
     """The run's report (one self-contained HTML file) copied out of the temporary work folder, beside ``-o``
     (``results.jsonl`` -> ``results.report.html``), so that it outlives the command; None where the run wrote
     none."""
-    import shutil
-
     from batch_llm.analysis.report import REPORT_NAME
     from batch_llm.io.storage import Location, exists, read_json
 
@@ -276,7 +274,7 @@ def keep_report(cfg: PipelineConfig, ds: str, output_file: str) -> Path | None:
         return None
     out = Path(os.path.abspath(os.path.expanduser(output_file)))
     kept = out.with_name(f"{out.stem if out.suffix else out.name}.report.html")
-    shutil.copyfile(report, kept)
+    kept.write_bytes(report.read_bytes())
     return kept
 
 
