@@ -57,6 +57,17 @@ def test_an_engine_under_another_interpreter_is_not_checked_here(absent_engine, 
     assert line.startswith("error: output.path:") and ABSENT not in line
 
 
+def test_validate_accepts_the_file_and_warns_that_the_engine_is_not_here(absent_engine, capsys):
+    """The file may be for a machine that has the engine (a GPU worker): validate passes it and says, in one
+    warning line, what running it here would need."""
+    rc = main(["validate", str(DEMO), "--set", f"engine.kind={absent_engine}"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.startswith("OK: ")
+    assert [x for x in err.splitlines() if ABSENT in x] == [
+        x for x in err.splitlines() if x.startswith("warning: engine.kind absent:") and "batch-llm[absent]" in x]
+    assert any(ABSENT in x for x in err.splitlines())
+
+
 @pytest.mark.parametrize("backend", ["sglang", "lmdeploy"])
 def test_infer_backend_not_installed_is_one_line(backend, tmp_path, capsys):
     """`batch-llm infer --infer_backend sglang|lmdeploy` where that engine is not installed: refused before any

@@ -43,6 +43,7 @@ from typing import Any, TextIO
 import yaml
 
 from batch_llm.config import ConfigError, EngineNotInstalled, PipelineConfig, load_config, require_engine_installed
+from batch_llm.config.capabilities import missing_package
 from batch_llm.host import path_policy
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
@@ -307,6 +308,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+    if problem := missing_package(cfg.engine.kind, cfg.engine.python):  # the file is fine: it runs elsewhere
+        print(f"warning: engine.kind {cfg.engine.kind}: {problem} (`batch-llm run` here refuses it)", file=sys.stderr)
     shards = f"num_shards {cfg.sharding.num_shards}" if cfg.sharding.num_shards else \
         f"rows_per_shard {cfg.sharding.rows_per_shard or 'default'}"
     print(f"OK: {args.config}: pipeline {cfg.name!r}, model {cfg.model.ref}, engine {cfg.engine.kind}, {shards}")
