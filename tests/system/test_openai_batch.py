@@ -277,3 +277,11 @@ def test_batch_llm_run_batch_takes_vllms_flags_and_writes_its_output_file(parity
     assert "seed must be in [0, 9223372036854775807], got an integer of 71 bits" in \
         huge_seed["response"]["body"]["error"]["message"]
     assert f"output: {out} ({len(lines_in) + 2} lines, 4 refused or failed)" in run.stdout
+    # the work folder is gone: the published files' paths into it are not printed, the report is kept beside -o,
+    # and the doctor reads the requests' own max_tokens (4-40 here) rather than advising sampling.max_tokens (vLLM's
+    # default: max_model_len)
+    printed = [x for x in run.stdout.splitlines() if x.lstrip().startswith(("dataset:", "errors:", "summary:",
+                                                                              "report:"))]
+    assert printed == [f"  report: {tmp_path / 'out.report.html'} (--work-dir keeps the whole run)"]
+    assert "run report" in (tmp_path / "out.report.html").read_text(encoding="utf-8").lower()
+    assert "sampling.max_tokens: 2048" not in run.stdout
