@@ -492,10 +492,12 @@ def find_summary(target: str):
 
     loc = Location(_abs(target))
     p = loc.path()
+    shown = target
     if p.suffix in (".yaml", ".yml") and p.is_file():
         cfg = load_config(loc.url)
         loc = Location(_abs(cfg.output.path)).child(cfg.name)
         p = loc.path()
+        shown = f"{target} (its pipeline folder {loc.url})"
     if p.name != "summary.json":
         if exists(p / "summary.json"):
             loc = loc.child("summary.json")
@@ -507,7 +509,7 @@ def find_summary(target: str):
             loc = latest
         else:
             raise FileNotFoundError(
-                f"{target}: no run summary here (give a pipeline YAML, a summary.json, a published version, a "
+                f"{shown}: no run summary here (give a pipeline YAML, a summary.json, a published version, a "
                 f"partition with _CURRENT.json, a run folder with publish/manifest.json or a pipeline folder; a "
                 f"pipeline has one once a run published)")
     if not exists(loc.path()):
