@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 from batch_llm.stages import content_filter as _content_filter
 from batch_llm.stages import evaluate as _evaluate
 from batch_llm.stages import fetch as _fetch
-from batch_llm.stages import infer as _infer
 from batch_llm.stages import plan as _plan
 from batch_llm.stages import publish as _publish
 from batch_llm.stages import quantize as _quantize
 from batch_llm.stages import review as _review
+from batch_llm.stages.infer import runner as _infer
 
 if TYPE_CHECKING:
     from batch_llm.config import PipelineConfig
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         ShardResult,
         ShardSpec,
     )
-    from batch_llm.stages.infer import SharedEngine
+    from batch_llm.stages.infer.runner import SharedEngine
 
 __all__ = ["content_filter", "evaluate", "fetch", "infer_shard", "infer_shards", "maintain_cache", "plan_shards",
            "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]

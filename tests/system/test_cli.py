@@ -182,7 +182,7 @@ LINE = "progress: 10/20 rows, 35.0 output tok/s, ETA 3s"
 def test_progress_line_format_matches_the_shard_runner():
     import inspect
 
-    from batch_llm.stages import infer
+    from batch_llm.stages.infer import runner as infer
 
     assert 'f"progress: {self.done}/{self.total} rows, {self.out_tokens / el:.1f} output tok/s, "' in \
         inspect.getsource(infer.Progress.tick)

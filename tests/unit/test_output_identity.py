@@ -13,7 +13,7 @@ from batch_llm.io import identity
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardSpec
-from batch_llm.stages.infer import shard_input_key, shard_inputs
+from batch_llm.stages.infer.runner import shard_input_key, shard_inputs
 from helpers import cache_namespace, demo_config, use_echo_engine
 
 LABELS = ["yes", "no"]

@@ -31,7 +31,7 @@ from batch_llm.rows.params import (
     template_kwargs,
 )
 from batch_llm.stages import plan as plan_mod
-from batch_llm.stages.infer import ShardRun, sampling_identity
+from batch_llm.stages.infer.runner import ShardRun, sampling_identity
 from helpers import demo_config
 
 # What OpenAI's chat and completions endpoints take (openai 3.57's CompletionCreateParams), where the openai
