@@ -121,9 +121,9 @@ class EchoEngine:
 def use_echo_engine(monkeypatch) -> type[EchoEngine]:
     """The inference stage starts an EchoEngine (its request count reset) instead of a real engine."""
     from batch_llm.engines.base import EngineInfo
-    from batch_llm.stages.infer import runner as infer
+    from batch_llm.stages.infer import runner
 
-    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (EchoEngine(), EngineInfo(kind="echo", version="0")))
+    monkeypatch.setattr(runner, "start_engine", lambda *a, **k: (EchoEngine(), EngineInfo(kind="echo", version="0")))
     EchoEngine.requests = 0
     return EchoEngine
 

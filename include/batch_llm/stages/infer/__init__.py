@@ -1,5 +1,5 @@
-"""Batch inference over one shard, or one task's shards on one engine, one module per concern (as a chain of
-batch stages: rows → requests → engine → results):
+"""Batch inference over one shard, or one task's shards on one engine, one module per concern. A shard's rows go
+through them as a chain: rows → requests (``request_builder``) → engine (``runner``) → result rows (``results``).
 
 - ``tasks``: the plan's shards grouped into inference tasks, a task's shards run in turn on one engine
 - ``runner``: one shard's read → cache → generate → commit → finish loop, the engine it starts or shares
