@@ -57,7 +57,7 @@ def cache_namespace(tmp: Path, **overrides) -> str:
     """The result-cache namespace a shard of the demo pipeline (with ``overrides``) reads and writes."""
     from batch_llm.io.storage import Location
     from batch_llm.manifests import ShardSpec
-    from batch_llm.stages.infer import ShardRun
+    from batch_llm.stages.infer.runner import ShardRun
 
     shard = tmp / "rows.jsonl"
     shard.write_text("")
@@ -121,9 +121,9 @@ class EchoEngine:
 def use_echo_engine(monkeypatch) -> type[EchoEngine]:
     """The inference stage starts an EchoEngine (its request count reset) instead of a real engine."""
     from batch_llm.engines.base import EngineInfo
-    from batch_llm.stages import infer
+    from batch_llm.stages.infer import runner
 
-    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (EchoEngine(), EngineInfo(kind="echo", version="0")))
+    monkeypatch.setattr(runner, "start_engine", lambda *a, **k: (EchoEngine(), EngineInfo(kind="echo", version="0")))
     EchoEngine.requests = 0
     return EchoEngine
 

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 from batch_llm.stages import content_filter as _content_filter
 from batch_llm.stages import evaluate as _evaluate
 from batch_llm.stages import fetch as _fetch
-from batch_llm.stages import infer as _infer
 from batch_llm.stages import plan as _plan
 from batch_llm.stages import publish as _publish
 from batch_llm.stages import quantize as _quantize
 from batch_llm.stages import review as _review
+from batch_llm.stages.infer import tasks as _infer_tasks
 
 if TYPE_CHECKING:
     from batch_llm.config import PipelineConfig
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         ShardResult,
         ShardSpec,
     )
-    from batch_llm.stages.infer import SharedEngine
+    from batch_llm.stages.infer.runner import SharedEngine
 
 __all__ = ["content_filter", "evaluate", "fetch", "infer_shard", "infer_shards", "maintain_cache", "plan_shards",
            "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]
@@ -76,27 +76,27 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
 
 
 def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]]:
-    """The plan's shards grouped as the inference tasks run them: ``batch_llm.stages.infer``."""
-    return _infer.shard_tasks(cfg, plan)
+    """The plan's shards grouped as the inference tasks run them: ``batch_llm.stages.infer.tasks``."""
+    return _infer_tasks.shard_tasks(cfg, plan)
 
 
 def infer_shard(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                 shard: ShardSpec | dict, say: Callable[[str], None] = print, started: dict | None = None,
                 on_committed: Callable[[ShardManifest], None] | None = None,
                 shared_engine: SharedEngine | None = None, stage: str = "infer") -> ShardManifest:
-    """One shard in this process: ``batch_llm.stages.infer``. The GPU operator runs shards in a worker of their
-    own instead (``batch_llm.isolation``). ``stage``: review for a shard of the content review's pass."""
-    return _infer.infer_shard(cfg, layout, model, shard, say=say, started=started, on_committed=on_committed,
-                              shared_engine=shared_engine, stage=stage)
+    """One shard in this process: ``batch_llm.stages.infer.tasks``. The GPU operator runs shards in a worker of
+    their own instead (``batch_llm.isolation``). ``stage``: review for a shard of the content review's pass."""
+    return _infer_tasks.infer_shard(cfg, layout, model, shard, say=say, started=started, on_committed=on_committed,
+                                    shared_engine=shared_engine, stage=stage)
 
 
 def infer_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchManifest | QuantizeManifest | dict,
                  shards: list[ShardSpec | dict], say: Callable[[str], None] = print, started: dict | None = None,
                  on_committed: Callable[[list[ShardManifest]], None] | None = None,
                  stage: str = "infer") -> list[ShardManifest]:
-    """One task's shards on one engine: ``batch_llm.stages.infer``."""
-    return _infer.infer_shards(cfg, layout, model, shards, say=say, started=started, on_committed=on_committed,
-                               stage=stage)
+    """One task's shards on one engine: ``batch_llm.stages.infer.tasks``."""
+    return _infer_tasks.infer_shards(cfg, layout, model, shards, say=say, started=started,
+                                     on_committed=on_committed, stage=stage)
 
 
 def review_fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | None = None) -> FetchManifest:

@@ -8,7 +8,7 @@ import pytest
 from batch_llm import api
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.layout import RunLayout
-from batch_llm.stages.infer import ShardFailed
+from batch_llm.stages.infer.runner import ShardFailed
 from helpers import ROOT, demo_config
 
 EXPECTED_PLAN_REASONS = {

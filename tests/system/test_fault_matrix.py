@@ -254,7 +254,7 @@ def test_model_without_chat_template_is_refused_at_fetch(tmp_path, demo_model_di
 
 
 def test_chat_template_set_in_the_config_is_used(tmp_path, demo_model_dir, home):
-    from batch_llm.stages.infer import chat_template_text
+    from batch_llm.stages.infer.identity import chat_template_text
 
     model = copy_model(demo_model_dir, tmp_path / "model")
     (model / "chat_template.jinja").unlink()

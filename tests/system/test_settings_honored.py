@@ -37,7 +37,7 @@ def test_trust_remote_code_is_off_by_default(tmp_path):
 
 
 def test_tokenizer_runs_shipped_code_only_when_trusted(custom_model):
-    from batch_llm.stages.infer import load_tokenizer
+    from batch_llm.stages.infer.request_builder import load_tokenizer
 
     with pytest.raises(ValueError, match="custom code"):
         load_tokenizer(str(custom_model), None)

@@ -148,7 +148,7 @@ def test_a_failing_shard_does_not_stop_the_tasks_later_shards(tmp_path, demo_mod
     row and outputs written), the second still runs and commits on the same engine, then the task fails naming
     the first; a re-run with a tolerant threshold takes both committed shards as they are, starting no engine."""
     from batch_llm.manifests import ShardManifest
-    from batch_llm.stages.infer import ShardFailed
+    from batch_llm.stages.infer.runner import ShardFailed
 
     src = tmp_path / "input.jsonl"
     rows = [{"id": "huge", "prompt": "lorem ipsum " * 2_000}] + [{"id": f"ok-{i}", "prompt": f"Say {i}."}

@@ -13,7 +13,7 @@ from batch_llm.io.storage import Location, exists, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ShardResult
 from batch_llm.stages.content_filter import check_shards_of_plan
-from batch_llm.stages.infer import drop_stale_shard
+from batch_llm.stages.infer.identity import drop_stale_shard
 from batch_llm_airflow.operators import PlanShardsOperator
 from helpers import demo_config
 

@@ -101,7 +101,7 @@ def test_chat_template_kwargs_keys_are_the_templates_variables_at_load(tmp_path)
 
 def test_chat_template_kwargs_of_a_model_fetched_later_are_checked_at_fetch(tmp_path):
     """A ModelScope id: its template is known once fetched; the fetch stage's check refuses the key then."""
-    from batch_llm.stages.infer import reasoning_problems
+    from batch_llm.stages.infer.identity import reasoning_problems
 
     cfg = demo_config(tmp_path, sampling__chat_template_kwargs={"enable_thinkng": False})  # not known at load
     model = tmp_path / "fetched"

@@ -179,7 +179,7 @@ def test_the_planner_writes_the_same_plan_with_its_image_checks_on_threads(tmp_p
 
 def test_the_prompt_key_holds_the_images_content_not_their_url(tmp_path, corpus):
     from batch_llm.cache.results import prompt_key
-    from batch_llm.stages.infer import _prompt_basis, _row_params
+    from batch_llm.stages.infer.request_builder import prompt_basis, row_params
 
     (corpus / "other.png").write_bytes(_png("blue"))
     rows = [_row("a", _url_part("imgs/red.png")), _row("b", _url_part("imgs/red-copy.png")),
@@ -188,7 +188,7 @@ def test_the_prompt_key_holds_the_images_content_not_their_url(tmp_path, corpus)
     src = corpus.parent / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _, good, _ = _plan(_cfg(tmp_path, src), src, tmp_path)
-    keys = {rid: prompt_key(_prompt_basis(r), _row_params(r)) for rid, r in good.items()}
+    keys = {rid: prompt_key(prompt_basis(r), row_params(r)) for rid, r in good.items()}
     assert keys["a"] == keys["b"] == keys["c"] != keys["d"]  # the same bytes anywhere: one key; other bytes: another
 
 
@@ -428,7 +428,8 @@ def test_the_shard_decodes_images_as_the_engine_pulls_them(tmp_path, vl_model, t
     started, a row whose image changed after the plan is the row's error with the reason, and the engine gets PIL
     images in the rows' order."""
     from batch_llm.manifests import ShardSpec
-    from batch_llm.stages.infer import load_tokenizer, run_shard
+    from batch_llm.stages.infer.request_builder import load_tokenizer
+    from batch_llm.stages.infer.runner import run_shard
 
     imgs = tmp_path / "in"
     imgs.mkdir()
@@ -483,7 +484,8 @@ def _shard_under_a_memory_limit(args: dict, conn) -> None:
     from batch_llm.engines import registry
     from batch_llm.engines.base import Engine
     from batch_llm.manifests import ShardSpec
-    from batch_llm.stages.infer import load_tokenizer, run_shard
+    from batch_llm.stages.infer.request_builder import load_tokenizer
+    from batch_llm.stages.infer.runner import run_shard
     from PIL import Image
 
     register_capabilities(EngineCapabilities(IMAGES_TOY, __name__, title="toy", images=True))
@@ -618,13 +620,13 @@ def test_a_text_engine_or_a_text_model_refuses_a_shards_image_rows(tmp_path, dem
     """What the review pass meets (its rows keep their images; its engine and model are the review's): a row with
     images on an engine or model that takes none is the row's error, naming the fix, before a template renders it."""
     from batch_llm.manifests import ShardSpec
-    from batch_llm.stages.infer import ShardRun
+    from batch_llm.stages.infer.runner import ShardRun
 
     def refusal(kind: str, model: Path) -> str | None:
         cfg = _cfg(tmp_path, tmp_path / "x.jsonl", engine__kind=kind)
         run = ShardRun(cfg, shard=ShardSpec(index=0, rows=0, url=str(tmp_path / "s.jsonl")),
                        shard_dir=Location(str(tmp_path / kind)), model_dir=str(model), model_key="m")
-        return run._image_refusal(2)
+        return run.requests.image_refusal(2)
 
     assert refusal("sglang", vl_model).startswith(
         "the row has 2 image(s): engine sglang takes no images (vllm and transformers can); set engine.kind: vllm or "
@@ -787,7 +789,7 @@ def test_an_image_of_huge_dimensions_in_a_small_file_fails_its_row_by_its_header
     assert bad["giant"].startswith("image 1 (imgs/giant.png): over input.max_image_pixels (40,000,000)")
 
     from batch_llm.manifests import ShardSpec
-    from batch_llm.stages.infer import run_shard
+    from batch_llm.stages.infer.runner import run_shard
     from PIL import ImageFile
 
     cfg = _cfg(tmp_path, src, input__max_image_pixels=100_000_000, cache__enabled=False, engine__max_error_rate=1.0)

@@ -1,4 +1,4 @@
-"""One identity of what changes an output (``infer.output_identity``) keys both the result cache's namespace and a
+"""One identity of what changes an output (``infer.identity.output_identity``) keys both the result cache's namespace and a
 shard's resume: every engine setting that reaches the engine is in it unless named, with the reason, in
 ``ENGINE_FIELDS_NOT_IN_OUTPUT``; a changed setting re-runs the rows and the shard says which setting changed."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from batch_llm.io import identity
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ModelRef, ShardSpec
-from batch_llm.stages.infer import shard_input_key, shard_inputs
+from batch_llm.stages.infer.identity import shard_input_key, shard_inputs
 from helpers import cache_namespace, demo_config, use_echo_engine
 
 LABELS = ["yes", "no"]

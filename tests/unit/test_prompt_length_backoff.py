@@ -6,7 +6,7 @@ from batch_llm.engines import start as engine_start
 from batch_llm.engines.base import EngineInfo, EngineStartError, GenResult
 from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
 from batch_llm.manifests import ShardSpec
-from batch_llm.stages.infer import run_shard
+from batch_llm.stages.infer.runner import run_shard
 from helpers import demo_config
 
 

@@ -23,7 +23,7 @@ from batch_llm.reasoning import (
 )
 from batch_llm.rows.params import RowParams, engine_refusal, template_kwargs
 from batch_llm.stages.content_filter import ContentFilter
-from batch_llm.stages.infer import reasoning_problems, sampling_identity
+from batch_llm.stages.infer.identity import reasoning_problems, sampling_identity
 from helpers import demo_config
 
 # The generation prompt of Qwen3's hybrid template (its history handling mentions <think> too, as the real one's)
@@ -210,9 +210,9 @@ class _ThinkingEngine:
 
 @pytest.fixture
 def thinking_engine(monkeypatch, demo_model_dir):
-    from batch_llm.stages import infer
+    from batch_llm.stages.infer import runner
 
-    monkeypatch.setattr(infer, "start_engine", lambda *a, **k: (_ThinkingEngine(), EngineInfo(kind="vllm", version="0")))
+    monkeypatch.setattr(runner, "start_engine", lambda *a, **k: (_ThinkingEngine(), EngineInfo(kind="vllm", version="0")))
 
 
 def _shard(tmp_path, run_id: str, **overrides):

@@ -20,7 +20,8 @@ from batch_llm.io.storage import Location, as_path, iter_jsonl, write_jsonl
 from batch_llm.rows.params import RowParams, engine_refusal, resolve
 from batch_llm.stages import plan as plan_mod
 from batch_llm.stages.content_filter import ContentFilter
-from batch_llm.stages.infer import SAMPLE_FIELDS, result_row, sample_fields, sampling_identity
+from batch_llm.stages.infer.identity import sampling_identity
+from batch_llm.stages.infer.results import SAMPLE_FIELDS, result_row, sample_fields
 from batch_llm.stages.shard_merge import finish_shard
 from helpers import demo_config
 

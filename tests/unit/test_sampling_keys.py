@@ -31,7 +31,8 @@ from batch_llm.rows.params import (
     template_kwargs,
 )
 from batch_llm.stages import plan as plan_mod
-from batch_llm.stages.infer import ShardRun, sampling_identity
+from batch_llm.stages.infer.identity import sampling_identity
+from batch_llm.stages.infer.request_builder import RequestBuilder
 from helpers import demo_config
 
 # What OpenAI's chat and completions endpoints take (openai 3.57's CompletionCreateParams), where the openai
@@ -226,11 +227,11 @@ class _RecordingTokenizer:
 
 
 def test_the_chat_is_rendered_with_the_pipelines_and_the_rows_template_variables(tmp_path):
-    run = ShardRun.__new__(ShardRun)  # only what _render reads
-    run.cfg = demo_config(tmp_path, sampling__chat_template_kwargs={"enable_thinking": False, "lang": "en"})
-    run.tokenizer = _RecordingTokenizer()
-    run._render({"messages": CHAT, "params": {"chat_template_kwargs": {"lang": "fr"}}})
-    assert run.tokenizer.kwargs == {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False,
+    builder = RequestBuilder.__new__(RequestBuilder)  # only what render reads
+    builder.cfg = demo_config(tmp_path, sampling__chat_template_kwargs={"enable_thinking": False, "lang": "en"})
+    builder.tokenizer = _RecordingTokenizer()
+    builder.render({"messages": CHAT, "params": {"chat_template_kwargs": {"lang": "fr"}}})
+    assert builder.tokenizer.kwargs == {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False,
                                     "lang": "fr"}
 
 

@@ -1114,7 +1114,7 @@ class PipelineConfig(_Section):
     def _template_kwargs_are_template_variables(self) -> "PipelineConfig":
         """``sampling.chat_template_kwargs`` keys the chat template reads, where the template is known when the
         config loads (``model.chat_template``, or a local model folder's); a model fetched later is checked by
-        the fetch stage (``stages/infer.py``'s reasoning_problems), before any engine starts."""
+        the fetch stage (``stages.infer.identity.reasoning_problems``), before any engine starts."""
         if not self.sampling.chat_template_kwargs:
             return self
         from batch_llm.host.probes import model_chat_template

@@ -84,7 +84,7 @@ class VllmEngine(Engine):
 
     def _reasoning_parser(self) -> str | None:
         """engine.reasoning_parser as vLLM gets it: ``auto`` (an engine started outside a shard, which resolves it
-        with the pipeline's chat template: ``infer.with_reasoning_parser``) chosen from the model's own template;
+        with the pipeline's chat template: ``infer.identity.with_reasoning_parser``) chosen from the model's own template;
         None: none."""
         name = self.cfg.reasoning_parser
         if name == "auto":

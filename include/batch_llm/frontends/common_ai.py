@@ -490,7 +490,7 @@ class ResultRow(BaseModel):
 
 
 class _ShardRow(BaseModel):
-    """What a shard committed for one request (``infer.py``'s result and error rows)."""
+    """What a shard committed for one request (``stages.infer.results``' result and error rows)."""
 
     model_config = ConfigDict(extra="ignore")
 

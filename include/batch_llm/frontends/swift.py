@@ -595,7 +595,7 @@ def result_lines(rows: Sequence[dict], outputs: dict[str, dict], errors: dict[st
 
 
 def swift_logprobs(tokens: list[dict] | None) -> dict | None:
-    """A row's token log-probabilities (``infer.py``: token, logprob, top) as swift's engines return them
+    """A row's token log-probabilities (``stages.infer.results``: token, logprob, top) as swift's engines return them
     (``InferEngine._get_logprobs``): ``{"content": [{token, logprob, bytes, top_logprobs}]}``, ``top_logprobs`` only
     where candidates were asked for (--top_logprobs)."""
     if tokens is None:

@@ -853,11 +853,11 @@ _GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens"
               "review_verdict", "review_categories", "review_error",
               "reasoning", "reasoning_tokens", "thinking_ended", "max_thinking_tokens", "outputs_reasoning")
 
-_SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.SAMPLE_FIELDS
+_SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.results.SAMPLE_FIELDS
 
 
 def _sample_types() -> dict:
-    """The Parquet types of the sample columns (``infer.SAMPLE_FIELDS``), fixed rather than inferred: a batch
+    """The Parquet types of the sample columns (``infer.results.SAMPLE_FIELDS``), fixed rather than inferred: a batch
     whose rows have empty top lists or no finish reason would otherwise be typed by what it happens to hold."""
     import pyarrow as pa
 

@@ -4,7 +4,7 @@ A run's folder is the same for every retry and every *Clear* of one DAG run, so 
 committed work there must tell whether it still holds. It holds when it was made from the same things: the
 plan from the same input files (names, sizes, and what the store says changes with the content: an S3 ETag, a
 local file's mtime, ctime and inode) and the same settings; a shard's chunks from the same plan and the same
-everything that changes an output (``infer.output_identity``; the result cache's namespace hashes it too).
+everything that changes an output (``infer.identity.output_identity``; the result cache's namespace hashes it too).
 These keys are that comparison, kept small (hashes) so they fit in a manifest.
 """
 from __future__ import annotations
@@ -47,11 +47,11 @@ def files_key(files: Iterable[UPath]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ what makes an output
-# Bumped when what infer.output_identity holds changes meaning, so that no key made before it matches one made after.
+# Bumped when what infer.identity.output_identity holds changes meaning, so that no key made before it matches one made after.
 OUTPUT_IDENTITY_FORMAT = 2
 
 # The engine section's fields that do not change what the model computes for a row; every other field is part of
-# infer.output_identity (tests/unit/test_output_identity.py walks EngineConfig's fields: a new one is in the identity
+# infer.identity.output_identity (tests/unit/test_output_identity.py walks EngineConfig's fields: a new one is in the identity
 # unless it is named here, with the reason).
 ENGINE_FIELDS_NOT_IN_OUTPUT = frozenset({
     # Scheduling: how many rows run at once, in how much KV cache, over how many GPUs. The same model computes

@@ -80,7 +80,7 @@ def main() -> int:
     from batch_llm.config import parse_config
     from batch_llm.engines.base import EngineCannotRun
     from batch_llm.layout import RunLayout
-    from batch_llm.stages.infer import ShardFailed
+    from batch_llm.stages.infer.runner import ShardFailed
 
     cfg = parse_config(spec["config"], "worker spec")
     layout = RunLayout.from_dict(spec["layout"])

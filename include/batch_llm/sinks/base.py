@@ -31,7 +31,7 @@ log = logging.getLogger("batch_llm.sinks")
 # The commit metadata key that names one attempt's commit, so the sink finds its own snapshot in the table's
 # history even when other commits landed right after it.
 COMMIT_TOKEN = "batch_llm.commit"
-# A commit's checkpoints, announced as audit events like the shards' (stages/infer.py): free when nobody listens;
+# A commit's checkpoints, announced as audit events like the shards' (stages/infer/runner.py): free when nobody listens;
 # the fault-injection tests listen and kill the publisher there.
 CHECKPOINT_EVENT = "batch_llm.sink.checkpoint"
 

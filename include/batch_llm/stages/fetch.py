@@ -295,7 +295,7 @@ def fetch(cfg: PipelineConfig, layout: RunLayout, *, storage_options: dict | Non
     t0 = time.perf_counter()
     m = fetch_model(cfg.model, storage_options=storage_options, adapter_storage_options=adapter_storage_options)
     m.seconds = round(time.perf_counter() - t0, 2)
-    from batch_llm.stages.infer import reasoning_problems
+    from batch_llm.stages.infer.identity import reasoning_problems
 
     # thinking settings this model's template cannot honour stop the run here, before a GPU is leased for it
     if problems := reasoning_problems(cfg, m.local_dir):

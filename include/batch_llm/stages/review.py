@@ -274,7 +274,7 @@ def review_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetc
                   shards: list, say: Callable[[str], None] = print) -> list[ShardManifest]:
     """Reviews the given shards in this process, in turn on one engine (the CLI; the Airflow task runs the same
     shards in an isolated worker: ``isolation.shard_process`` with ``stage="review"``)."""
-    from batch_llm.stages.infer import infer_shards
+    from batch_llm.stages.infer.tasks import infer_shards
 
     specs: list[ShardSpec | dict] = [prepare_review(cfg, layout, plan, s) for s in flat_results(shards)]
     return infer_shards(review_pipeline_config(cfg), layout, model, specs, say=say, stage="review")
