@@ -3,11 +3,13 @@ warnings, the rows swift reads, the result line's shape, and docs/ms-swift.md's 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from batch_llm.config import ConfigError
 from batch_llm.frontends import swift as sa
+from batch_llm.frontends import swift_fields
 from batch_llm.frontends.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,3 +309,141 @@ def test_a_run_in_a_temporary_folder_writes_no_result_cache(tmp_path, capsys):
 
     assert cache_enabled() is False
     assert cache_enabled("--work-dir", str(tmp_path / "work")) is True
+
+
+# ------------------------------------------------------------------ every field of ms-swift's InferArguments
+def _extractor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("swift_infer_fields", ROOT / "scripts" / "swift_infer_fields.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_SAMPLE = {sa._bool: "true", int: "2", float: "0.5", sa._optional_int: "2", sa._json: '{"a": 1}',
+           sa._rope: '{"type": "linear", "factor": 2.0}'}
+
+
+@pytest.mark.parametrize("name", [n for n, _ in swift_fields.INFER_FIELDS])
+def test_every_ms_swift_infer_flag_is_honoured_or_refused_with_its_reason(name):
+    """Each field of ms-swift's InferArguments is a flag here: given a value, it sets a key, is noted, warned
+    about, or refused with its own reason (its row's text), never as a flag batch-llm does not know."""
+    flag = sa.BY_NAME[name]
+    assert flag.action in (sa.MAP, sa.OWN, sa.NOTE, sa.WARN, sa.REFUSE)
+    assert flag.how or flag.action in (sa.MAP, sa.OWN), f"--{name}: say what it becomes or why it is refused"
+    try:
+        _plan("--infer_backend", "vllm", f"--{name}", _SAMPLE.get(flag.type, "x"))
+    except ConfigError as e:
+        said = str(e)
+        assert "not a flag batch-llm infer knows" not in said and f"--{name}" in said, said
+        if flag.action == sa.REFUSE:
+            assert flag.how in said
+
+
+def test_flags_beyond_ms_swift_4_are_older_spellings_and_unknown_ones_stay_errors():
+    """The flag table holds ms-swift 4's fields and the older spellings its users' scripts still pass; a flag
+    that no ms-swift has is the generic error."""
+    fields = {n for n, _ in swift_fields.INFER_FIELDS}
+    for f in sa.FLAGS:
+        assert f.name in fields or "spelling" in f.how, f.name
+    with pytest.raises(ConfigError, match="--no_such_flag: not a flag batch-llm infer knows"):
+        _plan("--no_such_flag", "1")
+
+
+def test_the_shipped_field_list_is_the_extractors_output():
+    """swift_fields.py is what scripts/swift_infer_fields.py renders (regenerated, not edited by hand)."""
+    text = (ROOT / "include" / "batch_llm" / "frontends" / "swift_fields.py").read_text(encoding="utf-8")
+    assert text == _extractor().render(swift_fields.MS_SWIFT_VERSION, list(swift_fields.INFER_FIELDS))
+    assert swift_fields.MS_SWIFT_VERSION == "4.6.0"
+
+
+def test_the_extractor_follows_bases_across_modules_in_dataclass_order(tmp_path):
+    """Fields come from the class and its bases found in other modules, a base's first (MRO reversed), a name
+    redeclared keeping its first place; private and ClassVar names are no flags."""
+    pkg = tmp_path / "swift"
+    (pkg / "arguments" / "base_args").mkdir(parents=True)
+    (pkg / "rlhf").mkdir()
+    (pkg / "version.py").write_text("__version__ = '9.9.9'\n")
+    (pkg / "rlhf" / "mixin.py").write_text("class VllmArguments:\n    vllm_a: int = 1\n    _hidden: int = 0\n")
+    (pkg / "arguments" / "base_args" / "base.py").write_text(
+        "class ModelArguments:\n    model: str = None\n    seed: int = 1\n"
+        "class BaseArguments(ModelArguments):\n    seed: int = 42\n    adapters: list = None\n"
+        "    table: ClassVar[dict] = {}\n")
+    (pkg / "arguments" / "infer_args.py").write_text(
+        "from swift.rlhf.mixin import VllmArguments\n"
+        "class InferArguments(VllmArguments, BaseArguments):\n    result_path: str = None\n    def f(self): x: int = 1\n")
+    text = _extractor().extract(tmp_path)
+    namespace: dict = {}
+    exec(text, namespace)
+    assert namespace["MS_SWIFT_VERSION"] == "9.9.9"
+    assert namespace["INFER_FIELDS"] == (("model", "ModelArguments"), ("seed", "ModelArguments"),
+                                         ("adapters", "BaseArguments"), ("vllm_a", "VllmArguments"),
+                                         ("result_path", "InferArguments"))
+
+
+@pytest.mark.skipif(not os.environ.get("MS_SWIFT_SOURCE"), reason="MS_SWIFT_SOURCE: an ms-swift wheel or source "
+                    "folder (pip download --no-deps ms-swift==4.6.0) to check swift_fields.py against")
+def test_the_shipped_field_list_matches_ms_swift():
+    """swift_fields.py holds what the extractor reads from the ms-swift release it names."""
+    text = _extractor().extract(Path(os.environ["MS_SWIFT_SOURCE"]))
+    assert text == (ROOT / "include" / "batch_llm" / "frontends" / "swift_fields.py").read_text(encoding="utf-8")
+
+
+def test_ckpt_dir_is_the_adapter_or_the_model(tmp_path):
+    """swift 2.x's --ckpt_dir: a LoRA checkpoint is --adapters, a full one --model."""
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text("{}")
+    plan = _plan("--ckpt_dir", str(lora))
+    assert plan.overrides["model.lora"] == {"ref": str(lora), "merge": True}
+    full = sa.plan_invocation(sa.parse_swift_args(["--ckpt_dir", str(tmp_path), "--val_dataset", "r.jsonl",
+                                                   "--result_path", "o.jsonl"]))
+    assert full.overrides["model.ref"] == str(tmp_path) and "model.lora" not in full.overrides
+
+
+def test_pixels_rope_and_model_kwargs_reach_the_engine(tmp_path):
+    """--max_pixels and --model_kwargs' MAX_PIXELS / MIN_PIXELS are the image processor's settings; --rope_scaling
+    (its JSON object) is laid over the model's config through vLLM's hf_overrides."""
+    rope = '{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
+    plan = _plan("--infer_backend", "vllm", "--max_pixels", "1003520", "--rope_scaling", rope,
+                 "--model_kwargs", '{"min_pixels": 3136}')
+    cfg = sa.build_config(plan, tmp_path)
+    assert cfg.engine.mm_processor_kwargs == {"max_pixels": 1003520, "min_pixels": 3136}
+    assert cfg.engine.extra["hf_overrides"] == {"rope_scaling": json.loads(rope)}
+    with pytest.raises(ConfigError, match="--rope_scaling: 'yarn': a JSON object"):
+        _plan("--infer_backend", "vllm", "--rope_scaling", "yarn")
+    with pytest.raises(ConfigError, match="--rope_scaling: .*the transformers engine takes none"):
+        _plan("--infer_backend", "pt", "--rope_scaling", rope)
+    with pytest.raises(ConfigError, match="--model_kwargs FPS_MAX_FRAMES: swift sets it as the environment"):
+        _plan("--model_kwargs", '{"FPS_MAX_FRAMES": 8}')
+
+
+@pytest.mark.parametrize("words, quantize", [
+    (["--quant_method", "bnb", "--quant_bits", "4"], {"enabled": True, "scheme": "W4A16", "method": "rtn"}),
+    (["--quant_method", "hqq", "--quant_bits", "4"], {"enabled": True, "scheme": "W4A16", "method": "rtn"}),
+    (["--quant_method", "fp8"], {"enabled": True, "scheme": "FP8_DYNAMIC"}),
+])
+def test_load_time_quantization_is_the_quantize_stage(words, quantize):
+    """swift's quantization at load is the quantize stage's export (int4 round-to-nearest, or FP8)."""
+    over = _plan("--infer_backend", "vllm", *words).overrides
+    assert {k.split(".", 1)[1]: v for k, v in over.items() if k.startswith("quantize.")} == quantize
+
+
+@pytest.mark.parametrize("words, named", [
+    (["--quant_method", "bnb", "--quant_bits", "8"], "--quant_method bnb --quant_bits 8: batch-llm's quantize stage"),
+    (["--quant_bits", "4"], "--quant_bits 4: needs --quant_method"),
+    (["--truncation_strategy", "left"], "--truncation_strategy left: not supported by batch-llm infer: delete"),
+    (["--response_prefix", "<think>"], "batch-llm has no assistant prefix"),
+    (["--task_type", "embedding"], "engine.task: embed or classify"),
+])
+def test_flags_without_a_counterpart_are_refused_with_why(words, named):
+    with pytest.raises(ConfigError) as e:
+        _plan(*words)
+    assert named in str(e.value)
+
+
+def test_truncation_strategy_delete_is_what_batch_llm_does():
+    """delete (swift's default): an over-long prompt is the row's error line here, so it is accepted."""
+    plan = _plan("--truncation_strategy", "delete", "--tuner_type", "lora", "--task_type", "causal_lm")
+    assert plan.warnings == [] and plan.overrides == _plan().overrides

@@ -65,6 +65,15 @@ def _json(text: str) -> dict:
     return value
 
 
+def _rope(text: str) -> dict:
+    try:
+        return _json(text)
+    except ValueError:
+        raise ValueError(f"{text!r}: a JSON object such as {{\"type\": \"yarn\", \"factor\": 4.0, "
+                         f"\"original_max_position_embeddings\": 32768}} (swift's short form works its factor out "
+                         f"of --max_model_len and the model's config.json; give the object it makes)") from None
+
+
 def _optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("none", "null") else int(text)
 
@@ -238,6 +247,126 @@ FLAGS: tuple[SwiftFlag, ...] = (
        how="data parallel attention needs --sglang_dp_size equal to --sglang_tp_size; data parallel runs are shards"),
     _f("sglang_enable_ep_moe", REFUSE, type=_bool, neutral=(False,), backend="sglang",
        how="removed from SGLang (0.5.17 has no such argument): --sglang_ep_size"),
+    # ---- the rest of ms-swift 4.6's InferArguments (swift_fields.py lists them all): what each is in swift and
+    # what becomes of it here
+    # ModelArguments
+    _f("task_type", REFUSE, neutral=("causal_lm",), how="swift's embedding / seq_cls / reranker / decision inference "
+       "writes other result lines; batch-llm run with engine.task: embed or classify"),
+    _f("experts_impl", NOTE, how="transformers' MoE expert kernels: the engine picks its own"),
+    _f("new_special_tokens", REFUSE, many=True, how="tokens added to the tokenizer for training; an adapter "
+       "trained with new tokens: merge it into the model (swift export --merge_lora true) and give that as --model"),
+    _f("num_labels", REFUSE, type=_optional_int, neutral=(None,), how="a classification head (--task_type "
+       "seq_cls); batch-llm run with engine.task: classify"),
+    _f("problem_type", REFUSE, how="a classification head (--task_type seq_cls); batch-llm run with "
+       "engine.task: classify"),
+    _f("rope_scaling", MAP, "engine.extra.hf_overrides.rope_scaling", type=_rope, how="a JSON object (type, "
+       "factor, original_max_position_embeddings) laid over the model's config.json through vLLM's hf_overrides "
+       "(vllm backend only); swift's short form (linear / dynamic / yarn, its factor from --max_model_len) is "
+       "refused: give the object"),
+    _f("max_memory", NOTE, how="the engine places the model (engine.gpu_memory_utilization)"),
+    _f("local_repo_path", REFUSE, how="the GitHub code some models load (deepseek-vl2); batch-llm runs models "
+       "that vLLM or transformers run from their own folder"),
+    _f("init_strategy", REFUSE, how="initialises weights the checkpoint lacks (a custom architecture); a "
+       "checkpoint missing weights is refused by the engine here"),
+    # TemplateArguments
+    _f("truncation_strategy", REFUSE, neutral=("delete",), how="delete (swift's default) is what batch-llm does: "
+       "a prompt longer than engine.max_model_len is the row's error line, never cut; left / right / split cut "
+       "what the model reads: shorten the rows or raise --vllm_max_model_len"),
+    _f("max_pixels", MAP, "engine.mm_processor_kwargs.max_pixels", type=int, how="the image processor's "
+       "max_pixels (Qwen2-VL and others), as swift sets MAX_PIXELS"),
+    _f("agent_template", REFUSE, how="tool-calling prompts: rows with tools are refused (text rows only)"),
+    _f("norm_bbox", NOTE, how="grounding boxes of swift's multimodal templates: prompts use the model's own chat "
+       "template"),
+    _f("padding_side", NOTE, how="the engine batches without padding"),
+    _f("padding_free", NOTE, type=_bool, how="a training setting (packed batches)"),
+    _f("loss_scale", NOTE, how="a training setting (loss weights): inference computes no loss"),
+    _f("sequence_parallel_size", REFUSE, type=int, neutral=(1,), how="training's sequence parallelism; one model "
+       "over several GPUs: --vllm_tensor_parallel_size"),
+    _f("is_binary_loss_scale", NOTE, type=_bool, how="a training setting (loss weights)"),
+    _f("response_prefix", REFUSE, how="swift writes it after the assistant header so that every response "
+       "continues it (e.g. '<think>\\n'); batch-llm has no assistant prefix: prompts end with the chat template's "
+       "generation prompt (thinking on or off: --enable_thinking)"),
+    _f("preserve_thinking", NOTE, type=_bool, how="earlier turns' thinking is what the model's chat template keeps "
+       "(swift's template option)"),
+    _f("add_non_thinking_prefix", NOTE, type=_bool, how="a training setting (the empty thinking block of "
+       "non-thinking rows); at inference: --enable_thinking"),
+    _f("disable_ignore_empty_think", NOTE, type=_bool, how="a training setting (loss of empty thinking blocks)"),
+    # DataArguments
+    _f("cached_dataset", REFUSE, many=True, how="swift's pre-tokenized datasets (swift export "
+       "--to_cached_dataset); give the rows as --val_dataset .jsonl"),
+    _f("cached_val_dataset", REFUSE, many=True, how="swift's pre-tokenized datasets (swift export "
+       "--to_cached_dataset); give the rows as --val_dataset .jsonl"),
+    _f("interleave_prob", REFUSE, many=True, type=float, how="mixes the datasets at random; --val_dataset files "
+       "are read one after the other, in order"),
+    _f("stopping_strategy", NOTE, how="of --interleave_prob only: files are read one after the other"),
+    _f("shuffle_buffer_size", NOTE, type=int, how="of --streaming only: rows keep their input order"),
+    _f("download_mode", NOTE, how="no hub datasets: --val_dataset reads local files"),
+    _f("strict", NOTE, type=_bool, how="rows are read strictly: a row of another shape stops the command, naming "
+       "it (swift without --strict drops it)"),
+    _f("remove_unused_columns", NOTE, type=_bool, how="other columns are dropped from the result lines, as swift "
+       "drops them"),
+    _f("disable_auto_column_mapping", NOTE, type=_bool, how="columns are messages, or query / response / system / "
+       "history, by those names"),
+    _f("model_name", NOTE, many=True, how="self-cognition training data: inference does not use it"),
+    _f("model_author", NOTE, many=True, how="self-cognition training data: inference does not use it"),
+    _f("custom_dataset_info", REFUSE, many=True, how="registers datasets by name for swift's loader; give local "
+       "files as --val_dataset"),
+    _f("decision_drop_instructions", NOTE, type=float, how="training augmentation of --task_type decision rows"),
+    _f("decision_subsample_options", NOTE, type=int, how="training augmentation of --task_type decision rows"),
+    _f("decision_state_as_text", NOTE, type=float, how="training augmentation of --task_type decision rows"),
+    _f("decision_shuffle_fields", NOTE, type=_bool, how="training augmentation of --task_type decision rows"),
+    # QuantizeArguments (swift quantizes at load; here the quantize stage exports once, cached)
+    _f("quant_method", MAP, "quantize.scheme", how="bnb / hqq / eetq / quanto with --quant_bits 4: the quantize "
+       "stage's W4A16 (round-to-nearest, llm-compressor, cached), fp8: its FP8_DYNAMIC; swift quantizes at load "
+       "with that library, so outputs differ slightly; 8-bit integer weights and 1-3 bits are refused (4 or fp8)"),
+    _f("quant_bits", MAP, "quantize.scheme", how="with --quant_method: 4 -> W4A16, float8 -> FP8_DYNAMIC"),
+    _f("hqq_axis", NOTE, type=int, how="an HQQ setting: the quantize stage's W4A16 groups weights "
+       "(quantize.group_size in a pipeline YAML)"),
+    _f("bnb_4bit_compute_dtype", NOTE, how="a bitsandbytes setting: the engine computes in --torch_dtype"),
+    _f("bnb_4bit_quant_type", NOTE, how="a bitsandbytes setting (nf4 / fp4): the quantize stage makes int4 groups"),
+    _f("bnb_4bit_use_double_quant", NOTE, type=_bool, how="a bitsandbytes setting: the quantize stage makes int4 "
+       "groups"),
+    _f("bnb_4bit_quant_storage", NOTE, how="a bitsandbytes setting: the quantize stage makes int4 groups"),
+    # BaseArguments
+    _f("tuner_backend", NOTE, how="LoRA adapters are merged by peft at fetch or served by vLLM"),
+    _f("tuner_type", REFUSE, neutral=("lora", "full"), how="adapters of another tuner (adalora, vera, boft, reft, "
+       "...) are not read: merge it into the model (swift export --merge_lora true) and give that as --model"),
+    _f("external_plugins", REFUSE, many=True, how="Python files that register swift's models, templates and "
+       "datasets; batch-llm runs no plugin code: the model folder's config.json and chat template"),
+    _f("custom_register_path", REFUSE, many=True, how="swift 3.x spelling of --external_plugins: batch-llm runs no "
+       "plugin code"),
+    _f("model_kwargs", MAP, "engine.mm_processor_kwargs", type=_json, how="swift sets each key as an environment "
+       "variable its model code reads; MAX_PIXELS, MIN_PIXELS: the image processor's max_pixels, min_pixels "
+       "(engine.mm_processor_kwargs); another key is refused (no engine here reads swift's variables)"),
+    _f("enable_npu_model_patch", NOTE, type=_bool, how="Ascend NPU patches: the engines here run on GPUs or CPUs"),
+    _f("load_data_args", REFUSE, type=_bool, neutral=(False,), how="reads the training's validation split from the "
+       "checkpoint's args.json; give those rows as --val_dataset"),
+    _f("packing", NOTE, type=_bool, how="a training setting (packed sequences)"),
+    _f("packing_length", NOTE, type=_optional_int, how="a training setting (packed sequences)"),
+    _f("packing_num_proc", NOTE, type=int, how="a training setting (packed sequences)"),
+    _f("packing_strategy", NOTE, how="a training setting (packed sequences)"),
+    _f("lazy_tokenize", NOTE, type=_bool, how="the engine tokenizes each prompt"),
+    _f("hub_token", REFUSE, how="a token on the command line; the model fetch reads MODELSCOPE_API_TOKEN from the "
+       "environment"),
+    _f("ddp_timeout", NOTE, type=int, how="no torch.distributed run: shards are separate processes"),
+    _f("ddp_backend", NOTE, how="no torch.distributed run: shards are separate processes"),
+    _f("ignore_args_error", NOTE, type=_bool, how="an unknown flag is always an error here"),
+    _f("use_swift_lora", REFUSE, type=_bool, neutral=(False,), how="swift's own LoRA format; peft adapters "
+       "(adapter_config.json) only"),
+    # RayArguments
+    _f("use_ray", REFUSE, type=_bool, neutral=(False,), how="swift's Ray runs; several GPUs run shards of one "
+       "pipeline as Airflow tasks (sharding.num_shards)"),
+    _f("ray_exp_name", NOTE, how="of --use_ray only"),
+    _f("device_groups", REFUSE, how="Ray device groups (--use_ray); the engine's GPUs: "
+       "--vllm_tensor_parallel_size"),
+    # MergeArguments (--merge_lora's output)
+    _f("safe_serialization", NOTE, type=_bool, how="the merged model is written as safetensors in the model cache"),
+    _f("max_shard_size", NOTE, how="the merged model's files are written by peft in the model cache"),
+    # InferArguments
+    _f("reranker_use_activation", NOTE, type=_bool, how="of --task_type reranker only (refused)"),
+    # swift 2.x / 3.0 spelling, which ms-swift 4 no longer takes
+    _f("ckpt_dir", MAP, "model.lora.ref", how="swift 2.x / 3.0 spelling: a folder with adapter_config.json is "
+       "--adapters, another one --model"),
     # ---- batch-llm's own options (spelled with '-')
 )
 BY_NAME = {f.name: f for f in FLAGS}
@@ -355,6 +484,8 @@ def plan_invocation(inv: SwiftInvocation) -> InferPlan:
     missing --model / --val_dataset / --result_path, or an unknown backend."""
     v = inv.values
     notes: list[str] = []
+    if "ckpt_dir" in v:
+        notes.append(_ckpt_dir(v))
     notes += checkpoint_args(v)
     for required in ("model", "val_dataset"):
         if required not in v:
@@ -375,6 +506,19 @@ def plan_invocation(inv: SwiftInvocation) -> InferPlan:
                           "made here): --result_path out.jsonl")
     return InferPlan(over, notes, warnings, backend, list(v["val_dataset"]), v.get("val_dataset_sample"),
                      os.path.abspath(os.path.expanduser(v["result_path"])))
+
+
+def _ckpt_dir(values: dict[str, Any]) -> str:
+    """swift 2.x's --ckpt_dir as ms-swift 4 spells it: --adapters for a LoRA checkpoint (adapter_config.json in
+    it), --model for a full one. Returns the note saying which."""
+    ckpt = values.pop("ckpt_dir")
+    is_adapter = (Path(os.path.expanduser(ckpt)) / "adapter_config.json").is_file()
+    name = "adapters" if is_adapter else "model"
+    if values.get(name):
+        raise ConfigError(f"--ckpt_dir {ckpt}: a {'LoRA' if is_adapter else 'full'} checkpoint, and --{name} is "
+                          f"given too: give one of them")
+    values[name] = [ckpt] if is_adapter else ckpt
+    return f"--ckpt_dir: read as --{name} {ckpt} (ms-swift 4's spelling)"
 
 
 def _judge(flag: SwiftFlag, value: Any, values: dict[str, Any], raw_backend: str, backend: str,
@@ -412,6 +556,9 @@ def _map(flag: SwiftFlag, value: Any, values: dict[str, Any], over: dict[str, An
     if name in ("adapters", "merge_lora"):
         _map_adapter(values, over)
         return
+    if name in ("quant_method", "quant_bits", "rope_scaling", "model_kwargs"):
+        _map_model_settings(name, value, values, over)
+        return
     if name == "model":
         value = os.path.abspath(os.path.expanduser(value)) if os.path.exists(os.path.expanduser(value)) else value
     elif name == "logprobs":
@@ -431,6 +578,49 @@ def _map(flag: SwiftFlag, value: Any, values: dict[str, Any], over: dict[str, An
             over[f"engine.extra.{k}"] = x
         return
     over[key] = value
+
+
+#: The --model_kwargs environment variables that are an image processor's settings (swift's qwen-vl loaders read
+#: them) and their names in vLLM's mm_processor_kwargs.
+MODEL_KWARGS_PIXELS = {"MAX_PIXELS": "max_pixels", "MIN_PIXELS": "min_pixels"}
+#: swift's load-time quantization (--quant_method, --quant_bits) -> the quantize stage's scheme.
+QUANT_SCHEMES = {("bnb", "4"): "W4A16", ("hqq", "4"): "W4A16", ("eetq", "4"): "W4A16", ("quanto", "4"): "W4A16",
+                 ("fp8", None): "FP8_DYNAMIC", ("fp8", "float8"): "FP8_DYNAMIC", ("quanto", "float8"): "FP8_DYNAMIC"}
+
+
+def _map_model_settings(name: str, value: Any, values: dict[str, Any], over: dict[str, Any]) -> None:
+    """--quant_method / --quant_bits, --rope_scaling and --model_kwargs: what swift changes in the model it loads."""
+    if name in ("quant_method", "quant_bits"):
+        _map_quant(values, over)
+    elif name == "rope_scaling":
+        if over["engine.kind"] != "vllm":
+            raise ConfigError(f"--rope_scaling: laid over the model's config through vLLM's hf_overrides; the "
+                              f"{over['engine.kind']} engine takes none: --infer_backend vllm")
+        over["engine.extra.hf_overrides.rope_scaling"] = value
+    else:
+        for k, x in value.items():
+            if k.upper() not in MODEL_KWARGS_PIXELS:
+                raise ConfigError(f"--model_kwargs {k}: swift sets it as the environment variable {k.upper()} that "
+                                  f"its model code reads; no engine here reads it (MAX_PIXELS and MIN_PIXELS are "
+                                  f"the image processor's: engine.mm_processor_kwargs)")
+            over[f"engine.mm_processor_kwargs.{MODEL_KWARGS_PIXELS[k.upper()]}"] = int(x)
+
+
+def _map_quant(values: dict[str, Any], over: dict[str, Any]) -> None:
+    """--quant_method and --quant_bits: the quantize stage (an export once, cached by model and scheme) in place of
+    swift's quantization at load."""
+    method, bits = values.get("quant_method"), values.get("quant_bits")
+    if method is None:
+        raise ConfigError(f"--quant_bits {bits}: needs --quant_method (bnb, hqq, eetq, quanto or fp8), as in swift")
+    scheme = QUANT_SCHEMES.get((method, None if bits is None else str(bits)))
+    if scheme is None:
+        raise ConfigError(f"--quant_method {method} --quant_bits {bits}: batch-llm's quantize stage makes int4 "
+                          f"weights (--quant_bits 4) or FP8 (--quant_method fp8); swift's {bits or 'default'}-bit "
+                          f"{method} at load has no counterpart here")
+    over["quantize.enabled"] = True
+    over["quantize.scheme"] = scheme
+    if scheme == "W4A16":  # data-free, as swift's load-time int4 is
+        over["quantize.method"] = "rtn"
 
 
 #: The keys of a swift checkpoint's args.json that ``swift infer --adapters CKPT`` fills where the command line leaves
