@@ -99,8 +99,8 @@ def version_of(sources: dict[str, str]) -> str:
 
 def render(version: str, fields: list[tuple[str, str]]) -> str:
     lines = [f'"""The fields of ms-swift {version}\'s ``InferArguments`` (every flag of ``swift infer``) and the class',
-             "that declares each, read from its source by scripts/swift_infer_fields.py (generated: run it with",
-             '``--write`` on a newer ms-swift rather than editing this file)."""', "",
+             "that declares each, read from its source by scripts/swift_infer_fields.py. Generated: run it with",
+             '``--write`` on a newer ms-swift rather than editing this file."""', "",
              f"MS_SWIFT_VERSION = {version!r}", "INFER_FIELDS: tuple[tuple[str, str], ...] = ("]
     lines += [f"    ({name!r}, {cls!r})," for name, cls in fields]
     return "\n".join([*lines, ")", ""])

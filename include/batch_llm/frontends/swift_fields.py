@@ -1,6 +1,6 @@
 """The fields of ms-swift 4.6.0's ``InferArguments`` (every flag of ``swift infer``) and the class
-that declares each, read from its source by scripts/swift_infer_fields.py (generated: run it with
-``--write`` on a newer ms-swift rather than editing this file)."""
+that declares each, read from its source by scripts/swift_infer_fields.py. Generated: run it with
+``--write`` on a newer ms-swift rather than editing this file."""
 
 MS_SWIFT_VERSION = '4.6.0'
 INFER_FIELDS: tuple[tuple[str, str], ...] = (
