@@ -112,11 +112,13 @@ def _data_ids(dataset: Path, fmt: str) -> list[str]:
 def _error_entries(errors: Path, fmt: str) -> list[tuple[str | None, str, str]]:
     """(id, stage, reason) of each line of the published errors file, checking the line's shape."""
     out = []
+    line_ids: set[str] = set()
     for e in iter_jsonl(errors):
-        if fmt == "openai_batch":  # a line of an OpenAI Batch error file
+        if fmt == "openai_batch":  # a line of an OpenAI Batch error file, its id unique as OpenAI's
             assert set(e) == {"id", "custom_id", "response", "error"}, e
             assert e["error"] is None and e["response"]["status_code"] == 400, e
-            assert e["id"] == f"batch_req_{e['custom_id'] if e['custom_id'] is not None else 'unknown'}", e
+            assert e["id"].startswith("batch_req_") and e["id"] not in line_ids, e
+            line_ids.add(e["id"])
             err = e["response"]["body"]["error"]
             assert err["type"] == "invalid_request_error" and err["code"] in OPENAI_CODES, e
             out.append((e["custom_id"], OPENAI_CODES[err["code"]], err["message"]))

@@ -79,13 +79,13 @@ def test_openai_batch_in_and_out(tmp_path):
     m = _plan(tmp_path, p)
     assert m.format == "openai_batch" and m.valid == 3
     rec = next(iter_jsonl(Location(m.records).path()))
-    out = output_record(rec["record"], {"id": "req-0", "output": "0", "finish_reason": "stop",
+    out = output_record(rec["record"], {"id": "req-0", "idx": 0, "output": "0", "finish_reason": "stop",
                                         "prompt_tokens": 5, "completion_tokens": 1}, "openai_batch")
     assert out["custom_id"] == "req-0" and out["error"] is None
     assert out["response"]["body"]["choices"][0]["message"]["content"] == "0"
     assert out["response"]["body"]["usage"]["total_tokens"] == 6
     assert out["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    cached = output_record(rec["record"], {"id": "req-0", "output": "0", "finish_reason": "stop", "prompt_tokens": 40,
+    cached = output_record(rec["record"], {"id": "req-0", "idx": 0, "output": "0", "finish_reason": "stop", "prompt_tokens": 40,
                                            "cached_prompt_tokens": 32, "completion_tokens": 1}, "openai_batch")
     assert cached["response"]["body"]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 

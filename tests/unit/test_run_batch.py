@@ -117,12 +117,13 @@ def test_a_line_that_is_not_utf8_json_text_is_answered_once_in_its_place(tmp_pat
     assert (m.valid, m.invalid) == (2, 3)
     done: dict = {}
     for rec in iter_jsonl(Location(m.records).path()):
-        out = output_record(rec["record"], {"id": rec["id"], "output": "ok", "finish_reason": "stop",
+        out = output_record(rec["record"], {"id": rec["id"], "idx": rec["idx"], "output": "ok", "finish_reason": "stop",
                                             "prompt_tokens": 1, "completion_tokens": 1}, "openai_batch")
         done.setdefault(rb._key(out["custom_id"]), []).append(out)
     refused: dict = {}
     for e in iter_jsonl(Location(m.errors).path()):  # as the published error file carries them
-        line = openai_error_line(e["id"], f"{e['reason']} ({e['source']} line {e['line']})", code="invalid_request")
+        where = f"{e['source']} line {e['line']}"
+        line = openai_error_line(e["id"], f"{e['reason']} ({where})", code="invalid_request", run_id="r", where=where)
         refused.setdefault(rb._key(line["custom_id"]), []).append(line)
     got = list(rb.in_input_order([src], done, refused))
     assert [(x["custom_id"], x["response"]["status_code"]) for x in got] == [
@@ -152,3 +153,71 @@ def test_the_report_outlives_the_temporary_work_folder(tmp_path):
     keep_work_folder(work, keep=False, started=True, finished=True)
     assert not work.exists()
     assert kept == out.parent / "results.report.html" and kept.read_text() == "<html>the run</html>"
+
+
+# ------------------------------------------------------------------ output line ids and stop_reason, a whole run
+class _StopEngine:
+    """Answers as vLLM's offline engine does for each request's stop settings: a stop string ends it (stop_reason
+    the string), else a stop token id (the id), else the length (no stop_reason)."""
+
+    def generate(self, reqs):
+        from batch_llm.engines.base import GenResult
+
+        for r in reqs:
+            p = r.params
+            stop = (p.stop or [None])[0] if p and p.stop else (p.stop_token_ids or [None])[0] if p else None
+            yield GenResult(key=r.key, text="ok", finish_reason="stop" if stop is not None else "length",
+                            stop_reason=stop, prompt_tokens=len(r.prompt_token_ids), completion_tokens=1)
+
+    def close(self):
+        pass
+
+
+def _published_lines(tmp_path: Path, out: str, run_id: str, monkeypatch) -> list[dict]:
+    from batch_llm import api
+    from batch_llm.engines.base import EngineInfo
+    from batch_llm.layout import RunLayout
+    from batch_llm.stages.infer import runner
+    from helpers import demo_config
+
+    monkeypatch.setattr(runner, "start_engine", lambda *a, **k: (_StopEngine(), EngineInfo(kind="stub", version="0")))
+    cfg = demo_config(tmp_path, input__path=str(tmp_path / "requests.jsonl"), input__format="openai_batch",
+                      output__path=str(tmp_path / out), sharding__num_shards=1, filter__enabled=False,
+                      evaluate__enabled=False, engine__max_error_rate=1.0, cache__enabled=False)
+    layout = RunLayout.for_run(cfg, run_id=run_id, ds="2026-12-06")
+    model, plan = api.fetch(cfg, layout), api.plan_shards(cfg, layout)
+    shards = [api.infer_shard(cfg, layout, model, s, say=lambda _: None) for s in plan.shards]
+    filtered = api.content_filter(cfg, layout, plan, shards)
+    api.publish(cfg, layout, plan, filtered, api.evaluate(cfg, layout, plan, filtered))
+    n, _ = rb.write_output(str(tmp_path / out / "o.jsonl"), cfg, "2026-12-06", served_model_name="m")
+    lines = [json.loads(x) for x in (tmp_path / out / "o.jsonl").read_text().splitlines()]
+    assert len(lines) == n
+    return lines
+
+
+def test_output_ids_are_unique_per_request_and_stable_within_a_run_and_stop_reason_says_what_stopped(
+        tmp_path, demo_model_dir, monkeypatch):
+    """Each output and error line's ``id`` (and ``request_id``) is unique per request, as OpenAI's are, even where
+    custom_ids repeat; a run published again under the same run id writes the same ids (a retry adds no new
+    ones), another run other ones. ``stop_reason`` is vLLM's: the stop string or stop token id that ended the
+    answer, null where the length did."""
+    def request(cid, **body):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": f"hi {cid}"}], **body}}) + "\n"
+
+    (tmp_path / "requests.jsonl").write_text(request("s", stop=["###"]) + request("t", stop_token_ids=[2]) +
+                                             request("n") + "not json\n" + request("s"))
+    first = _published_lines(tmp_path, "a", "run-1", monkeypatch)
+    assert [(x["custom_id"], x["response"]["status_code"]) for x in first] == [
+        ("s", 200), ("t", 200), ("n", 200), (None, 400), ("s", 400)]  # the repeated custom_id: refused
+    ids = [x["id"] for x in first]
+    assert all(i.startswith("batch_req_") and len(i) == len("batch_req_") + 24 for i in ids)
+    assert len(set(ids)) == len(ids) and len({x["response"]["request_id"] for x in first}) == len(ids)
+    choices = [x["response"]["body"]["choices"][0] for x in first[:3]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in choices] == [("stop", "###"), ("stop", 2),
+                                                                         ("length", None)]
+    again = _published_lines(tmp_path, "b", "run-1", monkeypatch)
+    assert [x["id"] for x in again] == ids
+    from batch_llm.io.formats import openai_line_ids
+
+    assert openai_line_ids("run-1", "row 0")[0] in ids and openai_line_ids("run-2", "row 0")[0] not in ids

@@ -146,14 +146,16 @@ def test_vllm_logprobs_become_typed_tokens_with_the_top_k():
 
 
 def test_vllm_request_output_with_n_samples():
-    def comp(text, ids, reason, logprobs=None):
-        return SimpleNamespace(text=text, token_ids=ids, finish_reason=reason, logprobs=logprobs)
+    def comp(text, ids, reason, logprobs=None, stop=None):
+        return SimpleNamespace(text=text, token_ids=ids, finish_reason=reason, logprobs=logprobs, stop_reason=stop)
 
     out = SimpleNamespace(request_id="k", prompt_token_ids=[1, 2, 3], num_cached_tokens=0,
-                          outputs=[comp("a b", [4, 5], "stop"), comp("c", [6], "length"), comp("d e f", [7, 8, 9], "stop")])
+                          outputs=[comp("a b", [4, 5], "stop", stop="###"), comp("c", [6], "length"),
+                                   comp("d e f", [7, 8, 9], "stop", stop=2)])
     res = gen_result(out)
     assert (res.text, res.finish_reason, res.completion_tokens) == ("a b", "stop", 6)  # every sample's tokens
     assert [s.text for s in res.samples] == ["a b", "c", "d e f"] and res.samples[1].finish_reason == "length"
+    assert res.stop_reason == "###" and [s.stop_reason for s in res.samples] == ["###", None, 2]
     single = SimpleNamespace(**{**vars(out), "outputs": out.outputs[:1]})
     assert gen_result(single).samples is None  # nothing asked beyond one text: no samples carried
     with_lp = SimpleNamespace(**{**vars(out), "outputs": [comp("a", [4], "stop", [{4: _lp(-0.5, 1, "a")}])]})
@@ -262,7 +264,7 @@ def test_openai_batch_lines_have_n_choices_and_openai_logprobs():
     assert len(cmpl) == 1 and cmpl[0]["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.4],
                                                       "top_logprobs": [{"Hi": -0.1, "Hey": -2.0}, {"!": -0.4, ".": -1.5}],
                                                       "text_offset": [0, 2]}
-    plain = output_record({"custom_id": "c3", "url": CHAT}, {"id": "c3", "output": "x", "finish_reason": "stop"},
+    plain = output_record({"custom_id": "c3", "url": CHAT}, {"id": "c3", "idx": 2, "output": "x", "finish_reason": "stop"},
                           "openai_batch")["response"]["body"]["choices"]
-    assert plain == [{"index": 0, "finish_reason": "stop", "logprobs": None,
+    assert plain == [{"index": 0, "finish_reason": "stop", "stop_reason": None, "logprobs": None,
                       "message": {"role": "assistant", "content": "x"}}]

@@ -57,6 +57,8 @@ class Sample:
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per generated token, when they were asked for
     reasoning: str | None = None  # its thinking, where a reasoning parser parted it from the answer (``text``)
+    # what ended it, as vLLM's CompletionOutput says: the stop string or stop token id; None: EOS or length
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -78,6 +80,7 @@ class GenResult:
     reasoning_tokens: int = 0
     thinking_ended: bool | None = None
     thinking_budget: int | None = None  # the thinking budget the request ran under (sampling.max_thinking_tokens)
+    stop_reason: str | int | None = None  # the first sample's (Sample.stop_reason); engines that do not say: None
 
 
 @dataclass

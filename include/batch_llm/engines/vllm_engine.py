@@ -500,10 +500,10 @@ def gen_result(out, top_k: int | None = None, *, reasoner=None, thinking_budget:
         samples = tuple(Sample(text=text, finish_reason=c.finish_reason, completion_tokens=len(c.token_ids),
                                logprobs=token_logprobs(c.token_ids, c.logprobs, top_k)
                                if top_k is not None and c.logprobs is not None else None,
-                               reasoning=sp.reasoning if sp is not None else None)
+                               reasoning=sp.reasoning if sp is not None else None, stop_reason=c.stop_reason)
                         for c, text, sp in zip(out.outputs, texts, splits))
     parted = [sp for sp in splits if sp is not None]
-    return GenResult(out.request_id, text=texts[0], finish_reason=first.finish_reason,
+    return GenResult(out.request_id, text=texts[0], finish_reason=first.finish_reason, stop_reason=first.stop_reason,
                      prompt_tokens=len(out.prompt_token_ids or []),
                      completion_tokens=sum(len(c.token_ids) for c in out.outputs),
                      cached_prompt_tokens=out.num_cached_tokens or 0, samples=samples,

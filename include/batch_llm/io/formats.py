@@ -10,6 +10,7 @@ device, a socket) raise ``InputFileError`` naming the file.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -725,12 +726,17 @@ def joined_outputs(records: Iterator[dict], outputs: Iterator[dict]) -> Iterator
             yield rec, out
 
 
-def output_record(record: dict, result: dict, fmt: str, *, model: str = "", schema: OutputSchema | None = None) -> dict:
+def output_record(record: dict, result: dict, fmt: str, *, model: str = "", schema: OutputSchema | None = None,
+                  run_id: str = "") -> dict:
     """The published row: the input's columns plus the generated ones (OpenAI Batch output lines, as OpenAI
-    documents them, for OpenAI Batch input; ``model`` names the model that served them)."""
+    documents them, for OpenAI Batch input; ``model`` names the model that served them, ``run_id`` the run whose
+    line ids they are: ``openai_line_ids``)."""
     if fmt == "openai_batch":
+        where = f"row {result['idx']}"
         if result.get("error"):
-            return openai_error_line(record.get("custom_id"), result["error"], code="row_error")
+            return openai_error_line(record.get("custom_id"), result["error"], code="row_error", run_id=run_id,
+                                     where=where)
+        line_id, request_id = openai_line_ids(run_id, where)
         usage = {"prompt_tokens": result.get("prompt_tokens", 0),
                  "completion_tokens": result.get("completion_tokens", 0),
                  "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
@@ -741,19 +747,20 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
         if completions:
             body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
                     "model": model, "choices": [{"index": i, "text": text, "logprobs": _completion_logprobs(lp),
-                                                 "finish_reason": reason}
-                                                for i, (text, reason, lp) in enumerate(_choices(result))],
+                                                 "finish_reason": reason, "stop_reason": stop}
+                                                for i, (text, reason, lp, stop) in enumerate(_choices(result))],
                     "usage": usage}
         else:
             body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
                     "model": model,
-                    "choices": [{"index": i, "finish_reason": reason, "logprobs": _chat_logprobs(lp),
+                    "choices": [{"index": i, "finish_reason": reason, "stop_reason": stop,
+                                 "logprobs": _chat_logprobs(lp),
                                  "message": {"role": "assistant", "content": text, **thinking}}
-                                for i, ((text, reason, lp), thinking) in enumerate(zip(_choices(result),
+                                for i, ((text, reason, lp, stop), thinking) in enumerate(zip(_choices(result),
                                                                                        _reasoning_of(result)))],
                     "usage": usage}
-        return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
-                "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
+        return {"id": line_id, "custom_id": record.get("custom_id"),
+                "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
     out = dict(record)
     for k in _GENERATED:
         if k in result:
@@ -785,14 +792,16 @@ def class_score_column(label: str) -> str:
     return f"score_{label}"
 
 
-def _choices(result: dict) -> list[tuple[str, str | None, list | None]]:
-    """(text, finish reason, token logprobs) of every sample of a result row: ``outputs`` where it has several
-    (n > 1), else ``output`` alone."""
+def _choices(result: dict) -> list[tuple[str, str | None, list | None, str | int | None]]:
+    """(text, finish reason, token logprobs, stop reason) of every sample of a result row: ``outputs`` where it
+    has several (n > 1), else ``output`` alone. The stop reason is vLLM's: the stop string or stop token id that
+    ended the sample, None where EOS or the length did (and where the engine does not say)."""
     if result.get("outputs"):
-        lps = result.get("outputs_logprobs") or [None] * len(result["outputs"])
-        return list(zip(result["outputs"], result.get("finish_reasons") or [result.get("finish_reason")] *
-                        len(result["outputs"]), lps))
-    return [(result.get("output", ""), result.get("finish_reason"), result.get("logprobs"))]
+        n = len(result["outputs"])
+        lps = result.get("outputs_logprobs") or [None] * n
+        return list(zip(result["outputs"], result.get("finish_reasons") or [result.get("finish_reason")] * n, lps,
+                        result.get("stop_reasons") or [result.get("stop_reason")] + [None] * (n - 1)))
+    return [(result.get("output", ""), result.get("finish_reason"), result.get("logprobs"), result.get("stop_reason"))]
 
 
 def _reasoning_of(result: dict) -> list[dict]:
@@ -875,12 +884,21 @@ def _review_types() -> dict:
     return {"review_verdict": pa.string(), "review_categories": pa.list_(pa.string()), "review_error": pa.string()}
 
 
-def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -> dict:
+def openai_line_ids(run_id: str, where: str) -> tuple[str, str]:
+    """(id, request_id) of one OpenAI Batch output or error line: unique per request as OpenAI's are (a custom_id
+    is the caller's, not unique across runs or files), derived from the run and the request's place in its input
+    (``where``: ``row <idx>``, or ``<file> line <n>`` for a line the planner refused), so a publish retried or
+    resumed in the same run writes the same ids, and another run other ones."""
+    digest = hashlib.sha256(f"{run_id}\0{where}".encode()).hexdigest()
+    return f"batch_req_{digest[:24]}", f"req_{digest[24:48]}"
+
+
+def openai_error_line(custom_id: str | int | None, message: str, *, code: str, run_id: str, where: str) -> dict:
     """A failed request as a line of an OpenAI Batch error file: the HTTP-style error body OpenAI returns for
-    a request it refused (status 400), with the pipeline's reason as the message."""
-    rid = custom_id if custom_id is not None else "unknown"
-    return {"id": f"batch_req_{rid}", "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": f"req_{rid}",
+    a request it refused (status 400), with the pipeline's reason as the message; ids as ``openai_line_ids``."""
+    line_id, request_id = openai_line_ids(run_id, where)
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": request_id,
                          "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
                                             "code": code}}},
             "error": None}

@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 from batch_llm.layout import RunLayout, shard_manifests
 
 
-def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
+def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict, run_id: str) -> Iterator[dict]:
     """Every row that has no output, with its stage and reason: the planner's (input order), inference's, then
     the rows the content filter dropped (its word lists, or the content review: stage ``review``). For OpenAI
-    Batch input, as the lines of an OpenAI Batch error file."""
+    Batch input, as the lines of an OpenAI Batch error file (ids of the run ``run_id``)."""
     errors = row_errors(plan, filtered, opts)
     if plan.format != "openai_batch":
         yield from errors
@@ -59,7 +59,8 @@ def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) ->
              "review": "content_review"}
     for e in errors:
         where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
-        yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]])
+        place = f"row {e['idx']}" if e.get("idx") is not None else where.strip(" ()")
+        yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]], run_id=run_id, where=place)
 
 
 def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
@@ -68,14 +69,15 @@ def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iter
     for e in iter_jsonl(Location(plan.errors, opts).path()):
         yield {**e, "stage": "plan"}
     for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
-        yield {"id": e["id"], "reason": e["error"], "stage": "infer"}
+        yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer"}
     if filtered.summary.dropped:
         for d in iter_jsonl(Location(filtered.summary.dropped, opts).path()):
             if d.get("reason"):  # dropped by the content review (filter.review), which says why
-                yield {"id": d["id"], "reason": d["reason"], "stage": d.get("stage", "review")}
+                yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review")}
                 continue
             words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
-            yield {"id": d["id"], "reason": f"dropped by the content filter: {words}", "stage": "content_filter"}
+            yield {"id": d["id"], "idx": d.get("idx"), "reason": f"dropped by the content filter: {words}",
+               "stage": "content_filter"}
 
 
 def _version_name(run_id: str) -> str:
@@ -116,11 +118,11 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
                            iter_jsonl(Location(filtered.outputs, opts).path()))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
     schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
-    n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema)
-                                 for rec, out in pairs), fmt,
+    n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema,
+                                               run_id=layout.run_id) for rec, out in pairs), fmt,
                    types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts)
                    or _class_types(cfg, plan, filtered, opts))
-    n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts))
+    n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts, layout.run_id))
     manifests = RunManifests(plan=plan, filter=filtered, evaluate=scores, **(extra_manifests or {}))
     summary = RunSummary(
         pipeline=cfg.name, run_id=layout.run_id, partition=layout.partition, rows_published=n, format=fmt,
@@ -186,7 +188,7 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                   "_config_hash": stable_hash(cfg.model_dump(mode="json"))[:16]}
     schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
     errors_loc = out_dir.child("errors.jsonl")
-    n_errors = write_jsonl(errors_loc.path(), _publish_errors(plan, filtered, opts))
+    n_errors = write_jsonl(errors_loc.path(), _publish_errors(plan, filtered, opts, layout.run_id))
     published = [0]
 
     def rows() -> Iterator[dict]:

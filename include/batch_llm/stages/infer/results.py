@@ -23,7 +23,10 @@ SAMPLE_FIELDS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")
 # the first sample's thinking, its tokens (every sample's), whether it ended, the budget it ran under, and every
 # sample's thinking (n > 1). Carried like the sample fields.
 REASONING_FIELDS = ("reasoning", "reasoning_tokens", "thinking_ended", "max_thinking_tokens", "outputs_reasoning")
-RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores", *REASONING_FIELDS)
+# What ended the output where a stop string or stop token did (vLLM's stop_reason: the string or the token id),
+# the first sample's and every sample's (n > 1); absent where the engine said none (EOS, length, other engines).
+STOP_FIELDS = ("stop_reason", "stop_reasons")
+RESULT_FIELDS = (*SAMPLE_FIELDS, "embedding", "label", "scores", *REASONING_FIELDS, *STOP_FIELDS)
 
 
 def sample_fields(res: GenResult) -> dict:
@@ -55,6 +58,17 @@ def _reasoning_fields(res: GenResult) -> dict:
     return out
 
 
+def _stop_fields(res: GenResult) -> dict:
+    """The result's ``STOP_FIELDS``, where a stop string or stop token ended a sample (none otherwise)."""
+    samples = res.samples or ()
+    out: dict = {}
+    if res.stop_reason is not None:
+        out["stop_reason"] = res.stop_reason
+    if len(samples) > 1 and any(s.stop_reason is not None for s in samples):
+        out["stop_reasons"] = [s.stop_reason for s in samples]
+    return out
+
+
 def unfinished_thinking(res: GenResult) -> str | None:
     """Why a row under a schema has no answer to check: its thinking never ended (the grammar waits for the end
     of the thinking, so nothing was decoded under it); None where it ended or there was none."""
@@ -83,7 +97,8 @@ def _invalid_row(r: tuple[str, int], res: GenResult, reason: str) -> dict:
     return {"id": r[0], "idx": r[1], "output": res.text, "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
             "cached_prompt_tokens": res.cached_prompt_tokens, "cached": False,
-            "error": reason, "error_kind": "invalid_output", **sample_fields(res), **_reasoning_fields(res)}
+            "error": reason, "error_kind": "invalid_output", **sample_fields(res), **_reasoning_fields(res),
+            **_stop_fields(res)}
 
 
 # Off: in a clean-clone CI run, the engine thread's first import of vLLM (transformers, accelerate) raced the
@@ -96,7 +111,7 @@ def result_rows(res: GenResult, rows: list[tuple[str, int]], key: str, reason: s
     request's content key, the cache's)."""
     entry = {"output": res.text, "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
              "completion_tokens": res.completion_tokens, "cached_prompt_tokens": res.cached_prompt_tokens,
-             **sample_fields(res), **_reasoning_fields(res)}
+             **sample_fields(res), **_reasoning_fields(res), **_stop_fields(res)}
     if res.embedding is not None:  # a vector, no text: output stays null
         entry.update(output=None, embedding=res.embedding)
     if res.scores is not None:  # class probabilities, no text: output stays null
