@@ -61,7 +61,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from batch_llm.config import ConfigError, PipelineConfig, apply_overrides, parse_config
 from batch_llm.config.capabilities import DEFAULT_KIND, serving
-from batch_llm.io.formats import read_rows
+from batch_llm.config.model import MAX_LINE_BYTES
+from batch_llm.io.formats import Lines, read_rows
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import Manifest, PlanManifest
@@ -162,7 +163,7 @@ def requests_from_file(input_path: Location, fmt: str = "auto") -> Iterator[Batc
     optionally ``system_prompt``, ``max_tokens``, ``params`` (CSV: JSON text); other columns are left alone.
     A row that is not a request yields the reason (a string): it lands as an ``error`` row."""
     fields = set(BatchRequest.model_fields)
-    for raw in read_rows(input_path.path(), fmt):
+    for raw in read_rows(input_path.path(), fmt, Lines(MAX_LINE_BYTES)):
         where = f"{raw.source} line {raw.line}"
         if raw.error:
             yield f"{where}: {raw.error}"

@@ -289,10 +289,11 @@ def in_input_order(files: list, done: dict, refused: dict, input_cfg: InputConfi
     line limit), so each line's custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a
     lone surrogate, raw bytes that are not UTF-8) by the custom_id still readable in it, else by none (a line past
     ``input.max_line_bytes`` too: its error line names its line number; those are answered in input order)."""
-    from batch_llm.io.formats import read_file_rows
+    from batch_llm.config.model import MAX_LINE_BYTES
+    from batch_llm.io.formats import Lines, read_file_rows
 
     for f in files:
-        for row in read_file_rows(f, "openai_batch", input_cfg):
+        for row in read_file_rows(f, "openai_batch", input_cfg or Lines(MAX_LINE_BYTES)):
             cid = _key((row.record or row.salvaged or {}).get("custom_id"))
             for source in (done, refused):
                 if source.get(cid):
