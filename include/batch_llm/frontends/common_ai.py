@@ -67,6 +67,7 @@ from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, js
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import Manifest, PlanManifest
 from batch_llm.output_schema import INVALID_OUTPUT, check_schema
+from batch_llm.rows.params import openai_response_format
 
 SCHEMA_VERSION: Final = 1     # common-ai's manifest "schema_version"
 STATE_DIR = "_batch_llm_state"
@@ -209,12 +210,11 @@ def response_format_schema(response_format: Any) -> dict | None:
     vLLM decodes under it, the other engines check every output against it (``invalid_output`` rows)."""
     if response_format is None:
         return None
-    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    kind, schema = openai_response_format(response_format)
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "object"}
-    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
     if not isinstance(schema, Mapping):
         raise LLMBatchOutputTypeError(
             f"response_format {response_format!r}: expected {{'type': 'json_schema', 'json_schema': {{'schema': "
