@@ -14,6 +14,7 @@ from typing import Any
 
 from batch_llm.config import InputConfig
 from batch_llm.config.model import token_ids_problem
+from batch_llm.rows.openai_batch import RequestLine
 from batch_llm.rows.params import RowParams
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -215,14 +216,8 @@ def _no_prompt_reason(rec: dict, cfg: InputConfig) -> str:
 
 def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
     """One OpenAI Batch request line: a chat body (``messages``) or a completions body (``prompt``)."""
-    rid = _row_id(rec, "custom_id")
-    body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
-    if not isinstance(body, dict):
-        raise ValueError("OpenAI batch line without a 'body' object")
-    if url not in OPENAI_URLS:
-        raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
-    if rec.get("method", "POST") != "POST":
-        raise ValueError(f"method {rec['method']!r}: batch requests are POST")
+    line = request_line(rec)
+    rid, body, url = str(line.custom_id), line.body, line.url
     params = RowParams.from_openai_body(body, completions=url == "/v1/completions")
     if url == "/v1/chat/completions":
         return PromptRow(id=rid, idx=idx, messages=_with_system(_check_messages(body.get("messages")), cfg),
@@ -235,6 +230,19 @@ def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
     if not isinstance(prompt, str):
         raise ValueError("a /v1/completions body needs 'prompt': one string or one list of token ids")
     return PromptRow(id=rid, idx=idx, messages=[], text=_check_prompt(prompt), params=params)
+
+
+def request_line(rec: dict) -> RequestLine:
+    """An OpenAI Batch request line, checked: its custom_id, a POST to a URL served here, a body object."""
+    _row_id(rec, "custom_id")
+    body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
+    if not isinstance(body, dict):
+        raise ValueError("OpenAI batch line without a 'body' object")
+    if url not in OPENAI_URLS:
+        raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
+    if rec.get("method", "POST") != "POST":
+        raise ValueError(f"method {rec['method']!r}: batch requests are POST")
+    return RequestLine(custom_id=rec["custom_id"], body=body, url=url, method="POST")
 
 
 def _row_id(rec: dict, column: str) -> str:

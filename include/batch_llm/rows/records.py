@@ -8,6 +8,15 @@ import time
 from collections.abc import Iterator
 
 from batch_llm.output_schema import OutputSchema, column_value
+from batch_llm.rows.openai_batch import (
+    ErrorBody,
+    ErrorDetail,
+    ErrorLine,
+    ErrorResponse,
+    OutputLine,
+    OutputResponse,
+    line_dict,
+)
 
 
 def joined_outputs(records: Iterator[dict], outputs: Iterator[dict]) -> Iterator[tuple[dict, dict]]:
@@ -50,8 +59,9 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
                                 for i, ((text, reason, lp), thinking) in enumerate(zip(_choices(result),
                                                                                        _reasoning_of(result)))],
                     "usage": usage}
-        return {"id": f"batch_req_{result['id']}", "custom_id": record.get("custom_id"),
-                "response": {"status_code": 200, "request_id": f"req_{result['id']}", "body": body}, "error": None}
+        return line_dict(OutputLine(id=f"batch_req_{result['id']}", custom_id=record.get("custom_id"),
+                                    response=OutputResponse(status_code=200, request_id=f"req_{result['id']}",
+                                                            body=body)))
     out = dict(record)
     for k in _GENERATED:
         if k in result:
@@ -159,10 +169,9 @@ def openai_error_line(custom_id: str | int | None, message: str, *, code: str) -
     """A failed request as a line of an OpenAI Batch error file: the HTTP-style error body OpenAI returns for
     a request it refused (status 400), with the pipeline's reason as the message."""
     rid = custom_id if custom_id is not None else "unknown"
-    return {"id": f"batch_req_{rid}", "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": f"req_{rid}",
-                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                            "code": code}}},
-            "error": None}
+    error = ErrorDetail(message=message, type="invalid_request_error", param=None, code=code)
+    return line_dict(ErrorLine(id=f"batch_req_{rid}", custom_id=custom_id,
+                               response=ErrorResponse(status_code=400, request_id=f"req_{rid}",
+                                                      body=ErrorBody(error=error))))
 
 
