@@ -11,7 +11,7 @@ A generate row carries what the model wrote in several places, per sample (``sam
 The first sample is in two places each (``output`` and ``outputs[0]``, ...). The content filter scans what
 ``copies`` yields and both the word lists and the review mask through ``masked``, which writes each sample's masked
 text to every place it is in: no copy is scanned, masked or published apart from the others. A field of generated
-text the published rows carry (``io.formats``) that is not read here would be published unscanned;
+text the published rows carry (``rows.records``) that is not read here would be published unscanned;
 tests/unit/test_masking_every_copy.py holds the two in step.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 SAMPLED = {"output": "outputs", "reasoning": "outputs_reasoning", "logprobs": "outputs_logprobs"}
 # An alternative at a token's place (``logprobs[i].top[j]``): a copy of its own, scanned on its own
 ALTERNATIVE = "top_logprobs"
-# What the rows carry of generated text, each place: what io.formats may publish is checked against it
+# What the rows carry of generated text, each place: what rows.records may publish is checked against it
 TEXT_FIELDS = (*SAMPLED, *SAMPLED.values())
 
 

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 from batch_llm.host.probes import cpu_dtype
-from batch_llm.io.formats import PromptRow, RawRow, to_prompt_row
 from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.rows.params import RowParams, engine_refusal, resolve
+from batch_llm.rows.prompt import PromptRow, RawRow, to_prompt_row
 from batch_llm.stages import plan as plan_mod
 from helpers import DEMO_YAML, demo_config, run_in_group
 

@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_llm.config import ConfigError, load_config, parse_config
-from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.formats import write_rows
 from batch_llm.io.storage import Location, as_path, iter_jsonl, read_json
 from batch_llm.output_schema import OutputSchema, load_schema
+from batch_llm.rows.records import output_record
 from helpers import ROOT, run_in_group
 
 YAML = ROOT / "dags" / "pipelines" / "review_extraction.yaml"

@@ -10,6 +10,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from batch_llm.config.model import MAX_LINE_BYTES
 from batch_llm.io import formats
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.stages import plan as plan_mod
@@ -226,7 +227,8 @@ def test_writing_a_lone_surrogate_writes_its_escape_in_every_format(tmp_path, fm
 
     path = Location(str(tmp_path / f"out{formats.FILE_SUFFIX[fmt]}")).path()
     assert formats.write_rows(path, [{"id": "a", "output": "x \ud800 y"}, {"id": "b", "output": "ok"}], fmt) == 2
-    back = [r.record for r in formats.read_file_rows(path, "jsonl" if fmt == "openai_batch" else fmt)]
+    back = [r.record for r in formats.read_file_rows(path, "jsonl" if fmt == "openai_batch" else fmt,
+                                                        formats.Lines(MAX_LINE_BYTES))]
     assert back == [{"id": "a", "output": "x \\ud800 y"}, {"id": "b", "output": "ok"}]
     errors = Location(str(tmp_path / "errors.jsonl")).path()
     assert write_jsonl(errors, [{"id": "\udc80", "reason": "r"}, {"id": "b", "reason": "r"}]) == 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 from batch_llm.config import ConfigError
-from batch_llm.io.formats import output_record
+from batch_llm.rows.records import output_record
 from helpers import cache_namespace, demo_config
 
 LABELS = ["positive", "negative", "neutral"]

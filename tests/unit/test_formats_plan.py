@@ -8,8 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_llm.config import ShardingConfig
-from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.formats import write_rows
 from batch_llm.io.storage import Location, as_path, iter_jsonl
+from batch_llm.rows.records import output_record
 from batch_llm.stages import plan as plan_mod
 from helpers import demo_config
 

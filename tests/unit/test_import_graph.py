@@ -207,6 +207,23 @@ def test_no_import_runs_up_a_floor():
     assert len(ALLOWED_UP) <= MAX_ALLOWED_UP
 
 
+# Packages a package never imports, though lower: io/ reads and writes bytes and files and takes the input's rules
+# as an argument (io.formats.ColumnRules, which InputConfig satisfies), so a change of the config never reaches it.
+NEVER_IMPORTS: dict[str, tuple[str, ...]] = {"batch_llm.io": ("batch_llm.config",)}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_io_imports_no_config():
+    """No module of io/ imports batch_llm.config (any of its modules), at module level or inside a function."""
+    graph = import_graph()
+    found = sorted((a, b) for a in graph for b in graph[a] for pkg, banned in NEVER_IMPORTS.items()
+                   if _within(a, pkg) and any(_within(b, x) for x in banned))
+    assert not found, f"imports NEVER_IMPORTS refuses: {found}"
+
+
 def reexports(path: Path) -> list[str]:
     """The names a module's ``__all__`` lists that it only imports (a re-export): a name has one home, and only a
     package's __init__ gathers its package's public names."""

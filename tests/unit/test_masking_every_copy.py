@@ -12,6 +12,7 @@ from batch_llm import generated_text
 from batch_llm.config import FilterConfig, ReviewConfig, WordListConfig
 from batch_llm.io import formats
 from batch_llm.io.storage import Location
+from batch_llm.rows import records
 from batch_llm.stages import review as rv
 from batch_llm.stages.content_filter import ContentFilter
 
@@ -57,11 +58,11 @@ def _published(tmp_path, row: dict) -> str:
     texts = []
     for fmt in ("jsonl", "csv", "parquet"):
         path = Location(str(tmp_path / f"data.{fmt}")).path()
-        formats.write_rows(path, [formats.output_record(record, row, fmt)], fmt)
+        formats.write_rows(path, [records.output_record(record, row, fmt)], fmt)
         texts.append(json.dumps(pq.read_table(str(path)).to_pylist()) if fmt == "parquet" else
                      path.read_text(encoding="utf-8"))
     for url in ("/v1/chat/completions", "/v1/completions"):
-        line = formats.output_record({"custom_id": "x", "url": url, "body": {}}, row, "openai_batch")
+        line = records.output_record({"custom_id": "x", "url": url, "body": {}}, row, "openai_batch")
         texts.append(json.dumps(line, ensure_ascii=False))
     return "\n".join(texts)
 
@@ -151,4 +152,4 @@ def test_every_published_field_of_generated_text_is_one_the_masking_reads():
     no_text = {"finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits", "error",
                "finish_reasons", "embedding", "label", "scores", "review_verdict", "review_categories",
                "review_error", "reasoning_tokens", "thinking_ended", "max_thinking_tokens"}
-    assert set(formats._GENERATED) - no_text == set(generated_text.TEXT_FIELDS)
+    assert set(records._GENERATED) - no_text == set(generated_text.TEXT_FIELDS)

@@ -11,7 +11,6 @@ import pytest
 from batch_llm import api
 from batch_llm.config import ConfigError, FilterConfig, WordListConfig, parse_config
 from batch_llm.engines.base import EngineInfo, GenResult
-from batch_llm.io.formats import output_record
 from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.reasoning import (
@@ -22,6 +21,7 @@ from batch_llm.reasoning import (
     thinking_variables,
 )
 from batch_llm.rows.params import RowParams, engine_refusal, template_kwargs
+from batch_llm.rows.records import output_record
 from batch_llm.stages.content_filter import ContentFilter
 from batch_llm.stages.infer.identity import reasoning_problems, sampling_identity
 from helpers import demo_config

@@ -278,7 +278,8 @@ def test_the_filter_refuses_missing_or_stale_reviews(tmp_path):
 def test_published_rows_carry_the_verdict_typed(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from batch_llm.io.formats import output_record, write_rows
+    from batch_llm.io.formats import write_rows
+    from batch_llm.rows.records import output_record
 
     result = {**_out(0, "x"), "review_verdict": "safe", "review_categories": []}
     rec = output_record({"id": "r0", "prompt": "q"}, result, "parquet")

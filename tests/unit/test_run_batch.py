@@ -100,8 +100,8 @@ def test_a_line_that_is_not_utf8_json_text_is_answered_once_in_its_place(tmp_pat
     """A lone surrogate (``\\ud800`` escaped) or raw bytes that are not UTF-8: the line's answer is an error line
     carrying its custom_id where that still reads cleanly (else none, its line number in the message), and every
     line is answered exactly once, in input order, with the planner's own reading of each line."""
-    from batch_llm.io.formats import openai_error_line, output_record
     from batch_llm.io.storage import Location, iter_jsonl
+    from batch_llm.rows.records import openai_error_line, output_record
     from batch_llm.stages import plan as plan_mod
     from helpers import demo_config
 
@@ -218,6 +218,6 @@ def test_output_ids_are_unique_per_request_and_stable_within_a_run_and_stop_reas
                                                                          ("length", None)]
     again = _published_lines(tmp_path, "b", "run-1", monkeypatch)
     assert [x["id"] for x in again] == ids
-    from batch_llm.io.formats import openai_line_ids
+    from batch_llm.rows.records import openai_line_ids
 
     assert openai_line_ids("run-1", "row 0")[0] in ids and openai_line_ids("run-2", "row 0")[0] not in ids

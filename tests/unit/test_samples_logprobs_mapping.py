@@ -15,9 +15,10 @@ from batch_llm.cache.results import namespace, prompt_key
 from batch_llm.config import ConfigError, FilterConfig, WordListConfig
 from batch_llm.engines.base import GenResult, Sample, TokenLogprob, TopLogprob
 from batch_llm.engines.vllm_engine import gen_result, token_logprobs
-from batch_llm.io.formats import output_record, write_rows
+from batch_llm.io.formats import write_rows
 from batch_llm.io.storage import Location, as_path, iter_jsonl, write_jsonl
 from batch_llm.rows.params import RowParams, engine_refusal, resolve
+from batch_llm.rows.records import output_record
 from batch_llm.stages import plan as plan_mod
 from batch_llm.stages.content_filter import ContentFilter
 from batch_llm.stages.infer.identity import sampling_identity

@@ -43,6 +43,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from batch_llm.rows.params import row_response_format
+
 #: The ServerArgs fields the engine section sets (engine.extra names them only through their engine key).
 MAPPED = {"context_length": "max_model_len", "max_running_requests": "max_num_seqs",
           "mem_fraction_static": "gpu_memory_utilization", "tp_size": "tensor_parallel_size",
@@ -171,12 +173,12 @@ def sampling_params(s: Any, *, json_schema: str | None = None, seed: int | None 
 def row_json_schema(response_format: str | None, length_bounds: str = "grammar") -> str | None:
     """The grammar a row's own response_format decodes under, as SGLang's ``json_schema`` text (OpenAI's
     json_object: any object, as SGLang's own server maps it), or None."""
-    if response_format is None:
+    rf = row_response_format(response_format)
+    if rf is None:
         return None
-    rf = json.loads(response_format)
-    if rf["type"] == "json_object":
+    if rf.json_object:
         return '{"type": "object"}'
-    return schema_text(rf["schema"], length_bounds)
+    return schema_text(rf.schema, length_bounds)
 
 
 def schema_text(schema: dict, length_bounds: str = "grammar") -> str:

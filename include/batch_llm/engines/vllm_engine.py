@@ -41,7 +41,7 @@ from batch_llm.host.probes import (
     model_quantization,
     processor_kwargs_refusal,
 )
-from batch_llm.rows.params import Sampling
+from batch_llm.rows.params import Sampling, row_response_format
 
 # Decode batch sizes captured by engine.cuda_graphs: offline. Up to 128 sequences a decode step is bound by
 # reading the weights (a 7B model on an H200: ~3.1 ms to read them, ~1.8 ms to compute 128 rows), and padded rows
@@ -432,14 +432,14 @@ def sampling_kwargs(s: Sampling) -> dict:
 def row_structured_outputs(response_format: str | None, length_bounds: str = "grammar"):
     """The grammar a row's own response_format decodes under (OpenAI's json_object: any JSON object; json_schema:
     its schema, as vLLM's server decodes them), or None. ``length_bounds`` as sampling.guided_length_bounds."""
-    if response_format is None:
+    rf = row_response_format(response_format)
+    if rf is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    rf = json.loads(response_format)
-    if rf["type"] == "json_object":
+    if rf.json_object:
         return StructuredOutputsParams(json_object=True)
-    schema = rf["schema"]
+    schema = rf.schema
     if length_bounds == "check":  # the bounds are checked after, as for sampling.output_schema
         from batch_llm.output_schema import without_string_length_bounds
 

@@ -61,11 +61,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from batch_llm.config import ConfigError, PipelineConfig, apply_overrides, parse_config
 from batch_llm.config.capabilities import DEFAULT_KIND, serving
-from batch_llm.io.formats import read_rows
+from batch_llm.config.model import MAX_LINE_BYTES
+from batch_llm.io.formats import Lines, read_rows
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import Manifest, PlanManifest
 from batch_llm.output_schema import INVALID_OUTPUT, check_schema
+from batch_llm.rows.params import openai_response_format
 
 SCHEMA_VERSION: Final = 1     # common-ai's manifest "schema_version"
 STATE_DIR = "_batch_llm_state"
@@ -162,7 +164,7 @@ def requests_from_file(input_path: Location, fmt: str = "auto") -> Iterator[Batc
     optionally ``system_prompt``, ``max_tokens``, ``params`` (CSV: JSON text); other columns are left alone.
     A row that is not a request yields the reason (a string): it lands as an ``error`` row."""
     fields = set(BatchRequest.model_fields)
-    for raw in read_rows(input_path.path(), fmt):
+    for raw in read_rows(input_path.path(), fmt, Lines(MAX_LINE_BYTES)):
         where = f"{raw.source} line {raw.line}"
         if raw.error:
             yield f"{where}: {raw.error}"
@@ -208,12 +210,11 @@ def response_format_schema(response_format: Any) -> dict | None:
     vLLM decodes under it, the other engines check every output against it (``invalid_output`` rows)."""
     if response_format is None:
         return None
-    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    kind, schema = openai_response_format(response_format)
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "object"}
-    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
     if not isinstance(schema, Mapping):
         raise LLMBatchOutputTypeError(
             f"response_format {response_format!r}: expected {{'type': 'json_schema', 'json_schema': {{'schema': "

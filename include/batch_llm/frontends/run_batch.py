@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -33,6 +33,7 @@ from batch_llm.config import ConfigError, InputConfig, PipelineConfig, parse_con
 from batch_llm.config.capabilities import DEFAULT_KIND
 from batch_llm.frontends.written_config import keep_work_folder, run_written_config
 from batch_llm.host import path_policy
+from batch_llm.rows.openai_batch import ErrorLine, OutputLine, answer_line, line_dict
 
 PIPELINE_NAME = "run_batch"
 #: The sampling defaults a model's generation_config.json may set (vLLM's get_diff_sampling_param) and the
@@ -243,22 +244,28 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
     part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
     current = read_json(part.child("_CURRENT.json").path())
     summary = read_json(Location(current["version"]).child("summary.json").path())
-    done: dict[Any, list[dict]] = {}
-    for line in iter_jsonl(Location(summary["dataset"]).path()):
-        line["response"]["body"]["model"] = served_model_name
-        done.setdefault(_key(line.get("custom_id")), []).append(line)
-    refused: dict[Any, list[dict]] = {}
-    for line in iter_jsonl(Location(summary["errors"]).path()):
-        refused.setdefault(_key(line.get("custom_id")), []).append(line)
+    done: dict[Any, list[OutputLine | ErrorLine]] = {}
+    for data in iter_jsonl(Location(summary["dataset"]).path()):
+        line = answer_line(data)
+        if isinstance(line, OutputLine):
+            line.response.body["model"] = served_model_name
+        done.setdefault(_key(line.custom_id), []).append(line)
+    refused: dict[Any, list[OutputLine | ErrorLine]] = {}
+    for data in iter_jsonl(Location(summary["errors"]).path()):
+        line = answer_line(data)
+        refused.setdefault(_key(line.custom_id), []).append(line)
     from batch_llm.io.formats import input_files
 
     lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused, cfg.input))
     out = Path(os.path.expanduser(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+    tmp.write_text("".join(json.dumps(line_dict(x), ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
     tmp.replace(out)
-    return len(lines), sum(1 for x in lines if x["response"]["status_code"] != 200)
+    return len(lines), sum(1 for x in lines if isinstance(x, ErrorLine))
+
+
+_Line = TypeVar("_Line")  # an answer line: typed (OutputLine, ErrorLine) or as read
 
 
 def keep_report(cfg: PipelineConfig, ds: str, output_file: str) -> Path | None:
@@ -283,16 +290,18 @@ def _key(custom_id: Any) -> str | None:
     return str(custom_id) if isinstance(custom_id, (str, int)) and not isinstance(custom_id, bool) else None
 
 
-def in_input_order(files: list, done: dict, refused: dict, input_cfg: InputConfig | None = None) -> Iterator[dict]:
+def in_input_order(files: list, done: dict[Any, list[_Line]], refused: dict[Any, list[_Line]],
+                   input_cfg: InputConfig | None = None) -> Iterator[_Line]:
     """Each input line's answer in turn: its published line, else its error line; whatever is left over (none,
     where every line was read once) after them. The lines are read by the planner's own reader (``input_cfg``: its
     line limit), so each line's custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a
     lone surrogate, raw bytes that are not UTF-8) by the custom_id still readable in it, else by none (a line past
     ``input.max_line_bytes`` too: its error line names its line number; those are answered in input order)."""
-    from batch_llm.io.formats import read_file_rows
+    from batch_llm.config.model import MAX_LINE_BYTES
+    from batch_llm.io.formats import Lines, read_file_rows
 
     for f in files:
-        for row in read_file_rows(f, "openai_batch", input_cfg):
+        for row in read_file_rows(f, "openai_batch", input_cfg or Lines(MAX_LINE_BYTES)):
             cid = _key((row.record or row.salvaged or {}).get("custom_id"))
             for source in (done, refused):
                 if source.get(cid):

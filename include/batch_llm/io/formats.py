@@ -1,35 +1,30 @@
-"""Row readers and writers, per format, in one place; and the rule that turns a row into a chat.
+"""Row readers and writers, per format, in one place: bytes and files only (what a row means is rows/'s).
 
 Readers never raise on a bad row, in any format: they yield ``RawRow`` objects carrying either the parsed
 record or the reason it could not be parsed (bad bytes, a malformed line, a value Python cannot hold, text
 UTF-8 cannot hold, a line longer than ``input.max_line_bytes``, skipped without being held), so the planner can
 report it and go on. A UTF-8 byte order mark opening a text file is no data. A file none of whose rows can be read
 (a corrupt Parquet file, a table without a prompt column) and a local input that is not a regular file (a FIFO, a
-device, a socket) raise ``InputFileError`` naming the file.
+device, a socket) raise ``InputFileError`` naming the file. The readers take the input's column rules as an
+argument (``ColumnRules``, which the pipeline's ``InputConfig`` satisfies), or its line limit alone (``Lines``).
 """
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
 import re
 import stat
-import string
-import sys
 import tempfile
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from upath import UPath
 
-from batch_llm.config import InputConfig
-from batch_llm.config.model import MAX_LINE_BYTES, token_ids_problem
 from batch_llm.io.storage import (
     atomic_writer,
     is_local,
@@ -39,10 +34,8 @@ from batch_llm.io.storage import (
     utf8_safe,
     write_jsonl,
 )
-from batch_llm.output_schema import OutputSchema, column_value
-from batch_llm.rows.params import RowParams
+from batch_llm.rows.prompt import RawRow, json_value, template_columns
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
 SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
 
 # The largest CSV cell read, in characters (csv's default is 128 KiB): far past any context window, and
@@ -50,32 +43,34 @@ SUFFIX_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".c
 CSV_FIELD_LIMIT = 16 << 20
 
 
+class ColumnRules(Protocol):
+    """The input's rules a reader follows (``InputConfig`` has them): the longest line it reads, and the columns a
+    table's header is checked against before its first row."""
+
+    @property
+    def max_line_bytes(self) -> int: ...
+
+    @property
+    def id_column(self) -> str: ...
+    @property
+    def messages_column(self) -> str: ...
+    @property
+    def prompt_column(self) -> str: ...
+    @property
+    def template(self) -> str | None: ...
+    @property
+    def image_columns(self) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A line limit alone (``input.max_line_bytes``): a read that checks no columns (a table read as data)."""
+
+    max_line_bytes: int
+
+
 class InputFileError(ValueError):
     """An input file none of whose rows can be read or be valid: corrupt, or lacking the columns a row needs."""
-
-
-@dataclass
-class RawRow:
-    line: int                     # 1-based position in the input (line or record number)
-    record: dict | None           # None when the row could not be parsed
-    error: str | None = None
-    source: str = ""
-    salvaged: dict | None = None  # a row that could not be used: its top-level ids and strings that read cleanly,
-                                  # so that its error names it (an OpenAI Batch line's custom_id)
-
-
-@dataclass
-class PromptRow:
-    """A validated row: its id, its place in the input, the chat to send, and the reference if any."""
-
-    id: str
-    idx: int
-    messages: list[dict]
-    reference: str | None = None
-    prompt_token_ids: list[int] | None = None   # a pre-tokenized prompt, sent to the engine as is
-    params: RowParams | None = None             # the row's own sampling parameters (rows/params.py)
-    text: str | None = None                     # a completion prompt (``/v1/completions``): no chat template
-    images: list[dict] | None = None            # the checked images of its image parts, in order (io/images.py)
 
 
 def detect_format(path: UPath, fmt: str) -> str:
@@ -141,28 +136,30 @@ def long_line(limit: int, unit: str = "bytes") -> str:
     return f"longer than {limit} {unit} (input.max_line_bytes); skipped without being read"
 
 
-def read_rows(path: UPath, fmt: str) -> Iterator[RawRow]:
+def read_rows(path: UPath, fmt: str, rules: ColumnRules | Lines) -> Iterator[RawRow]:
     """Every row of a file or of a folder's data files (in name order), streamed; ``source`` names the file."""
     for f in input_files(path):
-        yield from read_file_rows(f, fmt)
+        yield from read_file_rows(f, fmt, rules)
 
 
-def read_file_rows(f: UPath, fmt: str, cfg: InputConfig | None = None) -> Iterator[RawRow]:
-    """The rows of one file, streamed. With ``cfg``, a table (CSV, Parquet) whose columns cannot make one valid
-    row is refused before its first row: ``InputFileError`` names the file and the columns it has."""
+def read_file_rows(f: UPath, fmt: str, rules: ColumnRules | Lines) -> Iterator[RawRow]:
+    """The rows of one file, streamed, no line past ``rules.max_line_bytes`` held. With column rules
+    (``ColumnRules``), a table (CSV, Parquet) whose columns cannot make one valid row is refused before its first
+    row: ``InputFileError`` names the file and the columns it has."""
     kind = detect_format(f, fmt) if fmt == "auto" else fmt
+    columns = None if isinstance(rules, Lines) else rules
     if kind == "csv":
-        rows = _read_csv(f, cfg)
+        rows = _read_csv(f, rules.max_line_bytes, columns)
     elif kind == "parquet":
-        rows = _read_parquet(f, cfg)
+        rows = _read_parquet(f, columns)
     else:
-        rows = _read_jsonl(f, cfg.max_line_bytes if cfg is not None else MAX_LINE_BYTES)
+        rows = _read_jsonl(f, rules.max_line_bytes)
     for raw in rows:
         raw.source = f.name
         yield raw
 
 
-def sniff_openai_batch(path: UPath, max_line_bytes: int = MAX_LINE_BYTES) -> str | None:
+def sniff_openai_batch(path: UPath, max_line_bytes: int) -> str | None:
     """A .jsonl file whose first object has custom_id and body is OpenAI Batch API input (a line past
     ``max_line_bytes`` is passed over: the scan reports it)."""
     with path.open("rb") as fh:
@@ -207,7 +204,7 @@ def _read_jsonl(path: UPath, max_line_bytes: int) -> Iterator[RawRow]:
                              salvaged=_salvaged(raw.decode("utf-8", errors="surrogateescape")))
                 continue
             try:
-                obj = _json_value(text)
+                obj = json_value(text)
             except json.JSONDecodeError as e:
                 yield RawRow(n, None, f"not valid JSON: {e.msg} (column {e.colno})")
                 continue
@@ -221,20 +218,12 @@ def _read_jsonl(path: UPath, max_line_bytes: int) -> Iterator[RawRow]:
             yield RawRow(n, None, why, salvaged=_clean_scalars(obj)) if why else RawRow(n, obj)
 
 
-def _json_value(text: str) -> Any:
-    """``json.loads`` of a row's text; nesting deeper than Python's recursion limit is a ValueError (the row's
-    fault, like malformed JSON), not a RecursionError that would stop the file."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError(f"JSON nested deeper than {sys.getrecursionlimit()} levels") from None
-
 
 def _salvaged(text: str) -> dict | None:
     """What of a line that is not UTF-8 still reads (its bytes kept as lone surrogates, which ``_clean_scalars``
     leaves out): its clean top-level values, None where it is not a JSON object even so."""
     try:
-        obj = _json_value(text)
+        obj = json_value(text)
     except ValueError:
         return None
     return _clean_scalars(obj) if isinstance(obj, dict) else None
@@ -265,7 +254,7 @@ def _unencodable(obj: dict) -> str | None:
     return None
 
 
-def _read_parquet(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
+def _read_parquet(path: UPath, cfg: ColumnRules | None) -> Iterator[RawRow]:
     """Record batches, one at a time; ``line`` is the 1-based row number in the file."""
     import pyarrow.parquet as pq
 
@@ -342,14 +331,14 @@ def _converted_row(columns: list, i: int) -> tuple[dict | None, str | None]:
     return rec, None
 
 
-def _read_csv(path: UPath, cfg: InputConfig | None) -> Iterator[RawRow]:
+def _read_csv(path: UPath, max_line_bytes: int, cfg: ColumnRules | None) -> Iterator[RawRow]:
     """Records with ``line``, the file's line (1: the header) where each starts. Bytes are decoded line by
     line, leniently, so a line that is not UTF-8 fails its record alone."""
     csv.field_size_limit(CSV_FIELD_LIMIT)
     with path.open("rb") as fh:
         # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is not part of the first column's name.
         text = io.TextIOWrapper(fh, encoding="utf-8-sig", errors="surrogateescape", newline="")
-        lines = _CountedLines(text, cfg.max_line_bytes if cfg is not None else MAX_LINE_BYTES)
+        lines = _CountedLines(text, max_line_bytes)
         reader = csv.reader(lines)
         header = _csv_header(reader, lines, path)
         if header is None:  # an empty file: no rows
@@ -443,7 +432,7 @@ def _csv_row(start: int, fields: list[str], header: list[str], bad: tuple[int, i
     return RawRow(start, dict(zip(header, fields)))
 
 
-def _require_columns(path: UPath, columns: list[str], cfg: InputConfig) -> None:
+def _require_columns(path: UPath, columns: list[str], cfg: ColumnRules) -> None:
     """Refuses a table none of whose rows could be valid: one error naming the file and its columns, rather
     than the same row error once per row."""
     have = set(columns)
@@ -453,7 +442,7 @@ def _require_columns(path: UPath, columns: list[str], cfg: InputConfig) -> None:
     if "prompt_token_ids" in have:  # pre-tokenized rows need no text columns
         pass
     elif cfg.template:
-        needed = sorted(_template_columns(cfg.template) - have)
+        needed = sorted(template_columns(cfg.template) - have)
         if needed:
             lacks.append(f"the template's column(s) {', '.join(map(repr, needed))}")
     elif not have & {cfg.messages_column, cfg.prompt_column}:
@@ -466,405 +455,7 @@ def _require_columns(path: UPath, columns: list[str], cfg: InputConfig) -> None:
                              f"its columns: {', '.join(columns) or '(none)'}")
 
 
-def _template_columns(template: str) -> set[str]:
-    """The columns a template reads: ``{lang}``, ``{meta.lang}`` and ``{langs[0]}`` all read ``lang(s)``."""
-    names = (re.split(r"[.\[]", field)[0] for _, field, _, _ in string.Formatter().parse(template) if field)
-    return {n for n in names if n and not n.isdigit()}
-
-
-def _render_template(template: str, record: dict) -> str:
-    try:
-        return template.format_map(record)
-    except KeyError as e:
-        raise ValueError(f"template needs column {e.args[0]!r}, which this row lacks") from None
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(ROLES)}")
-        if isinstance(content, list):
-            content = _content_parts(content, f"messages[{i}].content")
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of content parts, got "
-                             f"{type(content).__name__}")
-        out.append({"role": role, "content": content})
-    if not any(_has_prompt(m["content"]) for m in out if m["role"] == "user"):
-        raise ValueError("empty prompt: no user message has text")
-    return out
-
-
-def _has_prompt(content: str | list) -> bool:
-    """A user message that asks something: text, or an image (a caption row may carry no text)."""
-    if isinstance(content, str):
-        return bool(content.strip())
-    return any(p["type"] == IMAGE_URL or p["text"].strip() for p in content)
-
-
-IMAGE_URL = "image_url"   # an OpenAI chat content part naming an image (checked by the planner: io/images.py)
-IMAGE_BYTES = "image_bytes"  # a table cell's image bytes (input.image_columns), carried until the planner checks them
-
-
-def _content_parts(parts: list, where: str) -> str | list[dict]:
-    """OpenAI chat content parts: ``text`` and ``image_url`` (its ``url`` a data: URL, a storage URL or a path).
-    Text parts alone are one string (joined by newlines, as vLLM joins them); with images, the parts in order:
-    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": {"url": ...}}``."""
-    if not parts:
-        raise ValueError(f"{where} is an empty list of content parts")
-    out: list[dict] = []
-    for k, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            out.append({"type": "text", "text": part["text"]})
-        elif kind == IMAGE_URL:
-            image = part.get(IMAGE_URL)
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str) or not url.strip():
-                raise ValueError(f"{where}[{k}]: an image_url part needs image_url.url, a data: URL, a storage URL "
-                                 "or a path")
-            out.append({"type": IMAGE_URL, IMAGE_URL: {"url": url}})
-        elif kind == "text":
-            raise ValueError(f"{where}[{k}]: a text part needs a string 'text'")
-        else:
-            shown = repr(kind) if kind is not None else f"a {type(part).__name__}"
-            raise ValueError(f"{where}[{k}]: content part {shown} is not read (text and image_url parts are)")
-    if all(p["type"] == "text" for p in out):
-        return "\n".join(p["text"] for p in out)
-    return out
-
-
-def _with_column_images(messages: list[dict], rec: dict, cfg: InputConfig) -> list[dict]:
-    """``input.image_columns``: the row's images (a path or URL, a list of them, bytes, or a ``{bytes, path}``
-    struct as Hugging Face datasets store images in Parquet) put before the text of its last user message; a null
-    or empty cell adds none."""
-    parts: list[dict] = []
-    for col in cfg.image_columns:
-        value = rec.get(col)
-        if isinstance(value, str) and value.strip().startswith("["):  # a CSV cell holding a JSON list
-            try:
-                value = _json_value(value)
-            except json.JSONDecodeError:
-                raise ValueError(f"column {col!r} starts like a JSON list but is not one") from None
-        for item in value if isinstance(value, list) else [value]:
-            if item is None or item == "":
-                continue
-            if isinstance(item, dict) and isinstance(item.get("bytes"), (bytes, bytearray)):
-                parts.append({"type": IMAGE_BYTES, "bytes": bytes(item["bytes"]), "name": str(item.get("path") or "")})
-            elif isinstance(item, dict) and isinstance(item.get("path"), str):
-                parts.append({"type": IMAGE_URL, IMAGE_URL: {"url": item["path"]}})
-            elif isinstance(item, (bytes, bytearray)):
-                parts.append({"type": IMAGE_BYTES, "bytes": bytes(item), "name": ""})
-            elif isinstance(item, str):
-                parts.append({"type": IMAGE_URL, IMAGE_URL: {"url": item}})
-            else:
-                raise ValueError(f"column {col!r}: an image is a path or URL, bytes, or a {{bytes, path}} struct, "
-                                 f"got {type(item).__name__}")
-    if not parts:
-        return messages
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise ValueError("the row's images (input.image_columns) need a user message to go in")
-    i = users[-1]
-    content = messages[i]["content"]
-    text = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    return [*messages[:i], {**messages[i], "content": [*parts, *text]}, *messages[i + 1:]]
-
-
-OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
-
-
-def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRow:
-    """Validates one parsed record; raises ValueError with the reason when it is not usable."""
-    if fmt == "openai_batch":
-        return _openai_row(raw.record or {}, idx, cfg)
-    rec = raw.record or {}
-    rid = _row_id(rec, cfg.id_column)
-    params = RowParams.from_columns(_typed_cells(rec, cfg.sampling_columns), cfg.sampling_columns)
-    tokens = rec.get("prompt_token_ids")
-    if tokens is not None:
-        with_images = [c for c in cfg.image_columns if rec.get(c) not in (None, "", [])]
-        if with_images:
-            raise ValueError(f"a pre-tokenized row (prompt_token_ids) takes no images, and this one has "
-                             f"{', '.join(with_images)}")
-        return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(tokens), params=params)
-    messages, prompt = rec.get(cfg.messages_column), rec.get(cfg.prompt_column)
-    if fmt == "csv" and messages == "":  # an empty cell is CSV's null: the row's prompt may be in the other column
-        messages = None
-    if cfg.template:
-        text = _render_template(cfg.template, rec)
-        if not text.strip():
-            raise ValueError("empty prompt after rendering the template")
-        messages = [{"role": "user", "content": text}]
-    elif messages is not None:
-        if isinstance(messages, str) and fmt in ("csv", "parquet"):  # columns holding JSON text
-            try:
-                messages = _json_value(messages)
-            except json.JSONDecodeError:
-                raise ValueError(f"column {cfg.messages_column!r} is text but not JSON") from None
-        messages = _check_messages(messages)
-    elif prompt is not None:
-        messages = [{"role": "user", "content": _check_prompt(prompt)}]
-    else:
-        raise ValueError(_no_prompt_reason(rec, cfg))
-    if cfg.image_columns:
-        messages = _with_column_images(messages, rec, cfg)
-    ref = rec.get(cfg.reference_column)
-    return PromptRow(id=rid, idx=idx, messages=_with_system(messages, cfg), params=params,
-                     reference=ref if isinstance(ref, str) and ref.strip() else None)
-
-
-def _no_prompt_reason(rec: dict, cfg: InputConfig) -> str:
-    """Why a row has no prompt: its prompt columns are null (a table's row has them), or absent (a JSON line)."""
-    nulls = [repr(c) for c in (cfg.messages_column, cfg.prompt_column) if c in rec]
-    if nulls:
-        return f"no prompt: {' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null"
-    return f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}"
-
-
-def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
-    """One OpenAI Batch request line: a chat body (``messages``) or a completions body (``prompt``)."""
-    rid = _row_id(rec, "custom_id")
-    body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
-    if not isinstance(body, dict):
-        raise ValueError("OpenAI batch line without a 'body' object")
-    if url not in OPENAI_URLS:
-        raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
-    if rec.get("method", "POST") != "POST":
-        raise ValueError(f"method {rec['method']!r}: batch requests are POST")
-    params = RowParams.from_openai_body(body, completions=url == "/v1/completions")
-    if url == "/v1/chat/completions":
-        return PromptRow(id=rid, idx=idx, messages=_with_system(_check_messages(body.get("messages")), cfg),
-                         params=params)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list; several would be several completions
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(prompt), params=params)
-    if not isinstance(prompt, str):
-        raise ValueError("a /v1/completions body needs 'prompt': one string or one list of token ids")
-    return PromptRow(id=rid, idx=idx, messages=[], text=_check_prompt(prompt), params=params)
-
-
-def _row_id(rec: dict, column: str) -> str:
-    rid = rec.get(column)
-    if rid is None or (isinstance(rid, str) and not rid.strip()):
-        raise ValueError(f"missing id (column {column!r})")
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        raise ValueError(f"id must be a string or an integer, got {type(rid).__name__}")
-    return str(rid)
-
-
-def _check_token_ids(tokens: Any) -> list[int]:
-    if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
-        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-    if problem := token_ids_problem(tokens, "prompt_token_ids", most=None):  # its length: the context's to say
-        raise ValueError(problem)
-    return tokens
-
-
-def _check_prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise ValueError("empty prompt")
-    return prompt
-
-
-def _with_system(messages: list[dict], cfg: InputConfig) -> list[dict]:
-    if cfg.system_prompt and messages[0]["role"] != "system":
-        return [{"role": "system", "content": cfg.system_prompt}, *messages]
-    return messages
-
-
-def _typed_cells(rec: dict, columns: Sequence[str]) -> dict:
-    """The parameter cells of a row; CSV cells are text, so numbers are read from it (a stop cell may hold a
-    JSON list; stop_token_ids a JSON list, chat_template_kwargs a JSON object, include_stop_str_in_output
-    true or false; thinking and reasoning_effort words)."""
-    out = {}
-    for c in columns:
-        v = rec.get(c)
-        if isinstance(v, str) and v.strip():
-            text = v.strip()
-            if c == "stop":
-                v = _json_value(text) if text.startswith("[") else v
-            elif c in ("stop_token_ids", "chat_template_kwargs"):
-                try:
-                    v = json.loads(text)
-                except (ValueError, RecursionError):
-                    raise ValueError(f"{c} must be JSON ({'a list' if c == 'stop_token_ids' else 'an object'}), "
-                                     f"got {v!r}") from None
-            elif c == "include_stop_str_in_output":
-                v = {"true": True, "false": False}.get(text.lower(), v)  # anything else: refused as it is
-            elif c in ("thinking", "reasoning_effort"):  # words (on / off / auto, low / high ...): checked as they are
-                v = text
-            else:
-                try:
-                    v = int(text) if text.lstrip("-").isdigit() else float(text)
-                except ValueError:
-                    raise ValueError(f"{c} must be a number, got {v!r}") from None
-        out[c] = v
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- writing
-def joined_outputs(records: Iterator[dict], outputs: Iterator[dict]) -> Iterator[tuple[dict, dict]]:
-    """(input record, output row) pairs by position: both streams are in input order (``idx`` ascending);
-    a record without an output (an error, a dropped row) is skipped."""
-    out = next(outputs, None)
-    for rec in records:
-        while out is not None and out["idx"] < rec["idx"]:
-            out = next(outputs, None)
-        if out is None:
-            return
-        if out["idx"] == rec["idx"]:
-            yield rec, out
-
-
-def output_record(record: dict, result: dict, fmt: str, *, model: str = "", schema: OutputSchema | None = None,
-                  run_id: str = "") -> dict:
-    """The published row: the input's columns plus the generated ones (OpenAI Batch output lines, as OpenAI
-    documents them, for OpenAI Batch input; ``model`` names the model that served them, ``run_id`` the run whose
-    line ids they are: ``openai_line_ids``)."""
-    if fmt == "openai_batch":
-        where = f"row {result['idx']}"
-        if result.get("error"):
-            return openai_error_line(record.get("custom_id"), result["error"], code="row_error", run_id=run_id,
-                                     where=where)
-        line_id, request_id = openai_line_ids(run_id, where)
-        usage = {"prompt_tokens": result.get("prompt_tokens", 0),
-                 "completion_tokens": result.get("completion_tokens", 0),
-                 "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
-                 "prompt_tokens_details": {"cached_tokens": result.get("cached_prompt_tokens", 0)}}
-        if "reasoning_tokens" in result:  # a reasoning parser parted the thinking: its share, as OpenAI counts it
-            usage["completion_tokens_details"] = {"reasoning_tokens": result["reasoning_tokens"]}
-        completions = record.get("url") == "/v1/completions"
-        if completions:
-            body = {"id": f"cmpl-{result['id']}", "object": "text_completion", "created": int(time.time()),
-                    "model": model, "choices": [{"index": i, "text": text, "logprobs": _completion_logprobs(lp),
-                                                 "finish_reason": reason, "stop_reason": stop}
-                                                for i, (text, reason, lp, stop) in enumerate(_choices(result))],
-                    "usage": usage}
-        else:
-            body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion", "created": int(time.time()),
-                    "model": model,
-                    "choices": [{"index": i, "finish_reason": reason, "stop_reason": stop,
-                                 "logprobs": _chat_logprobs(lp),
-                                 "message": {"role": "assistant", "content": text, **thinking}}
-                                for i, ((text, reason, lp, stop), thinking) in enumerate(zip(_choices(result),
-                                                                                       _reasoning_of(result)))],
-                    "usage": usage}
-        return {"id": line_id, "custom_id": record.get("custom_id"),
-                "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
-    out = dict(record)
-    for k in _GENERATED:
-        if k in result:
-            out[k] = result[k]
-        elif k in _SAMPLE_COLUMNS and k in record:  # an input column of that name (the n/logprobs cell): one type
-            out[k] = None
-    if schema is not None and isinstance(result.get("output"), str):
-        _add_structured(out, record, result["output"], fmt, schema)
-    if "scores" in out:
-        _add_class_scores(out, record, out.pop("scores"))
-    return out
-
-
-def _add_class_scores(out: dict, record: dict, scores: dict) -> None:
-    """engine.task classify: one ``score_<class>`` column per class beside ``label`` (the top class), in every
-    format (named ``output_<name>`` where the input has a column of that name, e.g. a gold ``label``)."""
-    if "label" in out and (column := class_label_column(record)) != "label":
-        out[column], out["label"] = out["label"], record["label"]  # the input's own column (a gold label) stays
-    for name, p in scores.items():
-        out[structured_column(class_score_column(name), record)] = p
-
-
-def class_label_column(record: dict) -> str:
-    """Where a classify row's top class is published: ``label``, or ``output_label`` beside an input ``label``."""
-    return "output_label" if "label" in record else "label"
-
-
-def class_score_column(label: str) -> str:
-    return f"score_{label}"
-
-
-def _choices(result: dict) -> list[tuple[str, str | None, list | None, str | int | None]]:
-    """(text, finish reason, token logprobs, stop reason) of every sample of a result row: ``outputs`` where it
-    has several (n > 1), else ``output`` alone. The stop reason is vLLM's: the stop string or stop token id that
-    ended the sample, None where EOS or the length did (and where the engine does not say)."""
-    if result.get("outputs"):
-        n = len(result["outputs"])
-        lps = result.get("outputs_logprobs") or [None] * n
-        return list(zip(result["outputs"], result.get("finish_reasons") or [result.get("finish_reason")] * n, lps,
-                        result.get("stop_reasons") or [result.get("stop_reason")] + [None] * (n - 1)))
-    return [(result.get("output", ""), result.get("finish_reason"), result.get("logprobs"), result.get("stop_reason"))]
-
-
-def _reasoning_of(result: dict) -> list[dict]:
-    """Each sample's thinking as its chat message's ``reasoning_content`` (vLLM's server's field), where a
-    reasoning parser parted it from the answer; nothing where none did."""
-    if "reasoning" not in result:
-        return [{}] * max(1, len(result.get("outputs") or ()))
-    every = result.get("outputs_reasoning") or [result["reasoning"]]
-    return [{"reasoning_content": r} for r in every]
-
-
-def _chat_logprobs(tokens: list | None) -> dict | None:
-    """A chat choice's ``logprobs`` as OpenAI writes it: ``content``, one entry per token with its UTF-8 bytes
-    and its ``top_logprobs``."""
-    if tokens is None:
-        return None
-
-    def entry(t: dict) -> dict:
-        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
-
-    return {"content": [{**entry(t), "top_logprobs": [entry(c) for c in t["top"]]} for t in tokens],
-            "refusal": None}
-
-
-def _completion_logprobs(tokens: list | None) -> dict | None:
-    """A completions choice's ``logprobs`` in OpenAI's legacy shape: parallel lists, offsets into the text."""
-    if tokens is None:
-        return None
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t["token"])
-    return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [{c["token"]: c["logprob"] for c in t["top"]} for t in tokens], "text_offset": offsets}
-
-
-def _add_structured(out: dict, record: dict, text: str, fmt: str, schema: OutputSchema) -> None:
-    """A schema-checked output as data: the object itself in JSONL, one typed column per top-level property
-    in Parquet and CSV (named ``output_<name>`` where the input has a column of that name)."""
-    try:
-        value = json.loads(text)  # checked when generated; the content filter's masks keep it JSON
-    except json.JSONDecodeError:
-        return
-    if fmt == "jsonl":
-        out["output"] = value
-        return
-    for f in schema.arrow_fields():
-        name = structured_column(f.name, record)
-        out[name] = column_value(value.get(f.name) if isinstance(value, dict) else None, f.type)
-
-
-def structured_column(name: str, record: dict) -> str:
-    return f"output_{name}" if name in record or name in _GENERATED else name
-
-
-_GENERATED = ("output", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "filter_hits",
-              "error", "outputs", "finish_reasons", "logprobs", "outputs_logprobs", "embedding", "label", "scores",
-              "review_verdict", "review_categories", "review_error",
-              "reasoning", "reasoning_tokens", "thinking_ended", "max_thinking_tokens", "outputs_reasoning")
-
-_SAMPLE_COLUMNS = ("outputs", "finish_reasons", "logprobs", "outputs_logprobs")  # infer.results.SAMPLE_FIELDS
-
-
 def _sample_types() -> dict:
     """The Parquet types of the sample columns (``infer.results.SAMPLE_FIELDS``), fixed rather than inferred: a batch
     whose rows have empty top lists or no finish reason would otherwise be typed by what it happens to hold."""
@@ -882,27 +473,6 @@ def _review_types() -> dict:
     import pyarrow as pa
 
     return {"review_verdict": pa.string(), "review_categories": pa.list_(pa.string()), "review_error": pa.string()}
-
-
-def openai_line_ids(run_id: str, where: str) -> tuple[str, str]:
-    """(id, request_id) of one OpenAI Batch output or error line: unique per request as OpenAI's are (a custom_id
-    is the caller's, not unique across runs or files), derived from the run and the request's place in its input
-    (``where``: ``row <idx>``, or ``<file> line <n>`` for a line the planner refused), so a publish retried or
-    resumed in the same run writes the same ids, and another run other ones."""
-    digest = hashlib.sha256(f"{run_id}\0{where}".encode()).hexdigest()
-    return f"batch_req_{digest[:24]}", f"req_{digest[24:48]}"
-
-
-def openai_error_line(custom_id: str | int | None, message: str, *, code: str, run_id: str, where: str) -> dict:
-    """A failed request as a line of an OpenAI Batch error file: the HTTP-style error body OpenAI returns for
-    a request it refused (status 400), with the pipeline's reason as the message; ids as ``openai_line_ids``."""
-    line_id, request_id = openai_line_ids(run_id, where)
-    return {"id": line_id, "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": request_id,
-                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                            "code": code}}},
-            "error": None}
-
 
 # Rows converted to Arrow at once: one Parquet row group each (and the unit of CSV writes).
 WRITE_BATCH_ROWS = 50_000

@@ -14,9 +14,9 @@ refused naming the engines with them (the capability table).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 from batch_llm.config import SamplingConfig
 from batch_llm.config.capabilities import ENGINES, who_can
@@ -265,10 +265,36 @@ def response_schema(response_format: None) -> None: ...
 
 def response_schema(response_format: str | None) -> dict | None:
     """The JSON Schema a row's response_format checks its output against ({"type": "object"} for json_object)."""
+    rf = row_response_format(response_format)
+    return None if rf is None else rf.schema
+
+
+class ResponseFormat(NamedTuple):
+    """A row's own response_format, read: what an engine decodes under and the planner checks against."""
+
+    json_object: bool  # OpenAI's json_object: any JSON object
+    schema: dict       # json_schema: its schema; json_object: {"type": "object"}
+
+
+def row_response_format(response_format: str | None) -> ResponseFormat | None:
+    """A row's response_format (``RowParams.response_format``: the canonical JSON ``_response_format`` wrote), read;
+    None for plain text. Every reader of it (the output check, each engine's grammar) reads it here."""
     if response_format is None:
         return None
     rf = json.loads(response_format)
-    return rf["schema"] if rf["type"] == "json_schema" else {"type": "object"}
+    if rf["type"] == "json_object":
+        return ResponseFormat(json_object=True, schema={"type": "object"})
+    return ResponseFormat(json_object=False, schema=rf["schema"])
+
+
+def openai_response_format(rf: Any) -> tuple[Any, Any]:
+    """OpenAI's ``response_format`` object, as sent: its ``type`` and, for json_schema, its ``json_schema.schema``
+    (``name`` and ``strict`` are the API's own); (None, None) for what is no object. Its callers check both."""
+    if not isinstance(rf, Mapping):
+        return None, None
+    kind = rf.get("type")
+    inner = rf.get("json_schema")
+    return kind, (inner.get("schema") if kind == "json_schema" and isinstance(inner, Mapping) else None)
 
 
 def _response_format(rf: Any) -> dict | None:
@@ -276,13 +302,12 @@ def _response_format(rf: Any) -> dict | None:
     "schema": ...}; ValueError for any other shape or an invalid JSON Schema."""
     if rf is None:
         return None
-    kind = rf.get("type") if isinstance(rf, dict) else None
+    kind, schema = openai_response_format(rf)
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
         if not isinstance(schema, dict):
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON Schema object")
         if problem := _nesting_problem(schema, "response_format's json_schema"):

@@ -34,9 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from batch_llm.config import PipelineConfig
 from batch_llm.config.metric_names import canonical_metric, metric_key
-from batch_llm.io.formats import (
-    joined_outputs,
-)
 from batch_llm.io.images import content_text
 from batch_llm.io.storage import (
     Location,
@@ -53,6 +50,7 @@ if TYPE_CHECKING:
 
     pass
 from batch_llm.layout import RunLayout
+from batch_llm.rows.records import joined_outputs
 
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
 MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/

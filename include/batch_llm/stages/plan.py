@@ -36,17 +36,12 @@ from batch_llm.config.capabilities import takes_no_images
 from batch_llm.config.model import MAX_LINE_BYTES
 from batch_llm.io.external_sort import ExternalSort, merge_sorted
 from batch_llm.io.formats import (
-    IMAGE_BYTES,
-    IMAGE_URL,
     SUFFIX_FORMAT,
     InputFileError,
-    PromptRow,
-    RawRow,
     detect_format,
     input_files,
     read_file_rows,
     sniff_openai_batch,
-    to_prompt_row,
 )
 from batch_llm.io.images import (
     ImageChecker,
@@ -71,6 +66,7 @@ from batch_llm.manifests import (
     ShardSpec,
 )
 from batch_llm.rows.params import engine_refusal
+from batch_llm.rows.prompt import IMAGE_BYTES, IMAGE_URL, PromptRow, RawRow, to_prompt_row
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
 id_hash = hash

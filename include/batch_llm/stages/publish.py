@@ -10,16 +10,7 @@ from typing import TYPE_CHECKING
 
 from batch_llm.config import PipelineConfig
 from batch_llm.io.current_pointer import PointerState, read_pointer, switch_pointer
-from batch_llm.io.formats import (
-    FILE_SUFFIX,
-    class_label_column,
-    class_score_column,
-    joined_outputs,
-    openai_error_line,
-    output_record,
-    structured_column,
-    write_rows,
-)
+from batch_llm.io.formats import FILE_SUFFIX, write_rows
 from batch_llm.io.retention import Partition, new_version_name, tidy_partition
 from batch_llm.io.storage import (
     Location,
@@ -40,6 +31,14 @@ from batch_llm.manifests import (
     TokenUsage,
 )
 from batch_llm.output_schema import OutputSchema
+from batch_llm.rows.records import (
+    class_label_column,
+    class_score_column,
+    joined_outputs,
+    openai_error_line,
+    output_record,
+    structured_column,
+)
 
 if TYPE_CHECKING:
     from upath import UPath
