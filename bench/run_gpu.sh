@@ -16,8 +16,8 @@
 #   chat: N review-extraction chats through LLM.chat (raw, raw-tuned) and the stage's messages rows (TOK below;
 #     CHAT_ARGS="--output-schema FILE" decodes under a JSON schema)
 #   unique: the mix without repeated prompts (N rows, 12,000 by default): only the stage's order and overlap can count;
-#     one invocation (REPEATS=1) fits a 600 s call on an H100, so the 3 alternating runs a mode take three calls with
-#     MODES reversed in the middle one (raw-tuned,stage / stage,raw-tuned / raw-tuned,stage)
+#     one invocation (REPEATS=1, two runs) takes ~5-6 minutes on an H100, so the 3 alternating runs a mode take three
+#     invocations with MODES reversed in turn (raw-tuned,stage / stage,raw-tuned / raw-tuned,stage)
 #   shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share
 #   checks | resume | leases: python3 -m bench gpu-checks (stop, crash and resume, GPU leases of two shard tasks)
 #   lmdeploy | lmdeploy-mix, after lmdeploy-stage (.gpu-stage/lmd: LMDeploy 0.18 unpacked into /root/lmd, a
