@@ -439,7 +439,8 @@ def stage_config(a, mode: str = "stage", **paths):
     extra = json.loads(a.stage_extra or "{}") if mode == "stage-x" else {}
     if detokenizes(a) and a.engine == "vllm":  # random weights, but the tokenizer (chat template, detokenized text)
         extra = {"skip_tokenizer_init": False, **extra}
-    more = json.loads(a.stage_engine or "{}") if mode == "stage-x" else {}
+    more = {**json.loads(a.engine_settings or "{}"),  # every mode's
+            **(json.loads(a.stage_engine or "{}") if mode == "stage-x" else {})}
     thinking: dict[str, Any] = {}
     if a.thinking_budget is not None:  # a reasoning model: thinking on (budgeted) or off, the parser from the model
         thinking = {"thinking": "off"} if mode == "stage-think-off" else {
@@ -614,7 +615,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 ok_rows=mt.get("ok"), invalid_outputs=mt.get("invalid_outputs"),
                 reasoning_tokens=mt.get("reasoning_tokens"), thinking_unfinished=mt.get("thinking_unfinished"),
                 async_scheduling=settings.get("async_scheduling"), model_runner_v2=settings.get("model_runner_v2"),
-                engine_start_phases=settings.get("start_phases"), plan_s=plan.seconds, phases=m.get("phases"),
+                engine_start_phases=settings.get("start_phases"), precision=settings.get("precision"),
+                quantization=settings.get("quantization"), plan_s=plan.seconds, phases=m.get("phases"),
                 outputs_s=_outputs_written(m.get("phases") or []))
 
 
@@ -813,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=8, help="stage-shards: shards of --n rows each, one engine")
     p.add_argument("--stage-extra", default="", help="JSON: engine arguments of the stage-x mode (engine.extra)")
     p.add_argument("--stage-engine", default="", help="JSON: keys merged into the stage-x mode's engine section")
+    p.add_argument("--engine-settings", default="", help="JSON: keys merged into every mode's engine section (raw-tuned "
+                   "takes them from the stage's engine), e.g. '{\"quantization\": \"fp8\", \"max_num_seqs\": 1024}'")
     p.add_argument("--thinking-budget", type=int, help="chat, a reasoning model: stage thinks (this budget, on top of "
                    "each row's answer budget), stage-think-off does not")
     p.add_argument("--output-schema", help="stage modes only: sampling.output_schema (a JSON Schema file), xgrammar "

@@ -31,6 +31,7 @@ from batch_llm.config.capabilities import (
     takes_no_images,
     who_can,
 )
+from batch_llm.config.precision import Precision, PrecisionGateConfig
 from batch_llm.config.sglang import SglangSettings
 from batch_llm.host import path_policy
 from batch_llm.reasoning import SWITCH_VARIABLES
@@ -396,6 +397,14 @@ class EngineConfig(_Section):
     compile_cache: str | None = Field(None, description="vLLM's compilation cache: a worker-local folder, or an "
                                       "object-storage prefix (the output's connection) whose archive is synced "
                                       "in before the engine starts and out after; null: vLLM's ~/.cache/vllm")
+    precision: Precision = Field(
+        "model", description="model: the checkpoint's own precision (and engine.quantization / kv_cache_dtype as "
+        "set); auto: engine.precision_gate's candidate (FP8 weights by default) serves where a calibration sample of "
+        "the shard's rows agrees with the model's precision within its threshold, else the model's precision; the "
+        "decision, the agreement and the sample's size are in the manifest's engine settings (``precision``) and "
+        "cached per model, settings and GPU. vllm only")
+    precision_gate: PrecisionGateConfig = Field(default_factory=PrecisionGateConfig,
+                                                description="engine.precision: auto: the candidate and the gate")
     # Bookkeeping of the shard runner
     commit_every_rows: int = Field(64, gt=0, description="Rows per committed output chunk")
     commit_every_seconds: float = Field(30.0, gt=0)
@@ -466,6 +475,25 @@ class EngineConfig(_Section):
         if any(n < 0 for n in v.values()):
             raise ValueError(f"a limit is 0 or more: {v}")
         return v
+
+    @model_validator(mode="after")
+    def _precision_gate_applies(self) -> "EngineConfig":
+        if self.precision == "model":
+            if self.precision_gate != PrecisionGateConfig():
+                raise ValueError("engine.precision_gate: settings of engine.precision: auto; engine.precision is "
+                                 "'model' (remove engine.precision_gate or set engine.precision: auto)")
+            return self
+        if self.kind != "vllm":
+            raise ValueError(f"engine.precision: auto calibrates on vLLM; engine.kind is {self.kind!r} (set "
+                             "engine.kind: vllm, or engine.precision: model)")
+        taken = sorted(k for k in self.precision_gate.candidate
+                       if getattr(self, k) != type(self).model_fields[k].get_default())
+        if taken:
+            raise ValueError(f"engine.{taken[0]} is set and engine.precision: auto would choose it: set one of the "
+                             f"two (engine.precision: model keeps engine.{taken[0]} as set)")
+        if self.task != "generate":
+            raise ValueError(f"engine.precision: auto compares generated tokens; engine.task is {self.task!r}")
+        return self
 
     @model_validator(mode="after")
     def _every_key_honored(self) -> "EngineConfig":

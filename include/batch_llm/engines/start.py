@@ -1,4 +1,5 @@
-"""Engine start for a shard: memory back-off within bounds, and the optional KV-cache probe.
+"""Engine start for a shard: memory back-off within bounds, the optional KV-cache probe, and the precision gate
+(``engine.precision: auto``: ``precision_gate.py``).
 
 A start that fails for memory (the engine's own message says so: see ``EngineStartError.memory``) is retried
 with smaller settings, never below ``engine.memory_backoff``'s floors; any other failure is raised at once.
@@ -10,17 +11,22 @@ from collections.abc import Callable
 from batch_llm.cache import compile as compile_cache
 from batch_llm.config import EngineConfig, PipelineConfig
 from batch_llm.engines.base import EngineStartError
+from batch_llm.engines.precision_gate import PrecisionInputs, gated_start
 from batch_llm.engines.registry import make_engine
 
 
 def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], *, lora_dir: str | None = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, precision: PrecisionInputs | None = None):
     """Starts the engine, retrying a start that failed for memory with smaller settings within bounds; with
     ``engine.memory_backoff.probe``, restarts it once with the largest batch its KV cache holds, less the
     safety margin. ``engine.compile_cache`` is synced in before (``storage_options``: its store's fsspec
     options) and out after a successful start; what it held is in the settings' ``compile_cache``."""
     cc = _prepare_compile_cache(model_dir, cfg, say, lora_dir, storage_options)
-    engine, info = _probed_start(model_dir, cfg, say, lora_dir)
+    if cfg.engine.precision == "auto":  # the candidate precision where a sample of the rows agrees
+        inputs = precision or PrecisionInputs(sample=list, store=None, model_key=model_dir)
+        engine, info = gated_start(cfg, lambda c: _probed_start(model_dir, c, say, lora_dir), inputs, say)
+    else:
+        engine, info = _probed_start(model_dir, cfg, say, lora_dir)
     if cc is not None:
         compile_cache.publish(cc, say)
         info.settings["compile_cache"] = cc.record()

@@ -239,7 +239,7 @@ class VllmEngine(Engine):
                         block_size=vc.cache_config.block_size,
                         enable_prefix_caching=vc.cache_config.enable_prefix_caching,
                         dtype=str(vc.model_config.dtype).removeprefix("torch."),
-                        kv_cache_dtype=str(vc.cache_config.cache_dtype),
+                        kv_cache_dtype=str(vc.cache_config.cache_dtype), quantization=vc.model_config.quantization,
                         enforce_eager=vc.model_config.enforce_eager, **_graph_settings(vc.compilation_config),
                         tensor_parallel_size=vc.parallel_config.tensor_parallel_size, multiprocessing=multiprocessing,
                         device=str(vc.device_config.device), gpu_name=_gpu_name(str(vc.device_config.device)),

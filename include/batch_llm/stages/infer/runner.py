@@ -37,7 +37,8 @@ from batch_llm.analysis.timeline import Timeline
 from batch_llm.cache.lookup import Lookup
 from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig
-from batch_llm.engines.base import Engine, EngineInfo, GenResult
+from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
+from batch_llm.engines.precision_gate import PrecisionInputs, sample_params
 from batch_llm.engines.start import start_engine
 from batch_llm.io.storage import Location, iter_jsonl, list_files, peak_rss_mb, write_jsonl
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
@@ -116,10 +117,11 @@ class _EngineStarter(threading.Thread):
     waiting on the engine's own processes, so the two overlap instead of adding up."""
 
     def __init__(self, model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], timeline: Timeline,
-                 lora_dir: str | None = None, storage_options: dict | None = None):
+                 lora_dir: str | None = None, storage_options: dict | None = None,
+                 precision: PrecisionInputs | None = None):
         super().__init__(name="engine-start", daemon=True)
         self.model_dir, self.cfg, self.say, self.timeline = model_dir, cfg, say, timeline
-        self.lora_dir = lora_dir
+        self.lora_dir, self.precision = lora_dir, precision
         self.storage_options = storage_options  # engine.compile_cache's store: the output's
         self.engine: Engine | None = None
         self.info: EngineInfo | None = None
@@ -129,14 +131,16 @@ class _EngineStarter(threading.Thread):
     def of(cls, run: ShardRun) -> _EngineStarter:
         """The start of a shard's engine (the shard's model, LoRA adapter, timeline; its output's storage)."""
         return cls(run.model_dir, run.cfg, run.say, run.timeline, lora_dir=run.lora_dir,
-                   storage_options=run.shard_dir.options)
+                   storage_options=run.shard_dir.options,
+                   precision=PrecisionInputs(sample=run.precision_sample, model_key=run.model_key,
+                                             store=run.cache_root.child("precision") if run.cache_root else None))
 
     def run(self) -> None:
         t0 = time.time()
         try:
             self.engine, self.info = start_engine(self.model_dir, with_reasoning_parser(self.cfg, self.model_dir),
                                                   self.say, lora_dir=self.lora_dir,
-                                                  storage_options=self.storage_options)
+                                                  storage_options=self.storage_options, precision=self.precision)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by result()
             self.error = e
         self.timeline.add("engine", t0)
@@ -228,6 +232,7 @@ class ShardRun:
         self.chunks_dir = shard_dir.child("chunks")
         self.timeline = _timeline(started or {})
         self.dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
+        self.cache_root = cache_root
         self.cache = _open_cache(cfg, cache_root, model_key, model_dir)
         self.groups: dict[str, _Group] = {}    # request_id -> the rows its result answers
         self.sent_by: dict[str, str] = {}       # row id -> request_id, for the row whose prompt is sent
@@ -347,6 +352,27 @@ class ShardRun:
             finally:
                 self.gen_seconds = time.perf_counter() - t_gen
                 self.timeline.add("generation", first or t0)
+
+    def precision_sample(self) -> list[GenRequest]:
+        """engine.precision: auto's calibration sample: the shard's first text rows that render and fit the
+        context, as greedy requests (``precision_gate.sample_params``); built only when a calibration runs."""
+        gate, limit = self.cfg.engine.precision_gate, self.cfg.engine.max_model_len
+        params = sample_params(gate.max_tokens)
+        sample: list[GenRequest] = []
+        for r in iter_jsonl(self.shard_path):
+            if len(sample) >= gate.sample_rows:
+                break
+            if r.get("images"):
+                continue
+            try:
+                text, ids = self.requests.render(r)
+            except Exception:  # noqa: BLE001 - a row the shard will report itself; the sample takes the next
+                continue
+            if limit and len(ids) + gate.max_tokens > limit:
+                continue
+            sample.append(GenRequest(key=f"precision-sample-{len(sample)}", prompt_token_ids=ids, prompt_text=text,
+                                     params=params, guided=False))
+        return sample
 
     def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
         group = self.groups.pop(rid)
