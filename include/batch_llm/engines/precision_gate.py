@@ -1,6 +1,6 @@
-"""``engine.precision: auto``: the candidate precision (FP8 weights by default) serves a shard only where a
-calibration sample of its own rows, generated greedily in both precisions, agrees within
-``engine.precision_gate.min_agreement``.
+"""Which precision serves a shard when engine.precision is auto. The candidate precision (FP8 weights by default)
+serves only where a calibration sample of the shard's own rows, generated greedily in both precisions, agrees
+within ``engine.precision_gate.min_agreement``.
 
     start model precision → sample → close → start candidate → sample → agreement
         ≥ threshold: the candidate's engine serves the shard (no further start)
