@@ -10,7 +10,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_llm.config.model import MAX_LINE_BYTES
+from batch_llm.config.input import MAX_LINE_BYTES
 from batch_llm.io import formats
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.stages import plan as plan_mod

@@ -241,7 +241,7 @@ def test_a_broken_pipeline_file_costs_only_its_own_dag(tmp_path, monkeypatch):
 
 def _big_pipeline(folder, tmp_path, name: str) -> None:
     """A valid pipeline file of about 0.8 MB: a long few-shot system prompt and the most stop strings allowed."""
-    from batch_llm.config.model import MAX_STOP_STRINGS
+    from batch_llm.config.sampling import MAX_STOP_STRINGS
 
     text = (folder / "good.yaml").read_text().replace("name: batch_llm_demo", f"name: {name}")
     prompt = "".join(f"    Example {n}: answer the review in one short sentence, politely, without names.\n"

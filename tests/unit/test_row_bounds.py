@@ -1,5 +1,5 @@
 """Every value a row carries is bounded where rows are parsed, by the sampling section's own table
-(``config.SAMPLING_BOUNDS``, vLLM's SamplingParams ranges): a value outside is that row's error with the reason,
+(``config.sampling.SAMPLING_BOUNDS``, vLLM's SamplingParams ranges): a value outside is that row's error with the reason,
 and the other rows of the input go on. The sampling section refuses the same values."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 from batch_llm.config import SamplingConfig
-from batch_llm.config.model import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SAMPLING_BOUNDS
+from batch_llm.config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SAMPLING_BOUNDS
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.rows.params import MAX_NESTING, RowParams
 from batch_llm.stages import plan as plan_mod

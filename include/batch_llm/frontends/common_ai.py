@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from batch_llm.config import ConfigError, PipelineConfig, apply_overrides, parse_config
 from batch_llm.config.capabilities import DEFAULT_KIND, serving
-from batch_llm.config.model import MAX_LINE_BYTES
+from batch_llm.config.input import MAX_LINE_BYTES
 from batch_llm.io.formats import Lines, read_rows
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes, read_json, write_json, write_jsonl
 from batch_llm.layout import RunLayout

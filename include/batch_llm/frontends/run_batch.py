@@ -297,7 +297,7 @@ def in_input_order(files: list, done: dict[Any, list[_Line]], refused: dict[Any,
     line limit), so each line's custom_id is the one its answer carries: a line that is not valid UTF-8 JSON text (a
     lone surrogate, raw bytes that are not UTF-8) by the custom_id still readable in it, else by none (a line past
     ``input.max_line_bytes`` too: its error line names its line number; those are answered in input order)."""
-    from batch_llm.config.model import MAX_LINE_BYTES
+    from batch_llm.config.input import MAX_LINE_BYTES
     from batch_llm.io.formats import Lines, read_file_rows
 
     for f in files:

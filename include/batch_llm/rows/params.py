@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, overload
 
 from batch_llm.config import SamplingConfig
 from batch_llm.config.capabilities import ENGINES, who_can
-from batch_llm.config.model import RESERVED_TEMPLATE_KWARGS, SAMPLING_BOUNDS, stop_problem, token_ids_problem
+from batch_llm.config.sampling import RESERVED_TEMPLATE_KWARGS, SAMPLING_BOUNDS, stop_problem, token_ids_problem
 from batch_llm.reasoning import THINKING_MODES, TemplateThinking, effort_variables, thinking_variables
 
 # What becomes of each field of an OpenAI Batch request body: OpenAI's chat and completions fields and vLLM's extra
@@ -88,8 +88,8 @@ _SPECIAL_TOKENS_NEUTRAL = {False: (None, False), True: (None, True)}
 # The per-row parameters each engine applies come from its row of the capability table (``row_params``); any
 # other set parameter is a row error on that engine.
 
-# Table columns that may carry per-row parameters: config.SamplingColumn (``input.sampling_columns`` picks which).
-# A row's numbers are held to config.SAMPLING_BOUNDS, the sampling section's own table.
+# Table columns that may carry per-row parameters: config.input.SamplingColumn (``input.sampling_columns`` picks which).
+# A row's numbers are held to config.sampling.SAMPLING_BOUNDS, the sampling section's own table.
 
 # The deepest nesting of a row's objects (chat_template_kwargs, a json_schema): deeper ones are the row's error
 # rather than a recursion in the template renderer or the schema compiler.

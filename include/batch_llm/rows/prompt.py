@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_llm.config import InputConfig
-from batch_llm.config.model import token_ids_problem
+from batch_llm.config.sampling import token_ids_problem
 from batch_llm.rows.openai_batch import RequestLine
 from batch_llm.rows.params import RowParams
 

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     pass
 from batch_llm.layout import RunLayout
 
-# The fields the lists scan by their ``scan`` (config.ScannedField), answer first; the tokens hold both
+# The fields the lists scan by their ``scan`` (config/filter.py: ScannedField), answer first; the tokens hold both
 SCANNED_FIELDS = ("output", "reasoning")
 
 
@@ -83,7 +83,7 @@ def load_words(path: str, options: dict | None = None) -> list[str]:
 def _list_words(wl: WordListConfig, options: dict | None) -> list[str]:
     """The list's words; a list that is not there fails naming the list and its path. The lists load when the
     filter stage starts, before a row is read: an object-storage list is checked here (local files already
-    when the pipeline file loads, ``config.word_list_problems``)."""
+    when the pipeline file loads, ``config.filter.word_list_problems``)."""
     try:
         return load_words(wl.path, options)
     except FileNotFoundError as e:

@@ -33,7 +33,7 @@ import numpy as np
 
 from batch_llm.config import PipelineConfig, ShardingConfig
 from batch_llm.config.capabilities import takes_no_images
-from batch_llm.config.model import MAX_LINE_BYTES
+from batch_llm.config.input import MAX_LINE_BYTES
 from batch_llm.io.external_sort import ExternalSort, merge_sorted
 from batch_llm.io.formats import (
     SUFFIX_FORMAT,

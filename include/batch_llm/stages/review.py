@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 from batch_llm import generated_text
 from batch_llm.config import PipelineConfig, ReviewConfig, parse_config
-from batch_llm.config.model import REVIEW_PLACEHOLDERS
+from batch_llm.config.filter import REVIEW_PLACEHOLDERS
 from batch_llm.io.storage import Location, atomic_writer, exists, iter_jsonl, json_bytes
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import (
