@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-# the names in batch_llm/stages/infer/runner.py (a shard's checkpoints) and batch_llm/sinks/base.py (a table commit's)
+# the names in batch_llm/stages/infer/commit.py (a shard's checkpoints) and batch_llm/sinks/base.py (a table commit's)
 CHECKPOINT_EVENTS = ("batch_llm.shard.checkpoint", "batch_llm.sink.checkpoint")
 _spec = os.environ.get("BATCH_LLM_FAULT", "")
 _point, _, _nth = _spec.partition(":")

@@ -52,7 +52,7 @@ def test_concurrent_writers_and_union_reads(tmp_path):
 def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_dir, monkeypatch, request, dedupe):
     """The first attempt dies after its first chunk commit (before any table is written); the retry generates
     the rest and writes one table with every generated row, so the next run is served from the cache."""
-    from batch_llm.stages.infer import runner
+    from batch_llm.stages.infer.commit import CHECKPOINT_EVENT
 
     cfg = demo_config(tmp_path, engine__kind="transformers", sharding__num_shards=1, sampling__max_tokens=8,
                       engine__commit_every_rows=4, engine__dedupe_prompts=dedupe,
@@ -61,7 +61,7 @@ def test_a_retry_caches_what_the_crashed_attempt_generated(tmp_path, demo_model_
     armed = [True]
 
     def crash_once(event, args):  # an audit hook stays for the process: disarmed when the test ends
-        if event == runner.CHECKPOINT_EVENT and args[0] == "after_commit" and armed and not crashed:
+        if event == CHECKPOINT_EVENT and args[0] == "after_commit" and armed and not crashed:
             crashed.append(args[0])
             raise RuntimeError("injected crash")
 

@@ -12,7 +12,8 @@ becomes rows in ``results``, what changes an output is ``identity``)::
               become one (the template rejects the chat, the prompt is longer than the context) are error rows
     generate  spooled requests, then the rest of the rows ─> engine (streamed) ─> chunks committed as results
               finish
-    merge     committed chunks ─> outputs.jsonl / errors.jsonl (``shard_merge``) ─> cache table ─> manifest
+    commit    finished rows ─> immutable chunks as they come (``commit.ShardCommit``); at the end the chunks
+              ─> outputs.jsonl / errors.jsonl (``shard_merge``) ─> cache table ─> manifest
 
 A task of several shards (``sharding.shards_per_task``) runs them in turn on one engine (``SharedEngine``):
 the first that generates starts it, the others find it started. Committed chunks are immutable files under
@@ -23,11 +24,9 @@ into the manifest (``phases``, see ``timeline.py``): the report draws them, the 
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,28 +39,18 @@ from batch_llm.config import PipelineConfig
 from batch_llm.engines.base import Engine, EngineInfo, GenRequest, GenResult
 from batch_llm.engines.precision_gate import PrecisionInputs, sample_params
 from batch_llm.engines.start import start_engine
-from batch_llm.io.storage import Location, iter_jsonl, list_files, peak_rss_mb, write_jsonl
+from batch_llm.io.storage import Location, iter_jsonl, peak_rss_mb
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
+from batch_llm.stages.infer.commit import ShardCommit
 from batch_llm.stages.infer.identity import output_identity, with_reasoning_parser
 from batch_llm.stages.infer.request_builder import RequestBuilder, RequestSpool, prompt_basis, row_params
 from batch_llm.stages.infer.results import OutputChecks, cache_entries, error_row, result_row, result_rows
-from batch_llm.stages.shard_merge import committed_ids, finish_shard
 
 log = logging.getLogger("batch_llm.stages.infer")
 
 
 class ShardFailed(RuntimeError):
     """The shard finished but too many rows failed; its outputs and errors were still written."""
-
-
-# The shard's checkpoints, announced as audit events: free when nobody listens; the resume tests listen
-# (tests/fault_injection) and kill the worker there. No fault injection lives in this package.
-CHECKPOINT_EVENT = "batch_llm.shard.checkpoint"
-
-
-def checkpoint(point: str, where: str = "") -> None:
-    """``where``: the shard's folder, so that a listener can pick one run's shards among a service's many."""
-    sys.audit(CHECKPOINT_EVENT, point, where)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -216,7 +205,8 @@ class ShardRun:
     is shut down: the worker reports there and ends its engine's processes itself (``batch_llm.isolation.worker_parent``).
     ``shared_engine``: the engine of the task's shards (``SharedEngine``), which the shard neither starts when
     another did nor closes. Rows become requests in ``requests`` (``request_builder.RequestBuilder``); outputs are
-    checked against their schema, and asked again, in ``checks`` (``results.OutputChecks``)."""
+    checked against their schema, and asked again, in ``checks`` (``results.OutputChecks``); finished rows are
+    written in chunks, merged and recorded in the manifest by ``commit`` (``commit.ShardCommit``)."""
 
     def __init__(self, cfg: PipelineConfig, *, shard: ShardSpec, shard_dir: Location, model_dir: str, model_key: str,
                  cache_root: Location | None = None, say: Callable[[str], None] = print,
@@ -229,16 +219,13 @@ class ShardRun:
         self.engine: Engine | None = None
         self.model_dir, self.model_key, self.lora_dir = model_dir, model_key, lora_dir
         self.shard_path = Location(shard.url, shard_dir.options).path()
-        self.chunks_dir = shard_dir.child("chunks")
+        self.commit = ShardCommit(cfg.engine, shard_dir)
         self.timeline = _timeline(started or {})
         self.dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
         self.cache_root = cache_root
         self.cache = _open_cache(cfg, cache_root, model_key, model_dir)
         self.groups: dict[str, _Group] = {}    # request_id -> the rows its result answers
         self.sent_by: dict[str, str] = {}       # row id -> request_id, for the row whose prompt is sent
-        self.pending: list[dict] = []
-        self.chunk_seq = len(list_files(self.chunks_dir.path(), ".jsonl"))
-        self.last_commit = time.perf_counter()
         self.n_rows = self.n_cached = self.gen_tokens = 0
         self.gen_seconds = 0.0
         self.lookup: Lookup | None = None
@@ -257,7 +244,7 @@ class ShardRun:
             check_error_rate(self.cfg, manifest)
             return self._committed(manifest)
         self.timeline.begin("read")
-        done = committed_ids(self.chunks_dir)
+        done = self.commit.committed_ids()
         if done:
             self.say(f"resuming shard {self.shard.index}: {len(done)} rows already committed")
         self.progress = Progress(total=0, say=self.say, every=self.cfg.engine.progress_every_seconds)
@@ -270,7 +257,7 @@ class ShardRun:
         try:
             if self.groups:
                 self._generate()
-            self._commit(force=True)
+            self.commit.write_chunk(force=True)
             self.progress.tick(0, 0, force=True)
             return self._committed(self._finish(t_start))
         finally:
@@ -309,12 +296,12 @@ class ShardRun:
         for hit in lookup:
             for rid in by_content[hit["key"]]:
                 for r in self.groups.pop(rid).rows:
-                    self.pending.append(result_row(r, hit, cached=True, key=hit["key"]))
+                    self.commit.add([result_row(r, hit, cached=True, key=hit["key"])])
                     self.n_cached += 1
                     self.progress.tick(1, 0)
-            self._commit()
+            self.commit.write_chunk()
         self.say(f"cache: {self.n_cached} rows cached; lookup {lookup.stats}")
-        self._commit()
+        self.commit.write_chunk()
 
     def _generate(self) -> None:
         checks, starter = self.checks, None
@@ -376,7 +363,7 @@ class ShardRun:
 
     def _fail(self, rid: str, reason: str, prompt_tokens: int = 0) -> None:
         group = self.groups.pop(rid)
-        self.pending.extend(error_row(r, reason, prompt_tokens=prompt_tokens) for r in group.rows)
+        self.commit.add(error_row(r, reason, prompt_tokens=prompt_tokens) for r in group.rows)
         self.progress.tick(len(group.rows), 0)
 
     def _take(self, res: GenResult, *, last: bool = False) -> None:
@@ -385,29 +372,13 @@ class ShardRun:
         if asked_again:
             return
         group = self.groups.pop(res.key)
-        self.pending.extend(result_rows(res, group.rows, group.key.content, reason))
+        self.commit.add(result_rows(res, group.rows, group.key.content, reason))
         self.progress.tick(len(group.rows), res.completion_tokens)
-        self._commit()
-
-    def _commit(self, force: bool = False) -> None:
-        e = self.cfg.engine
-        if not self.pending or not (force or len(self.pending) >= e.commit_every_rows or
-                                    time.perf_counter() - self.last_commit >= e.commit_every_seconds):
-            return
-        checkpoint("before_commit", self.shard_dir.url)
-        # Sorted by input position: the final merge streams the chunks (heapq.merge) in input order.
-        self.pending.sort(key=lambda r: r["idx"])
-        write_jsonl(self.chunks_dir.child(f"chunk-{self.chunk_seq:05d}-{uuid.uuid4().hex[:8]}.jsonl").path(),
-                    self.pending)
-        self.chunk_seq += 1
-        self.pending = []
-        self.last_commit = time.perf_counter()
-        checkpoint("after_commit", self.shard_dir.url)
+        self.commit.write_chunk()
 
     def _finish(self, t_start: float) -> ShardManifest:
         self.timeline.begin("merge")
-        manifest = finish_shard(self.shard.index, self.shard_dir, self.chunks_dir, self.shard_path, self.n_rows)
-        manifest.plan_key = self.shard.plan_key
+        manifest = self.commit.merge(self.shard, self.shard_path, self.n_rows)
         self.timeline.end("merge")
         self.timeline.begin("commit")
         if self.cache is not None:  # the rows this shard generated (earlier attempts' too), as one table
@@ -418,8 +389,7 @@ class ShardRun:
         self.timeline.end("commit")
         # the manifest write itself is the last few ms of commit
         manifest.phases = [Phase(**p) for p in self.timeline.to_list()]
-        checkpoint("before_manifest", self.shard_dir.url)
-        manifest.write(self.shard_dir.path())
+        self.commit.write_manifest(manifest)
         m = manifest.metrics
         self.say(f"shard {self.shard.index} done: {m.rows} rows, {m.errors} errors, "
                  f"{m.output_tokens} output tokens, {m.output_tokens_per_second} tok/s")
