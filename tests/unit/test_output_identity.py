@@ -36,6 +36,10 @@ ENGINE_CHANGES = {
     "mm_processor_kwargs": ({}, {"engine.mm_processor_kwargs": {"max_pixels": 1003520}}),
     # auto finds none for the demo model: the key holds the parser only where there is one
     "reasoning_parser": ({}, {"engine.reasoning_parser": "qwen3"}),
+    # the precision the gate chooses serves the rows: in the key only where the gate runs
+    "precision": ({}, {"engine.precision": "auto"}),
+    "precision_gate": ({"engine.precision": "auto"},
+                       {"engine.precision": "auto", "engine.precision_gate": {"min_agreement": 0.5}}),
 }
 
 # For every field left out: a change that must not move the keys.

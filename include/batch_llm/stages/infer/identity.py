@@ -66,6 +66,9 @@ def output_identity(cfg: PipelineConfig, *, model_key: str, model_dir: str) -> d
     for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):  # images' settings: likewise, only where set
         if not engine.get(key):
             engine.pop(key, None)
+    if e.precision == "model":  # the gate's keys only where it decides: earlier namespaces stay the same
+        engine.pop("precision", None)
+        engine.pop("precision_gate", None)
     return {"format": OUTPUT_IDENTITY_FORMAT, "model": model_key, "trust_remote_code": cfg.model.trust_remote_code,
             "chat_template": chat_template_text(model_dir, cfg.model.chat_template),
             "sampling": sampling_identity(cfg.sampling) if e.task == "generate" else {}, "engine": engine}
