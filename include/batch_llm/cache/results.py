@@ -38,15 +38,13 @@ folds any it finds into a table.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import heapq
 import json
 import logging
-import math
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 
 from batch_llm.cache.lookup import Lookup
@@ -64,8 +62,9 @@ from batch_llm.cache.table import (
     iter_values,
     key64,
     open_tables,
+    table_name,
 )
-from batch_llm.io.external_sort import ExternalSort
+from batch_llm.io.external_sort import FAN_IN, ExternalSort, merge_sorted
 from batch_llm.io.identity import stable_hash
 from batch_llm.io.storage import Location, is_local, iter_jsonl, read_json, write_json
 
@@ -192,7 +191,7 @@ class ResultCache:
                       stats: dict) -> str | None:
         """Streams (key64, key, -t, line) items in order into one new table: the first item of a key wins (the
         newest), expired ones are dropped. Returns the table's name, or None when nothing was left."""
-        name = f"{kind}-{math.ceil(max_t):010d}-{uuid.uuid4().hex}.sst"
+        name = table_name(kind, max_t)
         w: TableWriter | None = None
         last_key = None
         with tempfile.TemporaryDirectory(prefix="batch_llm_sst_idx_") as tmp:
@@ -279,10 +278,15 @@ class ResultCache:
             stats["unreadable_tables_kept"] += [t.name for t in _unread(inputs, metas, gone)]
             if not metas:
                 return None
-            chunk = int(min(MAX_RANGE_BYTES, max(256 * 2**10, BATCH_BYTES // max(1, len(metas)))))
-            items = heapq.merge(*(iter_values(reader, m, chunk) for m in metas))
+            # An external merge: at most FAN_IN tables read at once, each in chunks, more merged in passes
+            # through local runs (``merge_sorted``); the output streams into its writer, whose indexes spill to
+            # local files. Memory stays bounded whatever the tables' sizes or number.
+            chunk = int(min(MAX_RANGE_BYTES, max(256 * 2**10, BATCH_BYTES // min(FAN_IN, len(metas)))))
             try:
-                name = self._write_sorted(items, "r", max(m.max_t for m in metas), cutoff, stats)
+                with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp:
+                    items = merge_sorted([functools.partial(iter_values, reader, m, chunk) for m in metas], tmp,
+                                         fan_in=FAN_IN)
+                    name = self._write_sorted(items, "r", max(m.max_t for m in metas), cutoff, stats)
             except FileNotFoundError:
                 stats["aborted"] = "an input table was deleted meanwhile (a concurrent compaction)"
                 return None
