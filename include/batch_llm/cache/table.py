@@ -275,7 +275,8 @@ def read_top_blocks(reader: RangeReader, wanted: list[tuple[TableMeta, np.ndarra
     whole; of one looked up through its root, the blocks of PAGE top entries whose key range covers a wanted
     key64 (and the block before, where a key64 equals a block's first: its run may start there)."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    plans, reqs = [], []
+    plans: list[tuple] = []
+    reqs: list[tuple[str, int, int]] = []
     for m, w in wanted:
         if m.top is not None:
             out[m.table.name] = (np.arange(len(m.top)), m.top)
@@ -389,7 +390,7 @@ class TableWriter:
         offsets_off = pos
         pos += _copy(self._of, w)
         top_off = pos
-        root = []
+        root: list[np.ndarray] = []
         pos += _copy(self._tf, w, every=PAGE, sample=root)
         root_bytes = np.concatenate(root).astype("<u8").tobytes() if root else b""
         w.write(root_bytes)
