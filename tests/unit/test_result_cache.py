@@ -273,17 +273,39 @@ def test_compaction_keeps_the_object_count_bounded_over_many_days(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ concurrency
-def test_compaction_merges_more_tables_than_its_fan_in_in_passes(tmp_path, monkeypatch):
-    """10 tables merged 3 at a time (through local runs): every key once, the newest entry of a key wins."""
-    monkeypatch.setattr(result_cache, "FAN_IN", 3)
-    cache = ResultCache(Location(str(tmp_path)), "ns")
-    for d in range(10):  # day d rewrites keys 0..99 and adds 100 of its own
-        cache.write_table([{**_entry(i), "output": f"day {d}", "t": T0 + d} for i in range(100)] +
-                          [_entry(i, T0 + d) for i in range(1000 + 100 * d, 1100 + 100 * d)])
-    s = cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=8)
-    assert s["tables_merged"] == 10 and s["entries_written"] == 1100 and s["duplicates_dropped"] == 900, s
-    found = {e["key"]: e["output"] for e in cache.lookup(_key(i) for i in range(2100))}
-    assert len(found) == 1100 and all(found[_key(i)] == "day 9" for i in range(100))
+def test_compaction_merges_in_small_blocks_what_a_reference_merge_keeps(tmp_path, monkeypatch):
+    """Blocks of 64 entries (the budget made tiny), gathered a few at a time: 10 tables, each rewriting keys 0..99 and holding 150 of 300
+    keys sharing one key64 (runs over block boundaries, in several tables), each entry 0-59 days old against a
+    30-day cutoff: the newest entry of a key wins, then is dropped if expired. Compared with a merge by hand."""
+    from batch_llm.cache import merge
+
+    monkeypatch.setattr(merge, "BUDGET_BYTES", 1)
+    monkeypatch.setattr(merge, "MIN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(merge, "GATHER_BYTES", 500)  # a few lines gathered at a time
+    now = T0 + 100 * DAY
+    cache = ResultCache(Location(str(tmp_path)), "ns", clock=lambda: now)
+    same = [f"{'5a' * 8}{i:048x}" for i in range(300)]
+    expect: dict[str, tuple[float, str]] = {}
+    for d in range(10):
+        keys = [_key(i) for i in range(100)] + same[d * 15:d * 15 + 150] + [_key(i) for i in range(1000 + 50 * d, 1050 + 50 * d)]
+        rows = [{"key": k, "output": f"{d}/{j}", "t": now - ((j * 7 + d * 13) % 60) * DAY - d} for j, k in enumerate(keys)]
+        cache.write_table(rows)
+        for r in rows:
+            if r["key"] not in expect or expect[r["key"]][0] < r["t"]:
+                expect[r["key"]] = (r["t"], r["output"])
+    keep = {k: o for k, (t, o) in expect.items() if t >= now - 30 * DAY}
+    s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
+    assert s["tables_merged"] == 10 and s["entries_written"] == len(keep), s
+    assert s["entries_in"] == 10 * 300 and s["duplicates_dropped"] + s["expired_entries_dropped"] == 3000 - len(keep)
+    (run,) = cache.tables()
+    found = {e["key"]: e["output"] for e in cache.lookup(list(expect))}
+    assert found == keep
+    # The run is one sorted table: its entries in (key64, key) order, every key once.
+    reader = cache_table.RangeReader(None, True, {"ranges_read": 0, "bytes_read": 0})
+    (m,), _ = cache_table.open_tables(reader, [run])
+    lines = reader.read_one(run.path, 0, m.values_len).splitlines()
+    items = [cache_table.merge_item(x)[:2] for x in lines]
+    assert items == sorted(set(items)) and len(items) == len(keep)
 
 
 def _fill(cache: ResultCache, n_tables: int, per: int, start: int = 0) -> set[int]:

@@ -79,7 +79,7 @@ class Lookup:
                 self.stats["cache_bytes"] += sum(m.table.size for m in metas)
                 gone_names = {x.name for x in gone}
                 wave = WAVE_KEYS
-                while wave > 1024 and sum(min(wave, m.n_top) for m in metas) * PAGE * 8 > WAVE_PAGE_BYTES:
+                while wave > 1024 and _wave_page_bytes(metas, wave, self._gap_bytes) > WAVE_PAGE_BYTES:
                     wave //= 2
                 for a in range(0, len(self._keys), wave):
                     for entry in self._wave(reader, metas, gone_names, a, min(a + wave, len(self._keys))):
@@ -194,6 +194,12 @@ class Lookup:
                 self.stats["hits"] += 1
                 return True
         return False
+
+
+def _wave_page_bytes(metas: list[TableMeta], wave: int, gap: int) -> int:
+    """About the bytes of key pages a wave of ``wave`` keys reads: per table, its whole key index where the
+    wanted pages would lie closer than the gap (read as one), else a page per key."""
+    return sum(8 * m.n if 8 * m.n <= wave * (PAGE * 8 + gap) else wave * PAGE * 8 for m in metas)
 
 
 def _candidates(reader: RangeReader, metas: list[TableMeta], gone: set[str], w_all: np.ndarray, gap: int) -> list:

@@ -15,8 +15,9 @@ bounded memory (runs of 50k entries spilled to local temporary files, ``io/exter
 (a duplicate is dropped at compaction).
 
 Maintenance (``maintain``, run by the publish task): tables whose newest entry is expired (by the name, then
-checked in the footer) are deleted; once ``compact_after_tables`` shard tables exist they are merged (streamed
-k-way merge, newest entry of a key wins, expired entries dropped) into one run; when more than ``max_runs`` runs
+checked in the footer) are deleted; once ``compact_after_tables`` shard tables exist they are merged (an
+external merge in blocks, ``cache/merge.py``: bounded memory, newest entry of a key wins, expired entries
+dropped) into one run; when more than ``max_runs`` runs
 would exist, all runs are merged into one. It merges only the tables it listed, commits its output, and only
 then deletes its inputs, so shards writing meanwhile lose nothing; two compactions racing can leave duplicates,
 never a lost or wrong entry. A table it cannot read (a newer format, a damaged file) is never deleted nor
@@ -38,7 +39,6 @@ folds any it finds into a table.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -48,10 +48,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from batch_llm.cache.lookup import Lookup
+from batch_llm.cache.merge import merge_tables
 from batch_llm.cache.table import (
-    BATCH_BYTES,
     LOCAL_GAP_BYTES,
-    MAX_RANGE_BYTES,
     REMOTE_GAP_BYTES,
     TABLE_NAME,
     RangeReader,
@@ -59,12 +58,11 @@ from batch_llm.cache.table import (
     TableMeta,
     TableWriter,
     entry_line,
-    iter_values,
     key64,
     open_tables,
     table_name,
 )
-from batch_llm.io.external_sort import FAN_IN, ExternalSort, merge_sorted
+from batch_llm.io.external_sort import ExternalSort
 from batch_llm.io.identity import stable_hash
 from batch_llm.io.storage import Location, is_local, iter_jsonl, read_json, write_json
 
@@ -278,15 +276,26 @@ class ResultCache:
             stats["unreadable_tables_kept"] += [t.name for t in _unread(inputs, metas, gone)]
             if not metas:
                 return None
-            # An external merge: at most FAN_IN tables read at once, each in chunks, more merged in passes
-            # through local runs (``merge_sorted``); the output streams into its writer, whose indexes spill to
-            # local files. Memory stays bounded whatever the tables' sizes or number.
-            chunk = int(min(MAX_RANGE_BYTES, max(256 * 2**10, BATCH_BYTES // min(FAN_IN, len(metas)))))
+            # An external merge in blocks (``cache/merge.py``): bounded memory whatever the tables' sizes or number.
+            name = table_name("r", max(m.max_t for m in metas))
+            opened: list[TableWriter] = []  # the output, opened at its first entry (aborted on any failure)
             try:
-                with tempfile.TemporaryDirectory(prefix="batch_llm_merge_") as tmp:
-                    items = merge_sorted([functools.partial(iter_values, reader, m, chunk) for m in metas], tmp,
-                                         fan_in=FAN_IN)
-                    name = self._write_sorted(items, "r", max(m.max_t for m in metas), cutoff, stats)
+                with tempfile.TemporaryDirectory(prefix="batch_llm_sst_idx_") as tmp:
+
+                    def open_writer() -> TableWriter:
+                        opened.append(TableWriter(self.dir.child(name).path(), tmp))
+                        return opened[0]
+
+                    try:
+                        w = merge_tables(reader, metas, cutoff, open_writer, stats)
+                        if w is not None:
+                            stats["bytes_written"] += w.commit()
+                            stats["entries_written"] += w.n
+                            stats["tables_written"] += 1
+                    except BaseException:
+                        for x in opened:
+                            x.abort()
+                        raise
             except FileNotFoundError:
                 stats["aborted"] = "an input table was deleted meanwhile (a concurrent compaction)"
                 return None
@@ -295,7 +304,7 @@ class ResultCache:
         stats["tables_merged"] = len(metas)
         for m in metas:  # only after the output is committed, and only what was read into it
             self._delete(m.table)
-        return name
+        return name if opened else None
 
     def _fold_legacy(self, stats: dict) -> None:
         """Segments of the earlier layout (``seg-*.jsonl``) become one shard table, then are deleted."""

@@ -1,6 +1,5 @@
 """The result cache's table format: immutable sorted-string tables, how one is written (``TableWriter``) and the
-batched range reads that open and read them (``RangeReader``, ``open_tables``, ``read_top_blocks``,
-``iter_values``).
+batched range reads that open and read them (``RangeReader``, ``open_tables``, ``read_top_blocks``).
 
 Layout: ``<root>/<namespace>/{s,r}-<max_t>-<uuid>.sst``. ``s-`` is a shard's table (one per shard, written once at
 its end), ``r-`` a compacted run; ``max_t`` (unix seconds, the newest entry's write time) is in the name so that
@@ -37,7 +36,6 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -425,18 +423,3 @@ def _copy(src, w: AtomicWriter, *, every: int = 0, sample: list | None = None) -
             sample.append(np.frombuffer(block, dtype="<u8")[::every])
         n += len(block)
     return n
-
-
-def iter_values(reader: RangeReader, m: TableMeta, chunk: int) -> Iterator[tuple]:
-    """A table's value lines in order, read in ``chunk``-byte ranges."""
-    pos, rest = 0, b""
-    while pos < m.values_len:
-        end = min(pos + chunk, m.values_len)
-        data = rest + reader.read_one(m.table.path, pos, end)
-        lines = data.split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            yield merge_item(line + b"\n")
-        pos = end
-    if rest.strip():
-        yield merge_item(rest)
