@@ -79,7 +79,7 @@ class Lookup:
                 self.stats["cache_bytes"] += sum(m.table.size for m in metas)
                 gone_names = {x.name for x in gone}
                 wave = WAVE_KEYS
-                while wave > 1024 and _wave_page_bytes(metas, wave, self._gap_bytes) > WAVE_PAGE_BYTES:
+                while wave > 1024 and _wave_page_bytes(metas, wave, len(self._keys), self._gap_bytes) > WAVE_PAGE_BYTES:
                     wave //= 2
                 for a in range(0, len(self._keys), wave):
                     for entry in self._wave(reader, metas, gone_names, a, min(a + wave, len(self._keys))):
@@ -196,10 +196,11 @@ class Lookup:
         return False
 
 
-def _wave_page_bytes(metas: list[TableMeta], wave: int, gap: int) -> int:
-    """About the bytes of key pages a wave of ``wave`` keys reads: per table, its whole key index where the
-    wanted pages would lie closer than the gap (read as one), else a page per key."""
-    return sum(8 * m.n if 8 * m.n <= wave * (PAGE * 8 + gap) else wave * PAGE * 8 for m in metas)
+def _wave_page_bytes(metas: list[TableMeta], wave: int, keys: int, gap: int) -> int:
+    """About the bytes of key pages a wave of ``wave`` of the ``keys`` wanted keys (in key order: a wave covers
+    about wave/keys of each table) reads: per table, the key index over that span where its wanted pages lie
+    closer than the gap (read as one), else a page and a gap per key."""
+    return sum(min(8 * m.n * wave // max(1, keys), wave * (PAGE * 8 + gap)) for m in metas)
 
 
 def _candidates(reader: RangeReader, metas: list[TableMeta], gone: set[str], w_all: np.ndarray, gap: int) -> list:
