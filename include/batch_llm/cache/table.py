@@ -55,7 +55,6 @@ REMOTE_GAP_BYTES = 32 * 2**10    # ...an object-store request about as much as t
 MAGIC = b"BLLMSST1"
 VERSION = 1
 FOOTER = struct.Struct("<8sIIQQQQQQddQQ8s")
-ROOT_MIN_TOP = 2 * PAGE          # a table with a top of more entries than this is looked up through its root
 TABLE_NAME = re.compile(r"^([sr])-(\d{10,})-([0-9a-f]{32})\.sst$")  # {kind}-{max_t}-{uuid}.sst
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _ENCODE = msgspec.json.Encoder(enc_hook=str).encode  # compact, non-ASCII kept, key order kept
@@ -230,7 +229,7 @@ class RangeReader:
 
 
 def open_tables(reader: RangeReader, tables: list[Table]) -> tuple[list[TableMeta], list[Table]]:
-    """Footers and the top indexes (a table with a root and a top of more than ROOT_MIN_TOP entries: its root
+    """Footers and the top indexes (of a table whose top the tail read does not hold and that has a root: its root
     instead) of the tables, in two batched rounds at most: (metas, tables gone)."""
     tails = reader.read([(t.path, max(0, t.size - TAIL_BYTES), t.size) for t in tables])
     gone, parsed, more = [], [], []
@@ -246,8 +245,9 @@ def open_tables(reader: RangeReader, tables: list[Table]) -> tuple[list[TableMet
             continue
         top_off, n_top = f[7], f[8]
         span = root_span(t, f)
-        start, end = (span if span and n_top > ROOT_MIN_TOP else (top_off, top_off + 8 * n_top))
-        parsed.append((t, f, tail, tail_start, span is not None and n_top > ROOT_MIN_TOP, start, end))
+        by_root = span is not None and top_off < tail_start  # a top in the tail read costs nothing more
+        start, end = span if span and by_root else (top_off, top_off + 8 * n_top)
+        parsed.append((t, f, tail, tail_start, by_root, start, end))
         if start < tail_start:  # the index wanted starts before the tail read
             more.append((t.path, start, tail_start))
     extra = dict(zip((m[0] for m in more), reader.read(more))) if more else {}
