@@ -272,11 +272,11 @@ def test_compaction_keeps_the_object_count_bounded_over_many_days(tmp_path):
     assert peak <= 8 - 1 + 3 + 5
 
 
-# ------------------------------------------------------------------------------------------ concurrency
 def test_compaction_merges_in_small_blocks_what_a_reference_merge_keeps(tmp_path, monkeypatch):
-    """Blocks of 64 entries (the budget made tiny), gathered a few at a time: 10 tables, each rewriting keys 0..99 and holding 150 of 300
-    keys sharing one key64 (runs over block boundaries, in several tables), each entry 0-59 days old against a
-    30-day cutoff: the newest entry of a key wins, then is dropped if expired. Compared with a merge by hand."""
+    """Blocks of 64 entries (the budget made tiny), gathered a few at a time: 10 tables, each rewriting keys 0..99
+    and holding 150 of 300 keys sharing one key64 (runs over block boundaries, in several tables), each entry 0-59
+    days old against a 30-day cutoff: the newest entry of a key wins, then is dropped if expired. Compared with a
+    merge by hand."""
     from batch_llm.cache import merge
 
     monkeypatch.setattr(merge, "BUDGET_BYTES", 1)
@@ -308,6 +308,7 @@ def test_compaction_merges_in_small_blocks_what_a_reference_merge_keeps(tmp_path
     assert items == sorted(set(items)) and len(items) == len(keep)
 
 
+# ------------------------------------------------------------------------------------------ concurrency
 def _fill(cache: ResultCache, n_tables: int, per: int, start: int = 0) -> set[int]:
     ids = set()
     for t in range(n_tables):
