@@ -19,6 +19,8 @@ COMMANDS = {  # command: (module, what it measures)
     "compile-cache": ("compile_cache", "engine.compile_cache: the engine start cold against warm"),
     "scale": ("scale", "plan, filter, evaluate, publish at 100k-10M rows (seconds, peak RSS)"),
     "scale-cache": ("scale_cache", "the result cache's lookup as its history grows"),
+    "cache-large": ("cache_large", "the result cache at 300M entries: a shard's lookup, compaction (seconds, peak RSS)"),
+    "cache-formats": ("cache_formats", "the result cache's own table format against sorted Parquet (pyarrow, DuckDB)"),
     "gpu-features": ("gpu_features", "guided | spec | fp8: engine features, one vLLM process per configuration (GPU)"),
     "gpu-check": ("gpu_check", "the production path on one GPU with the real demo weights, feature by feature"),
     "gpu-checks": ("gpu_checks", "stop | resume | leases: the GPU operator's worker on a real GPU"),

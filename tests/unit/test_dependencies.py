@@ -45,7 +45,7 @@ DIST = {
     "psutil": "psutil", "sglang": "sglang", "tokenizers": "tokenizers",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
-    "deltalake": "deltalake", "pyiceberg": "pyiceberg",  # output.table's sinks
+    "deltalake": "deltalake", "pyiceberg": "pyiceberg", "tenacity": "tenacity",  # output.table's sinks
     "PIL": "pillow",  # rows' images (io/images.py), in the engines' extras
     "torch": "torch", "transformers": "transformers", "upath": "universal-pathlib", "vllm": "vllm", "yaml": "pyyaml",
 }

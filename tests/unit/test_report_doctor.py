@@ -536,3 +536,13 @@ def test_no_chart_legend_covers_a_plot(tmp_path, n_shards):
             assert not [b for b in boxes if b.overlaps(box)], (alt, box, boxes)
             assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height, (alt, box)
     assert legends >= 4, [alt for alt, _ in figures]  # the charts with a legend were drawn
+
+
+def test_quantile_is_the_nearest_rank_of_the_counted_values():
+    """quantile (numpy's weighted inverted CDF) gives the value at rank ceil(q * total) of the counted values."""
+    from batch_llm.analysis.run_stats import quantile
+
+    four = {4: 1, 1: 1, 3: 1, 2: 1}
+    assert [quantile(four, q) for q in (0, 0.25, 0.5, 0.51, 0.75, 0.76, 1)] == [1, 1, 2, 3, 3, 4, 4]
+    assert quantile({10: 99, 500: 1}, 0.99) == 10 and quantile({10: 99, 500: 1}, 0.991) == 500
+    assert quantile({5: 0, 7: 2}, 0) == 7 and quantile({}, 0.5) is None and quantile({3: 0}, 0.5) is None

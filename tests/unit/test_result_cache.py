@@ -164,6 +164,53 @@ def test_key64_collisions_are_told_apart_by_the_full_key(tmp_path):
     assert all(e["output"] == e["key"] for e in found)
 
 
+def _strip_root(cache: ResultCache, name: str) -> None:
+    """The table as it was written before tables had a root: the same bytes less the root."""
+    path = cache.dir.child(name).path()
+    data = path.read_bytes()
+    table = next(t for t in cache.tables() if t.name == name)
+    span = cache_table.root_span(table, cache_table.parse_footer(table, data))
+    assert span is not None
+    path.write_bytes(data[:span[0]] + data[span[1]:])
+
+
+def test_a_large_table_is_looked_up_through_its_root_not_its_whole_top(tmp_path, monkeypatch):
+    """40k entries (625 top entries, 10 root blocks): a lookup of one key reads the root and one top block,
+    not the top index whole (the tail read made small, as the top of a table of millions outgrows it); a run
+    of 5,000 keys sharing one key64 spans a block boundary (its first page is in the block before the one the
+    root points at) and every key of it is found. The same table without its root (as written before roots
+    existed) answers the same, reading the top whole; compaction writes it again with a root."""
+    monkeypatch.setattr(cache_table, "TAIL_BYTES", 1024)
+    cache = ResultCache(Location(str(tmp_path)), "ns")
+    same = [f"{'7f' * 8}{i:048x}" for i in range(5000)]
+    entries = [{"key": k, "output": k} for k in same] + [{"key": _key(i), "output": _output(i)} for i in range(35_000)]
+    name = cache.write_table(entries)["name"]
+    (table,) = cache.tables()
+    f = cache_table.parse_footer(table, cache.dir.child(name).path().read_bytes())
+    assert f[8] == 625 and cache_table.root_span(table, f) is not None
+    others = {_key(i): _output(i) for i in range(0, 35_000, 3500)}
+    want = same[::499] + [same[-1], same[0]] + list(others) + [_key(10**6)]
+    expect = {**{k: k for k in same[::499] + [same[-1], same[0]]}, **others}
+    one_key = []
+    for rootless in (False, True):
+        if rootless:
+            _strip_root(cache, name)
+        found = {e["key"]: e["output"] for e in cache.lookup(want)}
+        assert found == expect
+        run = same[::499] + [same[0], same[-1]]  # alone: no other key's top block is read with theirs
+        assert sorted(e["key"] for e in cache.lookup(run)) == sorted(set(run))
+        lk = cache.lookup([_key(7000)])
+        assert [e["key"] for e in lk] == [_key(7000)]
+        one_key.append(lk.stats["bytes_read"])
+    # the top whole (less what the tail read held) against one block of it
+    assert one_key[1] - one_key[0] > 8 * 625 - 1024 - 512, one_key
+    cache.write_table([{"key": _key(10**6), "output": "x"}])
+    cache.maintain(max_age_days=None, compact_after_tables=2, max_runs=8)
+    (run,) = cache.tables()
+    assert cache_table.root_span(run, cache_table.parse_footer(run, cache.dir.child(run.name).path().read_bytes()))
+    assert {e["key"]: e["output"] for e in cache.lookup(want)} == {**expect, _key(10**6): "x"}
+
+
 def test_write_table_sorts_in_bounded_runs_and_keeps_the_newest(tmp_path, monkeypatch):
     monkeypatch.setattr(result_cache, "SORT_RUN_ENTRIES", 1000)  # spills 10 runs
     cache = ResultCache(Location(str(tmp_path)), "ns", clock=lambda: T0)
@@ -223,6 +270,42 @@ def test_compaction_keeps_the_object_count_bounded_over_many_days(tmp_path):
             live = {i for i, t in written.items() if t >= now[0] - 20 * DAY}
             _check(list(cache.lookup(_key(i) for i in written)), live)
     assert peak <= 8 - 1 + 3 + 5
+
+
+def test_compaction_merges_in_small_blocks_what_a_reference_merge_keeps(tmp_path, monkeypatch):
+    """Blocks of 64 entries (the budget made tiny), gathered a few at a time: 10 tables, each rewriting keys 0..99
+    and holding 150 of 300 keys sharing one key64 (runs over block boundaries, in several tables), each entry 0-59
+    days old against a 30-day cutoff: the newest entry of a key wins, then is dropped if expired. Compared with a
+    merge by hand."""
+    from batch_llm.cache import merge
+
+    monkeypatch.setattr(merge, "BUDGET_BYTES", 1)
+    monkeypatch.setattr(merge, "MIN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(merge, "GATHER_BYTES", 500)  # a few lines gathered at a time
+    now = T0 + 100 * DAY
+    cache = ResultCache(Location(str(tmp_path)), "ns", clock=lambda: now)
+    same = [f"{'5a' * 8}{i:048x}" for i in range(300)]
+    expect: dict[str, tuple[float, str]] = {}
+    for d in range(10):
+        keys = [_key(i) for i in range(100)] + same[d * 15:d * 15 + 150] + [_key(i) for i in range(1000 + 50 * d, 1050 + 50 * d)]
+        rows = [{"key": k, "output": f"{d}/{j}", "t": now - ((j * 7 + d * 13) % 60) * DAY - d} for j, k in enumerate(keys)]
+        cache.write_table(rows)
+        for r in rows:
+            if r["key"] not in expect or expect[r["key"]][0] < r["t"]:
+                expect[r["key"]] = (r["t"], r["output"])
+    keep = {k: o for k, (t, o) in expect.items() if t >= now - 30 * DAY}
+    s = cache.maintain(max_age_days=30, compact_after_tables=2, max_runs=8)
+    assert s["tables_merged"] == 10 and s["entries_written"] == len(keep), s
+    assert s["entries_in"] == 10 * 300 and s["duplicates_dropped"] + s["expired_entries_dropped"] == 3000 - len(keep)
+    (run,) = cache.tables()
+    found = {e["key"]: e["output"] for e in cache.lookup(list(expect))}
+    assert found == keep
+    # The run is one sorted table: its entries in (key64, key) order, every key once.
+    reader = cache_table.RangeReader(None, True, {"ranges_read": 0, "bytes_read": 0})
+    (m,), _ = cache_table.open_tables(reader, [run])
+    lines = reader.read_one(run.path, 0, m.values_len).splitlines()
+    items = [cache_table.merge_item(x)[:2] for x in lines]
+    assert items == sorted(set(items)) and len(items) == len(keep)
 
 
 # ------------------------------------------------------------------------------------------ concurrency

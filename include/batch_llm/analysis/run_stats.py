@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+import numpy as np
+
 from batch_llm.host.gpus import visible_gpus
 from batch_llm.io.images import content_text
 from batch_llm.io.storage import Location, exists, iter_jsonl
@@ -63,17 +65,12 @@ def model_dir(summary: RunSummary) -> str:
 
 
 def quantile(counts: Counter | dict, q: float) -> float | None:
-    """Nearest-rank quantile of a value -> count table."""
-    total = sum(counts.values())
-    if not total:
+    """Nearest-rank quantile of a value -> count table: numpy's inverted CDF, each value weighted by its count."""
+    if not sum(counts.values()):
         return None
-    rank = max(1, math.ceil(q * total))
-    seen = 0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= rank:
-            return float(value)
-    return float(max(counts))
+    values = np.fromiter(counts.keys(), dtype=float, count=len(counts))
+    weights = np.fromiter(counts.values(), dtype=float, count=len(counts))
+    return float(np.quantile(values, q, weights=weights, method="inverted_cdf"))
 
 
 def mean_of(counts: Counter | dict) -> float | None:

@@ -1,6 +1,7 @@
 """A lookup in the result cache: the wanted keys against every live table of a namespace, in rounds of batched
-range reads (key pages, then offsets, then values; ``cache/table.py`` says why this shape), the entries handed
-out as they arrive."""
+range reads (top blocks, key pages, then offsets, then values; ``cache/table.py`` says why this shape), the
+entries handed out as they arrive. Its memory: the wanted keys (a shard's), each table's root or small top
+index, and one wave's pages."""
 from __future__ import annotations
 
 import time
@@ -20,6 +21,7 @@ from batch_llm.cache.table import (
     coalesce,
     key64_array,
     open_tables,
+    read_top_blocks,
 )
 
 WAVE_KEYS = 65_536               # wanted keys looked up per round trip, at most...
@@ -77,7 +79,7 @@ class Lookup:
                 self.stats["cache_bytes"] += sum(m.table.size for m in metas)
                 gone_names = {x.name for x in gone}
                 wave = WAVE_KEYS
-                while wave > 1024 and sum(min(wave, len(m.top)) for m in metas) * PAGE * 8 > WAVE_PAGE_BYTES:
+                while wave > 1024 and _wave_page_bytes(metas, wave, len(self._keys), self._gap_bytes) > WAVE_PAGE_BYTES:
                     wave //= 2
                 for a in range(0, len(self._keys), wave):
                     for entry in self._wave(reader, metas, gone_names, a, min(a + wave, len(self._keys))):
@@ -194,23 +196,37 @@ class Lookup:
         return False
 
 
+def _wave_page_bytes(metas: list[TableMeta], wave: int, keys: int, gap: int) -> int:
+    """About the bytes of key pages a wave of ``wave`` of the ``keys`` wanted keys (in key order: a wave covers
+    about wave/keys of each table) reads: per table, the key index over that span where its wanted pages lie
+    closer than the gap (read as one), else a page and a gap per key."""
+    return sum(min(8 * m.n * wave // max(1, keys), wave * (PAGE * 8 + gap)) for m in metas)
+
+
 def _candidates(reader: RangeReader, metas: list[TableMeta], gone: set[str], w_all: np.ndarray, gap: int) -> list:
-    """Round 1 of a wave: the key pages that can hold a wanted key64 ``w_all``, read in one batch; returns
-    (rank, table, entry indexes, key64s) per table of every key-page slot equal to a wanted key64."""
-    plans = []
-    reqs: list[tuple[str, int, int]] = []
+    """Round 1 of a wave (2 where a table is looked up through its root: its top blocks first): the key pages
+    that can hold a wanted key64 ``w_all``, read in one batch; returns (rank, table, entry indexes, key64s) per
+    table of every key-page slot equal to a wanted key64."""
+    wanted = []
     for rank, m in enumerate(metas):
         if m.table.name in gone or m.n == 0:
             continue
         w = w_all[(w_all >= m.min_k64) & (w_all <= m.max_k64)]
-        if not len(w):
+        if len(w):
+            wanted.append((rank, m, w))
+    tops = read_top_blocks(reader, [(m, w) for _, m, w in wanted], gap, gone)
+    plans = []
+    reqs: list[tuple[str, int, int]] = []
+    for rank, m, w in wanted:
+        if m.table.name not in tops:
             continue
-        hi = np.searchsorted(m.top, w, "right") - 1
-        lo = np.maximum(np.searchsorted(m.top, w, "left") - 1, 0)
+        page_no, top = tops[m.table.name]
+        hi = np.searchsorted(top, w, "right") - 1
+        lo = np.maximum(np.searchsorted(top, w, "left") - 1, 0)
         page_runs = [hi]
         for i in np.flatnonzero(lo < hi):  # a key64 equal to a page's first: the run may start a page back
             page_runs.append(np.arange(lo[i], hi[i]))
-        pages = np.unique(np.concatenate(page_runs))
+        pages = page_no[np.unique(np.concatenate(page_runs))]
         e0 = pages * PAGE
         e1 = np.minimum(e0 + PAGE, m.n)
         _, gs, ge = coalesce(m.keys_off + e0 * 8, m.keys_off + e1 * 8, gap)

@@ -15,8 +15,9 @@ bounded memory (runs of 50k entries spilled to local temporary files, ``io/exter
 (a duplicate is dropped at compaction).
 
 Maintenance (``maintain``, run by the publish task): tables whose newest entry is expired (by the name, then
-checked in the footer) are deleted; once ``compact_after_tables`` shard tables exist they are merged (streamed
-k-way merge, newest entry of a key wins, expired entries dropped) into one run; when more than ``max_runs`` runs
+checked in the footer) are deleted; once ``compact_after_tables`` shard tables exist they are merged (an
+external merge in blocks, ``cache/merge.py``: bounded memory, newest entry of a key wins, expired entries
+dropped) into one run; when more than ``max_runs`` runs
 would exist, all runs are merged into one. It merges only the tables it listed, commits its output, and only
 then deletes its inputs, so shards writing meanwhile lose nothing; two compactions racing can leave duplicates,
 never a lost or wrong entry. A table it cannot read (a newer format, a damaged file) is never deleted nor
@@ -39,21 +40,17 @@ folds any it finds into a table.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import logging
-import math
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 
 from batch_llm.cache.lookup import Lookup
+from batch_llm.cache.merge import merge_tables
 from batch_llm.cache.table import (
-    BATCH_BYTES,
     LOCAL_GAP_BYTES,
-    MAX_RANGE_BYTES,
     REMOTE_GAP_BYTES,
     TABLE_NAME,
     RangeReader,
@@ -61,9 +58,9 @@ from batch_llm.cache.table import (
     TableMeta,
     TableWriter,
     entry_line,
-    iter_values,
     key64,
     open_tables,
+    table_name,
 )
 from batch_llm.io.external_sort import ExternalSort
 from batch_llm.io.identity import stable_hash
@@ -192,7 +189,7 @@ class ResultCache:
                       stats: dict) -> str | None:
         """Streams (key64, key, -t, line) items in order into one new table: the first item of a key wins (the
         newest), expired ones are dropped. Returns the table's name, or None when nothing was left."""
-        name = f"{kind}-{math.ceil(max_t):010d}-{uuid.uuid4().hex}.sst"
+        name = table_name(kind, max_t)
         w: TableWriter | None = None
         last_key = None
         with tempfile.TemporaryDirectory(prefix="batch_llm_sst_idx_") as tmp:
@@ -279,10 +276,26 @@ class ResultCache:
             stats["unreadable_tables_kept"] += [t.name for t in _unread(inputs, metas, gone)]
             if not metas:
                 return None
-            chunk = int(min(MAX_RANGE_BYTES, max(256 * 2**10, BATCH_BYTES // max(1, len(metas)))))
-            items = heapq.merge(*(iter_values(reader, m, chunk) for m in metas))
+            # An external merge in blocks (``cache/merge.py``): bounded memory whatever the tables' sizes or number.
+            name = table_name("r", max(m.max_t for m in metas))
+            opened: list[TableWriter] = []  # the output, opened at its first entry (aborted on any failure)
             try:
-                name = self._write_sorted(items, "r", max(m.max_t for m in metas), cutoff, stats)
+                with tempfile.TemporaryDirectory(prefix="batch_llm_sst_idx_") as tmp:
+
+                    def open_writer() -> TableWriter:
+                        opened.append(TableWriter(self.dir.child(name).path(), tmp))
+                        return opened[0]
+
+                    try:
+                        w = merge_tables(reader, metas, cutoff, open_writer, stats)
+                        if w is not None:
+                            stats["bytes_written"] += w.commit()
+                            stats["entries_written"] += w.n
+                            stats["tables_written"] += 1
+                    except BaseException:
+                        for x in opened:
+                            x.abort()
+                        raise
             except FileNotFoundError:
                 stats["aborted"] = "an input table was deleted meanwhile (a concurrent compaction)"
                 return None
@@ -291,7 +304,7 @@ class ResultCache:
         stats["tables_merged"] = len(metas)
         for m in metas:  # only after the output is committed, and only what was read into it
             self._delete(m.table)
-        return name
+        return name if opened else None
 
     def _fold_legacy(self, stats: dict) -> None:
         """Segments of the earlier layout (``seg-*.jsonl``) become one shard table, then are deleted."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -94,30 +93,39 @@ class TableSink(ABC):
         if clash:
             raise TableSchemaError(f"table {self.name}: partition column {clash[0]!r} is also a column of the rows; "
                                    "name the partition column otherwise")
-        for attempt in range(1, self.attempts + 1):
-            token = uuid.uuid4().hex
-            md = {**{k: str(v) for k, v in metadata.items()}, COMMIT_TOKEN: token}
-            # against the table as it is now: a concurrent writer may have added a column since the last attempt
-            schema = with_partition_columns(self._fitted(rows.schema), list(values))
-            counted = _Counted(rows.batches(), values, schema)
-            try:
-                snapshot, previous = self._replace_partition(schema, counted, values, md)
-            except Exception as e:
-                if not self._is_conflict(e):
-                    raise
-                if attempt == self.attempts:
-                    raise TableConflict(
-                        f"table {self.name}: the commit replacing {_where(values)} lost to a concurrent writer "
-                        f"{attempt} times in a row; the partition holds the winner's rows ({e})") from e
-                wait = self.backoff_s * attempt * (0.5 + random.random())
-                log.warning("table %s: a concurrent commit replaced %s first; writing again against its snapshot "
-                            "in %.1f s (attempt %d of %d)", self.name, _where(values), wait, attempt + 1, self.attempts)
-                time.sleep(wait)
-                continue
-            return TableCommit(format=self.format, table=self.name, snapshot_id=snapshot,
-                               previous_snapshot_id=previous, partition=values, rows=counted.rows,
-                               attempts=attempt, metadata={k: v for k, v in md.items() if k != COMMIT_TOKEN})
-        raise AssertionError("unreachable")  # the loop returns or raises
+        from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
+        def wait(state: RetryCallState) -> float:  # grows with the attempt, jittered: racing writers fall out of step
+            return self.backoff_s * state.attempt_number * (0.5 + random.random())
+
+        def told(state: RetryCallState) -> None:
+            log.warning("table %s: a concurrent commit replaced %s first; writing again against its snapshot in %.1f s "
+                        "(attempt %d of %d)", self.name, _where(values), state.upcoming_sleep, state.attempt_number + 1,
+                        self.attempts)
+
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(self.attempts), wait=wait, before_sleep=told,
+                                    retry=retry_if_exception(lambda e: isinstance(e, Exception) and self._is_conflict(e)),
+                                    reraise=True):
+                with attempt:
+                    token = uuid.uuid4().hex
+                    md = {**{k: str(v) for k, v in metadata.items()}, COMMIT_TOKEN: token}
+                    # against the table as it is now: a concurrent writer may have added a column since the last try
+                    schema = with_partition_columns(self._fitted(rows.schema), list(values))
+                    counted = _Counted(rows.batches(), values, schema)
+                    snapshot, previous = self._replace_partition(schema, counted, values, md)
+                    # returned inside the attempt: after it, a failed attempt's loop goes on to the next
+                    return TableCommit(format=self.format, table=self.name, snapshot_id=snapshot,
+                                       previous_snapshot_id=previous, partition=values, rows=counted.rows,
+                                       attempts=attempt.retry_state.attempt_number,
+                                       metadata={k: v for k, v in md.items() if k != COMMIT_TOKEN})
+        except Exception as e:
+            if not self._is_conflict(e):
+                raise
+            raise TableConflict(
+                f"table {self.name}: the commit replacing {_where(values)} lost to a concurrent writer "
+                f"{self.attempts} times in a row; the partition holds the winner's rows ({e})") from e
+        raise AssertionError("unreachable")  # Retrying returns or raises
 
     def _fitted(self, schema: pa.Schema) -> pa.Schema:
         """The rows' schema as the table takes it: a column null in every row gets the table's type for it (a
