@@ -1,5 +1,5 @@
 """engine.precision: auto — the config it takes, the agreement it measures and the engine it keeps. The engines
-here are doubles that answer with fixed tokens per precision; tests/system/test_precision_gate.py runs the gate on
+here are doubles that answer with fixed tokens per precision; tests/system/test_precision_gate_engine.py runs the gate on
 the real CPU engine."""
 from __future__ import annotations
 
