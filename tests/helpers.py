@@ -143,3 +143,47 @@ def run_in_group(cmd: Sequence[str], *, timeout: float, **kwargs) -> subprocess.
             proc.communicate()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_in_pty(cmd: Sequence[str], *, timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Runs ``cmd`` with a pseudo-terminal (120 columns) as its stdin, stdout and stderr, in a session of its own,
+    as a person at a terminal would; returns its exit code and everything the terminal received (stdout and
+    stderr together, as a terminal shows them). At the timeout the whole process group is ended."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    from batch_llm.host.procgroup import GroupLeader
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(list(cmd), stdin=slave, stdout=slave, stderr=slave, start_new_session=True, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    exited_at = None
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                GroupLeader(proc).stop()
+                raise subprocess.TimeoutExpired(list(cmd), timeout, b"".join(chunks))
+            if exited_at is None and proc.poll() is not None:
+                exited_at = time.monotonic()
+            if exited_at is not None and time.monotonic() - exited_at > 5:  # a child still holds the terminal
+                break
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every process holding the terminal is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    return proc.wait(), b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")

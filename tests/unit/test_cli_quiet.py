@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from batch_llm.frontends.cli import Reporter, build_parser, engine_line
+from helpers import run_in_pty
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_YAML = ROOT / "dags" / "pipelines" / "demo.yaml"
@@ -123,6 +124,25 @@ def test_run_keeps_library_logs_off_the_terminal(tmp_path):
     assert "INFO 11-30 12:00:01 [llm.py:1] VLLM-INFO-LINE" in log and "[transformers] TRANSFORMERS-INFO-LINE" in log
     assert "] shard 0: STAGE-MESSAGE" in log  # the stages' messages too, in order with the engine's lines
     assert log.index("VLLM-INFO-LINE") < log.index("ENGINE-CORE-STDOUT") < log.index("STAGE-MESSAGE")
+
+
+def test_a_terminal_gets_the_progress_bar_and_no_library_line(tmp_path):
+    """On a terminal the progress bar (rich) must not take the libraries' output onto the terminal: rich's live
+    display replaces ``sys.stdout``/``sys.stderr`` by default, and a logger made while it runs (vLLM's, when
+    vLLM is imported by the shard) wrote over the bar and not into the log file."""
+    script = tmp_path / "quiet_run.py"
+    script.write_text(SCRIPT)
+    rc, terminal = run_in_pty([sys.executable, str(script), str(tmp_path / "summary.json"), "run", str(DEMO_YAML),
+                               "--output", str(tmp_path / "out"), "--ds", "2026-11-30", "--run-id", "quiet"],
+                              timeout=120, env={**__import__("os").environ, "FAIL_SHARD": ""})
+    assert rc == 0, terminal
+    for line in LIBRARY_LINES:
+        assert line not in terminal, f"{line} reached the terminal:\n{terminal}"
+    assert "shard 0" in terminal and "2/2" in terminal and "published 2 rows" in terminal, terminal
+    assert "\x1b[" in terminal  # rich drew on it: a terminal, not plain lines
+    log = _log_path(terminal).read_text()
+    for line in LIBRARY_LINES:
+        assert line in log, f"{line} missing from the log:\n{log}"
 
 
 def test_verbose_shows_everything_on_the_terminal(tmp_path):

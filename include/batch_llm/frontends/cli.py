@@ -166,7 +166,11 @@ class Reporter:
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("rows"), TextColumn("{task.fields[tps]} tok/s"),
                                       TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(),
-                                      console=Console(file=self.stream), transient=False)
+                                      console=Console(file=self.stream), transient=False,
+                                      # rich's default swaps sys.stdout/stderr for its own while the bar runs: a
+                                      # library logger made meanwhile (vLLM's) then wrote over the bar, not into
+                                      # the log file that descriptors 1 and 2 go to (engine_logs)
+                                      redirect_stdout=False, redirect_stderr=False)
             self._progress.start()
         return self
 
