@@ -9,6 +9,7 @@ stage's manifest from there), XCom carries a small typed reference (``ModelRef``
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from batch_llm import api
 from batch_llm.analysis import metrics_push
 from batch_llm.config import ConfigDump, ConfigError, PipelineConfig, parse_config
 from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
+from batch_llm.isolation.worker_log import EngineLog
 from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
 from batch_llm.stages.evaluate import EvaluationBelowThreshold
@@ -186,13 +188,27 @@ class BatchInferenceOperator(PipelineStageOperator):
         ti = context["ti"]
         self._run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
         try:
-            manifests = self._run.run_all(on_line=self.log.info)  # lease → worker → manifests; lease released
+            manifests = self._run_logged(context, layout)  # lease → worker → manifests; lease released
         except ShardFailedNoRetry as e:
             raise AirflowFailException(str(e)) from None
         for i, m in enumerate(manifests):  # the task's one lease wait counts once
             emit_shard_metrics(cfg.name, m, gpu_lease_wait_seconds=0.0 if i else self._run.lease_wait_seconds)
         results = [m.result().model_dump(mode="json") for m in manifests]  # XCom: files and counts
         return results if self._run.group else results[0]
+
+    def _run_logged(self, context: Context, layout: RunLayout) -> list[ShardManifest]:
+        """The worker's run, its messages in the task log, the engine's output in an engine log of the run's
+        (``<run>/logs/<task>-<map index>-try<n>.log``) and the engine's warnings in the task log as warnings."""
+        assert self._run is not None
+        ti = context["ti"]
+        name = re.sub(r"[^\w.-]", "_", f"{ti.task_id}-{ti.map_index}-try{ti.try_number}")
+        with EngineLog(layout.run_dir, name, warn=self.log.warning) as engine:
+            self.log.info("engine output: %s", engine.url)
+            try:
+                return self._run.run_all(on_line=self.log.info, on_engine=engine, on_warning=self.log.warning)
+            finally:
+                self.log.info("engine output: %d lines (%d warnings, above) in %s", engine.lines, engine.warnings,
+                              engine.url)
 
     def on_kill(self) -> None:
         if self._run is not None:
@@ -262,7 +278,7 @@ class ReviewOperator(BatchInferenceOperator):
                                   [s.model_dump() for s in specs] if group else specs[0].model_dump(),
                                   holder=f"{ti.dag_id}.{ti.task_id}", stage="review")
         try:
-            manifests = self._run.run_all(on_line=self.log.info)
+            manifests = self._run_logged(context, layout)
         except ShardFailedNoRetry as e:
             raise AirflowFailException(f"review: {e}") from None
         results = [m.result().model_dump(mode="json") for m in manifests]

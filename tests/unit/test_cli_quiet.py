@@ -15,7 +15,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from batch_llm.frontends.cli import Reporter, build_parser, engine_line
+from batch_llm.frontends.cli import Reporter, build_parser
+from batch_llm.isolation.worker_log import engine_line
 from helpers import run_in_pty
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -44,9 +44,16 @@ class _FakeShardRun:
         self.stopped = False
         _FakeShardRun.made.append(self)
 
-    def run_all(self, on_line):
+    def run_all(self, on_line, *, on_engine=None, on_warning=None):
         from batch_llm.manifests import ShardManifest
 
+        on_line("progress: 1/1 rows, 5.0 output tok/s, ETA 0s")  # as the worker relays its lines
+        on_engine("(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [core.py:1] ENGINE-START-LINE")
+        on_engine("\x1b[33m(EngineCore_DP0 pid=7) WARNING 11-30 12:00:02 [cpu.py:1] ENGINE-WARNING\x1b[0m")
+        on_engine("2026-11-30 12:00:03,000 WARNING py.warnings: /v/lib/python3.11/site-packages/transformers/x.py:9: "
+                  "FutureWarning: LIB-WARNING")
+        on_engine("  warnings.warn(")
+        on_warning("PIPELINE-WARNING")
         if isinstance(self.outcome, Exception):
             raise self.outcome
         shards = self.args[3] if self.group else [self.args[3]]
@@ -76,7 +83,28 @@ def _inference_op(tmp_path, monkeypatch, outcome=None):
 
 
 def _gpu_context() -> dict:
-    return {**_context(), "ti": SimpleNamespace(dag_id="d", task_id="batch_inference")}
+    return {**_context(), "ti": SimpleNamespace(dag_id="d", task_id="batch_inference", map_index=0, try_number=1)}
+
+
+def test_the_gpu_task_log_has_the_pipeline_and_engine_warnings_the_engine_log_the_rest(tmp_path, monkeypatch):
+    """The worker's messages go to the task log; the engine's output to ``<run>/logs/<task>-<map>-try<n>.log``,
+    its warnings also to the task log as warnings, one line each, named by their source."""
+    op, _ = _inference_op(tmp_path, monkeypatch)
+    said: list[tuple[str, str]] = []
+    log = SimpleNamespace(info=lambda m, *a: said.append(("INFO", m % a)),
+                          warning=lambda m, *a: said.append(("WARNING", m % a)))
+    monkeypatch.setattr(type(op), "log", property(lambda self: log))  # the task log (Airflow's structlog)
+    op.execute(_gpu_context())
+    (run,) = _FakeShardRun.made
+    path = run.args[1].run_dir.path() / "logs" / "batch_inference-0-try1.log"
+    assert ("INFO", f"engine output: {run.args[1].run_dir.url}/logs/batch_inference-0-try1.log") in said
+    assert ("INFO", "progress: 1/1 rows, 5.0 output tok/s, ETA 0s") in said
+    assert [m for lvl, m in said if lvl == "WARNING" and "outside of the Task Runner" not in m] == [
+        "vllm: ENGINE-WARNING", "transformers: FutureWarning: LIB-WARNING", "PIPELINE-WARNING"], said
+    assert not any("ENGINE-START-LINE" in m or "warnings.warn(" in m for _, m in said), said
+    log = path.read_text()
+    assert "ENGINE-START-LINE" in log and "ENGINE-WARNING" in log and "  warnings.warn(" in log
+    assert "progress:" not in log
 
 
 def test_the_gpu_operator_runs_its_shard_through_the_library_and_hands_on_the_result(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ class Recorder:
                 rec.events.append(("start", spec["shard"], spec["model"], env))
                 return cls()
 
-            def wait(self, on_line):
+            def wait(self, on_line, **_):
                 rec.events.append(("wait",))
                 on_line("worker says hello")
                 return rec.on_wait()

@@ -45,22 +45,12 @@ import yaml
 from batch_llm.config import ConfigError, EngineNotInstalled, PipelineConfig, load_config, require_engine_installed
 from batch_llm.config.capabilities import missing_package
 from batch_llm.host import path_policy
+from batch_llm.isolation.worker_log import engine_line
 from batch_llm.manifests import PlanManifest, QuantizeManifest, RunSummary, ShardManifest, ShardResult
 
 PROGRESS = re.compile(r"progress: (\d+)/(\d+) rows, ([\d.]+|inf|nan) output tok/s, ETA (\S+?)s\s*$")
 NO_PROGRESS_BAR = "progress as plain lines: rich is not installed here; the cli extra adds the progress bar " \
                   "(pip install 'batch-llm[cli]')"
-# A line of a library's log rather than a stage's message, as a shard's worker process relays them all on one
-# stream (colours removed first): vLLM's "(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [file.py:12] ...", Python
-# logging's "2026-11-30 12:00:01,123 name ...", transformers' "[transformers] ...", tqdm's redrawn bars.
-ENGINE_LOG = re.compile(r"^(\([\w.-]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d"
-                        r"|\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d|\[transformers\])|\r|\d+%\|")
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def engine_line(msg: str) -> bool:
-    """Whether ``msg`` is a library's log line (``ENGINE_LOG``), not a stage's message."""
-    return ENGINE_LOG.search(ANSI.sub("", msg)) is not None
 
 
 # ------------------------------------------------------------------------------------------ arguments

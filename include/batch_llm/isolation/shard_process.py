@@ -107,8 +107,10 @@ class IsolatedShard:
         """Leases, spawns, records the worker in the lease, waits for its manifest; releases the lease."""
         return self.run_all(on_line)[0]
 
-    def run_all(self, on_line: Callable[[str], None] = print) -> list[ShardManifest]:
-        """``run`` for every shard given: their manifests, in order (one for a single shard)."""
+    def run_all(self, on_line: Callable[[str], None] = print, *, on_engine: Callable[[str], None] | None = None,
+                on_warning: Callable[[str], None] | None = None) -> list[ShardManifest]:
+        """``run`` for every shard given: their manifests, in order (one for a single shard). The worker's messages
+        go to ``on_line`` (warnings: ``on_warning``), the engine's output to ``on_engine`` (``WorkerHandle.wait``)."""
         self._say = on_line
         try:
             env = self._lease()
@@ -119,7 +121,7 @@ class IsolatedShard:
             what = ", ".join(f"shard {s.index} ({s.rows} rows)" for s in self.shards)
             on_line(f"{what}: worker pid {self.worker.pid}")
             try:
-                result = self.worker.wait(on_line=on_line)
+                result = self.worker.wait(on_line=on_line, on_engine=on_engine, on_warning=on_warning)
                 if self.group:
                     return [ShardManifest.model_validate(m) for m in result["shards"]]
                 return [ShardManifest.model_validate(result)]

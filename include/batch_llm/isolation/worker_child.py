@@ -18,6 +18,10 @@ from typing import Any
 from batch_llm.host.procgroup import live_group_members
 
 RESULT_PREFIX = "BATCH_LLM_RESULT "
+# The worker's own messages (the stages' ``say``, batch_llm's loggers) carry these; every other line of its
+# output is the engine's (libraries' logs, warnings, the engine core's output): the parent sorts on them
+SAY_PREFIX = "BATCH_LLM_SAY "
+WARN_PREFIX = "BATCH_LLM_WARN "
 EXIT_SHARD_FAILED = 3      # too many error rows, or an engine that cannot run the model here: no retry
 EXIT_ERROR = 1
 
@@ -59,6 +63,34 @@ def report_result(manifest) -> None:
     print(RESULT_PREFIX + manifest.model_dump_json(), flush=True)
 
 
+def _say(msg: str) -> None:
+    for line in str(msg).splitlines() or [""]:
+        print(SAY_PREFIX + line, flush=True)
+
+
+class _PipelineLog(logging.Handler):
+    """batch_llm's loggers in the worker: their messages are the pipeline's (what it decided and why), marked
+    for the task log, warnings as warnings."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = WARN_PREFIX if record.levelno >= logging.WARNING else SAY_PREFIX
+        try:
+            for line in self.format(record).splitlines() or [""]:
+                print(prefix + line, flush=True)
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed log line never fails the caller
+            self.handleError(record)
+
+
+def _log_setup() -> None:
+    """Every other library logs on stdout with its level and name, so the parent can tell a warning and its source;
+    Python's warnings go through logging (py.warnings), one record each."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)
+    ours = logging.getLogger("batch_llm")
+    ours.addHandler(_PipelineLog())
+    ours.propagate = False
+
+
 def _die_with_parent() -> None:
     """If the task process is killed -9, the worker must not live on holding a GPU (Linux only)."""
     try:
@@ -74,7 +106,7 @@ def main() -> int:
     _die_with_parent()
     # On SIGTERM end the whole group, engine processes included, then exit.
     signal.signal(signal.SIGTERM, lambda *_: (os.killpg(os.getpgrp(), signal.SIGKILL)))
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
+    _log_setup()
     spec = json.loads(sys.stdin.read())
     from batch_llm.api import infer_shard, infer_shards
     from batch_llm.config import parse_config
@@ -86,7 +118,7 @@ def main() -> int:
     layout = RunLayout.from_dict(spec["layout"])
     fast_end = FastEnd(cfg)
     try:
-        say, clock = (lambda m: print(m, flush=True)), {"spawned_at": spec.get("spawned_at"), "worker_started_at": started}
+        say, clock = _say, {"spawned_at": spec.get("spawned_at"), "worker_started_at": started}
         on_committed = fast_end if fast_end.enabled else None
         stage = spec.get("stage", "infer")  # review: the content review's pass (stages.review)
         if "shards" in spec:  # a task of several shards: one engine serves them in turn
@@ -101,7 +133,8 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which decides on retries
         import traceback
 
-        traceback.print_exc(file=sys.stdout)
+        for line in traceback.format_exc().splitlines():  # the failure is the pipeline's news: the task log
+            _say(line)
         print(f"WORKER_ERROR {type(e).__name__}: {e}", flush=True)
         return EXIT_ERROR
     report_result(result)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import IO
 
 from batch_llm.host.procgroup import GroupLeader
-from batch_llm.isolation.worker_child import EXIT_SHARD_FAILED, RESULT_PREFIX
+from batch_llm.isolation.worker_child import EXIT_SHARD_FAILED, RESULT_PREFIX, SAY_PREFIX, WARN_PREFIX
 
 
 class WorkerFailed(RuntimeError):
@@ -78,9 +78,11 @@ class WorkerHandle(GroupLeader):
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
-    def wait(self, on_line: Callable[[str], None] = print) -> dict:
-        """Streams the worker's lines to ``on_line`` until it exits; returns its result or raises."""
-        out = _WorkerOutput(on_line)
+    def wait(self, on_line: Callable[[str], None] = print, *, on_engine: Callable[[str], None] | None = None,
+             on_warning: Callable[[str], None] | None = None) -> dict:
+        """Streams the worker's lines until it exits; returns its result or raises. Its own messages go to
+        ``on_line`` (its warnings to ``on_warning``), the engine's output to ``on_engine``; each None: ``on_line``."""
+        out = _WorkerOutput(on_line, on_engine, on_warning)
         lines: queue.Queue = queue.Queue()
 
         def pump() -> None:
@@ -127,17 +129,28 @@ class WorkerHandle(GroupLeader):
 class _WorkerOutput:
     """What the parent keeps of a worker's stdout: the result line, and the last lines for an error message."""
 
-    def __init__(self, on_line: Callable[[str], None]):
+    def __init__(self, on_line: Callable[[str], None], on_engine: Callable[[str], None] | None = None,
+                 on_warning: Callable[[str], None] | None = None):
         self.on_line = on_line
+        self.on_engine = on_engine or on_line
+        self.on_warning = on_warning or on_line
         self.result: dict | None = None
         self.tail: list[str] = []
 
     def take(self, line: str) -> None:
         if line.startswith(RESULT_PREFIX):
             self.result = json.loads(line[len(RESULT_PREFIX):])
+            return
+        if line.startswith(SAY_PREFIX):
+            line, to = line[len(SAY_PREFIX):], self.on_line
+        elif line.startswith(WARN_PREFIX):
+            line, to = line[len(WARN_PREFIX):], self.on_warning
+        elif line.startswith("WORKER_ERROR "):
+            to = self.on_line
         else:
-            self.tail = (self.tail + [line])[-40:]
-            self.on_line(line)
+            to = self.on_engine
+        self.tail = (self.tail + [line])[-40:]
+        to(line)
 
     def failure(self, rc: int) -> WorkerFailed:
         reason = next((t for t in reversed(self.tail) if t.startswith("WORKER_ERROR ")), None)

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,11 @@ def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "
         _restore_env_and_root_logging(),
         tempfile.TemporaryDirectory(prefix="batch_llm_evalscope_") as tmp,
         _sandbox(Path(tmp)),
+        warnings.catch_warnings(),
     ):
+        # NLTK warns, in 4 lines per row, that a short output with no 4-gram in common scores BLEU 0: the score
+        # says so, and the task log is for the pipeline
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"nltk\.translate")
         try:
             run_task(task)
         finally:
