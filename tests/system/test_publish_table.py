@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from batch_llm.api import publish
-from batch_llm.io.storage import Location, exists, write_jsonl
+from batch_llm.io.storage import Location, exists, iter_jsonl, write_jsonl
 from batch_llm.manifests import FetchManifest, QuantizeManifest, RunSummary
 from publish_runs import IDS, PARTITION, ready_to_publish
 from table_readers import duckdb_connection, reads_s3, scan_sql
@@ -42,26 +42,40 @@ def target(request, tmp_path, duckdb):
                                          "identifier": "batch_llm.race"}, con
 
 
-def _with_a_plan_error(run: tuple) -> tuple:
-    """The run with one more input line, refused by the planner (it has no output; the table gets its error row)."""
+# Input lines 4-6 the planner refused: an id but no prompt, no id, and a duplicate of line 1's id
+PLAN_ERRORS = [{"source": "in.jsonl", "line": 4, "id": 7, "reason": "no prompt"},
+               {"source": "in.jsonl", "line": 5, "reason": "missing id (column 'id')"},
+               {"source": "in.jsonl", "line": 6, "id": "a", "duplicate_of": "in.jsonl:1",
+                "reason": "duplicate id 'a' (first at in.jsonl:1)"}]
+
+
+def _with_plan_errors(run: tuple) -> tuple:
+    """The run with three more input lines, refused by the planner (no output; the table gets their error rows)."""
     cfg, layout, plan, filtered, scores = run
-    write_jsonl(Location(plan.errors, layout.output_root.options).path(),
-                [{"source": "in.jsonl", "line": 4, "id": 7, "reason": "no prompt"}])
-    return cfg, layout, plan.model_copy(update={"rows_read": 4, "invalid": 1}), filtered, scores
+    write_jsonl(Location(plan.errors, layout.output_root.options).path(), PLAN_ERRORS)
+    return cfg, layout, plan.model_copy(update={"rows_read": 6, "invalid": 3}), filtered, scores
 
 
-def _day(con, table: dict) -> list[tuple]:
-    return con.sql(f"SELECT _row_id, _status, output, _error, _run_id FROM {scan_sql(table)} WHERE dt = '{DAY}' "
-                   "ORDER BY _row_id").fetchall()
+def _day(con, table: dict, columns: str = "_row_id, _status, output, _error, _run_id") -> list[tuple]:
+    return con.sql(f"SELECT {columns} FROM {scan_sql(table)} WHERE dt = '{DAY}' ORDER BY _row_id").fetchall()
 
 
 def test_a_run_and_a_rerun_of_the_day_replace_it_with_their_rows_and_errors(target):
     root, table_cfg, table, con = target
-    first = publish(*_with_a_plan_error(ready_to_publish(root, "r1", table=table_cfg)))
+    first = publish(*_with_plan_errors(ready_to_publish(root, "r1", table=table_cfg)))
     ok = [(k, "ok", "answer of r1", None, "r1") for k in IDS]
-    assert _day(con, table) == [("7", "error", None, "no prompt (in.jsonl line 4)", "r1"), *ok]
+    errors = [("in.jsonl:4", "error", None, "no prompt (in.jsonl line 4)", "r1"),
+              ("in.jsonl:5", "error", None, "missing id (column 'id') (in.jsonl line 5)", "r1"),
+              ("in.jsonl:6", "error", None, "duplicate id 'a' (first at in.jsonl:1) (in.jsonl line 6)", "r1")]
+    assert _day(con, table) == sorted([*errors, *ok])
+    # Joined on: every row has a stable row id of its own, and its input id where it had one; the duplicate's
+    # error row has the id of the row it duplicates, and names that row's line
+    assert _day(con, table, "_row_id, id") == sorted([("a", "a"), ("b", "b"), ("c", "c"), ("in.jsonl:4", "7"),
+                                                      ("in.jsonl:5", None), ("in.jsonl:6", "a")])
+    assert con.sql(f"SELECT count(DISTINCT _row_id), count(*) FROM {scan_sql(table)} WHERE dt = '{DAY}'"
+                   ).fetchone() == (6, 6)
     assert first.table["previous_snapshot_id"] is None   # the table's first commit
-    assert first.table["metadata"]["rows_read"] == "4" and first.table["metadata"]["rows_plan_errors"] == "1"
+    assert first.table["metadata"]["rows_read"] == "6" and first.table["metadata"]["rows_plan_errors"] == "3"
     summary = RunSummary.read(Location(first.summary, root.options).path())   # the run's record stays in its folder
     assert summary.dataset == first.dataset and summary.rows.balanced and exists(Location(first.report, root.options).path())
 
@@ -72,6 +86,17 @@ def test_a_run_and_a_rerun_of_the_day_replace_it_with_their_rows_and_errors(targ
     assert publish(*rerun) == again   # the task retried after its commit: the same publish, no new commit
     cols = {r[0] for r in con.sql(f"DESCRIBE SELECT * FROM {scan_sql(table)}").fetchall()}
     assert {"_model", "_model_hash", "_config_hash", "finish_reason", "prompt_tokens", "dt"} <= cols
+
+
+def test_a_files_publish_names_each_error_line_as_the_table_does(tmp_path):
+    """Files output: the rows keep the input's id; each line of errors.jsonl carries the row's id where it had
+    one, its file and line, and the row id the table would give it."""
+    m = publish(*_with_plan_errors(ready_to_publish(Location(str(tmp_path)), "r1")))
+    assert [r["id"] for r in iter_jsonl(Location(m.dataset).path())] == IDS
+    errors = list(iter_jsonl(Location(m.errors).path()))
+    assert [(e.get("id"), e["row_id"], e["source"], e["line"]) for e in errors] == [
+        (7, "in.jsonl:4", "in.jsonl", 4), (None, "in.jsonl:5", "in.jsonl", 5), ("a", "in.jsonl:6", "in.jsonl", 6)]
+    assert errors[2]["duplicate_of"] == "in.jsonl:1"
 
 
 def test_runs_of_one_day_racing_leave_one_runs_rows(target):

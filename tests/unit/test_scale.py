@@ -92,8 +92,8 @@ def test_duplicates_found_exactly_even_when_every_hash_collides(tmp_path, monkey
     assert results[0] == results[1]
     valid, dups, kept, errors = results[0]
     assert (valid, dups, kept) == (4, 3, ["a", "b", "c", "d"])
-    assert errors == [(3, "duplicate id 'a' (first at line 1)"), (5, "duplicate id 'b' (first at line 2)"),
-                      (6, "duplicate id 'a' (first at line 1)")]
+    assert errors == [(3, "duplicate id 'a' (first at in.jsonl:1)"), (5, "duplicate id 'b' (first at in.jsonl:2)"),
+                      (6, "duplicate id 'a' (first at in.jsonl:1)")]
 
 
 def test_a_folder_of_parts_is_read_in_order_with_errors_naming_file_and_line(tmp_path):
@@ -116,7 +116,8 @@ def test_a_folder_of_parts_is_read_in_order_with_errors_naming_file_and_line(tmp
     errors = [(e["source"], e["line"], e["reason"][:22]) for e in iter_jsonl(Location(m.errors).path())]
     assert errors == [("part-00001.jsonl", 3, "not valid JSON: Expect"),
                       ("part-00001.jsonl", 5, "duplicate id 'p0-1' (f")]
-    assert "first at line 2 of part-00000.jsonl" in list(iter_jsonl(Location(m.errors).path()))[1]["reason"]
+    dup = list(iter_jsonl(Location(m.errors).path()))[1]
+    assert "first at part-00000.jsonl:2" in dup["reason"] and dup["duplicate_of"] == "part-00000.jsonl:2"
 
 
 def test_scoring_sample_is_seeded_bounded_and_grows_as_a_superset():

@@ -368,11 +368,11 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
             first = first_seen.setdefault(rid, (file_no, line))
             if first != (file_no, line):
                 dups.append(seq)
-                where = f" of {files[first[0]].name}" if first[0] != file_no else ""
                 rid_s = json.loads(rid)
+                first_at = f"{files[first[0]].name}:{first[1]}"  # the row that keeps the id, to join the two
                 errors.write(b"%d\t%d\t" % (file_no, line) + json_bytes({
-                    "source": files[file_no].name, "line": line, "id": rid_s,
-                    "reason": f"duplicate id {rid_s!r} (first at line {first[1]}{where})"}) + b"\n")
+                    "source": files[file_no].name, "line": line, "id": rid_s, "duplicate_of": first_at,
+                    "reason": f"duplicate id {rid_s!r} (first at {first_at})"}) + b"\n")
     return np.frombuffer(dups, dtype=np.int64)
 
 

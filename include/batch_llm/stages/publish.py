@@ -64,19 +64,29 @@ def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict, ru
 
 def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
     """Every row of the run that is not published, once, with its reason and the stage that refused it (plan,
-    infer, review, content_filter)."""
+    infer, review, content_filter), and its ``row_id`` (``error_row_id``)."""
     for e in iter_jsonl(Location(plan.errors, opts).path()):
-        yield {**e, "stage": "plan"}
+        yield {**e, "stage": "plan", "row_id": error_row_id(e)}
     for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
-        yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer"}
+        yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer", "row_id": str(e["id"])}
     if filtered.summary.dropped:
         for d in iter_jsonl(Location(filtered.summary.dropped, opts).path()):
             if d.get("reason"):  # dropped by the content review (filter.review), which says why
-                yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review")}
+                yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review"),
+                       "row_id": str(d["id"])}
                 continue
             words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
             yield {"id": d["id"], "idx": d.get("idx"), "reason": f"dropped by the content filter: {words}",
-               "stage": "content_filter"}
+                   "stage": "content_filter", "row_id": str(d["id"])}
+
+
+def error_row_id(e: dict) -> str | None:
+    """A row's stable id, unique in its run: a planned row's is its input id (unique: a later row with the same id
+    is a plan error); a row the planner refused is named by its file and line (``prompts.jsonl:7``): it may have no
+    id, or the id of another row (a duplicate, or an invalid row whose id a valid one has)."""
+    if e.get("source") and e.get("line") is not None:
+        return f"{e['source']}:{e['line']}"
+    return _text(e.get("id"))
 
 
 def _version_name(run_id: str) -> str:
@@ -189,6 +199,9 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
     errors_loc = out_dir.child("errors.jsonl")
     n_errors = write_jsonl(errors_loc.path(), _publish_errors(plan, filtered, opts, layout.run_id))
     published = [0]
+    # error rows carry the input's id in the input's id column, typed as the published rows have it
+    id_column = "custom_id" if plan.format == "openai_batch" else cfg.input.id_column
+    as_input_id = _input_id_type(plan, opts, id_column)
 
     def rows() -> Iterator[dict]:
         for rec, out in joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
@@ -199,8 +212,8 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
             yield {**row, ROW_ID: _text(rec["id"]), STATUS: "ok", **provenance}
         for e in row_errors(plan, filtered, opts):
             where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
-            yield {ROW_ID: _text(e.get("id")), STATUS: "error", ERROR_STAGE: e["stage"], ERROR: e["reason"] + where,
-                   **provenance}
+            yield {id_column: as_input_id(e.get("id")), ROW_ID: e["row_id"], STATUS: "error", ERROR_STAGE: e["stage"],
+                   ERROR: e["reason"] + where, **provenance}
 
     as_parquet = plan if plan.format == "parquet" else plan.model_copy(update={"format": "parquet"})
     types = (_structured_types(schema, as_parquet, opts) or _embedding_types(filtered, "parquet", opts)
@@ -238,6 +251,25 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
 
 def _text(row_id: str | int | None) -> str | None:
     return None if row_id is None else str(row_id)  # an input's ids may be numbers: one column type
+
+
+def _input_id_type(plan: PlanManifest, opts: dict, column: str):
+    """Casts an error row's id to the type the input's id column has in the published rows (the first record's):
+    integer ids stay integers (an inference error knows its id as text), any other id is text."""
+    first = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    integers = isinstance(((first or {}).get("record") or {}).get(column), int)
+
+    def cast(rid: str | int | None) -> str | int | None:
+        if rid is None or isinstance(rid, bool):
+            return None
+        if integers:
+            try:
+                return int(rid)
+            except ValueError:  # an id of another type, in a run of integer ids: its row_id still names it
+                return None
+        return str(rid)
+
+    return cast
 
 
 def _table_record(record: dict, fmt: str) -> dict:
