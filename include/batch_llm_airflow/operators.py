@@ -207,8 +207,8 @@ class BatchInferenceOperator(PipelineStageOperator):
             try:
                 return self._run.run_all(on_line=self.log.info, on_engine=engine, on_warning=self.log.warning)
             finally:
-                self.log.info("engine output: %d lines (%d warnings, above) in %s", engine.lines, engine.warnings,
-                              engine.url)
+                self.log.info("engine output: %d lines (%d warnings, above; %d repeated) in %s", engine.lines,
+                              engine.warnings, engine.repeats, engine.url)
 
     def on_kill(self) -> None:
         if self._run is not None:

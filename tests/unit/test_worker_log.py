@@ -64,7 +64,9 @@ def test_the_engine_log_is_copied_to_a_run_folder_elsewhere(tmp_path, monkeypatc
     with EngineLog(run_dir, "batch_inference-0-try1", warn=warned.append) as log:
         log("INFO 11-30 12:00:01 [llm.py:1] started")
         log("WARNING 11-30 12:00:01 [llm.py:1] careful")
+        log("WARNING 11-30 12:00:02 [llm.py:1] careful")  # again (vLLM: once per thread): the file only
     assert log.url == "memory://bucket/runs/r1/logs/batch_inference-0-try1.log"
     assert run_dir.child("logs", "batch_inference-0-try1.log").path().read_text().splitlines() == [
-        "INFO 11-30 12:00:01 [llm.py:1] started", "WARNING 11-30 12:00:01 [llm.py:1] careful"]
-    assert warned == ["vllm: careful"] and (log.lines, log.warnings) == (2, 1)
+        "INFO 11-30 12:00:01 [llm.py:1] started", "WARNING 11-30 12:00:01 [llm.py:1] careful",
+        "WARNING 11-30 12:00:02 [llm.py:1] careful"]
+    assert warned == ["vllm: careful"] and (log.lines, log.warnings, log.repeats) == (3, 1, 1)

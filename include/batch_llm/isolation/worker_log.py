@@ -58,7 +58,7 @@ def engine_warning(line: str) -> str | None:
 
 class EngineLog:
     """Where a worker's engine output goes in a task: every line to the file, and each warning (``engine_warning``)
-    once to ``warn``. A warning's continuation lines (Python prints the source line under it, indented) go to
+    to ``warn``, once (a repeat only to the file). A warning's continuation lines (Python prints the source line under it, indented) go to
     the file only. ``url``: where the file is once ``close`` returns (the run folder's ``logs/<name>.log``)."""
 
     def __init__(self, run_dir: Location, name: str, warn: Callable[[str], None]):
@@ -70,7 +70,8 @@ class EngineLog:
         self._local.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = open(self._local, "a", encoding="utf-8", buffering=1)
         self.warn = warn
-        self.lines = self.warnings = 0
+        self.lines = self.warnings = self.repeats = 0
+        self._seen: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -84,6 +85,10 @@ class EngineLog:
         if line[:1].isspace():  # a warning's source line, a traceback's frame: part of the line above
             return
         if (w := engine_warning(line)) is not None:
+            if w in self._seen:  # vLLM says some once per worker thread: once in the task log is enough
+                self.repeats += 1
+                return
+            self._seen.add(w)
             self.warnings += 1
             self.warn(w)
 

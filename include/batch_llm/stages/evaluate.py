@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import heapq
+import io
 import json
 import logging
 import os
@@ -129,12 +130,18 @@ def score_with_evalscope(records: list[dict], work_dir: Path, *, metric: str = "
         _sandbox(Path(tmp)),
         warnings.catch_warnings(),
     ):
-        # NLTK warns, in 4 lines per row, that a short output with no 4-gram in common scores BLEU 0: the score
-        # says so, and the task log is for the pipeline
+        # The task log is for the pipeline: NLTK warns, in 4 lines per row, that a short output with no 4-gram in
+        # common scores BLEU 0 (the score says so); EvalScope logs its whole config and tables at INFO (its
+        # warnings stay: its logger's handler holds the stream it was made with at import) and draws progress
+        # bars on sys.stderr, dropped here; the evaluate task logs the scores, and a failure raises
         warnings.filterwarnings("ignore", category=UserWarning, module=r"nltk\.translate")
+        evalscope_log = logging.getLogger("evalscope")
+        evalscope_log.addFilter(_warnings_only)
         try:
-            run_task(task)
+            with contextlib.redirect_stderr(io.StringIO()):
+                run_task(task)
         finally:
+            evalscope_log.removeFilter(_warnings_only)
             _close_log_file(work_dir)
 
     report_json = work_dir / "reports" / MODEL_ID / "general_qa.json"
@@ -262,6 +269,10 @@ def _sandbox(tmp: Path) -> Iterator[None]:
             memo = getattr(nltk.tokenize, "_get_punkt_tokenizer", None)  # holds the tokenizer made from ``added``
             if memo is not None:
                 memo.cache_clear()
+
+
+def _warnings_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
 
 
 def _close_log_file(work_dir: Path) -> None:
