@@ -47,10 +47,11 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
         body = _section(page, anchor)
         assert "could not be rendered" not in body, (anchor, body[:500])
     images = _images(page)
-    # outcomes, throughput, time, timeline, token lengths, filter hits, score trend
-    assert len(images) == 7
+    # outcomes, throughput, time, token lengths, filter hits, score trend (the timeline is SVG, below)
+    assert len(images) == 6
     timeline = _section(page, "timeline")
     assert "Largest avoidable phase: <b>engine</b>" in timeline and "generation" in timeline
+    _check_timeline_svg(timeline, min(n_shards, 40))
     assert all(img.startswith(PNG_MAGIC) for img in images)
     assert len(page.encode()) < size_bound, len(page.encode())
     assert "max_num_seqs" in _section(page, "config")            # the configuration, as YAML
@@ -67,6 +68,19 @@ def test_report_sections_images_and_size(tmp_path, n_shards, size_bound):
         assert rows == 10 and "10 slowest of 500 shards" in shards
         assert "p95" in _section(page, "throughput")             # a distribution instead of 500 bars
         assert "p95" in _section(page, "time")
+
+
+def _check_timeline_svg(section: str, shards_drawn: int) -> None:
+    """The timeline is an inline SVG explored by hovering (each bar's ``<title>``: shard, phase, seconds), with no
+    script (the report's Content-Security-Policy allows none) and its legend outside the chart."""
+    svg = re.search(r"<svg class=\"chart timeline\".*?</svg>", section, re.S)
+    assert svg, section[:1000]
+    bars = re.findall(r"<rect [^>]*><title>shard (\d+) · (\w+): ([\d.,]+) s \(", svg.group(0))
+    assert len({b[0] for b in bars}) == shards_drawn and {b[1] for b in bars} >= {"engine", "generation"}, bars[:5]
+    assert "<script" not in section and " on" not in re.sub(r"<title>.*?</title>|<text.*?</text>", "", svg.group(0))
+    legend = section[svg.end():]
+    assert legend.startswith("<figcaption") and "generation" in legend.split("</figcaption>")[0]
+    assert "generation" not in re.sub(r"<title>.*?</title>", "", svg.group(0))  # no legend drawn over the bars
 
 
 @pytest.mark.parametrize("n_shards", [3, 500])

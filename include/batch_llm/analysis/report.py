@@ -126,6 +126,14 @@ class Figure:
 
 
 @dataclass(frozen=True)
+class Svg:
+    """A chart drawn as inline SVG markup (built here, its text escaped): explored by hovering, with no script."""
+    svg: Markup
+    legend: list      # (label, colour), drawn beside the chart, never on it
+    kind: ClassVar[str] = "svg"
+
+
+@dataclass(frozen=True)
 class Table:
     head: list
     rows: list
@@ -330,7 +338,7 @@ def _timeline(r: _Page) -> list:
     if not shards:
         return [Note("No shard recorded a timeline (manifests written before timelines existed).")]
     shown = shards[:TIMELINE_SHARDS_MAX]
-    plot = [_timeline_plot(shown, PHASES)] if r.plots else []
+    plot = [timeline_svg(shown, PHASES)]  # no matplotlib needed: the base install gets it too
     totals: dict[str, float] = {}
     for _, phases in shards:
         for name, sec in phase_seconds(phases).items():
@@ -343,28 +351,59 @@ def _timeline(r: _Page) -> list:
     return [*plot, _table(["phase", "seconds, all shards"], rows), Note(note + more)]
 
 
-def _timeline_plot(shown: list, phase_order: tuple) -> Figure:
-    t0 = min(p.start for p in shown[0][1])
-    fig, ax = _figure(7.2, max(1.6, 0.28 * len(shown) + 0.9))
-    seen = set()
-    for y, (_, phases) in enumerate(shown):
+def timeline_svg(shown: list, phase_order: tuple, width: int = 900) -> Svg:
+    """The shards' phases as an SVG Gantt chart: hovering a bar shows its shard, phase, seconds and span (an SVG
+    ``<title>``), and the bar is outlined (CSS ``:hover``); a row's phases are listed on hovering its label. No
+    script: the report's Content-Security-Policy allows none, and the page works offline. Engine start overlaps
+    tokenizing, so it is drawn on the lower half of the row. The legend is HTML beside the chart."""
+    t0 = min(p.start for _, phases in shown for p in phases)
+    span = max(max(p.end for _, phases in shown for p in phases) - t0, 1e-3)
+    left, right, top, row_h = 56, 12, 8, 22
+    plot_w = width - left - right
+    height = top + row_h * len(shown) + 34
+    x = lambda t: left + plot_w * (t - t0) / span  # noqa: E731 - seconds since the epoch to x
+    parts = [Markup('<svg class="chart timeline" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img" '
+                    'aria-label="run timeline: each shard\'s phases, by seconds since the first shard began" '
+                    'xmlns="http://www.w3.org/2000/svg">').format(w=width, h=height)]
+    for tick in _ticks(span):
+        tx = left + plot_w * tick / span
+        parts.append(Markup('<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{t}" y2="{b}"/><text class="tick" '
+                            'x="{x:.1f}" y="{ty}" text-anchor="middle">{v}</text>').format(
+            x=tx, t=top, b=height - 26, ty=height - 14, v=_num(tick, 1 if span < 10 else 0)))
+    for row, (index, phases) in enumerate(shown):
+        y = top + row * row_h
+        secs = phase_seconds_text(phases)
+        parts.append(Markup('<g class="row"><text class="label" x="{lx}" y="{ty}" text-anchor="end">shard {i}'
+                            '<title>shard {i}: {secs}</title></text>').format(lx=left - 6, ty=y + row_h * 0.65,
+                                                                            i=index, secs=secs))
         for p in phases:
             lower = p.name == "engine"
-            ax.barh(y + (0.17 if lower else -0.17), p.end - p.start, left=p.start - t0,
-                    height=0.34, color=PHASE_COLORS.get(p.name, C_OTHER),
-                    label=p.name if p.name not in seen else None, linewidth=0)
-            seen.add(p.name)
-    ax.set_yticks(range(len(shown)), [str(index) for index, _ in shown])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the first shard began")
-    ax.set_ylabel("shard")
-    ax.set_title("run timeline: each shard's phases")
-    handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: phase_order.index(labels[i]) if labels[i] in phase_order else 99)
-    # below the chart, not on it: inside, it covered the first shards' bars
-    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
-               ncols=5, fontsize=7)
-    return _img(fig, "run timeline")
+            bx, bw = x(p.start), max(x(p.end) - x(p.start), 1.0)
+            parts.append(Markup('<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{c}">'
+                                '<title>shard {i} · {n}: {d} s ({a} s → {b} s)</title></rect>').format(
+                x=bx, y=y + (row_h * 0.5 if lower else row_h * 0.1), w=bw, h=row_h * 0.4,
+                c=PHASE_COLORS.get(p.name, C_OTHER), i=index, n=p.name, d=_num(p.end - p.start, 2),
+                a=_num(p.start - t0, 1), b=_num(p.end - t0, 1)))
+        parts.append(Markup("</g>"))
+    parts.append(Markup('<text class="axis" x="{x}" y="{y}" text-anchor="middle">seconds since the first shard '
+                        'began</text></svg>').format(x=left + plot_w / 2, y=height - 1))
+    names = {p.name for _, phases in shown for p in phases}
+    legend = [(n, PHASE_COLORS.get(n, C_OTHER)) for n in sorted(names, key=lambda n: phase_order.index(n)
+                                                                 if n in phase_order else 99)]
+    return Svg(Markup("").join(parts), legend)
+
+
+def phase_seconds_text(phases: list) -> str:
+    from batch_llm.analysis.timeline import phase_seconds
+
+    return ", ".join(f"{n} {_num(sec, 1)} s" for n, sec in phase_seconds(phases).items())
+
+
+def _ticks(span: float, most: int = 8) -> list[float]:
+    """Round tick values from 0 to ``span`` seconds, at most ``most`` + 1 of them."""
+    raw = span / most
+    step = next(m * 10 ** e for e in range(-3, 8) for m in (1, 2, 5) if m * 10 ** e >= raw)
+    return [i * step for i in range(int(span // step) + 1)]
 
 
 def _time(r: _Page) -> list:
