@@ -170,4 +170,4 @@ def test_the_floor_airflow_runs_the_demo_dag(tmp_path, demo_model_dir):
     current = json.loads(next((tmp_path / "out").rglob("_CURRENT.json")).read_text())
     assert current["rows"] == ROWS, current
     version = Path(current["version"].removeprefix("file://"))
-    assert "No plots: matplotlib is not installed" in (version / "report.html").read_text()
+    assert "No plots but the timeline: matplotlib is not installed" in (version / "report.html").read_text()

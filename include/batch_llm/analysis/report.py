@@ -75,7 +75,8 @@ def write_run_report(summary: RunSummary, version_dir: Location, pipeline_root: 
     return loc.url
 
 
-NO_PLOTS = "No plots: matplotlib is not installed here; the report extra adds it (pip install 'batch-llm[report]')."
+NO_PLOTS = ("No plots but the timeline: matplotlib is not installed here; the report extra adds it "
+            "(pip install 'batch-llm[report]').")
 
 
 def render_report(summary: RunSummary, *, pipeline_root: Location | None = None, options: dict | None = None,

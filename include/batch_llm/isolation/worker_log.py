@@ -58,8 +58,9 @@ def engine_warning(line: str) -> str | None:
 
 class EngineLog:
     """Where a worker's engine output goes in a task: every line to the file, and each warning (``engine_warning``)
-    to ``warn``, once (a repeat only to the file). A warning's continuation lines (Python prints the source line under it, indented) go to
-    the file only. ``url``: where the file is once ``close`` returns (the run folder's ``logs/<name>.log``)."""
+    to ``warn``, once (a repeat only to the file). A warning's continuation lines (Python prints the source line
+    under it, indented) go to the file only. ``url``: where the file is once ``close`` returns (the run folder's
+    ``logs/<name>.log``)."""
 
     def __init__(self, run_dir: Location, name: str, warn: Callable[[str], None]):
         self.target = run_dir.child("logs", f"{name}.log")
