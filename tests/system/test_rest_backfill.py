@@ -142,6 +142,14 @@ def test_backfill_three_days_through_rest(services):
     infer = [t for t in tis if t["task_id"].endswith("batch_inference")]
     assert len(infer) == 1 and infer[0]["pool"] == "gpu" and infer[0]["queue"] == "gpu", infer
     assert {t["state"] for t in tis} == {"success"}, [(t["task_id"], t["state"]) for t in tis]
+    # Its task log, as the scheduler's worker wrote it: the pipeline's messages and progress, and where the
+    # engine's own output went (a file of the run's, which holds it)
+    log = svc.task_log_files(DAG_ID, by_day[DAYS[0].isoformat()]["dag_run_id"], infer[0]["task_id"],
+                             infer[0]["map_index"])[-1].read_text()
+    assert re.search(r"progress: \d+/\d+ rows, [\d.]+ output tok/s, ETA", log), log[-2000:]
+    engine_log = re.search(r"engine output: (/\S+?\.log)", log)
+    assert engine_log and "engine transformers" in log, log[-2000:]
+    assert Path(engine_log.group(1)).is_file() and "runs" in Path(engine_log.group(1)).parts
     svc.assert_loopback_only()
 
 
