@@ -2,8 +2,13 @@
 ModelScope's cache, real EvalScope scoring, local object storage."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
+import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 from batch_llm.config import load_config
@@ -19,9 +24,62 @@ def demo_run(tmp_path_factory, airflow_db, demo_model_dir, demo_config_path):
     out = tmp_path_factory.mktemp("e2e_out")
     cfg = load_config(demo_config_path).with_overrides({"output.path": str(out)})
     dag = pipeline_dag(cfg, source="demo.yaml (test)")
-    dr = dag.test(logical_date=dt.datetime.fromisoformat(DS).replace(tzinfo=dt.timezone.utc))
+    log = out / "dag-test.log"  # what `airflow dags test` prints (make demo's var/demo.log): the tasks' logs
+    with _descriptors_to(log):
+        dr = dag.test(logical_date=dt.datetime.fromisoformat(DS).replace(tzinfo=dt.timezone.utc))
     part = Location(str(out)).child(cfg.name, f"dt={DS}")
+    demo_run_log[:] = [log.read_text(errors="replace")]
     return cfg, dr, part
+
+
+demo_run_log: list[str] = []
+# vLLM's log format, coloured or not: "(EngineCore_DP0 pid=7) INFO 11-30 12:00:01 [core.py:95] ..."
+VLLM_LINE = re.compile(r"(INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+@contextlib.contextmanager
+def _descriptors_to(path):
+    """stdout and stderr into ``path`` while it runs, as `airflow dags test > var/demo.log 2>&1` has them: file
+    descriptors 1 and 2, and ``sys.stdout``/``sys.stderr`` (pytest's capture writes past the descriptors, and
+    Airflow's task loggers write to ``sys.stdout`` as it is when a task makes them)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    streams = sys.stdout, sys.stderr
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.close()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def test_the_task_logs_say_what_the_pipeline_does_and_the_engine_log_holds_the_engine(demo_run):
+    """The tasks' log (as `airflow dags test` prints it): the stages, the progress with its rate and ETA, engine
+    warnings as one warning line each, named ``vllm:``; none of vLLM's start-up lines, which are in the engine
+    log the task names; no NLTK BLEU warnings from the evaluate task."""
+    (log,) = demo_run_log
+    assert re.search(r"progress: \d+/\d+ rows, [\d.]+ output tok/s, ETA \S+s", log), log[-3000:]
+    assert "shard 0" in log and "published" in log.lower()
+    assert not VLLM_LINE.search(log), VLLM_LINE.search(log).string[VLLM_LINE.search(log).start() - 300:][:800]
+    assert "hypothesis contains 0 counts" not in log and "graphviz" not in log  # NLTK's, Airflow CLI's
+    assert "evalscope - " not in log and "Running[eval]" not in log, log[log.find("evalscope"):][:1000]
+    assert "repeated) in" in log  # the engine's warnings said once each
+    paths = re.findall(r"engine output: (\S+\.log)\b", log)
+    assert paths, log[-3000:]
+    engine = Path(paths[0]).read_text()
+    assert len(VLLM_LINE.findall(engine)) >= 10, engine[:2000]  # vLLM's start-up, in the engine log
+    for warning in re.findall(r"\bWARNING\b.*?\b(vllm: .*)", log):  # surfaced: each one line, in the engine log too
+        assert warning.split("vllm: ", 1)[1][:40].strip() in engine, warning
 
 
 def _input_rows(cfg):
