@@ -229,7 +229,8 @@ def test_actions_and_row_accounting(tmp_path):
     assert (s.review.rows_dropped, s.review.rows_masked, s.review.rows_flagged) == (2, 2, 1)
     assert (s.review.requests, s.review.input_tokens) == (9, 45)
     errors = {e["id"]: e for e in row_errors(plan, m, {})}
-    assert errors["r1"] == {"id": "r1", "idx": 1, "reason": "dropped by review: violence, other", "stage": "review"}
+    assert errors["r1"] == {"id": "r1", "idx": 1, "reason": "dropped by review: violence, other", "stage": "review",
+                            "row_id": "r1"}
     assert errors["r4"]["reason"].startswith("review failed: output does not match") and errors["r4"]["stage"] == "review"
     assert errors["r5"]["stage"] == "content_filter" and "forbidden" in errors["r5"]["reason"]
     assert errors["r8"]["stage"] == "infer"
