@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         EvaluateManifest,
         FetchManifest,
         FilterManifest,
+        FilterPart,
         ModelRef,
         PlanManifest,
         PublishManifest,
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
     )
     from batch_llm.stages.infer.runner import SharedEngine
 
-__all__ = ["content_filter", "evaluate", "fetch", "infer_shard", "infer_shards", "maintain_cache", "plan_shards",
+__all__ = ["content_filter", "evaluate", "fetch", "filter_shard", "infer_shard", "infer_shards", "join_filter",
+           "maintain_cache", "plan_shards",
            "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]
 
 
@@ -115,9 +117,22 @@ def review_shards(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | Fetc
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                    shards: Sequence[ShardResult | ShardManifest | dict | list],
                    reviews: Sequence[ShardResult | ShardManifest | dict | list] | None = None) -> FilterManifest:
-    """The shards' outputs merged in input order, the word lists applied, and with ``filter.review`` the review's
-    verdicts (``reviews``: its shards' results): ``batch_llm.stages.content_filter``."""
+    """Every shard through the word lists, and with ``filter.review`` the review's verdicts (``reviews``: its
+    shards' results), then the parts joined: ``batch_llm.stages.content_filter``."""
     return _content_filter.content_filter(cfg, layout, plan, shards, reviews)
+
+
+def filter_shard(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, shard: ShardResult | ShardManifest | dict,
+                 review: ShardResult | ShardManifest | dict | None = None) -> FilterPart:
+    """One shard's part of the filter pass (its review's verdicts joined): ``batch_llm.stages.content_filter``."""
+    return _content_filter.filter_shard(cfg, layout, plan, shard, review)
+
+
+def join_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
+                shards: Sequence[ShardResult | ShardManifest | dict | list],
+                parts: Sequence[FilterPart | dict | list]) -> FilterManifest:
+    """The run's filter pass from its shards' parts, by their counts: ``batch_llm.stages.content_filter``."""
+    return _content_filter.join_filter(cfg, layout, plan, shards, parts)
 
 
 def evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest) -> EvaluateManifest:

@@ -320,13 +320,53 @@ class FilterSummary(BaseModel):
                                          "counts the rows the review dropped too")
 
 
-class FilterManifest(Manifest):
-    stage: Literal["filter"] = "filter"
+class FilterPartRef(BaseModel):
+    """One shard's part of a filter pass, as the join lists it: where its kept rows, its inference errors (the
+    shard's own file) and its dropped rows are, and their counts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shard: int
     outputs: str
     rows: int
     inference_errors: str
     inference_error_rows: int
+    dropped: str | None = None
+
+
+class FilterPart(Manifest):
+    """One shard through the word lists and the review's verdicts (the ``filter_shard`` task): committed in
+    ``<run>/filter/shard-NNNNN/``; the content filter joins the parts' counts."""
+
+    stage: Literal["filter_part"] = "filter_part"
+    shard: int
+    outputs: str                       # the kept rows in input order (the shard's own outputs when the lists are off)
+    rows: int
+    inference_errors: str              # the shard's errors.jsonl, not copied
+    inference_error_rows: int
     summary: FilterSummary
+    skipped: str | None = None
+    plan_key: str | None = None        # the plan the shard ran
+    source: str = ""                   # the fingerprint of the shard outputs it read: a shard run again makes it stale
+    generation: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    def ref(self) -> FilterPartRef:
+        return FilterPartRef(shard=self.shard, outputs=self.outputs, rows=self.rows,
+                             inference_errors=self.inference_errors, inference_error_rows=self.inference_error_rows,
+                             dropped=self.summary.dropped)
+
+
+class FilterManifest(Manifest):
+    """A filter pass over the run: the join of its shards' parts (``parts``, in shard order = input order);
+    ``outputs`` and ``inference_errors`` are the single files of a pass made before the filter ran per shard."""
+
+    stage: Literal["filter"] = "filter"
+    outputs: str | None = None
+    rows: int
+    inference_errors: str | None = None
+    inference_error_rows: int
+    summary: FilterSummary
+    parts: list[FilterPartRef] = Field(default_factory=list)
     skipped: str | None = None  # why the word lists were not applied (engine.task embed: no text)
     plan_key: str | None = None  # the plan whose shards it merged
     generation: str = Field(default_factory=lambda: uuid.uuid4().hex[:16],

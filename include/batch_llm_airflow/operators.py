@@ -285,27 +285,59 @@ class ReviewOperator(BatchInferenceOperator):
         return results if group else results[0]
 
 
-class ContentFilterOperator(PipelineStageOperator):
-    template_fields = (*PipelineStageOperator.template_fields, "shards", "reviews")
+class ShardFilterOperator(PipelineStageOperator):
+    """One shard task's rows through the word lists, and with ``filter.review`` its review's verdicts
+    (``api.filter_shard``), mapped over the shard tasks: a Clear of one shard's filter redoes that shard alone.
+    ``shard``: the shard task's result (a list for a task of several shards); ``review``: its review task's."""
 
-    def __init__(self, *, shards: Any, reviews: Any = None, **kwargs: Any):
+    template_fields = (*PipelineStageOperator.template_fields, "shard", "review")
+
+    def __init__(self, *, shard: Any, review: Any = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.shard = shard
+        self.review = review
+
+    @names_storage_errors
+    def execute(self, context: Context) -> dict | list[dict]:
+        from batch_llm.stages.review import flat_results
+
+        cfg, layout = self.resolve(context)
+        plan = read_manifest_at(layout, "plan")
+        group = isinstance(self.shard, list)
+        reviews = {r.shard: r for r in flat_results(self.review if isinstance(self.review, list) else [self.review])
+                   if r is not None} if self.review is not None else {}
+        parts = []
+        for shard in flat_results(self.shard if group else [self.shard]):
+            p = api.filter_shard(cfg, layout, plan, shard, reviews.get(shard.shard))
+            s = p.summary
+            self.log.info("filter shard %d: %d rows scanned, %d affected, %d dropped; hits per list %s", p.shard,
+                          s.rows_scanned, s.rows_affected, s.rows_dropped, s.hits_per_list)
+            parts.append(p.model_dump(mode="json"))
+        return parts if group else parts[0]  # XCom: the part (counts and locations) the join adds up
+
+
+class ContentFilterOperator(PipelineStageOperator):
+    """The run's filter pass: the shards' filter parts joined by their counts (``api.join_filter``), no row read."""
+
+    template_fields = (*PipelineStageOperator.template_fields, "shards", "parts")
+
+    def __init__(self, *, shards: Any, parts: Any, **kwargs: Any):
         super().__init__(**kwargs)
         self.shards = shards
-        self.reviews = reviews  # filter.review: the review tasks' results
+        self.parts = parts  # the filter_shard tasks' results
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
         plan = read_manifest_at(layout, "plan")
-        reviews = [r for r in self.reviews if r is not None] if self.reviews is not None else None
-        m = api.content_filter(cfg, layout, plan, list(self.shards), reviews)
+        m = api.join_filter(cfg, layout, plan, list(self.shards), list(self.parts))
         s = m.summary
         self.log.info("filter: %s rows scanned, %s affected, %s dropped; hits per list %s", s.rows_scanned,
                       s.rows_affected, s.rows_dropped, s.hits_per_list)
         if s.review is not None:
             self.log.info("review: %s rows reviewed, verdicts %s, categories %s, %s dropped", s.review.rows_reviewed,
                           s.review.verdicts, s.review.categories, s.review.rows_dropped)
-        return m.model_dump(include={"outputs", "rows", "inference_error_rows"})  # XCom tab only
+        return m.model_dump(include={"rows", "inference_error_rows"})  # XCom tab only
 
 
 class EvaluateOperator(PipelineStageOperator):

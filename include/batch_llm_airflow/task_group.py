@@ -24,6 +24,7 @@ from batch_llm_airflow.operators import (
     PublishOperator,
     QuantizeOperator,
     ReviewOperator,
+    ShardFilterOperator,
 )
 
 
@@ -34,10 +35,15 @@ def pipeline_asset(cfg: PipelineConfig) -> Asset:
     return Asset(name=f"batch_llm.{cfg.name}", uri=uri)
 
 
+def shard_and_review(pair) -> dict:
+    """A shard task's result and its review task's, as the arguments of its ``filter_shard`` task."""
+    return {"shard": pair[0], "review": pair[1]}
+
+
 def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                          overrides: dict | None = None) -> TaskGroup:
     """fetch model → quantize → plan shards → batch inference × N (→ review × N, with ``filter.review``) →
-    content filter → evaluate → publish.
+    filter shard × N → content filter (a join of counts) → evaluate → publish.
 
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
     so an upstream step can hand over e.g. ``{"input.path": "{{ ti.xcom_pull('redact') }}"}``.
@@ -66,8 +72,12 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                 task_id="review", pool=cfg.airflow.gpu_pool, queue=cfg.airflow.gpu_queue,
                 pool_slots=cfg.filter.review.engine.tensor_parallel_size, model=review_model.output, **common,
             ).expand(shard=shards.output)
-        filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output,
-                                         reviews=reviews.output if reviews is not None else None,
+        # The word lists (and the review's verdicts) per shard task, mapped beside the shards; the content filter
+        # joins their counts and reads no row
+        per_shard = ShardFilterOperator.partial(task_id="filter_shard", trigger_rule=TriggerRule.NONE_FAILED, **common)
+        parts = (per_shard.expand_kwargs(shards.output.zip(reviews.output).map(shard_and_review))
+                 if reviews is not None else per_shard.expand(shard=shards.output))
+        filtered = ContentFilterOperator(task_id="content_filter", shards=shards.output, parts=parts.output,
                                          trigger_rule=TriggerRule.NONE_FAILED, **common)
         scores = EvaluateOperator(task_id="evaluate", **common)
         published = PublishOperator(task_id="publish", outlets=[pipeline_asset(cfg)], **common)

@@ -1,6 +1,7 @@
 """A pipeline through real Airflow services (api-server, scheduler, dag-processor, LocalExecutor on SQLite),
 driven only through the REST API: a 3-day backfill (POST /api/v2/backfills), a run triggered with
-``logical_date: null``, and a failed run brought back by clearing its one failed task (the UI's *Clear*).
+``logical_date: null``, a failed run brought back by clearing its one failed task (the UI's *Clear*), and the
+Clear of one shard's filter, which redoes that shard's part alone.
 
 Airflow behaviours this test works with:
 
@@ -34,6 +35,7 @@ ROWS_PER_DAY = 5
 TODAY = dt.datetime.now(dt.timezone.utc).date()
 DAYS = [TODAY - dt.timedelta(days=2), TODAY - dt.timedelta(days=1), TODAY]   # the backfill's three days
 CLEAR_DAY = TODAY - dt.timedelta(days=5)                                     # the Clear test's run
+FILTER_DAY = TODAY - dt.timedelta(days=7)                                    # the filter-Clear test's run (2 shards)
 # Input for tomorrow too: a module that runs across midnight UTC sees the scheduler start the new day's run, and
 # a trigger with no logical date then takes tomorrow's partition.
 TOMORROW = TODAY + dt.timedelta(days=1)
@@ -50,6 +52,10 @@ def services(tmp_path_factory, demo_model_dir, request):
     tomorrow.mkdir(parents=True)
     shutil.copy(tmp / "in" / f"dt={TODAY}" / "prompts.jsonl", tomorrow / "prompts.jsonl")
     ids[TOMORROW.isoformat()] = ids[TODAY.isoformat()]
+    filter_day = tmp / "in" / f"dt={FILTER_DAY}"   # the first backfill day's rows again, in a partition of its own
+    filter_day.mkdir(parents=True)
+    shutil.copy(tmp / "in" / f"dt={DAYS[0]}" / "prompts.jsonl", filter_day / "prompts.jsonl")
+    ids[FILTER_DAY.isoformat()] = ids[DAYS[0].isoformat()]
     # Shard workers die at a checkpoint only while the fault file asks for it (the Clear test writes it).
     fault = {"PYTHONPATH": str(FAULT_INJECTION), "BATCH_LLM_FAULT_FILE": str(tmp / "fault")}
     svc = AirflowServices(tmp, pipelines_dir=pipelines, extra_env=fault)
@@ -209,3 +215,34 @@ def test_clearing_a_failed_shard_resumes_it_and_the_run_succeeds(services):
     assert len(resumed) == 1 and 1 <= resumed[0] < ROWS_PER_DAY, (resumed, logs[-1].read_text()[-4000:])
     check_partition(partition(out, day), run_id=run_id, expected_ids=ids[day])
     svc.assert_loopback_only()
+
+
+def test_clearing_one_shards_filter_redoes_that_part_only(services):
+    """A run in two shards (the trigger's ``num_shards``), then the Clear of ``filter_shard`` of shard 1 with its
+    downstream tasks: that shard's part is filtered again and the join, evaluate and publish run again, while
+    shard 0's filter and both shards' inference keep their first try, and shard 0's part its first pass."""
+    svc, out, ids = services
+    day = FILTER_DAY.isoformat()
+    svc.unpause(DAG_ID)
+    run = svc.trigger(DAG_ID, logical_date=midnight(FILTER_DAY), conf={"num_shards": 2})
+    run_id = run["dag_run_id"]
+    svc.wait_run(DAG_ID, run_id, timeout=900)
+    before = {(t["task_id"].split(".")[-1], t["map_index"]): t for t in svc.task_instances(DAG_ID, run_id)}
+    assert {k for k in before if k[0] == "filter_shard"} == {("filter_shard", 0), ("filter_shard", 1)}, sorted(before)
+    run_dir = Location(str(out)).child(DAG_ID, "runs", f"dt={day}", re.sub(r"[^A-Za-z0-9_.-]", "_", run_id), "filter")
+    parts = {i: read_json(run_dir.child(f"shard-0000{i}", "manifest.json").path()) for i in (0, 1)}
+    joined = read_json(run_dir.child("manifest.json").path())
+    assert [p["shard"] for p in joined["parts"]] == [0, 1] and joined["rows"] == sum(p["rows"] for p in parts.values())
+
+    task_id = before[("filter_shard", 1)]["task_id"]
+    svc.api("POST", f"dags/{DAG_ID}/clearTaskInstances", json={
+        "dry_run": False, "dag_run_id": run_id, "task_ids": [[task_id, 1]], "only_failed": False,
+        "include_downstream": True, "reset_dag_runs": True})
+    svc.wait_run(DAG_ID, run_id, timeout=900)
+    after = {(t["task_id"].split(".")[-1], t["map_index"]): t for t in svc.task_instances(DAG_ID, run_id)}
+    assert {t["state"] for t in after.values()} == {"success"}, after
+    again = {k for k in after if after[k]["try_number"] > before[k]["try_number"]}
+    assert again == {("filter_shard", 1), ("content_filter", -1), ("evaluate", -1), ("publish", -1)}, again
+    assert read_json(run_dir.child("shard-00000", "manifest.json").path())["generation"] == parts[0]["generation"]
+    assert read_json(run_dir.child("shard-00001", "manifest.json").path())["generation"] != parts[1]["generation"]
+    check_partition(partition(out, day), run_id=run_id, expected_ids=ids[day])

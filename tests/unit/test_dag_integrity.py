@@ -23,12 +23,14 @@ def test_no_import_errors(dagbag):
 def test_pipeline_shape(dagbag):
     dag = dagbag.dags["batch_llm_demo"]
     ids = {t.task_id.split(".")[-1]: t for t in dag.tasks}
-    assert set(ids) == {"fetch_model", "quantize", "plan_shards", "batch_inference", "content_filter",
-                        "evaluate", "publish"}
-    chain = ["fetch_model", "quantize", "batch_inference", "content_filter", "evaluate", "publish"]
+    assert set(ids) == {"fetch_model", "quantize", "plan_shards", "batch_inference", "filter_shard",
+                        "content_filter", "evaluate", "publish"}
+    chain = ["fetch_model", "quantize", "batch_inference", "filter_shard", "content_filter", "evaluate", "publish"]
     for up, down in zip(chain, chain[1:]):
         assert ids[down].task_id in ids[up].downstream_task_ids, f"{up} -> {down}"
     assert ids["batch_inference"].task_id in ids["plan_shards"].downstream_task_ids
+    # the word lists run per shard, mapped beside the shards: no task of the filter reads every row
+    assert type(ids["filter_shard"]).__name__ == "MappedOperator"
     dag.check_cycle() if hasattr(dag, "check_cycle") else None
     from airflow.sdk.definitions._internal.abstractoperator import AbstractOperator  # noqa: F401
     # topological sort raises on a cycle

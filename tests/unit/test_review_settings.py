@@ -12,7 +12,7 @@ from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult, ShardSpec
 from batch_llm.stages import review as rv
-from batch_llm.stages.content_filter import content_filter
+from batch_llm.stages.content_filter import content_filter, filtered_outputs
 from batch_llm.stages.publish import row_errors
 from pydantic import ValidationError
 
@@ -167,7 +167,7 @@ def test_review_request_ids_are_apart_from_every_input_id(tmp_path):
     answers = {"x": _verdict("safe"), "x#1": _verdict("unsafe", "sexual"), "x#sample1": _verdict("safe"),
                "x#sample1#1": _verdict("safe")}
     m = content_filter(cfg, layout, plan, [shard], reviews=[_review_result(layout, spec, answers)])
-    kept = {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())}
+    kept = {r["id"]: r for r in filtered_outputs(m, {})}
     assert kept["x"]["outputs"] == ["a0", "**"] and kept["x"]["review_verdict"] == "unsafe"
     assert kept["x#sample1"]["outputs"] == ["b0", "b1"] and kept["x#sample1"]["review_verdict"] == "safe"
     # requests written with joined ids (two of them "x#sample1") are not reused: a retry writes them anew
@@ -214,7 +214,7 @@ def test_actions_and_row_accounting(tmp_path):
                "r7": _verdict("safe")}
     result = _review_result(layout, spec, answers)
     m = content_filter(cfg, layout, plan, [shard.model_dump()], reviews=[result.model_dump()])
-    kept = {r["id"]: r for r in iter_jsonl(Location(m.outputs).path())}
+    kept = {r["id"]: r for r in filtered_outputs(m, {})}
     assert sorted(kept) == ["r0", "r2", "r3", "r6", "r7"]
     assert (kept["r0"]["review_verdict"], kept["r0"]["review_categories"]) == ("safe", [])
     assert kept["r2"]["output"] == "********" and kept["r2"]["review_categories"] == ["sexual"]
@@ -243,7 +243,7 @@ def test_on_error_flag_keeps_the_row(tmp_path):
     spec = rv.prepare_review(cfg, layout, plan, shard)
     result = _review_result(layout, spec, {"r0": {"error": "prompt is 5000 tokens; the context is 4096"}})
     m = content_filter(cfg, layout, plan, [shard], reviews=[result])
-    (row,) = iter_jsonl(Location(m.outputs).path())
+    (row,) = filtered_outputs(m, {})
     assert row["review_verdict"] == "error" and row["review_error"].startswith("prompt is 5000 tokens")
     assert m.summary.review.verdicts == {"error": 1} and m.summary.rows_dropped == 0
 
@@ -310,7 +310,8 @@ def test_the_task_group_reviews_each_shard_task_on_the_gpu_pool():
     assert ReviewOperator.runs_on_gpu  # the cluster policy's GPU pod marker
     assert (review.pool, review.queue, review.pool_slots) == ("gpu", "gpu", 2)
     assert review.task_id in infer.downstream_task_ids and review.task_id in fetch.downstream_task_ids
-    assert filtered.task_id in review.downstream_task_ids
+    per_shard = dag.get_task("batch_llm.filter_shard")  # each shard's filter joins its own review
+    assert per_shard.task_id in review.downstream_task_ids and filtered.task_id in per_shard.downstream_task_ids
     with DAG("no_review", start_date=dt.datetime(2026, 1, 1), schedule=None) as plain:
         batch_llm_task_group(demo)
     assert not {"batch_llm.review", "batch_llm.fetch_review_model"} & set(plain.task_dict)

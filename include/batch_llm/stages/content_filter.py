@@ -16,14 +16,12 @@ from __future__ import annotations
 import bisect
 import errno
 import functools
-import heapq
 import json
 import re
 import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ahocorasick
 
@@ -38,11 +36,14 @@ from batch_llm.io.storage import (
     iter_jsonl,
     write_jsonl,
 )
+from batch_llm.layout import RunLayout
 from batch_llm.manifests import (
     FetchManifest,
     FilterManifest,
+    FilterPart,
     FilterSummary,
     PlanManifest,
+    ReviewSummary,
     ShardManifest,
     ShardResult,
 )
@@ -55,11 +56,6 @@ from batch_llm.stages.review import (
     review_active,
     review_verdict_rows,
 )
-
-if TYPE_CHECKING:
-
-    pass
-from batch_llm.layout import RunLayout
 
 # The fields the lists scan by their ``scan`` (config/filter.py: ScannedField), answer first; the tokens hold both
 SCANNED_FIELDS = ("output", "reasoning")
@@ -508,8 +504,9 @@ class FilteredRows:
     ``dropped`` (a writer) as they pass. Counts per list and word are bounded by the word lists."""
 
     def __init__(self, rows: Iterable[dict], cfg: FilterConfig, storage_options: dict | None = None, *,
-                 dropped=None, review: ReviewedRows | None = None):
-        self.rows, self.filter, self.dropped = rows, ContentFilter(cfg, storage_options), dropped
+                 dropped=None, review: ReviewedRows | None = None, lists: ContentFilter | None = None):
+        self.rows, self.dropped = rows, dropped
+        self.filter = lists or ContentFilter(cfg, storage_options)
         self.review = review  # filter.review: the verdicts, joined after the word lists
         self.per_list: Counter = Counter()
         self.per_word: dict[str, Counter] = defaultdict(Counter)
@@ -563,45 +560,184 @@ def filter_rows(rows: Iterable[dict], cfg: FilterConfig, storage_options: dict |
 def content_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
                    shards: Sequence[ShardResult | ShardManifest | dict | list],
                    reviews: Sequence[ShardResult | ShardManifest | dict | list] | None = None) -> FilterManifest:
-    """Merges the shards' outputs in input order (streamed) and applies the word lists; dropped rows go to
-    ``dropped.jsonl`` (their ids and hits), so the manifest stays small whatever the run's size.
+    """The whole filter pass in this process (the CLI, the benchmarks): every shard through ``filter_shard``, then
+    ``join_filter``. The DAG runs the same two steps as tasks: ``filter_shard`` mapped over the shard tasks, and
+    the ``content_filter`` task, which joins their counts and reads no row.
 
-    Done again each time it runs (a retry or a Clear: the word lists may have changed); each pass is a new
-    ``generation``, which evaluate and publish go by. ``shards``: one result per shard, or, from tasks of
-    several shards (``sharding.shards_per_task``), one list of results per task. ``reviews``: the review pass's
-    shard results (``filter.review``, ``stages.review``), handed over the same way; their verdicts join the rows
-    after the word lists."""
-    out_dir = layout.stage("filter")
-    opts = layout.output_root.options
-    results = [ShardResult.of(s) for t in shards for s in (t if isinstance(t, (list, tuple)) else [t])]
+    ``shards``: one result per shard, or, from tasks of several shards (``sharding.shards_per_task``), one list of
+    results per task. ``reviews``: the review pass's shard results (``filter.review``, ``stages.review``), handed
+    over the same way; their verdicts join the rows after the word lists."""
+    results = flat_results(shards)
     check_shards_of_plan(plan, results)
+    by_shard: dict[int, ShardResult] = {}
+    if review_active(cfg) and cfg.filter.enabled and cfg.engine.task == "generate":
+        if reviews is None:
+            raise ValueError(_NO_REVIEWS)
+        reviewed = flat_results(reviews)
+        check_reviews(cfg, results, reviewed, layout.output_root.options)
+        by_shard = {r.shard: r for r in reviewed}
+    parts = [filter_shard(cfg, layout, plan, r, by_shard.get(r.shard)) for r in results]
+    return join_filter(cfg, layout, plan, results, parts)
 
-    def merged(key: str) -> Iterator[dict]:
-        # Each shard's files are in input order: a streamed merge puts the run in input order.
-        return heapq.merge(*(iter_jsonl(Location(getattr(s, key), opts).path()) for s in results),
-                           key=lambda r: r["idx"])
 
+_NO_REVIEWS = ("filter.review is set but no review results were handed to the content filter; run the review of "
+               "every shard first (the review task)")
+
+
+def filter_shard(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, shard: ShardResult | ShardManifest | dict,
+                 review: ShardResult | ShardManifest | dict | None = None) -> FilterPart:
+    """One shard's rows through the word lists, then the review's verdicts (``review``: the shard's review result,
+    ``filter.review``): its kept rows to ``<run>/filter/shard-NNNNN/outputs.jsonl`` and its dropped rows (ids and
+    hits) to ``dropped.jsonl`` beside it, streamed; its inference errors stay in the shard's own file. Reads this
+    shard only, so the work spreads over the workers the way the shards do, and a Clear of one shard's filter
+    redoes that shard alone. Done again each time it runs (the word lists may have changed): a new
+    ``generation``."""
+    result = ShardResult.of(shard)
+    check_shards_of_plan(plan, [result], whole=False)
+    opts = layout.output_root.options
+    out_dir = layout.shard_dir(result.shard, "filter")
     skipped = f"task {cfg.engine.task}" if cfg.engine.task != "generate" else None  # vectors, classes: no words
+    source = _fingerprint(result.outputs, opts)
+    rows = iter_jsonl(Location(result.outputs, opts).path())
     if cfg.filter.enabled and skipped is None:
-
+        lists = ContentFilter(cfg.filter, opts)  # the lists load first: a missing one fails before a file is written
+        reviewed = None
+        if review_active(cfg):
+            if review is None:
+                raise ValueError(_NO_REVIEWS)
+            reviewed = _reviewed_rows(cfg, layout, [result], [review])
         dropped_loc = out_dir.child("dropped.jsonl")
-        review = _reviewed_rows(cfg, layout, results, reviews)
         with atomic_writer(dropped_loc.path()) as dropped:
-            kept = filter_rows(merged("outputs"), cfg.filter, opts, dropped=dropped,
-                               review=review[0] if review else None)
+            kept = FilteredRows(rows, cfg.filter, opts, dropped=dropped, review=reviewed[0] if reviewed else None,
+                                lists=lists)
             n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), kept)
         summary = kept.summary(dropped=dropped_loc.url)
-        if review:
-            summary.review = review[0].summary(review[1])
-    else:
-        n_kept = write_jsonl(out_dir.child("outputs.jsonl").path(), merged("outputs"))
+        if reviewed:
+            summary.review = reviewed[0].summary(reviewed[1])
+        outputs = out_dir.child("outputs.jsonl").url
+    else:  # nothing to change in a row: the part is the shard's own file, not a copy of it
+        outputs = result.outputs
+        n_kept = _lines(outputs, opts)
         summary = FilterSummary(enabled=False, rows_scanned=n_kept)
-    n_errors = write_jsonl(out_dir.child("errors.jsonl").path(), merged("errors"))
-    m = FilterManifest(outputs=out_dir.child("outputs.jsonl").url, rows=n_kept, plan_key=plan.input_key,
-                       inference_errors=out_dir.child("errors.jsonl").url, inference_error_rows=n_errors,
-                       summary=summary, skipped=skipped)
-    m.write(out_dir.path())
+    part = FilterPart(shard=result.shard, outputs=outputs, rows=n_kept, inference_errors=result.errors,
+                      inference_error_rows=_lines(result.errors, opts), summary=summary, skipped=skipped,
+                      plan_key=result.plan_key, source=source)
+    part.write(out_dir.path())
+    return part
+
+
+def _lines(url: str, opts: dict) -> int:
+    """The rows of a JSON-lines file, counted as it is (the rows a part lists are the rows its files hold)."""
+    n = 0
+    with Location(url, opts).path().open("rb") as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+    return n
+
+
+def _fingerprint(url: str, opts: dict) -> str:
+    from batch_llm.io.identity import file_fingerprint, stable_hash
+
+    return stable_hash(file_fingerprint(Location(url, opts).path()))[:16]
+
+
+def join_filter(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
+                shards: Sequence[ShardResult | ShardManifest | dict | list],
+                parts: Sequence[FilterPart | dict | list]) -> FilterManifest:
+    """The filter pass of the run: the shards' parts (``filter_shard``) joined by their counts, no row read.
+    Refuses shards made for another plan, and parts missing or made from other shard outputs than the shards'
+    now (a shard run again after its filter), naming the shards to clear. Each join is a new ``generation``,
+    which evaluate and publish go by."""
+    results = flat_results(shards)
+    check_shards_of_plan(plan, results)
+    opts = layout.output_root.options
+    got = {p.shard: p for p in _flat_parts(parts)}
+    missing = [r.shard for r in results if r.shard not in got]
+    stale = [r.shard for r in results if r.shard in got and got[r.shard].source != _fingerprint(r.outputs, opts)]
+    if missing or stale:
+        raise ValueError(f"the content filter's parts do not match the shards: not filtered {missing or 'none'}, "
+                         f"filtered from other outputs {stale or 'none'}; clear filter_shard with its downstream "
+                         f"tasks for those shards")
+    ordered = [got[r.shard] for r in sorted(results, key=lambda r: r.shard)]
+    skipped = next((p.skipped for p in ordered if p.skipped), None)
+    m = FilterManifest(rows=sum(p.rows for p in ordered), plan_key=plan.input_key,
+                       inference_error_rows=sum(p.inference_error_rows for p in ordered),
+                       summary=joined_summary([p.summary for p in ordered]), skipped=skipped,
+                       parts=[p.ref() for p in ordered])
+    m.write(layout.stage("filter").path())
     return m
+
+
+def _flat_parts(parts: Sequence[FilterPart | dict | list]) -> list[FilterPart]:
+    """Parts as XCom hands them over (one per task, or a list per task of several shards)."""
+    return [p if isinstance(p, FilterPart) else FilterPart.model_validate(p)
+            for t in parts for p in (t if isinstance(t, (list, tuple)) else [t])]
+
+
+def joined_summary(summaries: list[FilterSummary]) -> FilterSummary:
+    """The run's filter summary from its shards' (in shard order): counts added, the first dropped ids kept."""
+    if not summaries:
+        return FilterSummary()
+    per_list: Counter = Counter()
+    per_word: dict[str, Counter] = defaultdict(Counter)
+    ids: list[str] = []
+    for s in summaries:
+        per_list.update(s.hits_per_list)
+        for name, words in s.hits_per_word.items():
+            per_word[name].update(words)
+        ids.extend(s.dropped_ids[:DROPPED_IDS_SHOWN - len(ids)])
+    first = summaries[0]
+    out = FilterSummary(
+        enabled=first.enabled, rows_scanned=sum(s.rows_scanned for s in summaries),
+        rows_affected=sum(s.rows_affected for s in summaries), rows_dropped=sum(s.rows_dropped for s in summaries),
+        rows_flagged=sum(s.rows_flagged for s in summaries), rows_masked=sum(s.rows_masked for s in summaries),
+        hits_per_list=dict(per_list), hits_per_word={k: dict(v) for k, v in per_word.items()}, dropped_ids=ids,
+        lists=first.lists)
+    reviews = [s.review for s in summaries if s.review is not None]
+    if reviews:
+        out.review = _joined_review(reviews)
+    return out
+
+
+def _joined_review(reviews: list[ReviewSummary]) -> ReviewSummary:
+    def added(field: str) -> dict:
+        total: Counter = Counter()
+        for r in reviews:
+            total.update(getattr(r, field))
+        return dict(total)
+
+    counts = {k: sum(getattr(r, k) for r in reviews) for k in (
+        "rows_reviewed", "rows_flagged", "rows_masked", "rows_dropped", "requests", "cached_requests",
+        "input_tokens", "output_tokens")}
+    return ReviewSummary(model=reviews[0].model, task=reviews[0].task, verdicts=added("verdicts"),
+                         categories=added("categories"), shards=[i for r in reviews for i in r.shards], **counts)
+
+
+def _parts_or_whole(m: FilterManifest, key: str) -> list[str]:
+    """The files of a filter pass holding ``key`` (outputs, inference_errors, dropped), in input order."""
+    if m.parts:
+        return [u for p in m.parts if (u := getattr(p, key)) is not None]
+    whole = m.summary.dropped if key == "dropped" else getattr(m, key)
+    return [whole] if whole else []
+
+
+def filtered_outputs(m: FilterManifest, opts: dict) -> Iterator[dict]:
+    """The rows a filter pass kept, in input order (shards are contiguous ranges of the input, in index order),
+    streamed one part after the other."""
+    for url in _parts_or_whole(m, "outputs"):
+        yield from iter_jsonl(Location(url, opts).path())
+
+
+def inference_errors(m: FilterManifest, opts: dict) -> Iterator[dict]:
+    """The rows inference gave up on, with their reasons, in input order."""
+    for url in _parts_or_whole(m, "inference_errors"):
+        yield from iter_jsonl(Location(url, opts).path())
+
+
+def dropped_rows(m: FilterManifest, opts: dict) -> Iterator[dict]:
+    """The rows the word lists or the review dropped (id, idx, hits or reason), in input order."""
+    for url in _parts_or_whole(m, "dropped"):
+        yield from iter_jsonl(Location(url, opts).path())
 
 
 def _reviewed_rows(cfg: PipelineConfig, layout: RunLayout, shards: list[ShardResult],
@@ -624,10 +760,11 @@ def _reviewed_rows(cfg: PipelineConfig, layout: RunLayout, shards: list[ShardRes
             results)
 
 
-def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult]) -> None:
-    """Every planned shard committed, for this plan (a plan made again after its shards ran has other rows)."""
+def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult], *, whole: bool = True) -> None:
+    """Every planned shard committed (``whole``; else only these), for this plan (a plan made again after its
+    shards ran has other rows)."""
     got = {s.shard: s for s in shards}
-    missing = [s.index for s in plan.shards if s.index not in got]
+    missing = [s.index for s in plan.shards if s.index not in got] if whole else []
     stale = [s.shard for s in shards if s.plan_key and plan.input_key and s.plan_key != plan.input_key[:16]]
     if missing or stale:
         raise ValueError(f"the shards handed over do not match the run's plan ({len(plan.shards)} shards): "

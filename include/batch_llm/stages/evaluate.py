@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     pass
 from batch_llm.layout import RunLayout
 from batch_llm.rows.records import joined_outputs
+from batch_llm.stages.content_filter import filtered_outputs
 
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
 MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/
@@ -370,7 +371,7 @@ def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filter
 
         sample = sample_for_scoring(
             records=iter_jsonl(Location(plan.records, opts).path()),
-            outputs=iter_jsonl(Location(filtered.outputs, opts).path()),
+            outputs=filtered_outputs(filtered, opts),
             shards=(iter_jsonl(Location(s.url, opts).path()) for s in plan.shards),
             size=cfg.evaluate.sample_rows, seed=cfg.evaluate.sample_seed)
         with tempfile.TemporaryDirectory(prefix="batch_llm_eval_") as tmp:

@@ -39,6 +39,7 @@ from batch_llm.rows.records import (
     output_record,
     structured_column,
 )
+from batch_llm.stages.content_filter import dropped_rows, filtered_outputs, inference_errors
 
 if TYPE_CHECKING:
     from upath import UPath
@@ -67,17 +68,16 @@ def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iter
     infer, review, content_filter), and its ``row_id`` (``error_row_id``)."""
     for e in iter_jsonl(Location(plan.errors, opts).path()):
         yield {**e, "stage": "plan", "row_id": error_row_id(e)}
-    for e in iter_jsonl(Location(filtered.inference_errors, opts).path()):
+    for e in inference_errors(filtered, opts):
         yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer", "row_id": str(e["id"])}
-    if filtered.summary.dropped:
-        for d in iter_jsonl(Location(filtered.summary.dropped, opts).path()):
-            if d.get("reason"):  # dropped by the content review (filter.review), which says why
-                yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review"),
-                       "row_id": str(d["id"])}
-                continue
-            words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
-            yield {"id": d["id"], "idx": d.get("idx"), "reason": f"dropped by the content filter: {words}",
-                   "stage": "content_filter", "row_id": str(d["id"])}
+    for d in dropped_rows(filtered, opts):
+        if d.get("reason"):  # dropped by the content review (filter.review), which says why
+            yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review"),
+                   "row_id": str(d["id"])}
+            continue
+        words = ", ".join(sorted({f"{h['word']!r} ({h['list']})" for h in d.get("hits") or []}))
+        yield {"id": d["id"], "idx": d.get("idx"), "reason": f"dropped by the content filter: {words}",
+               "stage": "content_filter", "row_id": str(d["id"])}
 
 
 def error_row_id(e: dict) -> str | None:
@@ -124,7 +124,7 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     version = layout.published.child(_version_name(layout.run_id))
     part.write_marker(version, layout.run_id)  # first: the proof retention asks for before it deletes a version
     pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
-                           iter_jsonl(Location(filtered.outputs, opts).path()))
+                           filtered_outputs(filtered, opts))
     data = version.child(f"data{FILE_SUFFIX[fmt]}")
     schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
     n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema,
@@ -205,7 +205,7 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
 
     def rows() -> Iterator[dict]:
         for rec, out in joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
-                                       iter_jsonl(Location(filtered.outputs, opts).path())):
+                                       filtered_outputs(filtered, opts)):
             published[0] += 1
             row = output_record(_table_record(rec["record"], plan.format), out, "parquet", model=cfg.model.ref,
                                 schema=schema)
@@ -326,7 +326,7 @@ def _embedding_types(filtered: FilterManifest, fmt: str, opts: dict) -> list | N
     output's (every vector of one model and run has the same width)."""
     if fmt != "parquet":
         return None
-    first = next(iter_jsonl(Location(filtered.outputs, opts).path()), None)
+    first = next(filtered_outputs(filtered, opts), None)
     vec = (first or {}).get("embedding")
     if not isinstance(vec, list):
         return None
@@ -341,7 +341,7 @@ def _class_types(cfg: PipelineConfig, plan: PlanManifest, filtered: FilterManife
     output's (one model and run: the same classes in every row)."""
     if cfg.engine.task != "classify" or plan.format != "parquet":
         return None
-    first = next((r for r in iter_jsonl(Location(filtered.outputs, opts).path()) if r.get("scores")), None)
+    first = next((r for r in filtered_outputs(filtered, opts) if r.get("scores")), None)
     if first is None:
         return None
     import pyarrow as pa
