@@ -147,6 +147,7 @@ class ShardSpec(Manifest):
     rows: int
     url: str
     plan_key: str | None = None        # the plan it belongs to (PlanManifest.input_key): stale chunks are not resumed
+    records: str | None = None         # output.parts: the shard's own records (its slice of records.jsonl)
 
 
 class ShardMetrics(BaseModel):
@@ -332,6 +333,8 @@ class FilterPartRef(BaseModel):
     inference_errors: str
     inference_error_rows: int
     dropped: str | None = None
+    data: str | None = None            # output.parts: the shard's published rows, in the input's format
+    data_rows: int = 0
 
 
 class FilterPart(Manifest):
@@ -349,11 +352,13 @@ class FilterPart(Manifest):
     plan_key: str | None = None        # the plan the shard ran
     source: str = ""                   # the fingerprint of the shard outputs it read: a shard run again makes it stale
     generation: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    data: str | None = None            # output.parts: the shard's rows as published (records joined to outputs)
+    data_rows: int = 0
 
     def ref(self) -> FilterPartRef:
         return FilterPartRef(shard=self.shard, outputs=self.outputs, rows=self.rows,
                              inference_errors=self.inference_errors, inference_error_rows=self.inference_error_rows,
-                             dropped=self.summary.dropped)
+                             dropped=self.summary.dropped, data=self.data, data_rows=self.data_rows)
 
 
 class FilterManifest(Manifest):

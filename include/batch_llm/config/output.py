@@ -89,6 +89,10 @@ class OutputConfig(Section):
                                       "the next publish once nothing in it changed for this long")
     table: TableConfig | None = Field(None, description="Publish into a Delta or Iceberg table (the tables "
                                       "extra) instead of the file versions; the run's artifacts stay under path")
+    parts: bool = Field(False, description="Publish the version's dataset as one file a shard (data/part-NNNNN.<format>"
+                        " in the version), each written by its shard's filter_shard task; publish links them into "
+                        "the version and writes the errors, summary and pointer, so no task writes every row. "
+                        "Readers take the version's data folder. Not with table")
 
     @field_validator("partition")
     @classmethod
@@ -103,6 +107,9 @@ class OutputConfig(Section):
         t = self.table
         if t is None:
             return self
+        if self.parts:
+            raise ValueError("output.parts: a table's day is one commit of spooled rows here; set parts: false "
+                             "with output.table")
         if t.partition_columns is None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", self.partition):
             raise ValueError(f"table: output.partition {self.partition!r} is not column=value (dt={{ds}}): set "
                              "output.table.partition_columns")

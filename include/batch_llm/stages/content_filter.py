@@ -622,6 +622,10 @@ def filter_shard(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, sha
     part = FilterPart(shard=result.shard, outputs=outputs, rows=n_kept, inference_errors=result.errors,
                       inference_error_rows=_lines(result.errors, opts), summary=summary, skipped=skipped,
                       plan_key=result.plan_key, source=source)
+    if cfg.output.parts and cfg.output.table is None:
+        from batch_llm.stages.publish import publish_part  # publish reads the filter's parts: imported here
+
+        part = publish_part(cfg, layout, plan, part)
     part.write(out_dir.path())
     return part
 

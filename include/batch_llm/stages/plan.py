@@ -19,6 +19,7 @@ about three times the input's size in local temporary space (``$TMPDIR``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -449,7 +450,8 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         dups = _find_duplicates(scan, files, tmp)
         n_valid = len(scan.id_hashes) - len(dups)
         sizes = shard_sizes(n_valid, cfg.sharding, cfg.sampling.max_tokens)
-        shards = _write_shards(scan, dups, sizes, plan_dir, tmp, sort=cfg.sharding.sort_by_length)
+        shards = _write_shards(scan, dups, sizes, plan_dir, tmp, sort=cfg.sharding.sort_by_length,
+                               shard_records=cfg.output.parts and cfg.output.table is None)
         errors_loc = plan_dir.child("errors.jsonl")
         n_errors = 0
         with atomic_writer(errors_loc.path()) as w:
@@ -467,15 +469,19 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
 
 
 def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Location, tmp: Path, *,
-                  sort: bool) -> list[ShardSpec]:
-    """Pass 3: the spool, less duplicates, into records.jsonl and the shard files (contiguous ranges)."""
+                  sort: bool, shard_records: bool = False) -> list[ShardSpec]:
+    """Pass 3: the spool, less duplicates, into records.jsonl and the shard files (contiguous ranges); with
+    ``shard_records`` (output.parts) each shard's records also in a file of its own, which its filter task joins
+    to its outputs without reading the day's."""
     shards: list[ShardSpec] = []
     bounds = iter(sizes)
     writer: _SortedShardWriter | None = None
+    own = contextlib.ExitStack()  # the current shard's records file
+    own_records = None
     left = 0
     idx = 0
     dup_ptr = 0
-    with atomic_writer(plan_dir.child("records.jsonl").path()) as records:
+    with atomic_writer(plan_dir.child("records.jsonl").path()) as records, own:
         for seq, fields in enumerate(_spool_lines(scan.spool_path)):
             if dup_ptr < len(dups) and dups[dup_ptr] == seq:
                 dup_ptr += 1
@@ -483,12 +489,20 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
             if left == 0 or writer is None:  # the shard is full, or this is the first row
                 if writer is not None:
                     writer.close()
+                own.close()
                 left = next(bounds)
                 loc = plan_dir.child(f"{shard_name(len(shards))}.jsonl")
-                shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url))
+                rec_loc = plan_dir.child(f"{shard_name(len(shards))}-records.jsonl") if shard_records else None
+                shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url,
+                                        records=rec_loc.url if rec_loc is not None else None))
                 writer = _SortedShardWriter(loc, tmp, sort=sort)
+                if rec_loc is not None:
+                    own_records = own.enter_context(atomic_writer(rec_loc.path()))
             writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
-            records.write(_with_idx(fields[5], idx))
+            line = _with_idx(fields[5], idx)
+            records.write(line)
+            if own_records is not None:
+                own_records.write(line)
             idx += 1
             left -= 1
         if writer is not None:
@@ -538,7 +552,10 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
     settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
-    key = {"files": files_key(input_files(input_loc.path())), "settings": settings, "task": cfg.engine.task}
+    key: dict[str, object] = {"files": files_key(input_files(input_loc.path())), "settings": settings,
+                              "task": cfg.engine.task}
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
+    if cfg.output.parts and cfg.output.table is None:  # the plan writes each shard's records too
+        key["shard_records"] = True
     return stable_hash(key)

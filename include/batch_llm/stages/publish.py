@@ -14,6 +14,7 @@ from batch_llm.io.formats import FILE_SUFFIX, write_rows
 from batch_llm.io.retention import Partition, new_version_name, tidy_partition
 from batch_llm.io.storage import (
     Location,
+    copy_object,
     exists,
     iter_jsonl,
     peak_rss_mb,
@@ -23,6 +24,7 @@ from batch_llm.manifests import (
     SUMMARY,
     EvaluateManifest,
     FilterManifest,
+    FilterPart,
     PlanManifest,
     PublishManifest,
     RowAccounting,
@@ -120,17 +122,22 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
         return done
     t0 = time.perf_counter()
     fmt = plan.format
+    if cfg.output.parts and not all(p.data for p in filtered.parts):
+        raise ValueError("output.parts: the filter pass has no published rows of its shards (made before "
+                         "output.parts was set); clear filter_shard with its downstream tasks")
     part = Partition(layout.published, layout.pipeline, layout.partition)
     version = layout.published.child(_version_name(layout.run_id))
     part.write_marker(version, layout.run_id)  # first: the proof retention asks for before it deletes a version
-    pairs = joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
-                           filtered_outputs(filtered, opts))
-    data = version.child(f"data{FILE_SUFFIX[fmt]}")
-    schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
-    n = write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema,
-                                               run_id=layout.run_id) for rec, out in pairs), fmt,
-                   types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts)
-                   or _class_types(cfg, plan, filtered, opts))
+    if cfg.output.parts:  # the shards' files, written by their filter tasks, linked in: no row read here
+        data = version.child("data")
+        n = 0
+        for p in filtered.parts:
+            assert p.data is not None
+            copy_object(Location(p.data, opts).path(), data.child(f"part-{p.shard:05d}{FILE_SUFFIX[fmt]}").path())
+            n += p.data_rows
+    else:
+        data = version.child(f"data{FILE_SUFFIX[fmt]}")
+        n = _write_dataset(cfg, layout, plan, filtered, iter_jsonl(Location(plan.records, opts).path()), data)
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts, layout.run_id))
     manifests = RunManifests(plan=plan, filter=filtered, evaluate=scores, **(extra_manifests or {}))
     summary = RunSummary(
@@ -161,6 +168,36 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
     m.cache = _cache_maintenance_after_publish(cfg, layout)
     m.write(out_dir.path())
     return m
+
+
+def _write_dataset(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered: FilterManifest,
+                   records: Iterator[dict], data: Location) -> int:
+    """The published rows (the records joined to the kept outputs) in the input's format, streamed; their count."""
+    opts = layout.output_root.options
+    fmt = plan.format
+    schema = OutputSchema(cfg.sampling.output_schema) if cfg.sampling.output_schema is not None else None
+    pairs = joined_outputs(records, filtered_outputs(filtered, opts))
+    return write_rows(data.path(), (output_record(rec["record"], out, fmt, model=cfg.model.ref, schema=schema,
+                                                  run_id=layout.run_id) for rec, out in pairs), fmt,
+                      types=_structured_types(schema, plan, opts) or _embedding_types(filtered, fmt, opts)
+                      or _class_types(cfg, plan, filtered, opts))
+
+
+def publish_part(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, part: FilterPart) -> FilterPart:
+    """``output.parts``: one shard's published rows, its records (``ShardSpec.records``) joined to the rows its
+    filter kept, into ``data.<format>`` beside its filter part; publish links the file into the version. Run by
+    the shard's ``filter_shard`` task, so the day's rows are written by as many tasks as it has shards."""
+    spec = next((s for s in plan.shards if s.index == part.shard), None)
+    if spec is None or spec.records is None:
+        raise ValueError(f"output.parts: shard {part.shard} has no records of its own in the run's plan (planned "
+                         "before output.parts was set); clear plan_shards with its downstream tasks")
+    opts = layout.output_root.options
+    one = FilterManifest(rows=part.rows, inference_error_rows=part.inference_error_rows, summary=part.summary,
+                         parts=[part.ref()])
+    data = layout.shard_dir(part.shard, "filter").child(f"data{FILE_SUFFIX[plan.format]}")
+    part.data_rows = _write_dataset(cfg, layout, plan, one, iter_jsonl(Location(spec.records, opts).path()), data)
+    part.data = data.url
+    return part
 
 
 # The columns every table row gets besides the input's and the generated ones (docs/operating.md lists them).
