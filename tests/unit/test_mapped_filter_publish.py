@@ -110,3 +110,20 @@ def test_parts_publish_the_same_rows_one_file_a_shard(tmp_path):
 def test_parts_are_refused_with_a_table(tmp_path):
     with pytest.raises(ConfigError, match="output.parts"):
         _cfg(tmp_path, "t", parts=True, table={"format": "delta"})
+
+
+def test_copy_object_links_locally_and_copies_within_a_store(tmp_path):
+    from batch_llm.io.storage import copy_object
+
+    src = Location(str(tmp_path / "a" / "data.jsonl"))
+    write_jsonl(src.path(), [{"id": "x"}])
+    local = Location(str(tmp_path / "v" / "data" / "part-00000.jsonl"))
+    copy_object(src.path(), local.path())
+    assert local.path().read_bytes() == src.path().read_bytes()
+    assert (tmp_path / "v" / "data" / "part-00000.jsonl").stat().st_ino == (tmp_path / "a" / "data.jsonl").stat().st_ino
+    write_jsonl(src.path(), [{"id": "y"}])  # a part written again (a new file): the published copy keeps its rows
+    assert [r["id"] for r in iter_jsonl(local.path())] == ["x"]
+    mem = Location("memory://mapped-copy/a.jsonl")
+    copy_object(src.path(), mem.path())  # between stores: streamed
+    copy_object(mem.path(), Location("memory://mapped-copy/v/b.jsonl").path())  # within one: the store's copy
+    assert [r["id"] for r in iter_jsonl(Location("memory://mapped-copy/v/b.jsonl").path())] == ["y"]

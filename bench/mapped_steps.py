@@ -1,0 +1,204 @@
+"""The filter per shard and the publish from parts against one task each, 10M-100M tiny rows in 100 files.
+
+Each step runs in a fresh process of its own (``python bench/mapped_steps.py step NAME DIR [SHARD]``), as an
+Airflow task would, so its time and peak RSS are its own. The day: ``--files`` JSONL files of tiny prompt rows
+(~45 bytes). Planned by today's ``plan_shards`` (one task); the shards' outputs are **synthesized** as the echo
+engine of the tests writes them (``echo <prompt tokens>``, in input order, 1 % of them with a listed word), so no
+engine runs and what is measured is the pipeline's own work. Then the day both ways:
+
+- **one task**: ``api.content_filter`` over every shard in one process (the filter before it was mapped), and
+  publish writing every row;
+- **mapped** (``output.parts``): ``api.filter_shard`` per shard, each in its own process (the ``filter_shard``
+  tasks, each writing its shard's published file), ``api.join_filter`` (the ``content_filter`` task, which reads
+  no row), and publish linking the parts into the version.
+
+Reported per step: the largest single task's seconds and peak RSS, and the task-seconds summed over its tasks.
+
+    .venv/bin/python -m bench mapped-steps --sizes 10000000 --out bench/results/mapped-steps.json
+
+Not measured here: the tasks running side by side (Celery workers); the sums are what they would share.
+
+Needs about 0.6 KB of disk per row (input, plan spool, shards, outputs, parts, dataset), freed after each size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_input(folder: Path, rows: int, files: int) -> int:
+    """``files`` JSONL files of tiny prompt rows, ids unique across the day."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per, extra = divmod(rows, files)
+    n = 0
+    for f in range(files):
+        with open(folder / f"part-{f:05d}.jsonl", "w", encoding="utf-8") as fh:
+            for _ in range(per + (f < extra)):
+                fh.write(f'{{"id": "r{n:010d}", "prompt": "say {n % 997}"}}\n')
+                n += 1
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def synthesize_outputs(layout, plan) -> list:
+    """What the shard runner with the tests' echo engine writes: one output a row in input order, no errors."""
+    from batch_llm.io.storage import Location, atomic_writer, iter_jsonl, json_bytes
+    from batch_llm.manifests import ShardMetrics, ShardResult
+
+    shards = []
+    for s in plan.shards:
+        d = layout.shard_dir(s.index)
+        rows = sorted((r["idx"], r["id"]) for r in iter_jsonl(Location(s.url).path()))  # one shard: bounded
+        with atomic_writer(d.child("outputs.jsonl").path()) as w:
+            for idx, rid in rows:
+                text = f"echo {idx % 7}" + (" my password" if idx % 100 == 0 else "")  # 1 % hit a listed word
+                w.write(json_bytes({"id": rid, "idx": idx, "output": text, "finish_reason": "stop",
+                                    "prompt_tokens": 5, "completion_tokens": 2, "error": None,
+                                    "synthesized": True}) + b"\n")
+        with atomic_writer(d.child("errors.jsonl").path()):
+            pass
+        shards.append(ShardResult(shard=s.index, outputs=d.child("outputs.jsonl").url, plan_key=s.plan_key,
+                                  errors=d.child("errors.jsonl").url, metrics=ShardMetrics(rows=len(rows), ok=len(rows))))
+    return shards
+
+
+def run_step(name: str, workdir: Path, shard: int | None) -> dict:
+    """One step in this (fresh) process."""
+    from batch_llm import api
+    from batch_llm.config import parse_config
+    from batch_llm.io.storage import peak_rss_mb
+    from batch_llm.layout import RunLayout, read_manifest_at
+
+    cfg = parse_config(json.loads((workdir / "config.json").read_text()), "bench")
+    layout = RunLayout.for_run(cfg, run_id="mapped", ds="2026-12-06")
+    t0 = time.perf_counter()
+    extra: dict = {}
+    shards = lambda: json.loads((workdir / "shards.json").read_text())  # noqa: E731
+    if name == "plan":
+        plan = api.plan_shards(cfg, layout)
+        extra = {"valid": plan.valid, "shards": len(plan.shards)}
+    elif name == "synthesize":
+        results = synthesize_outputs(layout, read_manifest_at(layout, "plan"))
+        (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in results]))
+    elif name == "filter_one_task":
+        m = api.content_filter(cfg, layout, read_manifest_at(layout, "plan"), shards())
+        extra = {"rows": m.rows, "dropped": m.summary.rows_dropped}
+    elif name == "filter_shard":
+        p = api.filter_shard(cfg, layout, read_manifest_at(layout, "plan"), shards()[shard])
+        (workdir / "parts").mkdir(exist_ok=True)
+        (workdir / "parts" / f"{shard}.json").write_text(p.model_dump_json())
+        extra = {"rows": p.rows}
+    elif name == "join":
+        parts = [json.loads(p.read_text()) for p in sorted((workdir / "parts").iterdir())]
+        m = api.join_filter(cfg, layout, read_manifest_at(layout, "plan"), shards(), parts)
+        extra = {"rows": m.rows, "dropped": m.summary.rows_dropped}
+    elif name == "publish":
+        m = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
+                        api.evaluate(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter")))
+        extra = {"rows": m.rows}
+    else:
+        raise SystemExit(f"unknown step {name}")
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"step": name, "seconds": round(time.perf_counter() - t0, 2),
+            "cpu_seconds": round(ru.ru_utime + ru.ru_stime, 2), "peak_rss_mb": peak_rss_mb(), **extra}
+
+
+def _step(name: str, workdir: Path, shard: int | None = None) -> dict:
+    """A step in a fresh process; its seconds are the process's whole life (imports included), as a task's."""
+    env = {**os.environ, "TMPDIR": str(workdir / "tmp")}
+    (workdir / "tmp").mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, __file__, "step", name, str(workdir), *([str(shard)] if shard is not None else [])],
+                       capture_output=True, text=True, env=env)
+    if p.returncode:
+        raise RuntimeError(f"step {name} failed:\n{p.stderr[-3000:]}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r["task_seconds"] = round(time.perf_counter() - t0, 2)
+    return r
+
+
+def _tasks(runs: list[dict]) -> dict:
+    """A step of one or more tasks: its largest task (seconds, peak RSS) and its task-seconds."""
+    return {"tasks": len(runs), "largest_task_seconds": max(r["task_seconds"] for r in runs),
+            "largest_task_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "task_seconds": round(sum(r["task_seconds"] for r in runs), 1),
+            **{k: sum(r[k] for r in runs) for k in ("rows", "dropped", "valid") if k in runs[0]}}
+
+
+def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: bool) -> dict:
+    """One day through the steps: today's single tasks (``mapped`` False), or filter_shard × N with
+    ``output.parts`` and the join, then publish from the parts."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    size = make_input(work / "in", rows, files)
+    cfg = {"name": "mapped", "model": {"ref": "unused"}, "input": {"path": str(work / "in"), "format": "jsonl"},
+           "output": {"path": str(work / "out"), "parts": mapped}, "sharding": {"rows_per_shard": rows_per_shard},
+           "evaluate": {"enabled": False}, "cache": {"enabled": False},
+           "filter": {"lists": [{"name": "secrets", "path": "builtin:en", "action": "drop"}]}}
+    (work / "config.json").write_text(json.dumps(cfg))
+    res: dict = {"input_bytes": size}
+
+    def step(name: str, runs: list[dict]) -> None:
+        res[name] = _tasks(runs)
+        print(f"  {rows:>11,} {'mapped' if mapped else 'one task':<9} {name:<16} {res[name]}", flush=True)
+
+    step("plan", [_step("plan", work)])
+    _step("synthesize", work)
+    n_shards = len(json.loads((work / "shards.json").read_text()))
+    if mapped:
+        step("filter_shard", [_step("filter_shard", work, i) for i in range(n_shards)])
+        step("join", [_step("join", work)])
+    else:
+        step("filter_one_task", [_step("filter_one_task", work)])
+    step("publish", [_step("publish", work)])
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def bench_size(rows: int, files: int, rows_per_shard: int, base: Path) -> dict:
+    return {"rows": rows, "files": files, "rows_per_shard": rows_per_shard,
+            "one_task": _variant(rows, files, rows_per_shard, base / f"rows-{rows}-one", mapped=False),
+            "mapped": _variant(rows, files, rows_per_shard, base / f"rows-{rows}-mapped", mapped=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["step"]:
+        print(json.dumps(run_step(argv[1], Path(argv[2]), int(argv[3]) if len(argv) > 3 else None)))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10000000,100000000")
+    ap.add_argument("--files", type=int, default=100)
+    ap.add_argument("--rows-per-shard", type=int, default=100_000)
+    ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mapped-steps.json"))
+    a = ap.parse_args(argv)
+    base = Path(a.dir or tempfile.mkdtemp(prefix="batch_llm_mapped_"))
+    results = []
+    for n in (int(x) for x in a.sizes.split(",")):
+        results.append(bench_size(n, a.files, a.rows_per_shard, base))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
+                                           "results": results}, indent=1))
+    print("\n| rows | variant | step | tasks | largest task s | largest task MB | task-seconds |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in results:
+        for variant in ("one_task", "mapped"):
+            for step, t in r[variant].items():
+                if isinstance(t, dict):
+                    print(f"| {r['rows']:,} | {variant} | {step} | {t['tasks']} | {t['largest_task_seconds']} | "
+                          f"{t['largest_task_rss_mb']:.0f} | {t['task_seconds']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
