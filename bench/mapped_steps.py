@@ -102,9 +102,10 @@ def run_step(name: str, workdir: Path, shard: int | None) -> dict:
         m = api.join_filter(cfg, layout, read_manifest_at(layout, "plan"), shards(), parts)
         extra = {"rows": m.rows, "dropped": m.summary.rows_dropped}
     elif name == "publish":
-        m = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
-                        api.evaluate(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter")))
-        extra = {"rows": m.rows}
+        published = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
+                                api.evaluate(cfg, layout, read_manifest_at(layout, "plan"),
+                                             read_manifest_at(layout, "filter")))
+        extra = {"rows": published.rows}
     else:
         raise SystemExit(f"unknown step {name}")
     ru = resource.getrusage(resource.RUSAGE_SELF)

@@ -149,6 +149,10 @@ class ShardSpec(Manifest):
     plan_key: str | None = None        # the plan it belongs to (PlanManifest.input_key): stale chunks are not resumed
     records: str | None = None         # output.parts: the shard's own records (its slice of records.jsonl)
 
+    def ref(self) -> dict:
+        """The XCom a shard task is mapped over: the references, ``records`` only where the plan wrote them."""
+        return self.model_dump(exclude={"records"} if self.records is None else None)
+
 
 class ShardMetrics(BaseModel):
     """A shard's counts and timings. Row counts cover every attempt's committed rows; ``*_this_attempt`` and

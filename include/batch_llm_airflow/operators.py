@@ -149,8 +149,8 @@ class PlanShardsOperator(PipelineStageOperator):
         self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs, %d inference task(s)",
                       m.rows_read, m.valid, m.invalid, m.errors, len(m.shards), m.seconds, len(tasks))
         if cfg.sharding.shards_per_task == 1:
-            return [s.model_dump() for s in m.shards]
-        return [[s.model_dump() for s in t] for t in tasks]
+            return [s.ref() for s in m.shards]
+        return [[s.ref() for s in t] for t in tasks]
 
 
 class BatchInferenceOperator(PipelineStageOperator):

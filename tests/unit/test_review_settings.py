@@ -12,7 +12,8 @@ from batch_llm.io.storage import Location, iter_jsonl, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import PlanManifest, ShardMetrics, ShardResult, ShardSpec
 from batch_llm.stages import review as rv
-from batch_llm.stages.content_filter import content_filter, filtered_outputs
+from batch_llm.stages.content_filter import content_filter
+from batch_llm.stages.filter_parts import filtered_outputs
 from batch_llm.stages.publish import row_errors
 from pydantic import ValidationError
 

@@ -49,6 +49,7 @@ from batch_llm.manifests import (
 )
 from batch_llm.reasoning import THINK_END, THINK_START
 from batch_llm.stages.confusables import fold_pieces
+from batch_llm.stages.publish import publish_part
 from batch_llm.stages.review import (
     ReviewedRows,
     check_reviews,
@@ -623,8 +624,6 @@ def filter_shard(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, sha
                       inference_error_rows=_lines(result.errors, opts), summary=summary, skipped=skipped,
                       plan_key=result.plan_key, source=source)
     if cfg.output.parts and cfg.output.table is None:
-        from batch_llm.stages.publish import publish_part  # publish reads the filter's parts: imported here
-
         part = publish_part(cfg, layout, plan, part)
     part.write(out_dir.path())
     return part
@@ -715,33 +714,6 @@ def _joined_review(reviews: list[ReviewSummary]) -> ReviewSummary:
         "input_tokens", "output_tokens")}
     return ReviewSummary(model=reviews[0].model, task=reviews[0].task, verdicts=added("verdicts"),
                          categories=added("categories"), shards=[i for r in reviews for i in r.shards], **counts)
-
-
-def _parts_or_whole(m: FilterManifest, key: str) -> list[str]:
-    """The files of a filter pass holding ``key`` (outputs, inference_errors, dropped), in input order."""
-    if m.parts:
-        return [u for p in m.parts if (u := getattr(p, key)) is not None]
-    whole = m.summary.dropped if key == "dropped" else getattr(m, key)
-    return [whole] if whole else []
-
-
-def filtered_outputs(m: FilterManifest, opts: dict) -> Iterator[dict]:
-    """The rows a filter pass kept, in input order (shards are contiguous ranges of the input, in index order),
-    streamed one part after the other."""
-    for url in _parts_or_whole(m, "outputs"):
-        yield from iter_jsonl(Location(url, opts).path())
-
-
-def inference_errors(m: FilterManifest, opts: dict) -> Iterator[dict]:
-    """The rows inference gave up on, with their reasons, in input order."""
-    for url in _parts_or_whole(m, "inference_errors"):
-        yield from iter_jsonl(Location(url, opts).path())
-
-
-def dropped_rows(m: FilterManifest, opts: dict) -> Iterator[dict]:
-    """The rows the word lists or the review dropped (id, idx, hits or reason), in input order."""
-    for url in _parts_or_whole(m, "dropped"):
-        yield from iter_jsonl(Location(url, opts).path())
 
 
 def _reviewed_rows(cfg: PipelineConfig, layout: RunLayout, shards: list[ShardResult],

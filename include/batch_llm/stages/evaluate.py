@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     pass
 from batch_llm.layout import RunLayout
 from batch_llm.rows.records import joined_outputs
-from batch_llm.stages.content_filter import filtered_outputs
+from batch_llm.stages.filter_parts import filtered_outputs
 
 SUBSET = "outputs"  # the dataset file is <work_dir>/dataset/outputs.jsonl
 MODEL_ID = "stored_outputs"  # EvalScope's folder name for the "model" under reports/, reviews/, predictions/

@@ -41,7 +41,7 @@ from batch_llm.rows.records import (
     output_record,
     structured_column,
 )
-from batch_llm.stages.content_filter import dropped_rows, filtered_outputs, inference_errors
+from batch_llm.stages.filter_parts import dropped_rows, filtered_outputs, inference_errors
 
 if TYPE_CHECKING:
     from upath import UPath
