@@ -127,3 +127,41 @@ def test_copy_object_links_locally_and_copies_within_a_store(tmp_path):
     copy_object(src.path(), mem.path())  # between stores: streamed
     copy_object(mem.path(), Location("memory://mapped-copy/v/b.jsonl").path())  # within one: the store's copy
     assert [r["id"] for r in iter_jsonl(Location("memory://mapped-copy/v/b.jsonl").path())] == ["y"]
+
+
+def test_the_operators_hand_over_the_parts_and_publish_them(tmp_path):
+    """The DAG's tasks in turn, each given what XCom would hand it (JSON): plan_shards, the shards (echo),
+    filter_shard × 3 with output.parts, content_filter (the join), evaluate; then publish."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from batch_llm.layout import read_manifest_at
+    from batch_llm_airflow.operators import (
+        ContentFilterOperator,
+        EvaluateOperator,
+        PlanShardsOperator,
+        ShardFilterOperator,
+    )
+
+    cfg = _cfg(tmp_path, "dag", parts=True)
+    day = dt.datetime(2026, 11, 30, tzinfo=dt.timezone.utc)
+    ctx = {"dag_run": SimpleNamespace(logical_date=day, run_after=day, clear_number=0),
+           "run_id": "scheduled__2026-11-30", "params": {}, "outlet_events": {}}
+    common = {"pipeline_config": cfg.model_dump(mode="json")}
+    specs = json.loads(json.dumps(PlanShardsOperator(task_id="plan_shards", **common).execute(ctx)))
+    assert [s["index"] for s in specs] == [0, 1, 2] and all(s["records"] for s in specs)
+    layout = RunLayout.for_run(cfg, run_id=ctx["run_id"], ds="2026-11-30")
+    shards = [s.model_dump(mode="json") for s in _echo(layout, api.plan_shards(cfg, layout))]
+    parts = [json.loads(json.dumps(ShardFilterOperator(task_id="filter_shard", shard=s, **common).execute(ctx)))
+             for s in shards]
+    assert [p["shard"] for p in parts] == [0, 1, 2] and sum(p["data_rows"] for p in parts) == 10
+    counts = ContentFilterOperator(task_id="content_filter", shards=shards, parts=parts, **common).execute(ctx)
+    assert counts == {"rows": 10, "inference_error_rows": 1}
+    EvaluateOperator(task_id="evaluate", **common).execute(ctx)
+    # (the publish task also reads the fetch and quantize manifests this run has none of: the library's publish)
+    ref = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
+                      read_manifest_at(layout, "evaluate"))
+    current = read_json(layout.published.child("_CURRENT.json").path())
+    assert current["rows"] == 10 and ref.rows == 10
+    files = sorted(Location(current["dataset"]).path().iterdir())
+    assert [sum(1 for _ in f.open()) for f in files] == [p["data_rows"] for p in parts]
