@@ -13,6 +13,7 @@ from batch_llm.config import ConfigError, parse_config
 from batch_llm.io.storage import Location, iter_jsonl, read_json, write_jsonl
 from batch_llm.layout import RunLayout
 from batch_llm.manifests import ShardMetrics, ShardResult
+from batch_llm.stages.publish import published_lines
 
 
 def _day(tmp_path) -> str:
@@ -101,6 +102,7 @@ def test_parts_publish_the_same_rows_one_file_a_shard(tmp_path):
     assert [f.name for f in files] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
     got = [r for f in files for r in map(json.loads, f.read_text().splitlines())]
     assert got == list(iter_jsonl(Location(one.dataset).path()))
+    assert list(published_lines(parts.dataset)) == got == list(published_lines(one.dataset))  # what readers take
     assert parts.rows == one.rows == 10 and parts.error_rows == one.error_rows == 4
     summary = read_json(Location(parts.summary).path())
     assert summary["rows"] == read_json(Location(one.summary).path())["rows"]

@@ -240,12 +240,13 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
     """``-o``: the run's published lines and error lines, one per input line in input order (as ``vllm
     run-batch`` writes them); (lines, error lines)."""
     from batch_llm.io.storage import Location, iter_jsonl, read_json
+    from batch_llm.stages.publish import published_lines
 
     part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
     current = read_json(part.child("_CURRENT.json").path())
     summary = read_json(Location(current["version"]).child("summary.json").path())
     done: dict[Any, list[OutputLine | ErrorLine]] = {}
-    for data in iter_jsonl(Location(summary["dataset"]).path()):
+    for data in published_lines(summary["dataset"]):
         line = answer_line(data)
         if isinstance(line, OutputLine):
             line.response.body["model"] = served_model_name

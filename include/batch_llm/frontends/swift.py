@@ -801,11 +801,12 @@ def swift_logprobs(tokens: list[dict] | None) -> dict | None:
 def published_rows(cfg: PipelineConfig, ds: str) -> tuple[dict[str, dict], dict[str, str]]:
     """The published rows of the run of ``ds`` (by id) and its error file (id -> reason)."""
     from batch_llm.io.storage import Location, iter_jsonl, read_json
+    from batch_llm.stages.publish import published_lines
 
     part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
     current = read_json(part.child("_CURRENT.json").path())
     summary = read_json(Location(current["version"]).child("summary.json").path())
-    outputs = {str(r["id"]): r for r in iter_jsonl(Location(summary["dataset"]).path())}
+    outputs = {str(r["id"]): r for r in published_lines(summary["dataset"])}
     errors = {str(e.get("id")): str(e.get("reason")) for e in iter_jsonl(Location(summary["errors"]).path())}
     return outputs, errors
 

@@ -17,6 +17,7 @@ from batch_llm.io.storage import (
     copy_object,
     exists,
     iter_jsonl,
+    list_files,
     peak_rss_mb,
     write_jsonl,
 )
@@ -89,6 +90,14 @@ def error_row_id(e: dict) -> str | None:
     if e.get("source") and e.get("line") is not None:
         return f"{e['source']}:{e['line']}"
     return _text(e.get("id"))
+
+
+def published_lines(dataset: str, options: dict | None = None) -> Iterator[dict]:
+    """A published JSONL dataset's rows in input order: its file, or (``output.parts``) its folder's part files
+    in name order, which is shard order."""
+    path = Location(dataset, options or {}).path()
+    for f in list_files(path, ".jsonl") if path.is_dir() else [path]:
+        yield from iter_jsonl(f)
 
 
 def _version_name(run_id: str) -> str:
