@@ -159,6 +159,12 @@ def test_the_operators_hand_over_the_parts_and_publish_them(tmp_path):
     assert [p["shard"] for p in parts] == [0, 1, 2] and sum(p["data_rows"] for p in parts) == 10
     counts = ContentFilterOperator(task_id="content_filter", shards=shards, parts=parts, **common).execute(ctx)
     assert counts == {"rows": 10, "inference_error_rows": 1}
+    # a task of two shards (sharding.shards_per_task): its filter task takes and returns their list
+    pair = ShardFilterOperator(task_id="filter_shard", shard=shards[:2], **common).execute(ctx)
+    assert [p["shard"] for p in pair] == [0, 1]
+    counts = ContentFilterOperator(task_id="content_filter", shards=[shards[:2], shards[2]], parts=[pair, parts[2]],
+                                   **common).execute(ctx)
+    assert counts == {"rows": 10, "inference_error_rows": 1}
     EvaluateOperator(task_id="evaluate", **common).execute(ctx)
     # (the publish task also reads the fetch and quantize manifests this run has none of: the library's publish)
     ref = api.publish(cfg, layout, read_manifest_at(layout, "plan"), read_manifest_at(layout, "filter"),
