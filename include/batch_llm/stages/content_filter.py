@@ -598,10 +598,11 @@ def filter_shard(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, sha
     opts = layout.output_root.options
     out_dir = layout.shard_dir(result.shard, "filter")
     skipped = f"task {cfg.engine.task}" if cfg.engine.task != "generate" else None  # vectors, classes: no words
+    # the lists load first: a missing one fails before a file is read or written
+    lists = ContentFilter(cfg.filter, opts) if cfg.filter.enabled and skipped is None else None
     source = _fingerprint(result.outputs, opts)
     rows = iter_jsonl(Location(result.outputs, opts).path())
-    if cfg.filter.enabled and skipped is None:
-        lists = ContentFilter(cfg.filter, opts)  # the lists load first: a missing one fails before a file is written
+    if lists is not None:
         reviewed = None
         if review_active(cfg):
             if review is None:
