@@ -17,6 +17,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import api
 from batch_llm.analysis import metrics_push
+from batch_llm.batch_api.runs import validate_batch
 from batch_llm.config import ConfigDump, ConfigError, PipelineConfig, parse_config
 from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
 from batch_llm.isolation.worker_log import EngineLog
@@ -24,6 +25,7 @@ from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
 from batch_llm.stages.evaluate import EvaluationBelowThreshold
 
+from batch_llm_airflow.batch_runs import StopWatch, batch_overrides, batch_store
 from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.params import overrides_from_params
 from batch_llm_airflow.storage_bridge import StorageTarget, split_conn, storage_errors
@@ -68,6 +70,7 @@ class PipelineStageOperator(BaseOperator):
         super().__init__(**kwargs)
         self.pipeline_config = pipeline_config  # the config's JSON dump: a ConfigDump from the task group
         self.config_overrides = config_overrides or {}
+        self._openai_batch: dict | None = None  # the OpenAI Batch API batch this run serves (resolve)
 
     @functools.cached_property
     def config(self) -> PipelineConfig:
@@ -81,8 +84,15 @@ class PipelineStageOperator(BaseOperator):
     def resolve(self, context: Context) -> tuple[PipelineConfig, RunLayout]:
         base = self.config
         params = context.get("params") or {}
+        # A run of the OpenAI Batch API (batch_runs.py): the batch's input file, its endpoint, its own partition
+        try:
+            batch, self._openai_batch = batch_overrides(params, self.dag_id)
+        except ValueError as e:
+            raise AirflowFailException(str(e)) from None
+        if self._openai_batch is not None and base.openai_batch is None:
+            raise AirflowFailException(f"params: a batch's run of {self.dag_id}, which has no openai_batch section")
         # the same config object where the run's Params and overrides change nothing
-        cfg = base.with_overrides({**overrides_from_params(params, base), **self.config_overrides},
+        cfg = base.with_overrides({**overrides_from_params(params, base), **batch, **self.config_overrides},
                                   source=f"params of {self.dag_id}")
         ds = run_date(context)
         out = BatchLlmStorageHook(cfg.output.conn_id).location(cfg.output.path)
@@ -144,6 +154,12 @@ class PlanShardsOperator(PipelineStageOperator):
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it; with
         ``sharding.shards_per_task`` > 1, one list of consecutive shards per task (``api.shard_tasks``)."""
         cfg, layout = self.resolve(context)
+        if self._openai_batch is not None and cfg.openai_batch is not None:  # the batch's "validating"
+            v = validate_batch(batch_store()[0], self._openai_batch, cfg.openai_batch, cfg.input.max_line_bytes)
+            if v.errors:
+                raise AirflowFailException(f"batch {self._openai_batch['id']}: the input file failed its check ("
+                                           f"{v.error_count} error(s)): " + "; ".join(
+                                               f"{e['code']}: {e['message']}" for e in v.errors[:5]))
         m = api.plan_shards(cfg, layout)
         tasks = api.shard_tasks(cfg, m)
         self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs, %d inference task(s)",
@@ -186,11 +202,25 @@ class BatchInferenceOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict | list[dict]:
         cfg, layout = self.resolve(context)
         ti = context["ti"]
-        self._run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
+        self._run = run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
+        watch = StopWatch(self._openai_batch["id"], run.stop) if self._openai_batch is not None else None
+        if watch is not None and watch.check() is not None:
+            return self._stopped(layout, watch)
         try:
+            if watch is not None:
+                watch.start()
             manifests = self._run_logged(context, layout)  # lease → worker → manifests; lease released
         except ShardFailedNoRetry as e:
+            if watch is not None and watch.reason is not None:
+                return self._stopped(layout, watch)
             raise AirflowFailException(str(e)) from None
+        except Exception:
+            if watch is not None and watch.reason is not None:  # the worker ended by the watch
+                return self._stopped(layout, watch)
+            raise
+        finally:
+            if watch is not None:
+                watch.close()
         for i, m in enumerate(manifests):  # the task's one lease wait counts once
             emit_shard_metrics(cfg.name, m, gpu_lease_wait_seconds=0.0 if i else self._run.lease_wait_seconds)
         results = [m.result().model_dump(mode="json") for m in manifests]  # XCom: files and counts
@@ -209,6 +239,18 @@ class BatchInferenceOperator(PipelineStageOperator):
             finally:
                 self.log.info("engine output: %d lines (%d warnings, above; %d repeated) in %s", engine.lines,
                               engine.warnings, engine.repeats, engine.url)
+
+    def _stopped(self, layout: RunLayout, watch: StopWatch) -> dict | list[dict]:
+        """A batch cancelled or expired (``batch_api.stop``): each shard committed with what it has, the rest of
+        its rows error lines; the run goes on to publish them."""
+        from batch_llm.batch_api.stop import close_stopped_shard
+
+        assert watch.reason is not None
+        shards = self.shard if isinstance(self.shard, list) else [self.shard]
+        self.log.info("batch %s: %s; closing %d shard(s) with the rows they committed", watch.batch_id,
+                      watch.reason.code, len(shards))
+        results = [close_stopped_shard(layout, s, watch.reason.code).result().model_dump(mode="json") for s in shards]
+        return results if isinstance(self.shard, list) else results[0]
 
     def on_kill(self) -> None:
         if self._run is not None:
@@ -391,6 +433,12 @@ class PublishOperator(PipelineStageOperator):
                                             "infer": shard_manifests(layout)},
                            catalog_properties=catalog_properties(cfg))
         self.log.info("published %d rows to %s", m.rows, m.version if m.table else m.dataset)
+        if self._openai_batch is not None:  # the batch's output and error files, from the published lines
+            from batch_llm.batch_api.results import publish_files
+
+            files = publish_files(batch_store()[0], self._openai_batch, m, layout.output_root.options)
+            self.log.info("batch %s: output file %s, error file %s", self._openai_batch["id"], files["output_file_id"],
+                          files["error_file_id"])
         self._lineage_of_run = (cfg, layout, m, fetched)  # read by get_openlineage_facets_on_complete
         # with output.table, the snapshot that holds the day: what a consumer pins its read to
         table = {"table_format": m.table["format"], "snapshot_id": m.table["snapshot_id"]} if m.table else {}

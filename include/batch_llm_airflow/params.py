@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Param
+from batch_llm.batch_api.runs import PARAM as BATCH_PARAM
 from batch_llm.config import ConfigError, PipelineConfig
 from batch_llm.config.capabilities import engine_kinds
 from batch_llm.host import path_policy
@@ -77,6 +78,10 @@ def params_for(cfg: PipelineConfig) -> dict[str, Param]:
         if name == "thinking":
             extra = {"enum": list(THINKING_MODES)}
         out[name] = Param(default, type=typ, title=name.replace("_", " "), description=desc, **extra)
+    if cfg.openai_batch is not None:  # set by POST /v1/batches (batch_llm_airflow.openai_app), empty otherwise
+        out[BATCH_PARAM] = Param("", type="string", title="OpenAI batch id", description="The OpenAI Batch API "
+                                 "batch this run serves (set by POST /v1/batches); empty: a run of the pipeline's "
+                                 "own input")
     return out
 
 

@@ -1,8 +1,10 @@
-"""The batch-llm Airflow plugin: run reports in the Airflow UI.
+"""The batch-llm Airflow plugin: run reports in the Airflow UI, and the OpenAI Batch API.
 
 - ``fastapi_apps``: the report app (``report_app.py``) at ``/batch-llm``: ``/batch-llm/report?path=<url>``
   serves a published version's ``report.html`` from object storage to signed-in users who may read the
   pipeline's DAG; ``/batch-llm/`` lists recent reports.
+- ``fastapi_apps``: the OpenAI Batch API (``openai_app.py``) at ``/openai``: ``/openai/v1/files`` and
+  ``/openai/v1/batches`` for OpenAI's clients (``base_url=<Airflow>/openai/v1``, an Airflow token as api_key).
 - ``external_views``: "Batch LLM reports" in the UI's navigation (Browse), the list above inside the UI.
 
 The "Run report" button of the publish task (``RunReportLink``) is not registered here: it is declared once,
@@ -18,11 +20,14 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from batch_llm_airflow import openai_app
 from batch_llm_airflow.report_app import URL_PREFIX, LazyReportApp
 
 
 class BatchLlmPlugin(AirflowPlugin):
     name = "batch_llm"
-    fastapi_apps = [{"app": LazyReportApp(), "url_prefix": URL_PREFIX, "name": "batch-llm reports"}]
+    fastapi_apps = [{"app": LazyReportApp(), "url_prefix": URL_PREFIX, "name": "batch-llm reports"},
+                    {"app": openai_app.LazyOpenAIApp(), "url_prefix": openai_app.URL_PREFIX,
+                     "name": "batch-llm OpenAI Batch API"}]
     external_views = [{"name": "Batch LLM reports", "href": f"{URL_PREFIX}/", "url_route": "batch-llm-reports",
                        "destination": "nav", "category": "browse"}]

@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, urlencode
 
 from batch_llm.host import path_policy
@@ -224,6 +224,11 @@ async def current_user(request: Any) -> Any:
 
 
 def can_read_dag(user: Any, dag_id: str) -> bool:
+    return dag_access(user, dag_id, "GET")
+
+
+def dag_access(user: Any, dag_id: str, method: Literal["GET", "POST", "PUT", "DELETE"]) -> bool:
+    """Whether the auth manager lets ``user`` do ``method`` (GET: read, POST: trigger) on the DAG's runs."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
     from airflow.models.dag import DagModel
@@ -232,7 +237,7 @@ def can_read_dag(user: Any, dag_id: str) -> bool:
         team = DagModel.get_team_name(dag_id)
     except Exception:  # noqa: BLE001 - no such DAG (yet): authorize without a team
         team = None
-    return get_auth_manager().is_authorized_dag(method="GET", access_entity=DagAccessEntity.RUN,
+    return get_auth_manager().is_authorized_dag(method=method, access_entity=DagAccessEntity.RUN,
                                                 details=DagDetails(id=dag_id, team_name=team), user=user)
 
 

@@ -10,10 +10,16 @@ dying at the worst moment. Two ways to ask for it:
   reach that checkpoint in a shard folder whose URL contains the third word (optional) die there (each at its
   first), the count kept in the file; an absent file asks for nothing. For services that start many workers,
   where only one run's should die (tests/system/test_rest_backfill.py).
+
+And one way to hold a worker still rather than kill it: ``BATCH_LLM_HOLD_FILE=PATH``, the file holding a checkpoint
+name (``after_commit``): a process reaching that checkpoint waits there while the file exists and still names it
+(a shard that has committed its first chunk and goes no further until the test says so:
+tests/system/test_openai_batch_api.py cancels and expires batches so, mid-shard).
 """
 import os
 import signal
 import sys
+import time
 
 # the names in batch_llm/stages/infer/commit.py (a shard's checkpoints) and batch_llm/sinks/base.py (a table commit's)
 CHECKPOINT_EVENTS = ("batch_llm.shard.checkpoint", "batch_llm.sink.checkpoint")
@@ -48,7 +54,26 @@ def _kill_while_the_file_counts(event: str, args: tuple) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+_hold = os.environ.get("BATCH_LLM_HOLD_FILE", "")
+
+
+def _held(point: str) -> bool:
+    try:
+        with open(_hold) as fh:
+            return fh.read().strip() == point
+    except OSError:
+        return False
+
+
+def _hold_while_the_file_says(event: str, args: tuple) -> None:
+    if event in CHECKPOINT_EVENTS:
+        while _held(args[0]):
+            time.sleep(0.2)
+
+
 if _point:
     sys.addaudithook(_kill_at_the_nth_checkpoint)
+if _hold:
+    sys.addaudithook(_hold_while_the_file_says)
 if _file:
     sys.addaudithook(_kill_while_the_file_counts)

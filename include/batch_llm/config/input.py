@@ -79,6 +79,10 @@ class InputConfig(Section):
                                 "read a record batch at a time, its values as the file stores them (not bounded "
                                 "here)")
 
+    openai_urls: list[Literal["/v1/chat/completions", "/v1/completions"]] | None = Field(
+        None, description="OpenAI Batch input: the request urls a line may name; a line naming another is that "
+        "line's error. null: both (a batch of the OpenAI Batch API sets its one endpoint here)")
+
     @field_validator("image_columns")
     @classmethod
     def _distinct_image_columns(cls, v: list[str]) -> list[str]:

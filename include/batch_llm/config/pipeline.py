@@ -30,6 +30,7 @@ from batch_llm.config.evaluate import EvaluateConfig
 from batch_llm.config.filter import FilterConfig, word_list_problems
 from batch_llm.config.input import SHARD_SIZES, InputConfig, ShardingConfig
 from batch_llm.config.model import ModelConfig, QuantizeConfig
+from batch_llm.config.openai_batch import OpenAIBatchConfig
 from batch_llm.config.output import OutputConfig
 from batch_llm.config.sampling import SamplingConfig
 from batch_llm.config.section import ConfigError, Section
@@ -50,6 +51,9 @@ class PipelineConfig(Section):
     output: OutputConfig
     cache: CacheConfig = Field(default_factory=CacheConfig)
     airflow: AirflowConfig = Field(default_factory=AirflowConfig)
+    openai_batch: OpenAIBatchConfig | None = Field(None, description="The OpenAI Batch API's model names and "
+                                                   "endpoints this pipeline serves (docs/openai-batch-api.md); "
+                                                   "null: none")
 
     @field_validator("name")
     @classmethod
@@ -59,6 +63,12 @@ class PipelineConfig(Section):
         if not v.strip("."):  # '.' or '..' as a folder under output.path would be that folder or its parent
             raise ValueError(f"{v!r} is a path, not a name: use at least one letter, digit, '_' or '-'")
         return v
+
+    @model_validator(mode="after")
+    def _batch_endpoints_of_the_task(self) -> "PipelineConfig":
+        if self.openai_batch is not None and (problem := self.openai_batch.endpoint_problem(self.engine.task)):
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _guided_decoding_needs_vllm(self) -> "PipelineConfig":

@@ -216,7 +216,7 @@ def _no_prompt_reason(rec: dict, cfg: InputConfig) -> str:
 
 def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
     """One OpenAI Batch request line: a chat body (``messages``) or a completions body (``prompt``)."""
-    line = request_line(rec)
+    line = request_line(rec, tuple(cfg.openai_urls or OPENAI_URLS))
     rid, body, url = str(line.custom_id), line.body, line.url
     params = RowParams.from_openai_body(body, completions=url == "/v1/completions")
     if url == "/v1/chat/completions":
@@ -232,14 +232,17 @@ def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
     return PromptRow(id=rid, idx=idx, messages=[], text=_check_prompt(prompt), params=params)
 
 
-def request_line(rec: dict) -> RequestLine:
-    """An OpenAI Batch request line, checked: its custom_id, a POST to a URL served here, a body object."""
+def request_line(rec: dict, urls: tuple[str, ...] = OPENAI_URLS) -> RequestLine:
+    """An OpenAI Batch request line, checked: its custom_id, a POST to one of ``urls`` (a batch's endpoint, or every
+    URL served here), a body object."""
     _row_id(rec, "custom_id")
     body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
     if not isinstance(body, dict):
         raise ValueError("OpenAI batch line without a 'body' object")
-    if url not in OPENAI_URLS:
-        raise ValueError(f"url {url!r} is not supported (only {', '.join(OPENAI_URLS)})")
+    if url not in urls:
+        if url in OPENAI_URLS:
+            raise ValueError(f"url {url!r} is not the batch's endpoint ({', '.join(urls)})")
+        raise ValueError(f"url {url!r} is not supported (only {', '.join(urls)})")
     if rec.get("method", "POST") != "POST":
         raise ValueError(f"method {rec['method']!r}: batch requests are POST")
     return RequestLine(custom_id=rec["custom_id"], body=body, url=url, method="POST")

@@ -63,7 +63,8 @@ def _publish_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict, ru
     for e in errors:
         where = f" ({e['source']} line {e['line']})" if e.get("source") else ""
         place = f"row {e['idx']}" if e.get("idx") is not None else where.strip(" ()")
-        yield openai_error_line(e.get("id"), e["reason"] + where, code=codes[e["stage"]], run_id=run_id, where=place)
+        yield openai_error_line(e.get("id"), e["reason"] + where, code=e.get("code") or codes[e["stage"]],
+                                run_id=run_id, where=place)
 
 
 def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iterator[dict]:
@@ -72,7 +73,9 @@ def row_errors(plan: PlanManifest, filtered: FilterManifest, opts: dict) -> Iter
     for e in iter_jsonl(Location(plan.errors, opts).path()):
         yield {**e, "stage": "plan", "row_id": error_row_id(e)}
     for e in inference_errors(filtered, opts):
-        yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer", "row_id": str(e["id"])}
+        # error_code: a row a stopped batch never ran (batch_api.stop: batch_cancelled, batch_expired)
+        yield {"id": e["id"], "idx": e.get("idx"), "reason": e["error"], "stage": "infer", "row_id": str(e["id"]),
+               **({"code": e["error_code"]} if e.get("error_code") else {})}
     for d in dropped_rows(filtered, opts):
         if d.get("reason"):  # dropped by the content review (filter.review), which says why
             yield {"id": d["id"], "idx": d.get("idx"), "reason": d["reason"], "stage": d.get("stage", "review"),
