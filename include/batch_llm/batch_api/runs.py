@@ -6,6 +6,7 @@ The pipelines are read from their YAML files as plain data, only ``name``, ``out
 author's code (an output schema's ``module:Class``)."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 from batch_llm.batch_api.errors import ApiError, not_found
 from batch_llm.batch_api.store import BATCH_ID, FILE_ID, BatchStore, check_id, new_id
-from batch_llm.batch_api.validate import Validation, check_input, first_model
+from batch_llm.batch_api.validate import Validation, check_input, first_line, line_model
 from batch_llm.config.input import MAX_LINE_BYTES
 from batch_llm.config.openai_batch import OpenAIBatchConfig, parse_section
 from batch_llm.host import path_policy
@@ -84,6 +85,13 @@ def serving_pipelines(folder: Path) -> tuple[list[ServingPipeline], list[str]]:
                         ServingPipeline(p.dag_id, p.section.model_copy(update={"models": models}), p.output_path,
                                         p.output_conn_id, p.max_line_bytes, p.source))
     return kept, problems
+
+
+def _json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, UnicodeDecodeError):
+        return False
 
 
 def _check_metadata(metadata: Any) -> dict | None:
@@ -162,10 +170,14 @@ def create_batch(store: BatchStore, pipelines: list[ServingPipeline], *, owner: 
                             f"{', '.join(endpoints) or 'no endpoint (no pipeline has an openai_batch section)'}.",
                        param="endpoint", code="invalid_value")
     with store.open_content(file_id) as f:
-        model = first_model(f, max((p.max_line_bytes for p in pipelines), default=MAX_LINE_BYTES))
-    serving = _serving(pipelines, model, endpoint, window)
+        first = first_line(f, max((p.max_line_bytes for p in pipelines), default=MAX_LINE_BYTES))
+    if first is not None and not _json_object(first):
+        raise ApiError(400, "The input file is not JSONL: its first line is not a JSON object.",
+                       param="input_file_id", code="invalid_json_line")
+    serving = _serving(pipelines, line_model(first) if first is not None else None, endpoint, window)
     record = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "input_file_id": file_id,
-              "completion_window": window, "created_at": int(time.time()), "metadata": metadata, "model": model,
+              "completion_window": window, "created_at": int(time.time()), "metadata": metadata,
+              "model": line_model(first) if first is not None else None,
               "pipeline": serving.dag_id, "owner": owner, "input_bytes": meta["bytes"]}
     return store.create_batch(record), serving
 

@@ -57,15 +57,13 @@ def line_model(line: bytes) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def first_model(f, max_line_bytes: int) -> str | None:
-    """The model the first non-empty line of an open input file names (what POST /v1/batches routes by); None
-    when it names none. Reads one line at most (``max_line_bytes``)."""
-    while True:
-        line = f.readline(max_line_bytes + 1)
-        if not line:
-            return None
+def first_line(f, max_line_bytes: int) -> bytes | None:
+    """The first non-empty line of an open input file (what POST /v1/batches routes by); None where there is none
+    or it is longer than ``max_line_bytes`` (not held)."""
+    while line := f.readline(max_line_bytes + 1):
         if line.strip():
-            return line_model(line) if len(line) <= max_line_bytes else None
+            return line if len(line) <= max_line_bytes else None
+    return None
 
 
 def _lines(f, max_line_bytes: int, v: Validation) -> Iterator[tuple[int, bytes | None]]:
