@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.runners import ROOT, cpu_env, emit
 
@@ -74,30 +75,34 @@ def _ts(value: str | None) -> float | None:
     return dt.datetime.fromisoformat(value).timestamp() if value else None
 
 
-def _scheduler_latencies(svc, dag_id: str, run_id: str) -> dict:
+def _gap(later: float | None, earlier: float | None) -> float | None:
+    return round(later - earlier, 2) if later is not None and earlier is not None else None
+
+
+def _scheduler_latencies(svc, dag_id: str, run_id: str) -> dict[str, Any]:
     """Per task (in start order): its wait from its upstream's end (or the run's start) to its own start, and
-    its own run time; and their sums."""
+    its own run time; and the waits' sum."""
     run = svc.api("GET", f"dags/{dag_id}/dagRuns/{run_id}")
     tis = sorted(svc.task_instances(dag_id, run_id), key=lambda t: t["start_date"] or "")
-    chain = {"fetch_model": None, "quantize": "fetch_model", "plan_shards": None,
-             "batch_inference": "quantize", "content_filter": "batch_inference", "evaluate": "content_filter",
-             "publish": "evaluate"}
-    ends = {t["task_id"].rsplit(".", 1)[-1]: _ts(t["end_date"]) for t in tis}
-    ends["batch_inference"] = max(e for k, e in ends.items() if k == "batch_inference")
+    upstream = {"quantize": "fetch_model", "content_filter": "batch_inference", "evaluate": "content_filter",
+                "publish": "evaluate"}
+    ends: dict[str, float] = {}
+    for t in tis:
+        name, end = t["task_id"].rsplit(".", 1)[-1], _ts(t["end_date"])
+        if end is not None:
+            ends[name] = max(ends.get(name, end), end)
     run_start = _ts(run["start_date"])
-    out = {}
+    out: dict[str, Any] = {}
     for t in tis:
         name = t["task_id"].rsplit(".", 1)[-1]
-        up = chain.get(name)
         if name == "batch_inference":  # waits for the model and the plan
-            ready = max(ends.get("quantize") or 0, ends.get("plan_shards") or 0)
+            ready: float | None = max(ends.get("quantize", 0.0), ends.get("plan_shards", 0.0)) or None
         else:
-            ready = ends.get(up) if up else run_start
+            ready = ends.get(upstream[name]) if name in upstream else run_start
         start, end = _ts(t["start_date"]), _ts(t["end_date"])
-        out[name] = {"wait_s": round(start - ready, 2) if start and ready else None,
-                     "run_s": round(end - start, 2) if start and end else None}
-    out["total_wait_s"] = round(sum(v["wait_s"] or 0 for v in out.values() if isinstance(v, dict)), 2)
-    out["run_queued_to_start_s"] = round(run_start - _ts(run["queued_at"]), 2) if run.get("queued_at") else None
+        out[name] = {"wait_s": _gap(start, ready), "run_s": _gap(end, start)}
+    out["total_wait_s"] = round(sum(v["wait_s"] or 0.0 for v in out.values()), 2)
+    out["run_queued_to_start_s"] = _gap(run_start, _ts(run.get("queued_at")))
     return out
 
 
@@ -107,7 +112,8 @@ def _through_api(inp: Path, tmp: Path, model_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from airflow_services import AirflowServices
 
-    svc = AirflowServices(tmp, pipelines_dir=_pipeline(tmp, model_dir), extra_env=cpu_env(), pools={"gpu": 1})
+    env = {k: v for k, v in cpu_env().items() if not k.startswith("AIRFLOW")}  # the services' Airflow is their own
+    svc = AirflowServices(tmp, pipelines_dir=_pipeline(tmp, model_dir), extra_env=env, pools={"gpu": 1})
     try:
         svc.start()
         svc.wait_dag_parsed("openai_batch_bench")
@@ -123,6 +129,8 @@ def _through_api(inp: Path, tmp: Path, model_dir: Path) -> dict:
         t_done = time.time()
         if b.status != "completed":
             raise SystemExit(f"batch {b.status}: {b.errors}\n{svc.describe_run('openai_batch_bench', b.id)}")
+        assert b.output_file_id is not None and b.request_counts is not None
+        assert b.in_progress_at is not None and b.finalizing_at is not None and b.completed_at is not None
         out = c.files.content(b.output_file_id).text
         t_downloaded = time.time()
         shard = next((tmp / "out").rglob("shard-00000/manifest.json"))
