@@ -56,6 +56,26 @@ def batch_overrides(params: dict, dag_id: str) -> tuple[dict, dict | None]:
     return {**run_overrides(store, record), "input.conn_id": conn}, record
 
 
+def run_watched(run_shard: Callable[[], list], stop: Callable[[], None], batch: dict | None) -> list | StopReason:
+    """``run_shard()`` (a shard task's worker run: its manifests); for a batch's run, watched: the batch's
+    ``StopReason`` instead when it was cancelled or expired before or while the shard ran (the worker then ended
+    by ``stop``, the GPU lease freed)."""
+    if batch is None:
+        return run_shard()
+    watch = StopWatch(batch["id"], stop)
+    if (reason := watch.check()) is not None:
+        return reason
+    watch.start()
+    try:
+        return run_shard()
+    except Exception:
+        if watch.reason is not None:  # the worker was ended by the watch
+            return watch.reason
+        raise
+    finally:
+        watch.close()
+
+
 class StopWatch:
     """Calls ``stop`` once, from a thread of its own, when the batch ``batch_id`` must stop (``stop_reason``);
     ``reason`` then says why. ``close()`` ends the watch."""

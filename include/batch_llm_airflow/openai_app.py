@@ -190,18 +190,18 @@ def _run_view(record: dict):
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from batch_llm.batch_api.status import RunView, TaskView
-    from sqlalchemy import select
 
     def ts(t: Any) -> int | None:
         return int(t.timestamp()) if t is not None else None
 
-    with create_session() as session:
-        dr = session.scalar(select(DagRun).where(DagRun.dag_id == record["pipeline"], DagRun.run_id == record["id"]))
+    with create_session() as session:  # the Session's query(): no SQLAlchemy import of our own
+        dr = session.query(DagRun).filter(DagRun.dag_id == record["pipeline"],
+                                          DagRun.run_id == record["id"]).one_or_none()
         if dr is None:
             return None
         tasks: dict[str, list] = {}
-        for ti in session.scalars(select(TaskInstance).where(TaskInstance.dag_id == record["pipeline"],
-                                                             TaskInstance.run_id == record["id"])):
+        for ti in session.query(TaskInstance).filter(TaskInstance.dag_id == record["pipeline"],
+                                                     TaskInstance.run_id == record["id"]):
             tasks.setdefault(ti.task_id.rsplit(".", 1)[-1], []).append(
                 TaskView(str(ti.state) if ti.state else None, ts(ti.start_date), ts(ti.end_date)))
         state = str(dr.state.value if hasattr(dr.state, "value") else dr.state)
@@ -252,11 +252,10 @@ def _trigger(record: dict, user: Any, request: Any) -> None:
     from airflow.utils.session import create_session
     from batch_llm.batch_api.runs import PARAM
     from fastapi import HTTPException
-    from sqlalchemy import select
 
     dag_id = record["pipeline"]
     with create_session() as session:
-        dm = session.scalar(select(DagModel).where(DagModel.dag_id == dag_id))
+        dm = session.query(DagModel).filter(DagModel.dag_id == dag_id).one_or_none()
         if dm is not None and dm.is_paused:
             raise ApiError(400, f"The pipeline {dag_id!r} serving model {record['model']!r} is paused: unpause its "
                                 "DAG to run batches.", param="model", code="model_not_available")

@@ -18,6 +18,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from batch_llm import api
 from batch_llm.analysis import metrics_push
 from batch_llm.batch_api.runs import validate_batch
+from batch_llm.batch_api.stop import StopReason
 from batch_llm.config import ConfigDump, ConfigError, PipelineConfig, parse_config
 from batch_llm.isolation.shard_process import IsolatedShard, ShardFailedNoRetry
 from batch_llm.isolation.worker_log import EngineLog
@@ -25,7 +26,7 @@ from batch_llm.layout import RunLayout, read_manifest_at, shard_manifests
 from batch_llm.manifests import ShardManifest
 from batch_llm.stages.evaluate import EvaluationBelowThreshold
 
-from batch_llm_airflow.batch_runs import StopWatch, batch_overrides, batch_store
+from batch_llm_airflow.batch_runs import batch_overrides, batch_store, run_watched
 from batch_llm_airflow.hooks import BatchLlmStorageHook
 from batch_llm_airflow.params import overrides_from_params
 from batch_llm_airflow.storage_bridge import StorageTarget, split_conn, storage_errors
@@ -202,25 +203,13 @@ class BatchInferenceOperator(PipelineStageOperator):
     def execute(self, context: Context) -> dict | list[dict]:
         cfg, layout = self.resolve(context)
         ti = context["ti"]
-        self._run = run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
-        watch = StopWatch(self._openai_batch["id"], run.stop) if self._openai_batch is not None else None
-        if watch is not None and watch.check() is not None:
-            return self._stopped(layout, watch)
-        try:
-            if watch is not None:
-                watch.start()
-            manifests = self._run_logged(context, layout)  # lease → worker → manifests; lease released
+        self._run = IsolatedShard(cfg, layout, self.model, self.shard, holder=f"{ti.dag_id}.{ti.task_id}")
+        try:  # lease → worker → manifests; lease released (a batch's run: stopped when cancelled or expired)
+            manifests = run_watched(lambda: self._run_logged(context, layout), self._run.stop, self._openai_batch)
         except ShardFailedNoRetry as e:
-            if watch is not None and watch.reason is not None:
-                return self._stopped(layout, watch)
             raise AirflowFailException(str(e)) from None
-        except Exception:
-            if watch is not None and watch.reason is not None:  # the worker ended by the watch
-                return self._stopped(layout, watch)
-            raise
-        finally:
-            if watch is not None:
-                watch.close()
+        if isinstance(manifests, StopReason):
+            return self._stopped(layout, manifests)
         for i, m in enumerate(manifests):  # the task's one lease wait counts once
             emit_shard_metrics(cfg.name, m, gpu_lease_wait_seconds=0.0 if i else self._run.lease_wait_seconds)
         results = [m.result().model_dump(mode="json") for m in manifests]  # XCom: files and counts
@@ -240,16 +229,14 @@ class BatchInferenceOperator(PipelineStageOperator):
                 self.log.info("engine output: %d lines (%d warnings, above; %d repeated) in %s", engine.lines,
                               engine.warnings, engine.repeats, engine.url)
 
-    def _stopped(self, layout: RunLayout, watch: StopWatch) -> dict | list[dict]:
+    def _stopped(self, layout: RunLayout, reason: StopReason) -> dict | list[dict]:
         """A batch cancelled or expired (``batch_api.stop``): each shard committed with what it has, the rest of
         its rows error lines; the run goes on to publish them."""
         from batch_llm.batch_api.stop import close_stopped_shard
 
-        assert watch.reason is not None
         shards = self.shard if isinstance(self.shard, list) else [self.shard]
-        self.log.info("batch %s: %s; closing %d shard(s) with the rows they committed", watch.batch_id,
-                      watch.reason.code, len(shards))
-        results = [close_stopped_shard(layout, s, watch.reason.code).result().model_dump(mode="json") for s in shards]
+        self.log.info("batch: %s; closing %d shard(s) with the rows they committed", reason.code, len(shards))
+        results = [close_stopped_shard(layout, s, reason.code).result().model_dump(mode="json") for s in shards]
         return results if isinstance(self.shard, list) else results[0]
 
     def on_kill(self) -> None:

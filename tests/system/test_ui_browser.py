@@ -161,8 +161,8 @@ def test_report_endpoint_access_rules(services):
     r = requests.get(f"{base}/batch-llm/", headers=auth, timeout=30)
     assert r.status_code == 200 and "Batch LLM reports" in r.text, (r.status_code, r.text)
 
-    # the plugin as Airflow lists it: the apps (reports, the OpenAI Batch API) and the nav entry; the "Run report" link is PublishOperator's own
-    # (listed in the provider info's extra-links), no longer repeated by the plugin
+    # the plugin as Airflow lists it: the apps (reports, OpenAI Batch API), the nav entry; the "Run report" link is
+    # PublishOperator's own (listed in the provider info's extra-links), no longer repeated by the plugin
     plugins = {p["name"]: p for p in svc.api("GET", "plugins")["plugins"]}
     p = plugins["batch_llm"]
     assert [a["url_prefix"] for a in p["fastapi_apps"]] == ["/batch-llm", "/openai"], p

@@ -44,6 +44,7 @@ DIST = {
     "peft": "peft", "prometheus_client": "prometheus-client", "pyarrow": "pyarrow", "pydantic": "pydantic", "rich": "rich",
     "psutil": "psutil", "sglang": "sglang", "tokenizers": "tokenizers",
     "starlette": "fastapi",  # FastAPI's own layer: report_app imports its responses and errors
+    "python_multipart": "python-multipart",  # openai_app parses an upload as it streams in (FastAPI's form parser)
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",  # the client, through the KubernetesExecutor's provider
     "deltalake": "deltalake", "pyiceberg": "pyiceberg", "tenacity": "tenacity",  # output.table's sinks
     "PIL": "pillow",  # rows' images (io/images.py), in the engines' extras

@@ -139,6 +139,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("analysis", ("batch_llm.analysis",)),
     ("sinks", ("batch_llm.sinks",)),
     ("stages", ("batch_llm.stages",)),
+    ("batch_api", ("batch_llm.batch_api",)),    # the OpenAI Batch API's files, batches and a stopped shard
     ("api", ()),                                # batch_llm.api: the facade over the stages
     ("isolation", ("batch_llm.isolation",)),    # a shard in a process of its own, which calls the api
     ("frontends", ("batch_llm.frontends",)),
