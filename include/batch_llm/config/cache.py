@@ -7,7 +7,8 @@ from batch_llm.config.section import Section
 
 
 class CacheConfig(Section):
-    """The result cache: earlier outputs reused by content key (see ``result_cache.py`` for the layout)."""
+    """The result cache: earlier outputs reused by content key (the table format: ``cache/table.py``; lookup and
+    writing: ``cache/lookup.py``, ``cache/results.py``)."""
 
     enabled: bool = True
     path: str | None = Field(None, description="default: <output.path>/_cache")
