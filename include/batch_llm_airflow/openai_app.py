@@ -28,7 +28,6 @@ Nothing heavy is imported at module level (Airflow loads every plugin file in ev
 """
 # No ``from __future__ import annotations``: FastAPI reads the route functions' annotations as objects.
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Literal
 
 from batch_llm.batch_api.errors import ApiError
@@ -443,19 +442,3 @@ def create_app() -> "FastAPI":
         return {"status": "ok"}
 
     return app
-
-
-class LazyOpenAIApp:
-    """The ASGI app the plugin registers: builds ``create_app()`` on its first request (see report_app's
-    ``LazyReportApp``: loading the plugin imports neither FastAPI nor Airflow's API code)."""
-
-    def __init__(self) -> None:
-        self._app: "FastAPI | None" = None
-        self._lock = threading.Lock()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self._app is None:
-            with self._lock:
-                if self._app is None:
-                    self._app = create_app()
-        await self._app(scope, receive, send)

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from batch_llm_airflow import openai_app
-from batch_llm_airflow.report_app import URL_PREFIX, LazyReportApp
+from batch_llm_airflow import openai_app, report_app
+from batch_llm_airflow.lazy_app import LazyApp
 
 
 class BatchLlmPlugin(AirflowPlugin):
     name = "batch_llm"
-    fastapi_apps = [{"app": LazyReportApp(), "url_prefix": URL_PREFIX, "name": "batch-llm reports"},
-                    {"app": openai_app.LazyOpenAIApp(), "url_prefix": openai_app.URL_PREFIX,
+    fastapi_apps = [{"app": LazyApp(report_app.create_app), "url_prefix": report_app.URL_PREFIX,
+                     "name": "batch-llm reports"},
+                    {"app": LazyApp(openai_app.create_app), "url_prefix": openai_app.URL_PREFIX,
                      "name": "batch-llm OpenAI Batch API"}]
-    external_views = [{"name": "Batch LLM reports", "href": f"{URL_PREFIX}/", "url_route": "batch-llm-reports",
+    external_views = [{"name": "Batch LLM reports", "href": f"{report_app.URL_PREFIX}/", "url_route": "batch-llm-reports",
                        "destination": "nav", "category": "browse"}]

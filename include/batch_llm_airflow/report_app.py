@@ -367,19 +367,3 @@ def create_app() -> "FastAPI":
         return {"status": "ok"}
 
     return app
-
-
-class LazyReportApp:
-    """The ASGI app the plugin registers: builds ``create_app()`` on its first request, so that loading the
-    plugin (in every Airflow process, task processes too) imports neither FastAPI nor Airflow's API code."""
-
-    def __init__(self) -> None:
-        self._app: "FastAPI | None" = None
-        self._lock = threading.Lock()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self._app is None:
-            with self._lock:
-                if self._app is None:
-                    self._app = create_app()
-        await self._app(scope, receive, send)
