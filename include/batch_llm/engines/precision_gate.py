@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from batch_llm.engines.base import Engine, EngineInfo, GenRequest
+from batch_llm.io.storage import exists, read_json, write_json
 from batch_llm.rows.params import RowParams
 
 if TYPE_CHECKING:
@@ -109,18 +110,14 @@ def _read(store: "Location | None", key: str) -> dict | None:
         return None
     path = store.child(f"{key}.json").path()
     try:
-        if path.exists():
-            return json.loads(path.read_text())
+        return read_json(path) if exists(path) else None
     except (OSError, ValueError):
         return None  # an unreadable record calibrates again
-    return None
 
 
 def _write(store: "Location | None", key: str, record: dict) -> None:
-    if store is None:
-        return
-    store.path().mkdir(parents=True, exist_ok=True)
-    store.child(f"{key}.json").path().write_text(json.dumps(record, indent=1, sort_keys=True))
+    if store is not None:  # atomic: a shard starting beside this one reads the whole record or none
+        write_json(store.child(f"{key}.json").path(), record)
 
 
 def with_candidate(cfg: "PipelineConfig") -> "PipelineConfig":
