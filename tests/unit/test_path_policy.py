@@ -4,6 +4,7 @@ bounded before it is built, and the templates of paths are checked when a pipeli
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import time
 
@@ -272,14 +273,15 @@ def test_twelve_big_pipeline_files_load_well_within_the_import_timeout(tmp_path,
     monkeypatch.setenv("AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT", "600")
     if yaml.__with_libyaml__:
         assert path_policy._safe_loader() is yaml.CSafeLoader
-    t0 = time.process_time()
+    # user CPU: the kernel's page reclaim on a machine short of memory (system time) is not the parse's cost
+    t0 = resource.getrusage(resource.RUSAGE_SELF).ru_utime
     bag = DagBag(dag_folder=str(ROOT / "dags" / "batch_llm_pipelines.py"))
-    cpu = time.process_time() - t0
+    cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime - t0
     assert bag.import_errors == {}
     assert sorted(d for d in bag.dags if d.startswith(("big_", "huge"))) == [
         *(f"big_{i:02d}" for i in range(12)), "huge__invalid_config"]
     assert "over the 1 MiB limit" in bag.dags["huge__invalid_config"].doc_md
-    assert cpu < 1.5, f"{cpu:.2f} s of CPU to build the DAGs of twelve pipeline files"
+    assert cpu < 1.5, f"{cpu:.2f} s of user CPU to build the DAGs of twelve pipeline files"
 
 
 def test_two_pipeline_files_of_one_name_keep_the_first_file_s_dag(tmp_path):
