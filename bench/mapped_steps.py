@@ -1,14 +1,16 @@
-"""The filter per shard and the publish from parts against one task each, 10M-100M tiny rows in 100 files.
+"""The plan in parts, the filter per shard and the publish from parts against one task each, 10M-100M tiny rows
+in 100 files.
 
 Each step runs in a fresh process of its own (``python bench/mapped_steps.py step NAME DIR [SHARD]``), as an
 Airflow task would, so its time and peak RSS are its own. The day: ``--files`` JSONL files of tiny prompt rows
-(~45 bytes). Planned by today's ``plan_shards`` (one task); the shards' outputs are **synthesized** as the echo
+(~45 bytes). The shards' outputs are **synthesized** as the echo
 engine of the tests writes them (``echo <prompt tokens>``, in input order, 1 % of them with a listed word), so no
 engine runs and what is measured is the pipeline's own work. Then the day both ways:
 
 - **one task**: ``api.content_filter`` over every shard in one process (the filter before it was mapped), and
   publish writing every row;
-- **mapped** (``output.parts``): ``api.filter_shard`` per shard, each in its own process (the ``filter_shard``
+- **mapped** (``output.parts``, ``sharding.plan_part_bytes`` one file a part): the plan's steps (list the parts,
+  scan each part, the join of their ids, write each part's shards, gather), ``api.filter_shard`` per shard, each in its own process (the ``filter_shard``
   tasks, each writing its shard's published file), ``api.join_filter`` (the ``content_filter`` task, which reads
   no row), and publish linking the parts into the version.
 
@@ -86,6 +88,17 @@ def run_step(name: str, workdir: Path, shard: int | None) -> dict:
     if name == "plan":
         plan = api.plan_shards(cfg, layout)
         extra = {"valid": plan.valid, "shards": len(plan.shards)}
+    elif name == "plan_parts":
+        extra = {"parts": len(api.plan_parts(cfg, layout).parts)}
+    elif name == "plan_scan":
+        extra = {"rows": api.plan_scan_part(cfg, layout, shard).rows_read}
+    elif name == "plan_join":
+        extra = {"dups": sum(p.duplicates for p in api.plan_join_parts(cfg, layout).places)}
+    elif name == "plan_write":
+        extra = {"shards": len(api.plan_write_part(cfg, layout, shard).shards)}
+    elif name == "plan_gather":
+        plan = api.plan_gather(cfg, layout)
+        extra = {"valid": plan.valid, "shards": len(plan.shards)}
     elif name == "synthesize":
         results = synthesize_outputs(layout, read_manifest_at(layout, "plan"))
         (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in results]))
@@ -132,7 +145,8 @@ def _tasks(runs: list[dict]) -> dict:
     return {"tasks": len(runs), "largest_task_seconds": max(r["task_seconds"] for r in runs),
             "largest_task_rss_mb": max(r["peak_rss_mb"] for r in runs),
             "task_seconds": round(sum(r["task_seconds"] for r in runs), 1),
-            **{k: sum(r[k] for r in runs) for k in ("rows", "dropped", "valid") if k in runs[0]}}
+            **{k: sum(r[k] for r in runs) for k in ("rows", "dropped", "valid", "parts", "shards", "dups")
+               if k in runs[0]}}
 
 
 def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: bool) -> dict:
@@ -142,7 +156,11 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
     work.mkdir(parents=True)
     size = make_input(work / "in", rows, files)
     cfg = {"name": "mapped", "model": {"ref": "unused"}, "input": {"path": str(work / "in"), "format": "jsonl"},
-           "output": {"path": str(work / "out"), "parts": mapped}, "sharding": {"rows_per_shard": rows_per_shard},
+           "output": {"path": str(work / "out"), "parts": mapped},
+           # mapped: the plan too, one part a file
+           "sharding": {"rows_per_shard": rows_per_shard,
+                        **({"plan_part_bytes": max(f.stat().st_size for f in (work / "in").iterdir())}
+                           if mapped else {})},
            "evaluate": {"enabled": False}, "cache": {"enabled": False},
            "filter": {"lists": [{"name": "secrets", "path": "builtin:en", "action": "drop"}]}}
     (work / "config.json").write_text(json.dumps(cfg))
@@ -152,7 +170,15 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
         res[name] = _tasks(runs)
         print(f"  {rows:>11,} {'mapped' if mapped else 'one task':<9} {name:<16} {res[name]}", flush=True)
 
-    step("plan", [_step("plan", work)])
+    if mapped:  # the plan's five steps, the scans and writes one task a part
+        n_parts = _tasks([_step("plan_parts", work)])["parts"]
+        step("plan_parts", [_step("plan_parts", work)])
+        step("plan_scan", [_step("plan_scan", work, i) for i in range(n_parts)])
+        step("plan_join", [_step("plan_join", work)])
+        step("plan_write", [_step("plan_write", work, i) for i in range(n_parts)])
+        step("plan_gather", [_step("plan_gather", work)])
+    else:
+        step("plan", [_step("plan", work)])
     _step("synthesize", work)
     n_shards = len(json.loads((work / "shards.json").read_text()))
     if mapped:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from batch_llm.stages import content_filter as _content_filter
 from batch_llm.stages import evaluate as _evaluate
 from batch_llm.stages import fetch as _fetch
-from batch_llm.stages import plan as _plan
+from batch_llm.stages import plan_parts as _plan_parts
 from batch_llm.stages import publish as _publish
 from batch_llm.stages import quantize as _quantize
 from batch_llm.stages import review as _review
@@ -55,9 +55,11 @@ if TYPE_CHECKING:
         ShardSpec,
     )
     from batch_llm.stages.infer.runner import SharedEngine
+    from batch_llm.stages.plan_parts import JoinManifest, PartScan, PartsManifest, PartWrite
 
 __all__ = ["content_filter", "evaluate", "fetch", "filter_shard", "infer_shard", "infer_shards", "join_filter",
-           "maintain_cache", "plan_shards",
+           "maintain_cache", "plan_gather", "plan_join_parts", "plan_parts",
+           "plan_scan_part", "plan_shards", "plan_write_part",
            "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]
 
 
@@ -73,8 +75,35 @@ def quantize(cfg: PipelineConfig, layout: RunLayout, model: ModelRef | FetchMani
 
 
 def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
-    """The run's plan (reused while its inputs are unchanged): ``batch_llm.stages.plan``."""
-    return _plan.plan_shards(cfg, layout)
+    """The run's plan (reused while its inputs are unchanged): ``batch_llm.stages.plan``, or with
+    ``sharding.plan_part_bytes`` its steps in parts in turn (``batch_llm.stages.plan_parts.plan_day``)."""
+    return _plan_parts.plan_day(cfg, layout)
+
+
+def plan_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
+    """A plan in parts (``sharding.plan_part_bytes``), its first step: the day's files grouped into parts:
+    ``batch_llm.stages.plan_parts``. ``plan_shards`` runs all five steps in turn; a DAG maps them."""
+    return _plan_parts.list_parts(cfg, layout)
+
+
+def plan_scan_part(cfg: PipelineConfig, layout: RunLayout, part: int) -> PartScan:
+    """One part of a plan in parts validated and spooled: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.scan_part(cfg, layout, part)
+
+
+def plan_join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
+    """The duplicate ids across a plan's parts, and each part's rows and shards: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.join_parts(cfg, layout)
+
+
+def plan_write_part(cfg: PipelineConfig, layout: RunLayout, part: int) -> PartWrite:
+    """One part's shards, records and errors: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.write_part(cfg, layout, part)
+
+
+def plan_gather(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    """The plan manifest of a plan in parts, from its parts' manifests: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.gather_plan(cfg, layout)
 
 
 def shard_tasks(cfg: PipelineConfig, plan: PlanManifest) -> list[list[ShardSpec]]:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer, model_validator
 from upath import UPath
 
-from batch_llm.io.storage import MANIFEST, exists, read_json, write_json
+from batch_llm.io.storage import MANIFEST, as_path, exists, iter_jsonl, read_json, write_json
 
 M = TypeVar("M", bound="Manifest")
 
@@ -265,7 +266,9 @@ class PlanManifest(Manifest):
     duplicates: int = 0
     capped: int = 0          # rows whose own max_tokens was lowered to sampling.max_tokens_cap
     errors: str              # errors.jsonl: {source, line, id, reason}, in input order
-    records: str             # records.jsonl: {idx, id, reference, record}, in input order
+    # records.jsonl: {idx, id, reference, record}, in input order; None for a plan in parts
+    # (sharding.plan_part_bytes), whose records are each shard's own (ShardSpec.records, in shard order)
+    records: str | None
     shards: list[ShardSpec]
     has_references: bool
     seconds: float = 0.0
@@ -274,6 +277,14 @@ class PlanManifest(Manifest):
                                   "used, and the stamps of the images its rows read: a later plan of the run reuses "
                                   "this one only while it is the same")
     images_read: str | None = None  # images-read.jsonl: each image file or object the rows read, and its stamp
+    parts: int | None = None        # a plan in parts: how many (stages.plan_parts); None: one task planned the day
+
+    def iter_records(self, options: dict) -> Iterator[dict]:
+        """The plan's records in input order: its records file, or (a plan in parts) each shard's in shard order."""
+        for url in [self.records] if self.records is not None else [s.records for s in self.shards]:
+            if url is None:
+                raise ValueError("a plan in parts lists a shard without its records file")
+            yield from iter_jsonl(as_path(url, options))
 
     @model_validator(mode="after")
     def _shards_name_their_plan(self) -> "PlanManifest":

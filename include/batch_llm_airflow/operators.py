@@ -147,27 +147,108 @@ class QuantizeOperator(PipelineStageOperator):
         return m.ref().model_dump(mode="json")
 
 
+def check_batch_input(op: PipelineStageOperator, cfg: PipelineConfig) -> None:
+    """An OpenAI Batch API run's "validating": its input file checked before any row is planned."""
+    if op._openai_batch is not None and cfg.openai_batch is not None:
+        v = validate_batch(batch_store()[0], op._openai_batch, cfg.openai_batch, cfg.input.max_line_bytes)
+        if v.errors:
+            raise AirflowFailException(f"batch {op._openai_batch['id']}: the input file failed its check ("
+                                       f"{v.error_count} error(s)): " + "; ".join(
+                                           f"{e['code']}: {e['message']}" for e in v.errors[:5]))
+
+
 class PlanShardsOperator(PipelineStageOperator):
+    """The plan; with ``gather`` (a plan in parts, ``sharding.plan_part_bytes``) only its last step: the plan
+    manifest from the parts the mapped ``plan_scan`` and ``plan_write`` tasks committed."""
+
     reads_input = True
+
+    def __init__(self, *, gather: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.gather = gather
 
     @names_storage_errors
     def execute(self, context: Context) -> list:
         """Returns the shard list (index, rows, url): the batch inference task is mapped over it; with
         ``sharding.shards_per_task`` > 1, one list of consecutive shards per task (``api.shard_tasks``)."""
         cfg, layout = self.resolve(context)
-        if self._openai_batch is not None and cfg.openai_batch is not None:  # the batch's "validating"
-            v = validate_batch(batch_store()[0], self._openai_batch, cfg.openai_batch, cfg.input.max_line_bytes)
-            if v.errors:
-                raise AirflowFailException(f"batch {self._openai_batch['id']}: the input file failed its check ("
-                                           f"{v.error_count} error(s)): " + "; ".join(
-                                               f"{e['code']}: {e['message']}" for e in v.errors[:5]))
-        m = api.plan_shards(cfg, layout)
+        if self.gather:
+            m = api.plan_gather(cfg, layout)
+        else:
+            check_batch_input(self, cfg)
+            m = api.plan_shards(cfg, layout)
         tasks = api.shard_tasks(cfg, m)
         self.log.info("plan: %d rows read, %d valid, %d invalid (%s), %d shards in %.1fs, %d inference task(s)",
                       m.rows_read, m.valid, m.invalid, m.errors, len(m.shards), m.seconds, len(tasks))
         if cfg.sharding.shards_per_task == 1:
             return [s.ref() for s in m.shards]
         return [[s.ref() for s in t] for t in tasks]
+
+
+class PlanPartsOperator(PipelineStageOperator):
+    """A plan in parts, its first step: the day's files grouped into parts; returns the part numbers the
+    ``plan_scan`` task is mapped over."""
+
+    reads_input = True
+
+    @names_storage_errors
+    def execute(self, context: Context) -> list[int]:
+        cfg, layout = self.resolve(context)
+        check_batch_input(self, cfg)
+        m = api.plan_parts(cfg, layout)
+        self.log.info("plan: %d input files in %d parts of about %d bytes", m.input_files, len(m.parts),
+                      cfg.sharding.plan_part_bytes)
+        return [p.index for p in m.parts]
+
+
+class PlanScanOperator(PipelineStageOperator):
+    """One part of a plan in parts validated and spooled (mapped over the parts)."""
+
+    template_fields = (*PipelineStageOperator.template_fields, "part")
+    reads_input = True
+
+    def __init__(self, *, part: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.part = part
+
+    @names_storage_errors
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        m = api.plan_scan_part(cfg, layout, int(self.part))
+        self.log.info("plan part %d: %d rows read, %d spooled in %.1fs", m.part, m.rows_read, m.valid, m.seconds)
+        return {"part": m.part, "rows_read": m.rows_read, "valid": m.valid}
+
+
+class PlanJoinOperator(PipelineStageOperator):
+    """A plan in parts: the duplicate ids across its parts, each part's first row and shards; returns the part
+    numbers the ``plan_write`` task is mapped over."""
+
+    @names_storage_errors
+    def execute(self, context: Context) -> list[int]:
+        cfg, layout = self.resolve(context)
+        m = api.plan_join_parts(cfg, layout)
+        self.log.info("plan: %d duplicate ids across %d parts, %d shards, in %.1fs",
+                      sum(p.duplicates for p in m.places), len(m.places),
+                      sum(len(p.shard_rows) for p in m.places), m.seconds)
+        return [p.part for p in m.places]
+
+
+class PlanWriteOperator(PipelineStageOperator):
+    """One part of a plan in parts: its shards, records and errors (mapped over the parts)."""
+
+    template_fields = (*PipelineStageOperator.template_fields, "part")
+
+    def __init__(self, *, part: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.part = part
+
+    @names_storage_errors
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        m = api.plan_write_part(cfg, layout, int(self.part))
+        self.log.info("plan part %d: shards %s, %d error rows, in %.1fs", m.part,
+                      ", ".join(str(s.index) for s in m.shards) or "none", m.error_rows, m.seconds)
+        return {"part": m.part, "shards": [s.index for s in m.shards], "error_rows": m.error_rows}
 
 
 class BatchInferenceOperator(PipelineStageOperator):

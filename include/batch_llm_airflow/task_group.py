@@ -20,7 +20,11 @@ from batch_llm_airflow.operators import (
     EvaluateOperator,
     FetchModelOperator,
     FetchReviewModelOperator,
+    PlanJoinOperator,
+    PlanPartsOperator,
+    PlanScanOperator,
     PlanShardsOperator,
+    PlanWriteOperator,
     PublishOperator,
     QuantizeOperator,
     ReviewOperator,
@@ -42,7 +46,8 @@ def shard_and_review(pair) -> dict:
 
 def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                          overrides: dict | None = None) -> TaskGroup:
-    """fetch model → quantize → plan shards → batch inference × N (→ review × N, with ``filter.review``) →
+    """fetch model → quantize → plan shards (with ``sharding.plan_part_bytes``: plan parts → plan scan × P → plan
+    join → plan write × P → plan shards) → batch inference × N (→ review × N, with ``filter.review``) →
     filter shard × N → content filter (a join of counts) → evaluate → publish.
 
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
@@ -54,7 +59,16 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
     with TaskGroup(group_id=group_id) as group:
         model = FetchModelOperator(task_id="fetch_model", **common)
         quantized = QuantizeOperator(task_id="quantize", model=model.output, **common)
-        plan = PlanShardsOperator(task_id="plan_shards", **common)
+        if cfg.sharding.plan_part_bytes is None:
+            plan = PlanShardsOperator(task_id="plan_shards", **common)
+        else:  # the plan mapped over parts of the input; plan_shards gathers their manifests
+            listed = PlanPartsOperator(task_id="plan_parts", **common)
+            scans = PlanScanOperator.partial(task_id="plan_scan", **common).expand(part=listed.output)
+            joined = PlanJoinOperator(task_id="plan_join", **common)
+            writes = PlanWriteOperator.partial(task_id="plan_write", **common).expand(part=joined.output)
+            plan = PlanShardsOperator(task_id="plan_shards", gather=True, **common)
+            scans >> joined
+            writes >> plan
         # One pool slot per GPU the shard's engine leases (tensor parallelism): a pool sized to the GPUs of the
         # workers admits only the shards that fit. Taken from the config the DAG was built with (the trigger
         # form's Params do not change tensor_parallel_size). A pool with fewer slots leaves the shard scheduled

@@ -111,6 +111,12 @@ class ShardingConfig(Section):
                                  "per shard. Each shard keeps its own folder, chunk commits, manifest and "
                                  "exactly-once resume; the mapped task count is ceil(shards / shards_per_task). "
                                  "Not part of the plan: changing it does not re-plan or redo committed shards")
+    plan_part_bytes: int | None = Field(None, gt=0, description="Plan the day in mapped tasks: the input files "
+                                        "grouped into parts of about this many bytes (a bigger file is a part of "
+                                        "its own), each part validated and sharded by a task of its own, a small "
+                                        "join finding duplicate ids across parts; no task reads more than its "
+                                        "part. Shards are cut per part (rows_per_shard). Needs output.parts; "
+                                        "not with num_shards. None: one plan task reads the day")
     # With neither set, shards are sized so that engine start stays under max_engine_start_share of a shard's
     # time, from these two expectations (defaults: measured on one H200, Qwen2.5-7B shape; docs/benchmarks.md).
     max_engine_start_share: float = Field(0.1, gt=0, lt=1)

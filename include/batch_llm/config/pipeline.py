@@ -71,6 +71,18 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _mapped_plan_writes_shard_records(self) -> "PipelineConfig":
+        if self.sharding.plan_part_bytes is None:
+            return self
+        if not self.output.parts:  # its records are each shard's own: no task writes the day's records file
+            raise ValueError("sharding.plan_part_bytes: a plan in parts writes each shard's records beside the "
+                             "shard, which only output.parts publishes from: set output.parts: true")
+        if self.sharding.num_shards:
+            raise ValueError("sharding.plan_part_bytes: shards are cut within each part; give rows_per_shard "
+                             "instead of num_shards")
+        return self
+
+    @model_validator(mode="after")
     def _guided_decoding_needs_vllm(self) -> "PipelineConfig":
         s = self.sampling
         if s.output_schema is not None and s.guided_decoding and not self.engine.caps.guided_decoding:

@@ -742,7 +742,8 @@ def check_shards_of_plan(plan: PlanManifest, shards: list[ShardResult], *, whole
     shards ran has other rows)."""
     got = {s.shard: s for s in shards}
     missing = [s.index for s in plan.shards if s.index not in got] if whole else []
-    stale = [s.shard for s in shards if s.plan_key and plan.input_key and s.plan_key != plan.input_key[:16]]
+    planned = {s.index: s.plan_key for s in plan.shards}  # a plan in parts keys each part's shards apart
+    stale = [s.shard for s in shards if s.plan_key and planned.get(s.shard) and s.plan_key != planned[s.shard]]
     if missing or stale:
         raise ValueError(f"the shards handed over do not match the run's plan ({len(plan.shards)} shards): "
                          f"missing {missing or 'none'}, made for another plan {stale or 'none'}; clear the plan "

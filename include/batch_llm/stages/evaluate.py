@@ -370,7 +370,7 @@ def _evaluate(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filter
     else:
 
         sample = sample_for_scoring(
-            records=iter_jsonl(Location(plan.records, opts).path()),
+            records=plan.iter_records(opts),
             outputs=filtered_outputs(filtered, opts),
             shards=(iter_jsonl(Location(s.url, opts).path()) for s in plan.shards),
             size=cfg.evaluate.sample_rows, seed=cfg.evaluate.sample_seed)

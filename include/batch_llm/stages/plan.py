@@ -121,12 +121,12 @@ def shard_order(r: PromptRow, default_max_tokens: int) -> int:
     return prompt_chars(r) - budget * _BUDGET_STEP
 
 
-def _with_idx(body: bytes, idx: int) -> bytes:
+def with_idx(body: bytes, idx: int) -> bytes:
     """``{"idx": N, ...body's fields}``: the idx is known only after duplicates are found."""
     return b'{"idx": %d, %s\n' % (idx, body[1:])
 
 
-class _Scan:
+class InputScan:
     """Pass 1: every input row validated once; valid rows spooled, row errors written, id hashes kept."""
 
     def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path, images: ImageChecker | None = None):
@@ -139,14 +139,17 @@ class _Scan:
         self.has_references = False
         self.reads = ImageReads(tmp / "images-read.jsonl")  # every image file or object the rows read: the plan's key
 
-    def run(self, files: list) -> None:
+    def run(self, files: list, first_no: int = 0, day_first: object = None) -> None:
+        """Scans ``files``, numbered from ``first_no`` in the day's listing (a part of a mapped plan starts
+        past 0), whose first file is ``day_first`` (``files[0]`` when None): the one its format was told from."""
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
+        day_first = files[0] if day_first is None else day_first
         with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors, self.reads:
-            for file_no, f in enumerate(files):
+            for file_no, f in enumerate(files, start=first_no):
                 self.images.base = str(f.parent)  # a row's relative image paths: from its file's folder
                 rows = read_file_rows(f, read_fmt, self.cfg.input)
                 if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
-                    rows = _of_kind(rows, f, files[0], self.fmt)
+                    rows = _of_kind(rows, f, day_first, self.fmt)
                 # Each file's rows drain before the next file's start: the checker's base is this file's folder
                 checked_rows = load_ahead(map(self._parsed, rows), self._image_parts, self._check_part,
                                           self.cfg.input.image_workers)
@@ -331,14 +334,14 @@ def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageCheck
                         stores=stores, options=options)
 
 
-def _spool_lines(path: Path) -> Iterator[list[bytes]]:
+def spool_lines(path: Path) -> Iterator[list[bytes]]:
     """Spool rows as their fields: file_no, line, shard_order, id (JSON), shard body, record body."""
     with open(path, "rb") as fh:
         for line in fh:
             yield line.rstrip(b"\n").split(b"\t")
 
 
-def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
+def _find_duplicates(scan: InputScan, files: list, tmp: Path) -> np.ndarray:
     """Spool positions of rows whose id an earlier row has, sorted; their errors go to ``errors-dups.tsv``.
 
     Equal hashes only make candidates: one pass over the spool compares the candidates' ids, so a hash
@@ -359,7 +362,7 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
     dups = array("q")
     ptr = 0
     with open(out, "wb") as errors:
-        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+        for seq, fields in enumerate(spool_lines(scan.spool_path)):
             if ptr == len(candidates):
                 break
             if seq != candidates[ptr]:
@@ -377,7 +380,7 @@ def _find_duplicates(scan: _Scan, files: list, tmp: Path) -> np.ndarray:
     return np.frombuffer(dups, dtype=np.int64)
 
 
-class _SortedShardWriter:
+class SortedShardWriter:
     """Writes one shard's rows sorted by (``shard_order``, input position), or in input order when ``sort`` is off,
     in bounded memory: the external sort spills runs of ``SORT_RUN_ROWS`` rows to local files under ``tmp``."""
 
@@ -437,7 +440,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
                          f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
-        scan = _Scan(cfg, fmt, tmp, image_checker(cfg, input_loc))
+        scan = InputScan(cfg, fmt, tmp, image_checker(cfg, input_loc))
         scan.run(files)
         images_read = None
         if scan.reads.count:  # the images are inputs too: the plan's key holds what was read of them
@@ -468,21 +471,21 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
     return manifest
 
 
-def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Location, tmp: Path, *,
+def _write_shards(scan: InputScan, dups: np.ndarray, sizes: list[int], plan_dir: Location, tmp: Path, *,
                   sort: bool, shard_records: bool = False) -> list[ShardSpec]:
     """Pass 3: the spool, less duplicates, into records.jsonl and the shard files (contiguous ranges); with
     ``shard_records`` (output.parts) each shard's records also in a file of its own, which its filter task joins
     to its outputs without reading the day's."""
     shards: list[ShardSpec] = []
     bounds = iter(sizes)
-    writer: _SortedShardWriter | None = None
+    writer: SortedShardWriter | None = None
     own = contextlib.ExitStack()  # the current shard's records file
     own_records = None
     left = 0
     idx = 0
     dup_ptr = 0
     with atomic_writer(plan_dir.child("records.jsonl").path()) as records, own:
-        for seq, fields in enumerate(_spool_lines(scan.spool_path)):
+        for seq, fields in enumerate(spool_lines(scan.spool_path)):
             if dup_ptr < len(dups) and dups[dup_ptr] == seq:
                 dup_ptr += 1
                 continue
@@ -495,11 +498,11 @@ def _write_shards(scan: _Scan, dups: np.ndarray, sizes: list[int], plan_dir: Loc
                 rec_loc = plan_dir.child(f"{shard_name(len(shards))}-records.jsonl") if shard_records else None
                 shards.append(ShardSpec(index=len(shards), rows=left, url=loc.url,
                                         records=rec_loc.url if rec_loc is not None else None))
-                writer = _SortedShardWriter(loc, tmp, sort=sort)
+                writer = SortedShardWriter(loc, tmp, sort=sort)
                 if rec_loc is not None:
                     own_records = own.enter_context(atomic_writer(rec_loc.path()))
-            writer.add(int(fields[2]), idx, _with_idx(fields[4], idx))
-            line = _with_idx(fields[5], idx)
+            writer.add(int(fields[2]), idx, with_idx(fields[4], idx))
+            line = with_idx(fields[5], idx)
             records.write(line)
             if own_records is not None:
                 own_records.write(line)
@@ -546,16 +549,19 @@ def _key_now(done: PlanManifest, key: str, options: dict, workers: int) -> str |
 
 def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
     """What a plan is made from: the input files' fingerprints and every setting the planner reads."""
-    from batch_llm.io.formats import input_files
     from batch_llm.io.identity import files_key, stable_hash
 
+    return stable_hash({"files": files_key(input_files(input_loc.path())), **plan_settings(cfg)})
+
+
+def plan_settings(cfg: PipelineConfig) -> dict:
+    """Every setting the planner reads, as a plan's key holds them (with the files it read)."""
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
     settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
-    key: dict[str, object] = {"files": files_key(input_files(input_loc.path())), "settings": settings,
-                              "task": cfg.engine.task}
+    key: dict[str, object] = {"settings": settings, "task": cfg.engine.task}
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
     if cfg.output.parts and cfg.output.table is None:  # the plan writes each shard's records too
         key["shard_records"] = True
-    return stable_hash(key)
+    return key

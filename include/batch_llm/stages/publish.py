@@ -149,7 +149,7 @@ def publish(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest, filtered
             n += p.data_rows
     else:
         data = version.child(f"data{FILE_SUFFIX[fmt]}")
-        n = _write_dataset(cfg, layout, plan, filtered, iter_jsonl(Location(plan.records, opts).path()), data)
+        n = _write_dataset(cfg, layout, plan, filtered, plan.iter_records(opts), data)
     n_errors = write_jsonl(version.child("errors.jsonl").path(), _publish_errors(plan, filtered, opts, layout.run_id))
     manifests = RunManifests(plan=plan, filter=filtered, evaluate=scores, **(extra_manifests or {}))
     summary = RunSummary(
@@ -253,7 +253,7 @@ def publish_to_table(cfg: PipelineConfig, layout: RunLayout, plan: PlanManifest,
     as_input_id = _input_id_type(plan, opts, id_column)
 
     def rows() -> Iterator[dict]:
-        for rec, out in joined_outputs(iter_jsonl(Location(plan.records, opts).path()),
+        for rec, out in joined_outputs(plan.iter_records(opts),
                                        filtered_outputs(filtered, opts)):
             published[0] += 1
             row = output_record(_table_record(rec["record"], plan.format), out, "parquet", model=cfg.model.ref,
@@ -305,7 +305,7 @@ def _text(row_id: str | int | None) -> str | None:
 def _input_id_type(plan: PlanManifest, opts: dict, column: str):
     """Casts an error row's id to the type the input's id column has in the published rows (the first record's):
     integer ids stay integers (an inference error knows its id as text), any other id is text."""
-    first = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    first = next(plan.iter_records(opts), None)
     integers = isinstance(((first or {}).get("record") or {}).get(column), int)
 
     def cast(rid: str | int | None) -> str | int | None:
@@ -365,7 +365,7 @@ def _structured_types(schema: OutputSchema | None, plan: PlanManifest, opts: dic
     """The Parquet types of the output schema's columns (under the names ``output_record`` gives them)."""
     if schema is None or plan.format != "parquet":
         return None
-    first = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    first = next(plan.iter_records(opts), None)
     record = (first or {}).get("record") or {}
     return [f.with_name(structured_column(f.name, record)) for f in schema.arrow_fields()]
 
@@ -395,7 +395,7 @@ def _class_types(cfg: PipelineConfig, plan: PlanManifest, filtered: FilterManife
         return None
     import pyarrow as pa
 
-    rec = next(iter_jsonl(Location(plan.records, opts).path()), None)
+    rec = next(plan.iter_records(opts), None)
     record = (rec or {}).get("record") or {}
     return [pa.field(class_label_column(record), pa.string()),
             *(pa.field(structured_column(class_score_column(c), record), pa.float64()) for c in first["scores"])]

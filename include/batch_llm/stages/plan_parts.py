@@ -1,0 +1,523 @@
+"""The plan in parts (``sharding.plan_part_bytes``): the day's input planned by mapped tasks, none of which reads more
+than its part, so planning spreads over the workers the way the shards do.
+
+    list_parts ─> scan_part × P ─> join_parts ─> write_part × P ─> gather_plan
+    (files        (validate its     (ids of all    (its shards and     (the plan manifest:
+     grouped)      files, spool,     parts, by      records, its        every part's shards,
+                   id hashes)        hash bucket)   errors)             errors copied in order)
+
+- **list_parts** groups the day's files, in name order, into parts of about ``plan_part_bytes`` (a bigger file
+  is a part of its own); each part's key is its files' fingerprints and the planner's settings.
+- **scan_part** runs the planner's scan (``plan.InputScan``: every row validated, images checked) over its files
+  and commits, in the plan's folder, its spool, its row errors and one 32-byte entry a valid row: a 128-bit
+  BLAKE2b hash of the row's id, its position in the spool, its file and line, grouped into 256 buckets by the
+  hash's top byte. Equal 128-bit hashes are taken for equal ids (the odds of two ids sharing one are about
+  10^-23 at 10^8 rows); the one-task plan compares the ids themselves.
+- **join_parts** reads the parts' entries bucket group by bucket group (memory: a group, not the day) and finds
+  every id that an earlier row of the day holds, in any part: the later rows are duplicates, each naming the
+  file and line of the row that keeps the id. From the counts it gives each part its first row index and its
+  shards (``rows_per_shard`` within the part, numbered across the day).
+- **write_part** reads its own spool once, leaves its duplicates out and writes its shards (sorted inside as
+  the one-task plan sorts them), each shard's records, and its errors (row errors and duplicates in input order).
+- **gather_plan** writes the plan manifest: the parts' shards in order, the errors of the parts copied into one
+  ``errors.jsonl`` (error lines only; no row is read), the counts summed.
+
+A retry or a Clear redoes only what changed: a part whose files and settings are the same keeps its committed
+scan; a part whose first row index, shards and duplicates are the same keeps its shards (and their ``plan_key``,
+so their committed inference is resumed, not redone). A changed file changes its own part's scan, and the
+shards of the parts after it only where their row indexes move.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from upath import UPath
+
+from batch_llm.config import PipelineConfig
+from batch_llm.io.external_sort import merge_sorted
+from batch_llm.io.formats import input_files
+from batch_llm.io.identity import file_fingerprint, files_key, stable_hash
+from batch_llm.io.images import stamps_digest
+from batch_llm.io.storage import AtomicWriter, Location, atomic_writer, json_bytes, peak_rss_mb
+from batch_llm.layout import RunLayout, shard_name
+from batch_llm.manifests import Manifest, PlanManifest, ShardSpec
+from batch_llm.stages.plan import (
+    InputScan,
+    SortedShardWriter,
+    image_checker,
+    plan_input_key,
+    plan_settings,
+    plan_shards,
+    resolve_format,
+    shard_sizes,
+    spool_lines,
+    with_idx,
+)
+
+log = logging.getLogger("batch_llm.stages.plan")
+
+# One entry a valid row: its id's hash (two words), its position in its part's spool, its file and line
+ENTRY = np.dtype([("h0", "<u8"), ("h1", "<u8"), ("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
+BUCKETS = 256
+# A duplicate found by the join: its spool position, and the file and line of the row that keeps the id
+DUP = np.dtype([("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
+# Entries the join holds at once (a group of buckets of every part): 32 bytes each
+JOIN_GROUP_ENTRIES = 4_000_000
+COPY_BYTES = 1 << 20
+
+
+class PartSpec(BaseModel):
+    """One part of the day: consecutive files of the day's listing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    first_file: int     # its first file's number in the day's listing
+    files: list[str]    # the files' URLs
+    bytes: int
+    key: str            # the files' fingerprints and the planner's settings
+
+
+class PartsManifest(Manifest):
+    stage: str = "plan_parts"
+    format: str
+    input_files: int
+    input_key: str      # the whole day's plan key (plan.plan_input_key): the plan manifest carries it
+    first_file: str     # the day's first file: the one its format was told from
+    parts: list[PartSpec]
+
+
+class PartScan(Manifest):
+    stage: str = "plan_scan"
+    part: int
+    key: str
+    rows_read: int
+    valid: int          # rows spooled (duplicates among them are found by the join)
+    capped: int
+    has_references: bool
+    spool: str
+    errors: str         # file_no \t line \t JSON error line, in input order
+    entries: str        # ENTRY records, bucket by bucket
+    bucket_starts: list[int]  # BUCKETS + 1 offsets into entries, in entries
+    images_read: str | None = None
+    images_digest: str | None = None
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+class PartPlace(BaseModel):
+    """Where a part's rows go, as the join decided: its first row index, its shards, its duplicates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    part: int
+    first_idx: int
+    first_shard: int
+    shard_rows: list[int]
+    duplicates: int
+    dups: str | None    # DUP records sorted by seq; None: no duplicate
+    key: str            # the scan's key and all of the above: what the part's shards are made from
+
+
+class JoinManifest(Manifest):
+    stage: str = "plan_join"
+    input_key: str
+    places: list[PartPlace]
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+class PartWrite(Manifest):
+    stage: str = "plan_write"
+    part: int
+    key: str
+    shards: list[ShardSpec]
+    errors: str          # its error lines (JSON), in input order
+    error_rows: int
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+def _parts_dir(layout: RunLayout) -> Location:
+    return layout.stage("plan").child("parts")
+
+
+def _part_dir(layout: RunLayout, index: int) -> Location:
+    return _parts_dir(layout).child(f"part-{index:05d}")
+
+
+# ------------------------------------------------------------------------------------------------ list the parts
+def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
+    """The day's files grouped into parts of about ``sharding.plan_part_bytes``, in name order (listing and stat
+    only: no row is read, but the first file's first line, which tells the format)."""
+    part_bytes = cfg.sharding.plan_part_bytes
+    if part_bytes is None:
+        raise ValueError("sharding.plan_part_bytes is not set for this run, but its DAG plans in parts (the DAG's "
+                         "shape follows the pipeline file's setting): set it in the pipeline file, not at trigger time")
+    files = input_files(layout.input.path())
+    fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
+    if fmt == "openai_batch" and cfg.engine.task != "generate":
+        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
+                         f"{cfg.engine.task} does not write them (give a JSONL, Parquet or CSV table of prompts)")
+    settings = plan_settings(cfg)
+    parts: list[PartSpec] = []
+    group: list[tuple[int, UPath, int]] = []
+
+    def close() -> None:
+        if group:
+            fs = [f for _, f, _ in group]
+            parts.append(PartSpec(index=len(parts), first_file=group[0][0], files=[str(f) for f in fs],
+                                  bytes=sum(n for _, _, n in group),
+                                  key=stable_hash({"files": files_key(fs), "first_file": group[0][0],
+                                                   "format": fmt, **settings})))
+            group.clear()
+
+    for no, f in enumerate(files):
+        size = int(file_fingerprint(f).get("size") or 0)
+        if group and sum(n for _, _, n in group) + size > part_bytes:
+            close()
+        group.append((no, f, size))
+    close()
+    m = PartsManifest(format=fmt, input_files=len(files), input_key=plan_input_key(cfg, layout.input),
+                      first_file=str(files[0]), parts=parts)
+    m.write(_parts_dir(layout).path())
+    return m
+
+
+# ------------------------------------------------------------------------------------------------ scan a part
+def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
+    """Part ``index`` validated and spooled, its entries bucketed; the committed scan while its key (and what its
+    rows read of images) is unchanged."""
+    parts = PartsManifest.read(_parts_dir(layout).path())
+    spec = parts.parts[index]
+    where = _part_dir(layout, index)
+    done = PartScan.read_if_done(where.path())
+    if done is not None and done.key == spec.key and _images_same(done, layout.input.options,
+                                                                   cfg.input.image_workers):
+        return done
+    t0 = time.perf_counter()
+    opts = layout.input.options
+    files = [Location(u, opts).path() for u in spec.files]
+    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_part_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        scan = InputScan(cfg, parts.format, tmp, image_checker(cfg, layout.input))
+        scan.run(files, first_no=spec.first_file, day_first=Location(parts.first_file, opts).path())
+        entries, starts = _entries(scan.spool_path)
+        _upload(scan.spool_path, where.child("spool.tsv"))
+        _upload(scan.errors_path, where.child("errors.tsv"))
+        with atomic_writer(where.child("entries.bin").path()) as w:
+            w.write(entries.tobytes())
+        images_read = digest = None
+        if scan.reads.count:
+            _upload(scan.reads.path, where.child("images-read.jsonl"))
+            images_read, digest = where.child("images-read.jsonl").url, scan.reads.digest()
+    m = PartScan(part=index, key=spec.key, rows_read=scan.rows_read, valid=len(entries), capped=scan.capped,
+                 has_references=scan.has_references, spool=where.child("spool.tsv").url,
+                 errors=where.child("errors.tsv").url, entries=where.child("entries.bin").url,
+                 bucket_starts=starts, images_read=images_read, images_digest=digest,
+                 seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
+    m.write(where.path())
+    return m
+
+
+def _images_same(done: PartScan, options: dict, workers: int) -> bool:
+    """Whether the images a committed scan's rows read are as they were (each one's stamp again)."""
+    if done.images_read is None:
+        return True
+    try:
+        return stamps_digest(Location(done.images_read, options).path(), options, workers) == done.images_digest
+    except (OSError, ValueError):
+        return False
+
+
+def _entries(spool: Path) -> tuple[np.ndarray, list[int]]:
+    """The part's entries, bucket by bucket (in spool order inside a bucket), and the buckets' starts."""
+    n = 0
+    h0, h1, files, lines = [], [], [], []
+    for fields in spool_lines(spool):
+        d = hashlib.blake2b(fields[3], digest_size=16).digest()
+        h0.append(int.from_bytes(d[:8], "little"))
+        h1.append(int.from_bytes(d[8:], "little"))
+        files.append(int(fields[0]))
+        lines.append(int(fields[1]))
+        n += 1
+    e = np.empty(n, dtype=ENTRY)
+    e["h0"], e["h1"], e["seq"] = h0, h1, np.arange(n, dtype=np.uint32)
+    e["file"], e["line"] = files, lines
+    bucket = (e["h0"] >> np.uint64(56)).astype(np.int64)
+    order = np.argsort(bucket, kind="stable")
+    e = e[order]
+    starts = np.searchsorted(bucket[order], np.arange(BUCKETS + 1)).tolist()
+    return e, starts
+
+
+def _upload(src: Path, dst: Location) -> None:
+    with atomic_writer(dst.path()) as w, open(src, "rb") as fh:
+        while chunk := fh.read(COPY_BYTES):
+            w.write(chunk)
+
+
+# ------------------------------------------------------------------------------------------------ join the parts
+def join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
+    """Every duplicate id of the day found across the parts' entries, a bucket group at a time; each part's place
+    (first row index, shards) from the counts."""
+    t0 = time.perf_counter()
+    parts = PartsManifest.read(_parts_dir(layout).path())
+    scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
+    for p, s in zip(parts.parts, scans):
+        if s.key != p.key:
+            raise RuntimeError(f"plan part {p.index}: its committed scan is of other files or settings than this "
+                               "plan's (a scan_part task did not run again after a Clear): clear the plan's tasks "
+                               "together")
+    opts = layout.input.options
+    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_join_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        dup_files = [tmp / f"dups-{i}.bin" for i in range(len(scans))]
+        handles = [open(f, "wb") for f in dup_files]
+        try:
+            for lo, hi in _bucket_groups(scans):
+                _join_group(scans, lo, hi, opts, handles)
+        finally:
+            for h in handles:
+                h.close()
+        places: list[PartPlace] = []
+        idx = shard = 0
+        for p, s, f in zip(parts.parts, scans, dup_files):
+            dups = np.sort(np.fromfile(f, dtype=DUP), order="seq")
+            kept = s.valid - len(dups)
+            rows = shard_sizes(kept, cfg.sharding, cfg.sampling.max_tokens)
+            url = None
+            if len(dups):
+                loc = _part_dir(layout, p.index).child("dups.bin")
+                with atomic_writer(loc.path()) as w:
+                    w.write(dups.tobytes())
+                url = loc.url
+            key = stable_hash({"scan": s.key, "first_idx": idx, "first_shard": shard, "rows": rows,
+                               "dups": hashlib.sha256(dups.tobytes()).hexdigest()})
+            places.append(PartPlace(part=p.index, first_idx=idx, first_shard=shard, shard_rows=rows,
+                                    duplicates=len(dups), dups=url, key=key))
+            idx += kept
+            shard += len(rows)
+    m = JoinManifest(input_key=parts.input_key, places=places, seconds=round(time.perf_counter() - t0, 2),
+                     peak_rss_mb=peak_rss_mb())
+    m.write(layout.stage("plan").child("join").path())
+    return m
+
+
+def _bucket_groups(scans: list[PartScan]) -> Iterator[tuple[int, int]]:
+    """Consecutive bucket ranges holding at most ``JOIN_GROUP_ENTRIES`` entries of all parts (one bucket more
+    where a single bucket holds more)."""
+    counts = np.zeros(BUCKETS, dtype=np.int64)
+    for s in scans:
+        counts += np.diff(np.asarray(s.bucket_starts, dtype=np.int64))
+    lo, held = 0, 0
+    for b in range(BUCKETS):
+        if held and held + counts[b] > JOIN_GROUP_ENTRIES:
+            yield lo, b
+            lo, held = b, 0
+        held += int(counts[b])
+    yield lo, BUCKETS
+
+
+def _join_group(scans: list[PartScan], lo: int, hi: int, opts: dict, handles: list) -> None:
+    """Duplicates among buckets [lo, hi) of every part: entries of one hash after the day's first (part, then
+    spool order, which is input order) are appended to their part's file, naming the first's file and line."""
+    arrays, owners = [], []
+    for p, s in enumerate(scans):
+        a, b = s.bucket_starts[lo], s.bucket_starts[hi]
+        if b > a:
+            with Location(s.entries, opts).path().open("rb") as fh:
+                fh.seek(a * ENTRY.itemsize)
+                arrays.append(np.frombuffer(fh.read((b - a) * ENTRY.itemsize), dtype=ENTRY))
+            owners.append(np.full(b - a, p, dtype=np.uint32))
+    if not arrays:
+        return
+    e, part = np.concatenate(arrays), np.concatenate(owners)
+    order = np.lexsort((e["seq"], part, e["h1"], e["h0"]))
+    e, part = e[order], part[order]
+    same = np.zeros(len(e), dtype=bool)
+    same[1:] = (e["h0"][1:] == e["h0"][:-1]) & (e["h1"][1:] == e["h1"][:-1])
+    if not same.any():
+        return
+    starts = np.flatnonzero(~same)
+    first = starts[np.searchsorted(starts, np.arange(len(e)), side="right") - 1]
+    dup = np.flatnonzero(same)
+    out = np.empty(len(dup), dtype=DUP)
+    out["seq"], out["file"], out["line"] = e["seq"][dup], e["file"][first[dup]], e["line"][first[dup]]
+    for p in np.unique(part[dup]):
+        handles[p].write(out[part[dup] == p].tobytes())
+
+
+# ------------------------------------------------------------------------------------------------ write a part
+def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
+    """Part ``index``'s shards, their records and its errors, from its spool less its duplicates; the committed
+    ones while the join placed the part as before."""
+    join = JoinManifest.read(layout.stage("plan").child("join").path())
+    place = join.places[index]
+    where = _part_dir(layout, index).child("write")
+    done = PartWrite.read_if_done(where.path())
+    if done is not None and done.key == place.key:
+        return done
+    t0 = time.perf_counter()
+    parts = PartsManifest.read(_parts_dir(layout).path())
+    scan = PartScan.read(_part_dir(layout, index).path())
+    opts = layout.input.options
+    names = [Location(u, opts).path().name for u in parts.parts[index].files]
+    first_file = parts.parts[index].first_file
+    dups = (np.frombuffer(Location(place.dups, opts).path().read_bytes(), dtype=DUP) if place.dups
+            else np.empty(0, dtype=DUP))
+    plan_dir = layout.stage("plan")
+    shards: list[ShardSpec] = []
+    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_write_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        spool = tmp / "spool.tsv"
+        with Location(scan.spool, opts).path().open("rb") as src, open(spool, "wb") as dst:
+            shutil.copyfileobj(src, dst, COPY_BYTES)
+        dup_errors = tmp / "errors-dups.tsv"
+        bounds = iter(place.shard_rows)
+        writer: SortedShardWriter | None = None
+        own = contextlib.ExitStack()  # the current shard's records file
+        rec: AtomicWriter | None = None
+        left, idx, ptr = 0, place.first_idx, 0
+        with open(dup_errors, "wb") as errors, own:
+            for seq, fields in enumerate(spool_lines(spool)):
+                if ptr < len(dups) and dups[ptr]["seq"] == seq:
+                    errors.write(_dup_error(fields, dups[ptr], names, first_file, parts))
+                    ptr += 1
+                    continue
+                if left == 0 or writer is None:  # the shard is full, or this is the part's first row
+                    if writer is not None:
+                        writer.close()
+                    own.close()
+                    left = next(bounds)
+                    n = place.first_shard + len(shards)
+                    loc = plan_dir.child(f"{shard_name(n)}.jsonl")
+                    rec_loc = plan_dir.child(f"{shard_name(n)}-records.jsonl")
+                    shards.append(ShardSpec(index=n, rows=left, url=loc.url, records=rec_loc.url,
+                                            plan_key=place.key[:16]))
+                    writer = SortedShardWriter(loc, tmp, sort=cfg.sharding.sort_by_length)
+                    rec = own.enter_context(atomic_writer(rec_loc.path()))
+                writer.add(int(fields[2]), idx, with_idx(fields[4], idx))
+                assert rec is not None  # opened with the shard, above
+                rec.write(with_idx(fields[5], idx))
+                idx += 1
+                left -= 1
+            if writer is not None:
+                writer.close()
+        local_errors = tmp / "errors.tsv"
+        with Location(scan.errors, opts).path().open("rb") as src, open(local_errors, "wb") as dst:
+            shutil.copyfileobj(src, dst, COPY_BYTES)
+        errors_loc = where.child("errors.jsonl")
+        n_errors = 0
+        with atomic_writer(errors_loc.path()) as w:
+            for line in _merged_error_lines([local_errors, dup_errors], tmp):
+                w.write(line)
+                n_errors += 1
+    m = PartWrite(part=index, key=place.key, shards=shards, errors=errors_loc.url, error_rows=n_errors,
+                  seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
+    m.write(where.path())
+    return m
+
+
+def _dup_error(fields: list[bytes], dup: np.void, names: list[str], first_file: int, parts: PartsManifest) -> bytes:
+    """A duplicate's error line (``file_no \\t line \\t JSON``), as the one-task plan writes it."""
+    file_no, line, rid = int(fields[0]), int(fields[1]), json.loads(fields[3])
+    first_at = f"{_file_name(parts, int(dup['file']))}:{int(dup['line'])}"
+    return b"%d\t%d\t" % (file_no, line) + json_bytes({
+        "source": names[file_no - first_file], "line": line, "id": rid, "duplicate_of": first_at,
+        "reason": f"duplicate id {rid!r} (first at {first_at})"}) + b"\n"
+
+
+def _file_name(parts: PartsManifest, file_no: int) -> str:
+    for p in parts.parts:
+        if p.first_file <= file_no < p.first_file + len(p.files):
+            return Path(p.files[file_no - p.first_file]).name
+    return f"file {file_no}"
+
+
+def _merged_error_lines(paths: list[Path], tmp: Path) -> Iterator[bytes]:
+    def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
+        with open(p, "rb") as fh:
+            for ln in fh:
+                file_no, line, body = ln.split(b"\t", 2)
+                yield int(file_no), int(line), body
+
+    for _, _, body in merge_sorted([partial(items, p) for p in paths], tmp):
+        yield body
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    """The plan manifest of a plan in parts: the parts' shards in order, their errors copied into one file, the
+    counts summed; the shard files and records stay where their parts wrote them."""
+    t0 = time.perf_counter()
+    plan_dir = layout.stage("plan")
+    parts = PartsManifest.read(_parts_dir(layout).path())
+    join = JoinManifest.read(plan_dir.child("join").path())
+    if join.input_key != parts.input_key:
+        raise RuntimeError("the plan's join is of another listing of the input than its parts (join_parts did not "
+                           "run again after a Clear): clear the plan's tasks together")
+    opts = layout.input.options
+    scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
+    writes = []
+    for place in join.places:
+        w = PartWrite.read(_part_dir(layout, place.part).child("write").path())
+        if w.key != place.key:
+            raise RuntimeError(f"plan part {place.part}: its shards were written for another placement than the "
+                               "join's (write_part did not run again after a Clear): clear the plan's tasks together")
+        writes.append(w)
+    errors_loc = plan_dir.child("errors.jsonl")
+    with atomic_writer(errors_loc.path()) as out:
+        for w in writes:
+            with Location(w.errors, opts).path().open("rb") as fh:
+                while chunk := fh.read(COPY_BYTES):
+                    out.write(chunk)
+    images_read = None
+    if any(s.images_read for s in scans):
+        loc = plan_dir.child("images-read.jsonl")
+        with atomic_writer(loc.path()) as out:
+            for s in scans:
+                if s.images_read:
+                    with Location(s.images_read, opts).path().open("rb") as fh:
+                        while chunk := fh.read(COPY_BYTES):
+                            out.write(chunk)
+        images_read = loc.url
+    duplicates = sum(p.duplicates for p in join.places)
+    tasks = [*(s.seconds for s in scans), join.seconds, *(w.seconds for w in writes)]
+    m = PlanManifest(
+        input=layout.input.url, input_files=parts.input_files, format=parts.format,
+        rows_read=sum(s.rows_read for s in scans), valid=sum(s.valid for s in scans) - duplicates,
+        invalid=sum(w.error_rows for w in writes), duplicates=duplicates, capped=sum(s.capped for s in scans),
+        errors=errors_loc.url, records=None, shards=[s for w in writes for s in w.shards],
+        has_references=any(s.has_references for s in scans), seconds=round(sum(tasks) + time.perf_counter() - t0, 2),
+        peak_rss_mb=max([*(s.peak_rss_mb for s in scans), join.peak_rss_mb, *(w.peak_rss_mb for w in writes),
+                         peak_rss_mb()]),
+        input_key=parts.input_key, images_read=images_read, parts=len(parts.parts))
+    m.write(plan_dir.path())
+    return m
+
+
+def plan_day(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
+    """The run's plan in this process: in parts where ``sharding.plan_part_bytes`` is set (step after step; a
+    DAG maps them), else the one-task plan (``plan.plan_shards``)."""
+    if cfg.sharding.plan_part_bytes is None:
+        return plan_shards(cfg, layout)
+    parts = list_parts(cfg, layout)
+    for p in parts.parts:
+        scan_part(cfg, layout, p.index)
+    join = join_parts(cfg, layout)
+    for place in join.places:
+        write_part(cfg, layout, place.part)
+    return gather_plan(cfg, layout)
+

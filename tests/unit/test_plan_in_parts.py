@@ -1,0 +1,123 @@
+"""The plan in parts (``sharding.plan_part_bytes``) against the one-task plan of the same day: the same records in
+the same order, the same errors (a duplicate id across files found and joined to its first line), the same rows in
+the shards with the same indexes; a second plan redoes nothing, a changed file redoes its own part's scan and
+moves only the shards whose row indexes move."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from batch_llm import api
+from batch_llm.config import ConfigError
+from batch_llm.io.storage import Location, iter_jsonl
+from batch_llm.layout import RunLayout
+from batch_llm.manifests import PlanManifest
+from batch_llm.stages import plan as plan_mod
+from batch_llm.stages import plan_parts
+from helpers import demo_config
+
+
+def _day(folder):
+    """Five files: ids unique but where noted; a bad line, a row without a prompt, ids repeated in a file and
+    across files (the later ones are the duplicates)."""
+    folder.mkdir(parents=True)
+    files = {
+        "a.jsonl": [{"id": f"a{i}", "prompt": "p" * (i + 1)} for i in range(6)] + [{"id": "a1", "prompt": "again"}],
+        "b.jsonl": [{"id": "b0", "prompt": "x"}, "{not json", {"id": "a3", "prompt": "from a"},
+                    {"id": "b1", "prompt": "yy"}],
+        "c.jsonl": [{"id": f"c{i}", "prompt": "q" * (7 - i)} for i in range(5)] + [{"id": "c9"}],
+        "d.jsonl": [{"id": "b1", "prompt": "from b"}, {"id": "d0", "prompt": "z", "max_tokens": 8}],
+        "e.jsonl": [{"id": f"e{i}", "prompt": "e" * i + "!"} for i in range(4)],
+    }
+    for name, rows in files.items():
+        (folder / name).write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return folder
+
+
+def _cfg(tmp_path, folder, **over):
+    return demo_config(tmp_path, input__path=str(folder), output__parts=True, sharding__rows_per_shard=3, **over)
+
+
+def _layout(cfg, run_id):
+    return RunLayout.for_run(cfg, run_id=run_id, ds="2026-12-07")
+
+
+def _shard_rows(m: PlanManifest) -> list[dict]:
+    return sorted((r for s in m.shards for r in iter_jsonl(Location(s.url).path())), key=lambda r: r["idx"])
+
+
+def test_parts_plan_the_same_day_as_one_task(tmp_path):
+    folder = _day(tmp_path / "in")
+    one = api.plan_shards(_cfg(tmp_path, folder), _layout(_cfg(tmp_path, folder), "one"))
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=300)
+    parted = api.plan_shards(cfg, _layout(cfg, "parted"))
+    assert parted.parts is not None and parted.parts >= 3 and one.parts is None
+    for field in ("rows_read", "valid", "invalid", "duplicates", "format", "input_files", "has_references"):
+        assert getattr(parted, field) == getattr(one, field), field
+    assert (one.rows_read, one.valid, one.duplicates) == (23, 18, 3)
+    assert list(parted.iter_records({})) == list(one.iter_records({}))
+    errors = list(iter_jsonl(Location(parted.errors).path()))
+    assert errors == list(iter_jsonl(Location(one.errors).path()))
+    dups = {e["id"]: e["duplicate_of"] for e in errors if "duplicate_of" in e}
+    assert dups == {"a1": "a.jsonl:2", "a3": "a.jsonl:4", "b1": "b.jsonl:4"}
+    assert _shard_rows(parted) == _shard_rows(one)
+    assert [s.index for s in parted.shards] == list(range(len(parted.shards)))
+    for s in parted.shards:  # each shard's records are its own rows, in the shard's idx range
+        recs = [r["idx"] for r in iter_jsonl(Location(s.records).path())]
+        assert sorted(r["idx"] for r in iter_jsonl(Location(s.url).path())) == recs and len(recs) == s.rows
+
+
+def test_a_join_of_small_bucket_groups_finds_the_same(tmp_path, monkeypatch):
+    folder = _day(tmp_path / "in")
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=300)
+    whole = api.plan_shards(cfg, _layout(cfg, "whole"))
+    monkeypatch.setattr(plan_parts, "JOIN_GROUP_ENTRIES", 2)
+    assert len(list(plan_parts._bucket_groups([plan_parts.PartScan.read(
+        plan_parts._part_dir(_layout(cfg, "whole"), 0).path())]))) > 1
+    grouped = api.plan_shards(cfg, _layout(cfg, "grouped"))
+    assert list(iter_jsonl(Location(grouped.errors).path())) == list(iter_jsonl(Location(whole.errors).path()))
+    assert _shard_rows(grouped) == _shard_rows(whole)
+
+
+def test_again_nothing_is_redone_and_a_changed_file_redoes_its_part(tmp_path, monkeypatch):
+    folder = _day(tmp_path / "in")
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=300)
+    layout = _layout(cfg, "run")
+    first = api.plan_shards(cfg, layout)
+    scanned: list = []
+    run = plan_mod.InputScan.run
+    monkeypatch.setattr(plan_mod.InputScan, "run", lambda self, files, *a, **k: (scanned.append(
+        [f.name for f in files]), run(self, files, *a, **k))[1])
+    written: list = []
+    write = plan_parts.write_part
+    monkeypatch.setattr(plan_parts, "write_part", lambda c, lay, i: (written.append(i), write(c, lay, i))[1])
+    again = api.plan_shards(cfg, layout)
+    assert scanned == [] and again.shards == first.shards
+    assert {w for w in written} == set(range(first.parts or 0))  # each asked, each returned its committed write
+
+    # a row added at the day's end: the last part scanned again, the others' shards (and plan keys) unchanged
+    with open(folder / "e.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "e9", "prompt": "late"}) + "\n")
+    later = api.plan_shards(cfg, layout)
+    assert len(scanned) == 1 and scanned[0][-1] == "e.jsonl"  # the last part only (d and e)
+    assert later.valid == first.valid + 1
+    keep = [s for s in first.shards if s.index < later.shards[-1].index - 1]
+    assert keep and all(s in later.shards for s in keep)
+
+    # a row added to the first file: its part scanned again; the parts after it keep their scans but their
+    # shards move (their row indexes do)
+    scanned.clear()
+    with open(folder / "a.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "a9", "prompt": "late too"}) + "\n")
+    moved = api.plan_shards(cfg, layout)
+    assert len(scanned) == 1 and scanned[0][0] == "a.jsonl"  # the first part only
+    assert moved.shards[-1].plan_key != later.shards[-1].plan_key
+    one = api.plan_shards(_cfg(tmp_path, folder), _layout(_cfg(tmp_path, folder), "one"))
+    assert list(moved.iter_records({})) == list(one.iter_records({}))
+
+
+def test_settings_a_plan_in_parts_cannot_take_are_refused(tmp_path):
+    with pytest.raises((ConfigError, ValueError), match="output.parts"):
+        demo_config(tmp_path, sharding__plan_part_bytes=1000)
+    with pytest.raises((ConfigError, ValueError), match="rows_per_shard"):
+        demo_config(tmp_path, sharding__plan_part_bytes=1000, output__parts=True, sharding__num_shards=2)
