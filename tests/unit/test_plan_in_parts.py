@@ -121,3 +121,26 @@ def test_settings_a_plan_in_parts_cannot_take_are_refused(tmp_path):
         demo_config(tmp_path, sharding__plan_part_bytes=1000)
     with pytest.raises((ConfigError, ValueError), match="rows_per_shard"):
         demo_config(tmp_path, sharding__plan_part_bytes=1000, output__parts=True, sharding__num_shards=2)
+
+
+def test_steps_cleared_apart_scan_a_changed_file_and_refuse_a_stale_plan(tmp_path):
+    """As a Clear of one ``plan_scan`` (its listing kept): the changed file's part is scanned again; a join whose
+    part was not scanned again, or whose folder gained a file since the listing, fails saying what to clear."""
+    folder = _day(tmp_path / "in")
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=300)
+    layout = _layout(cfg, "run")
+    first = api.plan_shards(cfg, layout)
+    last = (first.parts or 0) - 1
+    with open(folder / "e.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "e9", "prompt": "late"}) + "\n")
+    with pytest.raises(RuntimeError, match=f"plan part {last}: .*clear that plan_scan task"):
+        api.plan_join_parts(cfg, layout)
+    before = plan_parts.PartScan.read(plan_parts._part_dir(layout, last).path()).rows_read
+    assert api.plan_scan_part(cfg, layout, last).rows_read == before + 1
+    join = api.plan_join_parts(cfg, layout)
+    for place in join.places:
+        api.plan_write_part(cfg, layout, place.part)
+    assert api.plan_gather(cfg, layout).valid == first.valid + 1
+    (folder / "f.jsonl").write_text(json.dumps({"id": "f0", "prompt": "new file"}) + "\n")
+    with pytest.raises(RuntimeError, match="clear plan_parts"):
+        api.plan_join_parts(cfg, layout)

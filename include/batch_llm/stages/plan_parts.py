@@ -86,14 +86,13 @@ class PartSpec(BaseModel):
     first_file: int     # its first file's number in the day's listing
     files: list[str]    # the files' URLs
     bytes: int
-    key: str            # the files' fingerprints and the planner's settings
+    key: str            # part_key when listed (its scan and the join compute it again from the files)
 
 
 class PartsManifest(Manifest):
     stage: str = "plan_parts"
     format: str
     input_files: int
-    input_key: str      # the whole day's plan key (plan.plan_input_key): the plan manifest carries it
     first_file: str     # the day's first file: the one its format was told from
     parts: list[PartSpec]
 
@@ -170,7 +169,6 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
     if fmt == "openai_batch" and cfg.engine.task != "generate":
         raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
                          f"{cfg.engine.task} does not write them (give a JSONL, Parquet or CSV table of prompts)")
-    settings = plan_settings(cfg)
     parts: list[PartSpec] = []
     group: list[tuple[int, UPath, int]] = []
 
@@ -178,9 +176,7 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
         if group:
             fs = [f for _, f, _ in group]
             parts.append(PartSpec(index=len(parts), first_file=group[0][0], files=[str(f) for f in fs],
-                                  bytes=sum(n for _, _, n in group),
-                                  key=stable_hash({"files": files_key(fs), "first_file": group[0][0],
-                                                   "format": fmt, **settings})))
+                                  bytes=sum(n for _, _, n in group), key=""))
             group.clear()
 
     for no, f in enumerate(files):
@@ -189,10 +185,20 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
             close()
         group.append((no, f, size))
     close()
-    m = PartsManifest(format=fmt, input_files=len(files), input_key=plan_input_key(cfg, layout.input),
-                      first_file=str(files[0]), parts=parts)
+    for spec in parts:
+        spec.key = part_key(cfg, fmt, spec, layout.input.options)
+    m = PartsManifest(format=fmt, input_files=len(files), first_file=str(files[0]), parts=parts)
     m.write(_parts_dir(layout).path())
     return m
+
+
+def part_key(cfg: PipelineConfig, fmt: str, spec: PartSpec, options: dict) -> str:
+    """What a part's scan is made of, as its files are now: their fingerprints, where they sit in the day, the
+    format and the planner's settings. Computed again by its scan and the join, so a file changed after the
+    listing makes its part's scan run again when that task is cleared."""
+    files = [Location(u, options).path() for u in spec.files]
+    return stable_hash({"files": files_key(files), "first_file": spec.first_file, "format": fmt,
+                        **plan_settings(cfg)})
 
 
 # ------------------------------------------------------------------------------------------------ scan a part
@@ -201,9 +207,10 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     rows read of images) is unchanged."""
     parts = PartsManifest.read(_parts_dir(layout).path())
     spec = parts.parts[index]
+    key = part_key(cfg, parts.format, spec, layout.input.options)
     where = _part_dir(layout, index)
     done = PartScan.read_if_done(where.path())
-    if done is not None and done.key == spec.key and _images_same(done, layout.input.options,
+    if done is not None and done.key == key and _images_same(done, layout.input.options,
                                                                    cfg.input.image_workers):
         return done
     t0 = time.perf_counter()
@@ -222,7 +229,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
         if scan.reads.count:
             _upload(scan.reads.path, where.child("images-read.jsonl"))
             images_read, digest = where.child("images-read.jsonl").url, scan.reads.digest()
-    m = PartScan(part=index, key=spec.key, rows_read=scan.rows_read, valid=len(entries), capped=scan.capped,
+    m = PartScan(part=index, key=key, rows_read=scan.rows_read, valid=len(entries), capped=scan.capped,
                  has_references=scan.has_references, spool=where.child("spool.tsv").url,
                  errors=where.child("errors.tsv").url, entries=where.child("entries.bin").url,
                  bucket_starts=starts, images_read=images_read, images_digest=digest,
@@ -274,13 +281,17 @@ def join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
     (first row index, shards) from the counts."""
     t0 = time.perf_counter()
     parts = PartsManifest.read(_parts_dir(layout).path())
+    opts = layout.input.options
+    now = [str(f) for f in input_files(layout.input.path())]
+    if now != [u for p in parts.parts for u in p.files]:
+        raise RuntimeError("the input's files are not those plan_parts listed (a file was added, removed or "
+                           "renamed since): clear plan_parts with its downstream tasks")
     scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
     for p, s in zip(parts.parts, scans):
-        if s.key != p.key:
+        if s.key != part_key(cfg, parts.format, p, opts):
             raise RuntimeError(f"plan part {p.index}: its committed scan is of other files or settings than this "
-                               "plan's (a scan_part task did not run again after a Clear): clear the plan's tasks "
-                               "together")
-    opts = layout.input.options
+                               "plan's (its file changed and its plan_scan task did not run again): clear that "
+                               "plan_scan task with its downstream tasks")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_join_") as tmp_dir:
         tmp = Path(tmp_dir)
         dup_files = [tmp / f"dups-{i}.bin" for i in range(len(scans))]
@@ -309,8 +320,8 @@ def join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
                                     duplicates=len(dups), dups=url, key=key))
             idx += kept
             shard += len(rows)
-    m = JoinManifest(input_key=parts.input_key, places=places, seconds=round(time.perf_counter() - t0, 2),
-                     peak_rss_mb=peak_rss_mb())
+    m = JoinManifest(input_key=plan_input_key(cfg, layout.input), places=places,
+                     seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(layout.stage("plan").child("join").path())
     return m
 
@@ -465,9 +476,6 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     plan_dir = layout.stage("plan")
     parts = PartsManifest.read(_parts_dir(layout).path())
     join = JoinManifest.read(plan_dir.child("join").path())
-    if join.input_key != parts.input_key:
-        raise RuntimeError("the plan's join is of another listing of the input than its parts (join_parts did not "
-                           "run again after a Clear): clear the plan's tasks together")
     opts = layout.input.options
     scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
     writes = []
@@ -503,7 +511,7 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
         has_references=any(s.has_references for s in scans), seconds=round(sum(tasks) + time.perf_counter() - t0, 2),
         peak_rss_mb=max([*(s.peak_rss_mb for s in scans), join.peak_rss_mb, *(w.peak_rss_mb for w in writes),
                          peak_rss_mb()]),
-        input_key=parts.input_key, images_read=images_read, parts=len(parts.parts))
+        input_key=join.input_key, images_read=images_read, parts=len(parts.parts))
     m.write(plan_dir.path())
     return m
 
