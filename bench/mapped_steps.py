@@ -7,12 +7,12 @@ Airflow task would, so its time and peak RSS are its own. The day: ``--files`` J
 engine of the tests writes them (``echo <prompt tokens>``, in input order, 1 % of them with a listed word), so no
 engine runs and what is measured is the pipeline's own work. Then the day both ways:
 
-- **one task**: ``api.content_filter`` over every shard in one process (the filter before it was mapped), and
+- **one task**: ``api.plan_shards`` in one process, ``api.content_filter`` over every shard in one process (the filter before it was mapped), and
   publish writing every row;
 - **mapped** (``output.parts``, ``sharding.plan_part_bytes`` one file a part): the plan's steps (list the parts,
-  scan each part, the join of their ids, write each part's shards, gather), ``api.filter_shard`` per shard, each in its own process (the ``filter_shard``
-  tasks, each writing its shard's published file), ``api.join_filter`` (the ``content_filter`` task, which reads
-  no row), and publish linking the parts into the version.
+  scan each part, the join of their ids, write each part's shards, gather), ``api.filter_shard`` per shard, each
+  in its own process (the ``filter_shard`` tasks, each writing its shard's published file), ``api.join_filter``
+  (the ``content_filter`` task, which reads no row), and publish linking the parts into the version.
 
 Reported per step: the largest single task's seconds and peak RSS, and the task-seconds summed over its tasks.
 
@@ -191,10 +191,11 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
     return res
 
 
-def bench_size(rows: int, files: int, rows_per_shard: int, base: Path) -> dict:
-    return {"rows": rows, "files": files, "rows_per_shard": rows_per_shard,
-            "one_task": _variant(rows, files, rows_per_shard, base / f"rows-{rows}-one", mapped=False),
-            "mapped": _variant(rows, files, rows_per_shard, base / f"rows-{rows}-mapped", mapped=True)}
+def bench_size(rows: int, files: int, rows_per_shard: int, base: Path, variants: tuple[str, ...]) -> dict:
+    res: dict = {"rows": rows, "files": files, "rows_per_shard": rows_per_shard}
+    for v in variants:
+        res[v] = _variant(rows, files, rows_per_shard, base / f"rows-{rows}-{v}", mapped=v == "mapped")
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,20 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10000000,100000000")
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--rows-per-shard", type=int, default=100_000)
+    ap.add_argument("--variants", default="one_task,mapped", help="one_task, mapped or both (comma-separated)")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mapped-steps.json"))
     a = ap.parse_args(argv)
     base = Path(a.dir or tempfile.mkdtemp(prefix="batch_llm_mapped_"))
     results = []
     for n in (int(x) for x in a.sizes.split(",")):
-        results.append(bench_size(n, a.files, a.rows_per_shard, base))
+        results.append(bench_size(n, a.files, a.rows_per_shard, base, tuple(a.variants.split(","))))
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
                                            "results": results}, indent=1))
     print("\n| rows | variant | step | tasks | largest task s | largest task MB | task-seconds |")
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for r in results:
-        for variant in ("one_task", "mapped"):
+        for variant in (v for v in ("one_task", "mapped") if v in r):
             for step, t in r[variant].items():
                 if isinstance(t, dict):
                     print(f"| {r['rows']:,} | {variant} | {step} | {t['tasks']} | {t['largest_task_seconds']} | "
