@@ -7,8 +7,8 @@ Airflow task would, so its time and peak RSS are its own. The day: ``--files`` J
 engine of the tests writes them (``echo <prompt tokens>``, in input order, 1 % of them with a listed word), so no
 engine runs and what is measured is the pipeline's own work. Then the day both ways:
 
-- **one task**: ``api.plan_shards`` in one process, ``api.content_filter`` over every shard in one process (the filter before it was mapped), and
-  publish writing every row;
+- **one task**: ``api.plan_shards`` in one process, ``api.content_filter`` over every shard in one process (the
+  filter before it was mapped), and publish writing every row;
 - **mapped** (``output.parts``, ``sharding.plan_part_bytes`` one file a part): the plan's steps (list the parts,
   scan each part, the join of their ids, write each part's shards, gather), ``api.filter_shard`` per shard, each
   in its own process (the ``filter_shard`` tasks, each writing its shard's published file), ``api.join_filter``
