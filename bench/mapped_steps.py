@@ -10,7 +10,8 @@ engine runs and what is measured is the pipeline's own work. Then the day both w
 - **one task**: ``api.plan_shards`` in one process, ``api.content_filter`` over every shard in one process (the
   filter before it was mapped), and publish writing every row;
 - **mapped** (``output.parts``, ``sharding.plan_part_bytes`` one file a part): the plan's steps (list the parts,
-  scan each part, the join of their ids, write each part's shards, gather), ``api.filter_shard`` per shard, each
+  scan each part, the join of their ids a hash-bucket group a task, place, write each part's shards,
+  gather), ``api.filter_shard`` per shard, each
   in its own process (the ``filter_shard`` tasks, each writing its shard's published file), ``api.join_filter``
   (the ``content_filter`` task, which reads no row), and publish linking the parts into the version.
 
@@ -73,6 +74,25 @@ def synthesize_outputs(layout, plan) -> list:
     return shards
 
 
+def _plan_step(name: str, cfg, layout, part: int | None) -> dict:
+    """One step of the plan in parts (``part``: the part, or the join's group, of a mapped one)."""
+    from batch_llm import api
+
+    n = part if part is not None else -1  # the mapped steps are given one
+    if name == "plan_parts":
+        return {"parts": len(api.plan_parts(cfg, layout).parts)}
+    if name == "plan_scan":
+        return {"rows": api.plan_scan_part(cfg, layout, n).rows_read}
+    if name == "plan_join":
+        return {"dups": (api.plan_join_group(cfg, layout, n).part_starts or [0])[-1]}
+    if name == "plan_place":
+        return {"dups": sum(p.duplicates for p in api.plan_place(cfg, layout).places)}
+    if name == "plan_write":
+        return {"shards": len(api.plan_write_part(cfg, layout, n).shards)}
+    plan = api.plan_gather(cfg, layout)
+    return {"valid": plan.valid, "shards": len(plan.shards)}
+
+
 def run_step(name: str, workdir: Path, shard: int | None) -> dict:
     """One step in this (fresh) process."""
     from batch_llm import api
@@ -88,17 +108,8 @@ def run_step(name: str, workdir: Path, shard: int | None) -> dict:
     if name == "plan":
         plan = api.plan_shards(cfg, layout)
         extra = {"valid": plan.valid, "shards": len(plan.shards)}
-    elif name == "plan_parts":
-        extra = {"parts": len(api.plan_parts(cfg, layout).parts)}
-    elif name == "plan_scan":
-        extra = {"rows": api.plan_scan_part(cfg, layout, shard).rows_read}
-    elif name == "plan_join":
-        extra = {"dups": sum(p.duplicates for p in api.plan_join_parts(cfg, layout).places)}
-    elif name == "plan_write":
-        extra = {"shards": len(api.plan_write_part(cfg, layout, shard).shards)}
-    elif name == "plan_gather":
-        plan = api.plan_gather(cfg, layout)
-        extra = {"valid": plan.valid, "shards": len(plan.shards)}
+    elif name.startswith("plan_"):
+        extra = _plan_step(name, cfg, layout, shard)
     elif name == "synthesize":
         results = synthesize_outputs(layout, read_manifest_at(layout, "plan"))
         (workdir / "shards.json").write_text(json.dumps([s.model_dump(mode="json") for s in results]))
@@ -174,7 +185,8 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
         n_parts = _tasks([_step("plan_parts", work)])["parts"]
         step("plan_parts", [_step("plan_parts", work)])
         step("plan_scan", [_step("plan_scan", work, i) for i in range(n_parts)])
-        step("plan_join", [_step("plan_join", work)])
+        step("plan_join", [_step("plan_join", work, i) for i in range(n_parts)])
+        step("plan_place", [_step("plan_place", work)])
         step("plan_write", [_step("plan_write", work, i) for i in range(n_parts)])
         step("plan_gather", [_step("plan_gather", work)])
     else:

@@ -55,11 +55,11 @@ if TYPE_CHECKING:
         ShardSpec,
     )
     from batch_llm.stages.infer.runner import SharedEngine
-    from batch_llm.stages.plan_parts import JoinManifest, PartScan, PartsManifest, PartWrite
+    from batch_llm.stages.plan_parts import GroupJoin, JoinManifest, PartScan, PartsManifest, PartWrite
 
 __all__ = ["content_filter", "evaluate", "fetch", "filter_shard", "infer_shard", "infer_shards", "join_filter",
-           "maintain_cache", "plan_gather", "plan_join_parts", "plan_parts",
-           "plan_scan_part", "plan_shards", "plan_write_part",
+           "maintain_cache", "plan_gather", "plan_join_group", "plan_parts",
+           "plan_place", "plan_scan_part", "plan_shards", "plan_write_part",
            "publish", "quantize", "review_fetch", "review_shards", "shard_tasks"]
 
 
@@ -91,9 +91,14 @@ def plan_scan_part(cfg: PipelineConfig, layout: RunLayout, part: int) -> PartSca
     return _plan_parts.scan_part(cfg, layout, part)
 
 
-def plan_join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
-    """The duplicate ids across a plan's parts, and each part's rows and shards: ``batch_llm.stages.plan_parts``."""
-    return _plan_parts.join_parts(cfg, layout)
+def plan_join_group(cfg: PipelineConfig, layout: RunLayout, group: int) -> GroupJoin:
+    """The duplicate ids among one group of hash buckets of every part: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.join_group(cfg, layout, group)
+
+
+def plan_place(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
+    """Each part's first row and shards, from the join's counts: ``batch_llm.stages.plan_parts``."""
+    return _plan_parts.place_parts(cfg, layout)
 
 
 def plan_write_part(cfg: PipelineConfig, layout: RunLayout, part: int) -> PartWrite:

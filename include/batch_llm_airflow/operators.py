@@ -220,16 +220,33 @@ class PlanScanOperator(PipelineStageOperator):
 
 
 class PlanJoinOperator(PipelineStageOperator):
-    """A plan in parts: the duplicate ids across its parts, each part's first row and shards; returns the part
-    numbers the ``plan_write`` task is mapped over."""
+    """A plan in parts: the duplicate ids among one group of hash buckets of every part (mapped, one task a part)."""
+
+    template_fields = (*PipelineStageOperator.template_fields, "group")
+
+    def __init__(self, *, group: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.group = group
+
+    @names_storage_errors
+    def execute(self, context: Context) -> dict:
+        cfg, layout = self.resolve(context)
+        m = api.plan_join_group(cfg, layout, int(self.group))
+        n = (m.part_starts or [0])[-1]
+        self.log.info("plan join %d: %d ids, %d duplicates, in %.1fs", m.group, m.entries, n, m.seconds)
+        return {"group": m.group, "entries": m.entries, "duplicates": n}
+
+
+class PlanPlaceOperator(PipelineStageOperator):
+    """A plan in parts: each part's first row and shards from the join's counts; returns the part numbers the
+    ``plan_write`` task is mapped over."""
 
     @names_storage_errors
     def execute(self, context: Context) -> list[int]:
         cfg, layout = self.resolve(context)
-        m = api.plan_join_parts(cfg, layout)
-        self.log.info("plan: %d duplicate ids across %d parts, %d shards, in %.1fs",
-                      sum(p.duplicates for p in m.places), len(m.places),
-                      sum(len(p.shard_rows) for p in m.places), m.seconds)
+        m = api.plan_place(cfg, layout)
+        self.log.info("plan: %d duplicate ids across %d parts, %d shards", sum(p.duplicates for p in m.places),
+                      len(m.places), sum(len(p.shard_rows) for p in m.places))
         return [p.part for p in m.places]
 
 

@@ -22,6 +22,7 @@ from batch_llm_airflow.operators import (
     FetchReviewModelOperator,
     PlanJoinOperator,
     PlanPartsOperator,
+    PlanPlaceOperator,
     PlanScanOperator,
     PlanShardsOperator,
     PlanWriteOperator,
@@ -47,7 +48,7 @@ def shard_and_review(pair) -> dict:
 def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
                          overrides: dict | None = None) -> TaskGroup:
     """fetch model → quantize → plan shards (with ``sharding.plan_part_bytes``: plan parts → plan scan × P → plan
-    join → plan write × P → plan shards) → batch inference × N (→ review × N, with ``filter.review``) →
+    join × P → plan place → plan write × P → plan shards) → batch inference × N (→ review × N, with ``filter.review``) →
     filter shard × N → content filter (a join of counts) → evaluate → publish.
 
     ``overrides`` are dotted config keys applied at run time after the Params; their values are templated,
@@ -64,10 +65,12 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
         else:  # the plan mapped over parts of the input; plan_shards gathers their manifests
             listed = PlanPartsOperator(task_id="plan_parts", **common)
             scans = PlanScanOperator.partial(task_id="plan_scan", **common).expand(part=listed.output)
-            joined = PlanJoinOperator(task_id="plan_join", **common)
-            writes = PlanWriteOperator.partial(task_id="plan_write", **common).expand(part=joined.output)
+            # the join, one hash-bucket group of every part a task: after every scan
+            joins = PlanJoinOperator.partial(task_id="plan_join", **common).expand(group=listed.output)
+            placed = PlanPlaceOperator(task_id="plan_place", **common)
+            writes = PlanWriteOperator.partial(task_id="plan_write", **common).expand(part=placed.output)
             plan = PlanShardsOperator(task_id="plan_shards", gather=True, **common)
-            scans >> joined
+            scans >> joins >> placed
             writes >> plan
         # One pool slot per GPU the shard's engine leases (tensor parallelism): a pool sized to the GPUs of the
         # workers admits only the shards that fit. Taken from the config the DAG was built with (the trigger

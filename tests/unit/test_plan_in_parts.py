@@ -67,14 +67,23 @@ def test_parts_plan_the_same_day_as_one_task(tmp_path):
         assert sorted(r["idx"] for r in iter_jsonl(Location(s.url).path())) == recs and len(recs) == s.rows
 
 
-def test_a_join_of_small_bucket_groups_finds_the_same(tmp_path, monkeypatch):
+@pytest.mark.parametrize("buckets", [2, 64])
+def test_the_join_finds_the_same_over_any_bucket_groups(tmp_path, monkeypatch, buckets):
+    """Fewer buckets than parts (a join task with none) or many: the same duplicates, errors and shard rows as a
+    join of the whole day in one group (one part)."""
     folder = _day(tmp_path / "in")
-    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=300)
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=10**6)
     whole = api.plan_shards(cfg, _layout(cfg, "whole"))
-    monkeypatch.setattr(plan_parts, "JOIN_GROUP_ENTRIES", 2)
-    assert len(list(plan_parts._bucket_groups([plan_parts.PartScan.read(
-        plan_parts._part_dir(_layout(cfg, "whole"), 0).path())]))) > 1
+    assert whole.parts == 1
+    monkeypatch.setattr(plan_parts, "BUCKETS", buckets)
+    monkeypatch.setattr(plan_parts, "HEADER_BYTES", (buckets + 1) * 8)
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=100)
     grouped = api.plan_shards(cfg, _layout(cfg, "grouped"))
+    assert (grouped.parts or 0) >= 5
+    joins = [plan_parts.GroupJoin.read(_layout(cfg, "grouped").stage("plan").child("join", f"group-{g:05d}").path())
+             for g in range(grouped.parts or 0)]
+    assert sum(j.entries for j in joins) == whole.valid + whole.duplicates
+    assert (buckets < len(joins)) == any(j.entries == 0 for j in joins)
     assert list(iter_jsonl(Location(grouped.errors).path())) == list(iter_jsonl(Location(whole.errors).path()))
     assert _shard_rows(grouped) == _shard_rows(whole)
 
@@ -134,13 +143,16 @@ def test_steps_cleared_apart_scan_a_changed_file_and_refuse_a_stale_plan(tmp_pat
     with open(folder / "e.jsonl", "a") as fh:
         fh.write(json.dumps({"id": "e9", "prompt": "late"}) + "\n")
     with pytest.raises(RuntimeError, match=f"plan part {last}: .*clear that plan_scan task"):
-        api.plan_join_parts(cfg, layout)
+        api.plan_place(cfg, layout)
     before = plan_parts.PartScan.read(plan_parts._part_dir(layout, last).path()).rows_read
     assert api.plan_scan_part(cfg, layout, last).rows_read == before + 1
-    join = api.plan_join_parts(cfg, layout)
-    for place in join.places:
+    with pytest.raises(RuntimeError, match=r"plan_join group\(s\) \[0, .*clear plan_join"):
+        api.plan_place(cfg, layout)  # the join ran before that scan
+    for g in range(first.parts or 0):
+        api.plan_join_group(cfg, layout, g)
+    for place in api.plan_place(cfg, layout).places:
         api.plan_write_part(cfg, layout, place.part)
     assert api.plan_gather(cfg, layout).valid == first.valid + 1
     (folder / "f.jsonl").write_text(json.dumps({"id": "f0", "prompt": "new file"}) + "\n")
     with pytest.raises(RuntimeError, match="clear plan_parts"):
-        api.plan_join_parts(cfg, layout)
+        api.plan_place(cfg, layout)

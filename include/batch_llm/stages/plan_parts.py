@@ -1,31 +1,33 @@
 """The plan in parts (``sharding.plan_part_bytes``): the day's input planned by mapped tasks, none of which reads more
 than its part, so planning spreads over the workers the way the shards do.
 
-    list_parts ─> scan_part × P ─> join_parts ─> write_part × P ─> gather_plan
-    (files        (validate its     (ids of all    (its shards and     (the plan manifest:
-     grouped)      files, spool,     parts, by      records, its        every part's shards,
-                   id hashes)        hash bucket)   errors)             errors copied in order)
+    list_parts ─> scan_part × P ─> join_group × P ─> place_parts ─> write_part × P ─> gather_plan
+    (files        (validate its     (one hash-bucket  (counts: each   (its shards and   (the plan manifest:
+     grouped)      files, spool,     group of every    part's rows     records, its      every part's shards,
+                   id hashes)        part's ids)       and shards)     errors)           errors copied in order)
 
 - **list_parts** groups the day's files, in name order, into parts of about ``plan_part_bytes`` (a bigger file
-  is a part of its own); each part's key is its files' fingerprints and the planner's settings.
+  is a part of its own). No row is read.
 - **scan_part** runs the planner's scan (``plan.InputScan``: every row validated, images checked) over its files
   and commits, in the plan's folder, its spool, its row errors and one 32-byte entry a valid row: a 128-bit
-  BLAKE2b hash of the row's id, its position in the spool, its file and line, grouped into 256 buckets by the
-  hash's top byte. Equal 128-bit hashes are taken for equal ids (the odds of two ids sharing one are about
+  BLAKE2b hash of the row's id, its position in the spool, its file and line, grouped into ``BUCKETS`` buckets by
+  the hash's top bits. Equal 128-bit hashes are taken for equal ids (the odds of two ids sharing one are about
   10^-23 at 10^8 rows); the one-task plan compares the ids themselves.
-- **join_parts** reads the parts' entries bucket group by bucket group (memory: a group, not the day) and finds
-  every id that an earlier row of the day holds, in any part: the later rows are duplicates, each naming the
-  file and line of the row that keeps the id. From the counts it gives each part its first row index and its
-  shards (``rows_per_shard`` within the part, numbered across the day).
+- **join_group** ``g`` reads buckets ``[g * BUCKETS // P, (g + 1) * BUCKETS // P)`` of every part (two range reads a
+  part: about one part's worth of entries in all) and finds every id an earlier row of the day holds, in any
+  part: the later rows are duplicates, each naming the file and line of the row that keeps the id.
+- **place_parts** sums the counts: each part's first row index and its shards (``rows_per_shard`` within the
+  part, numbered across the day), and where its duplicates are. It reads manifests only.
 - **write_part** reads its own spool once, leaves its duplicates out and writes its shards (sorted inside as
   the one-task plan sorts them), each shard's records, and its errors (row errors and duplicates in input order).
 - **gather_plan** writes the plan manifest: the parts' shards in order, the errors of the parts copied into one
   ``errors.jsonl`` (error lines only; no row is read), the counts summed.
 
 A retry or a Clear redoes only what changed: a part whose files and settings are the same keeps its committed
-scan; a part whose first row index, shards and duplicates are the same keeps its shards (and their ``plan_key``,
-so their committed inference is resumed, not redone). A changed file changes its own part's scan, and the
-shards of the parts after it only where their row indexes move.
+scan; a join group keeps its result while the scans are the ones it read; a part whose first row index, shards
+and duplicates are the same keeps its shards (and their ``plan_key``, so their committed inference is resumed,
+not redone). A changed file changes its own part's scan, and the shards of the parts after it only where their
+row indexes move.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -69,11 +72,14 @@ log = logging.getLogger("batch_llm.stages.plan")
 
 # One entry a valid row: its id's hash (two words), its position in its part's spool, its file and line
 ENTRY = np.dtype([("h0", "<u8"), ("h1", "<u8"), ("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
-BUCKETS = 256
-# A duplicate found by the join: its spool position, and the file and line of the row that keeps the id
-DUP = np.dtype([("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
-# Entries the join holds at once (a group of buckets of every part): 32 bytes each
-JOIN_GROUP_ENTRIES = 4_000_000
+# Entries are grouped by the hash's top bits; the join's task g takes buckets [g * BUCKETS // P, (g+1) * BUCKETS // P)
+# of every part, about one part's worth of entries
+BUCKETS = 4096
+# A part's entries file: the buckets' starts (BUCKETS + 1 int64, in entries), then the entries bucket by bucket
+HEADER_BYTES = (BUCKETS + 1) * 8
+# A duplicate found by the join: its part and spool position, and the file and line of the row that keeps the id
+DUP = np.dtype([("part", "<u4"), ("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
+READ_THREADS = 16  # the join's reads of every part's slice: round trips to storage, side by side
 COPY_BYTES = 1 << 20
 
 
@@ -107,10 +113,23 @@ class PartScan(Manifest):
     has_references: bool
     spool: str
     errors: str         # file_no \t line \t JSON error line, in input order
-    entries: str        # ENTRY records, bucket by bucket
-    bucket_starts: list[int]  # BUCKETS + 1 offsets into entries, in entries
+    entries: str        # the buckets' starts, then ENTRY records bucket by bucket (HEADER_BYTES)
     images_read: str | None = None
     images_digest: str | None = None
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+class GroupJoin(Manifest):
+    """One task of the join: the duplicates among a group of hash buckets of every part."""
+
+    stage: str = "plan_join"
+    group: int
+    buckets: tuple[int, int]
+    scans: str                      # the scans' keys it read (stable_hash): a scan made since makes it stale
+    entries: int
+    dups: str | None                # DUP records sorted by (part, seq); None: no duplicate
+    part_starts: list[int] | None   # parts + 1 offsets into dups, in records; None: no duplicate
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -125,12 +144,12 @@ class PartPlace(BaseModel):
     first_shard: int
     shard_rows: list[int]
     duplicates: int
-    dups: str | None    # DUP records sorted by seq; None: no duplicate
-    key: str            # the scan's key and all of the above: what the part's shards are made from
+    dups: list[tuple[str, int, int]] = []  # the join's DUP files and record ranges holding this part's duplicates
+    key: str            # the scan's key and its place: what its shards are made from, with its duplicates
 
 
 class JoinManifest(Manifest):
-    stage: str = "plan_join"
+    stage: str = "plan_place"
     input_key: str
     places: list[PartPlace]
     seconds: float = 0.0
@@ -140,7 +159,8 @@ class JoinManifest(Manifest):
 class PartWrite(Manifest):
     stage: str = "plan_write"
     part: int
-    key: str
+    key: str             # its place's key and its duplicates: its shards' plan_key
+    place_key: str
     shards: list[ShardSpec]
     errors: str          # its error lines (JSON), in input order
     error_rows: int
@@ -210,7 +230,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     key = part_key(cfg, parts.format, spec, layout.input.options)
     where = _part_dir(layout, index)
     done = PartScan.read_if_done(where.path())
-    if done is not None and done.key == key and _images_same(done, layout.input.options,
+    if done is not None and done.key == key and _images_same(done, where.options, layout.input.options,
                                                                    cfg.input.image_workers):
         return done
     t0 = time.perf_counter()
@@ -224,6 +244,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
         _upload(scan.spool_path, where.child("spool.tsv"))
         _upload(scan.errors_path, where.child("errors.tsv"))
         with atomic_writer(where.child("entries.bin").path()) as w:
+            w.write(starts.tobytes())
             w.write(entries.tobytes())
         images_read = digest = None
         if scan.reads.count:
@@ -232,23 +253,24 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     m = PartScan(part=index, key=key, rows_read=scan.rows_read, valid=len(entries), capped=scan.capped,
                  has_references=scan.has_references, spool=where.child("spool.tsv").url,
                  errors=where.child("errors.tsv").url, entries=where.child("entries.bin").url,
-                 bucket_starts=starts, images_read=images_read, images_digest=digest,
+                 images_read=images_read, images_digest=digest,
                  seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(where.path())
     return m
 
 
-def _images_same(done: PartScan, options: dict, workers: int) -> bool:
-    """Whether the images a committed scan's rows read are as they were (each one's stamp again)."""
+def _images_same(done: PartScan, store: dict, options: dict, workers: int) -> bool:
+    """Whether the images a committed scan's rows read are as they were (each one's stamp again, read with the
+    input's ``options``; the list in the plan's ``store``)."""
     if done.images_read is None:
         return True
     try:
-        return stamps_digest(Location(done.images_read, options).path(), options, workers) == done.images_digest
+        return stamps_digest(Location(done.images_read, store).path(), options, workers) == done.images_digest
     except (OSError, ValueError):
         return False
 
 
-def _entries(spool: Path) -> tuple[np.ndarray, list[int]]:
+def _entries(spool: Path) -> tuple[np.ndarray, np.ndarray]:
     """The part's entries, bucket by bucket (in spool order inside a bucket), and the buckets' starts."""
     n = 0
     h0, h1, files, lines = [], [], [], []
@@ -262,11 +284,16 @@ def _entries(spool: Path) -> tuple[np.ndarray, list[int]]:
     e = np.empty(n, dtype=ENTRY)
     e["h0"], e["h1"], e["seq"] = h0, h1, np.arange(n, dtype=np.uint32)
     e["file"], e["line"] = files, lines
-    bucket = (e["h0"] >> np.uint64(56)).astype(np.int64)
+    bucket = _bucket(e["h0"])
     order = np.argsort(bucket, kind="stable")
     e = e[order]
-    starts = np.searchsorted(bucket[order], np.arange(BUCKETS + 1)).tolist()
+    starts = np.searchsorted(bucket[order], np.arange(BUCKETS + 1)).astype("<i8")
     return e, starts
+
+
+def _bucket(h0: np.ndarray) -> np.ndarray:
+    """An entry's bucket: the top bits of its hash."""
+    return (h0 >> np.uint64(64 - BUCKETS.bit_length() + 1)).astype(np.int64)
 
 
 def _upload(src: Path, dst: Location) -> None:
@@ -276,9 +303,80 @@ def _upload(src: Path, dst: Location) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ join the parts
-def join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
-    """Every duplicate id of the day found across the parts' entries, a bucket group at a time; each part's place
-    (first row index, shards) from the counts."""
+def bucket_range(group: int, n_parts: int) -> tuple[int, int]:
+    """The hash buckets of the join's task ``group`` (one task a part)."""
+    return group * BUCKETS // n_parts, (group + 1) * BUCKETS // n_parts
+
+
+def join_group(cfg: PipelineConfig, layout: RunLayout, group: int) -> GroupJoin:
+    """The duplicates among one group of hash buckets of every part's entries: of each id, every row after the
+    day's first (part, then spool order: input order) is a duplicate naming the first's file and line. The
+    committed result while the parts' scans are the ones it read."""
+    t0 = time.perf_counter()
+    parts = PartsManifest.read(_parts_dir(layout).path())
+    n = len(parts.parts)
+    store = layout.stage("plan").options
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        scans = list(pool.map(lambda p: PartScan.read(_part_dir(layout, p.index).path()), parts.parts))
+        digest = stable_hash([s.key for s in scans])
+        where = layout.stage("plan").child("join", f"group-{group:05d}")
+        done = GroupJoin.read_if_done(where.path())
+        if done is not None and done.scans == digest:
+            return done
+        lo, hi = bucket_range(group, n)
+        slices = list(pool.map(lambda s: _entries_slice(Location(s.entries, store), lo, hi), scans))
+    owners = [np.full(len(a), p, dtype=np.uint32) for p, a in enumerate(slices)]
+    e = np.concatenate(slices) if slices else np.empty(0, dtype=ENTRY)
+    part = np.concatenate(owners) if owners else np.empty(0, dtype=np.uint32)
+    del slices, owners  # the group is held once, plus the sort's copy
+    out = _duplicates(e, part)
+    url, starts = None, None
+    if len(out):
+        loc = where.child("dups.bin")
+        with atomic_writer(loc.path()) as w:
+            w.write(out.tobytes())
+        url, starts = loc.url, np.searchsorted(out["part"], np.arange(n + 1)).tolist()
+    m = GroupJoin(group=group, buckets=(lo, hi), scans=digest, entries=len(e), dups=url, part_starts=starts,
+                  seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
+    m.write(where.path())
+    return m
+
+
+def _entries_slice(entries: Location, lo: int, hi: int) -> np.ndarray:
+    """Buckets [lo, hi) of a part's entries file: two range reads (their starts, then their entries)."""
+    with entries.path().open("rb") as fh:
+        fh.seek(lo * 8)
+        a, b = np.frombuffer(fh.read(16 if hi == lo + 1 else (hi - lo + 1) * 8), dtype="<i8")[[0, -1]]
+        if b <= a:
+            return np.empty(0, dtype=ENTRY)
+        fh.seek(HEADER_BYTES + int(a) * ENTRY.itemsize)
+        return np.frombuffer(fh.read(int(b - a) * ENTRY.itemsize), dtype=ENTRY)
+
+
+def _duplicates(e: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """DUP records of the entries whose hash an earlier entry (by part, then spool position) has, sorted by
+    (part, seq)."""
+    if len(e) < 2:
+        return np.empty(0, dtype=DUP)
+    order = np.lexsort((e["seq"], part, e["h1"], e["h0"]))
+    e, part = e[order], part[order]
+    same = np.zeros(len(e), dtype=bool)
+    same[1:] = (e["h0"][1:] == e["h0"][:-1]) & (e["h1"][1:] == e["h1"][:-1])
+    dup = np.flatnonzero(same)
+    out = np.empty(len(dup), dtype=DUP)
+    if not len(dup):
+        return out
+    starts = np.flatnonzero(~same)
+    first = starts[np.searchsorted(starts, dup, side="right") - 1]
+    out["part"], out["seq"] = part[dup], e["seq"][dup]
+    out["file"], out["line"] = e["file"][first], e["line"][first]
+    return np.sort(out, order=["part", "seq"])
+
+
+def place_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
+    """Each part's place from the join's counts: its first row index and its shards (``rows_per_shard`` within
+    the part, numbered across the day), and where its duplicates are. Refuses a plan whose steps disagree (a part
+    changed since its scan, a join older than the scans), naming the task to clear."""
     t0 = time.perf_counter()
     parts = PartsManifest.read(_parts_dir(layout).path())
     opts = layout.input.options
@@ -292,108 +390,66 @@ def join_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
             raise RuntimeError(f"plan part {p.index}: its committed scan is of other files or settings than this "
                                "plan's (its file changed and its plan_scan task did not run again): clear that "
                                "plan_scan task with its downstream tasks")
-    with tempfile.TemporaryDirectory(prefix="batch_llm_plan_join_") as tmp_dir:
-        tmp = Path(tmp_dir)
-        dup_files = [tmp / f"dups-{i}.bin" for i in range(len(scans))]
-        handles = [open(f, "wb") for f in dup_files]
-        try:
-            for lo, hi in _bucket_groups(scans):
-                _join_group(scans, lo, hi, opts, handles)
-        finally:
-            for h in handles:
-                h.close()
-        places: list[PartPlace] = []
-        idx = shard = 0
-        for p, s, f in zip(parts.parts, scans, dup_files):
-            dups = np.sort(np.fromfile(f, dtype=DUP), order="seq")
-            kept = s.valid - len(dups)
-            rows = shard_sizes(kept, cfg.sharding, cfg.sampling.max_tokens)
-            url = None
-            if len(dups):
-                loc = _part_dir(layout, p.index).child("dups.bin")
-                with atomic_writer(loc.path()) as w:
-                    w.write(dups.tobytes())
-                url = loc.url
-            key = stable_hash({"scan": s.key, "first_idx": idx, "first_shard": shard, "rows": rows,
-                               "dups": hashlib.sha256(dups.tobytes()).hexdigest()})
-            places.append(PartPlace(part=p.index, first_idx=idx, first_shard=shard, shard_rows=rows,
-                                    duplicates=len(dups), dups=url, key=key))
-            idx += kept
-            shard += len(rows)
+    digest = stable_hash([s.key for s in scans])
+    n = len(parts.parts)
+    groups = [GroupJoin.read(layout.stage("plan").child("join", f"group-{g:05d}").path()) for g in range(n)]
+    stale = [g.group for g in groups if g.scans != digest]
+    if stale:
+        raise RuntimeError(f"plan_join group(s) {stale} ran before the parts' last scans: clear plan_join with its "
+                           "downstream tasks")
+    places: list[PartPlace] = []
+    idx = shard = 0
+    for p, s in zip(parts.parts, scans):
+        slices = [(g.dups, g.part_starts[p.index], g.part_starts[p.index + 1]) for g in groups
+                  if g.dups is not None and g.part_starts is not None
+                  and g.part_starts[p.index + 1] > g.part_starts[p.index]]
+        duplicates = sum(b - a for _, a, b in slices)
+        kept = s.valid - duplicates
+        rows = shard_sizes(kept, cfg.sharding, cfg.sampling.max_tokens)
+        key = stable_hash({"scan": s.key, "first_idx": idx, "first_shard": shard, "rows": rows})
+        places.append(PartPlace(part=p.index, first_idx=idx, first_shard=shard, shard_rows=rows,
+                                duplicates=duplicates, dups=slices, key=key))
+        idx += kept
+        shard += len(rows)
     m = JoinManifest(input_key=plan_input_key(cfg, layout.input), places=places,
                      seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
-    m.write(layout.stage("plan").child("join").path())
+    m.write(layout.stage("plan").child("place").path())
     return m
 
 
-def _bucket_groups(scans: list[PartScan]) -> Iterator[tuple[int, int]]:
-    """Consecutive bucket ranges holding at most ``JOIN_GROUP_ENTRIES`` entries of all parts (one bucket more
-    where a single bucket holds more)."""
-    counts = np.zeros(BUCKETS, dtype=np.int64)
-    for s in scans:
-        counts += np.diff(np.asarray(s.bucket_starts, dtype=np.int64))
-    lo, held = 0, 0
-    for b in range(BUCKETS):
-        if held and held + counts[b] > JOIN_GROUP_ENTRIES:
-            yield lo, b
-            lo, held = b, 0
-        held += int(counts[b])
-    yield lo, BUCKETS
-
-
-def _join_group(scans: list[PartScan], lo: int, hi: int, opts: dict, handles: list) -> None:
-    """Duplicates among buckets [lo, hi) of every part: entries of one hash after the day's first (part, then
-    spool order, which is input order) are appended to their part's file, naming the first's file and line."""
-    arrays, owners = [], []
-    for p, s in enumerate(scans):
-        a, b = s.bucket_starts[lo], s.bucket_starts[hi]
-        if b > a:
-            with Location(s.entries, opts).path().open("rb") as fh:
-                fh.seek(a * ENTRY.itemsize)
-                arrays.append(np.frombuffer(fh.read((b - a) * ENTRY.itemsize), dtype=ENTRY))
-            owners.append(np.full(b - a, p, dtype=np.uint32))
-    if not arrays:
-        return
-    e, part = np.concatenate(arrays), np.concatenate(owners)
-    order = np.lexsort((e["seq"], part, e["h1"], e["h0"]))
-    e, part = e[order], part[order]
-    same = np.zeros(len(e), dtype=bool)
-    same[1:] = (e["h0"][1:] == e["h0"][:-1]) & (e["h1"][1:] == e["h1"][:-1])
-    if not same.any():
-        return
-    starts = np.flatnonzero(~same)
-    first = starts[np.searchsorted(starts, np.arange(len(e)), side="right") - 1]
-    dup = np.flatnonzero(same)
-    out = np.empty(len(dup), dtype=DUP)
-    out["seq"], out["file"], out["line"] = e["seq"][dup], e["file"][first[dup]], e["line"][first[dup]]
-    for p in np.unique(part[dup]):
-        handles[p].write(out[part[dup] == p].tobytes())
+def _part_dups(place: PartPlace, store: dict) -> np.ndarray:
+    """A part's duplicates from the join's files, sorted by spool position."""
+    got = []
+    for url, a, b in place.dups:
+        with Location(url, store).path().open("rb") as fh:
+            fh.seek(a * DUP.itemsize)
+            got.append(np.frombuffer(fh.read((b - a) * DUP.itemsize), dtype=DUP))
+    return np.sort(np.concatenate(got), order="seq") if got else np.empty(0, dtype=DUP)
 
 
 # ------------------------------------------------------------------------------------------------ write a part
 def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
     """Part ``index``'s shards, their records and its errors, from its spool less its duplicates; the committed
     ones while the join placed the part as before."""
-    join = JoinManifest.read(layout.stage("plan").child("join").path())
-    place = join.places[index]
+    plan_dir = layout.stage("plan")
+    store = plan_dir.options
+    place = JoinManifest.read(plan_dir.child("place").path()).places[index]
+    dups = _part_dups(place, store)
+    key = stable_hash({"place": place.key, "dups": hashlib.sha256(dups.tobytes()).hexdigest()})
     where = _part_dir(layout, index).child("write")
     done = PartWrite.read_if_done(where.path())
-    if done is not None and done.key == place.key:
+    if done is not None and done.key == key:
         return done
     t0 = time.perf_counter()
     parts = PartsManifest.read(_parts_dir(layout).path())
     scan = PartScan.read(_part_dir(layout, index).path())
-    opts = layout.input.options
-    names = [Location(u, opts).path().name for u in parts.parts[index].files]
+    names = [Path(u).name for u in parts.parts[index].files]
     first_file = parts.parts[index].first_file
-    dups = (np.frombuffer(Location(place.dups, opts).path().read_bytes(), dtype=DUP) if place.dups
-            else np.empty(0, dtype=DUP))
-    plan_dir = layout.stage("plan")
     shards: list[ShardSpec] = []
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_write_") as tmp_dir:
         tmp = Path(tmp_dir)
         spool = tmp / "spool.tsv"
-        with Location(scan.spool, opts).path().open("rb") as src, open(spool, "wb") as dst:
+        with Location(scan.spool, store).path().open("rb") as src, open(spool, "wb") as dst:
             shutil.copyfileobj(src, dst, COPY_BYTES)
         dup_errors = tmp / "errors-dups.tsv"
         bounds = iter(place.shard_rows)
@@ -416,7 +472,7 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
                     loc = plan_dir.child(f"{shard_name(n)}.jsonl")
                     rec_loc = plan_dir.child(f"{shard_name(n)}-records.jsonl")
                     shards.append(ShardSpec(index=n, rows=left, url=loc.url, records=rec_loc.url,
-                                            plan_key=place.key[:16]))
+                                            plan_key=key[:16]))
                     writer = SortedShardWriter(loc, tmp, sort=cfg.sharding.sort_by_length)
                     rec = own.enter_context(atomic_writer(rec_loc.path()))
                 writer.add(int(fields[2]), idx, with_idx(fields[4], idx))
@@ -427,7 +483,7 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
             if writer is not None:
                 writer.close()
         local_errors = tmp / "errors.tsv"
-        with Location(scan.errors, opts).path().open("rb") as src, open(local_errors, "wb") as dst:
+        with Location(scan.errors, store).path().open("rb") as src, open(local_errors, "wb") as dst:
             shutil.copyfileobj(src, dst, COPY_BYTES)
         errors_loc = where.child("errors.jsonl")
         n_errors = 0
@@ -435,7 +491,7 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
             for line in _merged_error_lines([local_errors, dup_errors], tmp):
                 w.write(line)
                 n_errors += 1
-    m = PartWrite(part=index, key=place.key, shards=shards, errors=errors_loc.url, error_rows=n_errors,
+    m = PartWrite(part=index, key=key, place_key=place.key, shards=shards, errors=errors_loc.url, error_rows=n_errors,
                   seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(where.path())
     return m
@@ -475,15 +531,16 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     t0 = time.perf_counter()
     plan_dir = layout.stage("plan")
     parts = PartsManifest.read(_parts_dir(layout).path())
-    join = JoinManifest.read(plan_dir.child("join").path())
-    opts = layout.input.options
+    join = JoinManifest.read(plan_dir.child("place").path())
+    opts = plan_dir.options
     scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
+    groups = [GroupJoin.read(plan_dir.child("join", f"group-{g:05d}").path()) for g in range(len(parts.parts))]
     writes = []
     for place in join.places:
         w = PartWrite.read(_part_dir(layout, place.part).child("write").path())
-        if w.key != place.key:
-            raise RuntimeError(f"plan part {place.part}: its shards were written for another placement than the "
-                               "join's (write_part did not run again after a Clear): clear the plan's tasks together")
+        if w.place_key != place.key:
+            raise RuntimeError(f"plan part {place.part}: its shards were written for another place than the "
+                               "plan's (plan_write did not run again): clear plan_place with its downstream tasks")
         writes.append(w)
     errors_loc = plan_dir.child("errors.jsonl")
     with atomic_writer(errors_loc.path()) as out:
@@ -502,15 +559,15 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
                             out.write(chunk)
         images_read = loc.url
     duplicates = sum(p.duplicates for p in join.places)
-    tasks = [*(s.seconds for s in scans), join.seconds, *(w.seconds for w in writes)]
+    tasks = [*(s.seconds for s in scans), *(g.seconds for g in groups), join.seconds, *(w.seconds for w in writes)]
     m = PlanManifest(
         input=layout.input.url, input_files=parts.input_files, format=parts.format,
         rows_read=sum(s.rows_read for s in scans), valid=sum(s.valid for s in scans) - duplicates,
         invalid=sum(w.error_rows for w in writes), duplicates=duplicates, capped=sum(s.capped for s in scans),
         errors=errors_loc.url, records=None, shards=[s for w in writes for s in w.shards],
         has_references=any(s.has_references for s in scans), seconds=round(sum(tasks) + time.perf_counter() - t0, 2),
-        peak_rss_mb=max([*(s.peak_rss_mb for s in scans), join.peak_rss_mb, *(w.peak_rss_mb for w in writes),
-                         peak_rss_mb()]),
+        peak_rss_mb=max([*(s.peak_rss_mb for s in scans), *(g.peak_rss_mb for g in groups), join.peak_rss_mb,
+                         *(w.peak_rss_mb for w in writes), peak_rss_mb()]),
         input_key=join.input_key, images_read=images_read, parts=len(parts.parts))
     m.write(plan_dir.path())
     return m
@@ -524,8 +581,9 @@ def plan_day(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     parts = list_parts(cfg, layout)
     for p in parts.parts:
         scan_part(cfg, layout, p.index)
-    join = join_parts(cfg, layout)
-    for place in join.places:
+    for g in range(len(parts.parts)):
+        join_group(cfg, layout, g)
+    for place in place_parts(cfg, layout).places:
         write_part(cfg, layout, place.part)
     return gather_plan(cfg, layout)
 
