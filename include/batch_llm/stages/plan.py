@@ -181,7 +181,7 @@ class InputScan:
         if raw.error:
             return raw, None, []
         try:
-            row = to_prompt_row(raw, 0, self.cfg.input, self.fmt)
+            row = to_prompt_row(raw, 0, self.cfg.input, self.fmt, self.cfg.engine.task)
         except ValueError as e:
             return raw, e, []
         return raw, row, _image_parts_of(row)
@@ -434,10 +434,9 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
-    if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
-        made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
-        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
-                         f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
+    if fmt == "openai_batch" and cfg.engine.task == "classify":  # OpenAI has no endpoint answering with classes
+        raise ValueError(f"{files[0]}: OpenAI Batch input asks for completions or embeddings; engine.task: classify "
+                         "writes class probabilities (give a JSONL, Parquet or CSV table of prompts)")
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
         scan = InputScan(cfg, fmt, tmp, image_checker(cfg, input_loc))
