@@ -187,3 +187,29 @@ def test_an_embeddings_batch_routes_to_the_embedding_pipeline(tmp_path):
         create_batch(store, pipelines, owner="alice",
                      body={"input_file_id": g["id"], "endpoint": EMB, "completion_window": "24h"})
     assert e.value.status == 400 and e.value.param == "endpoint"
+
+
+def test_a_plan_in_parts_plans_embeddings_lines_as_one_task_does(tmp_path):
+    from batch_llm import api
+    from batch_llm.layout import RunLayout
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, lines in {"a.jsonl": [_line("a0", {"input": "one"}), _line("a1", {"input": [[5, 6]], "dimensions": 8}),
+                                    _line("chat", {"messages": [{"role": "user", "content": "hi"}]}, CHAT)],
+                        "b.jsonl": [_line("b0", {"input": "two", "encoding_format": "base64"}),
+                                    _line("a0", {"input": "again"})]}.items():
+        (folder / name).write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def plan(run_id, **over):
+        cfg = demo_config(tmp_path, input__path=str(folder), engine__task="embed", output__parts=True,
+                          sharding__rows_per_shard=2, **over)
+        return api.plan_shards(cfg, RunLayout.for_run(cfg, run_id=run_id, ds="2026-12-07"))
+
+    one, parted = plan("one"), plan("parted", sharding__plan_part_bytes=200)
+    assert parted.parts == 2 and (one.valid, one.invalid, one.duplicates) == (3, 2, 1)
+    rows = [sorted((r for s in m.shards for r in iter_jsonl(Location(s.url).path())), key=lambda r: r["idx"])
+            for m in (one, parted)]
+    assert rows[0] == rows[1] and [r.get("text") for r in rows[0]] == ["one", None, "two"]
+    assert list(parted.iter_records({})) == list(one.iter_records({}))
+    assert list(iter_jsonl(Location(parted.errors).path())) == list(iter_jsonl(Location(one.errors).path()))
