@@ -97,7 +97,7 @@ def test_other_urls_and_methods_are_refused(tmp_path):
                                        {**_line("g", {"messages": _chat("hi")}), "method": "GET"},
                                        _line("ok", {"messages": _chat("hi")})])
     assert set(rows) == {"ok"}
-    assert "url '/v1/embeddings' is not supported" in errors["e"] and "method 'GET'" in errors["g"]
+    assert "url '/v1/embeddings' asks for a vector" in errors["e"] and "method 'GET'" in errors["g"]
 
 
 def test_cap_only_when_configured_and_counted(tmp_path):

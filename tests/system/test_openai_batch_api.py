@@ -10,9 +10,11 @@ restart of the services): tests/fault_injection/sitecustomize.py's ``BATCH_LLM_H
 """
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -29,6 +31,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DAG_ID = "openai_batch_demo"
 MODEL = "gpt-4o-mini"
+# an embedding pipeline beside it (engine.task embed: vLLM's pooling runner on the same demo model)
+EMBED_DAG, EMBED_MODEL = "openai_batch_embed", "text-embedding-3-small"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 ORDER = ("validating", "in_progress", "finalizing", "completed")
 MAX_UPLOAD = 200_000
@@ -58,6 +62,10 @@ def services(tmp_path_factory, demo_model_dir, request):
                            "completion_windows": ["24h", "40s"], "max_requests_per_file": 20}
     cfg["engine"]["max_error_rate"] = 1.0
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    embed = {**cfg, "name": EMBED_DAG, "openai_batch": {"models": [EMBED_MODEL]},  # endpoint: /v1/embeddings
+             "engine": {"kind": "vllm", "task": "embed", "max_model_len": 512, "enforce_eager": True,
+                        "max_error_rate": 1.0}}
+    (pipelines / f"{EMBED_DAG}.yaml").write_text(yaml.safe_dump(embed, sort_keys=False))
     hold = tmp / "hold"
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FAULT_INJECTION), os.environ.get("PYTHONPATH")) if p),
            "BATCH_LLM_HOLD_FILE": str(hold), "BATCH_LLM_OPENAI_MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
@@ -70,8 +78,9 @@ def services(tmp_path_factory, demo_model_dir, request):
     failed_before = request.session.testsfailed
     try:
         svc.start()
-        svc.wait_dag_parsed(DAG_ID)
-        svc.unpause(DAG_ID)
+        for dag_id in (DAG_ID, EMBED_DAG):
+            svc.wait_dag_parsed(dag_id)
+            svc.unpause(dag_id)
         yield svc
     finally:
         print_on_failure(request, svc, failed_before)
@@ -86,7 +95,8 @@ def upload(c, data: bytes, name: str = "requests.jsonl"):
     return c.files.create(file=(name, data), purpose="batch")
 
 
-def wait(c, batch_id: str, until=TERMINAL, timeout: float = 240, svc: AirflowServices | None = None) -> tuple:
+def wait(c, batch_id: str, until=TERMINAL, timeout: float = 240, svc: AirflowServices | None = None,
+         dag_id: str = DAG_ID) -> tuple:
     """Polls the batch until ``until`` holds (a status in it, or a predicate); (batch, the statuses seen)."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout
@@ -98,7 +108,7 @@ def wait(c, batch_id: str, until=TERMINAL, timeout: float = 240, svc: AirflowSer
             return b, seen
         time.sleep(0.5)
     raise AssertionError(f"batch {batch_id} not there after {timeout:.0f}s: {seen}\n"
-                         + (svc.describe_run(DAG_ID, batch_id) + svc.log_tails() if svc else ""))
+                         + (svc.describe_run(dag_id, batch_id) + svc.log_tails() if svc else ""))
 
 
 def lines_of(c, file_id: str) -> list[dict]:
@@ -147,6 +157,40 @@ def test_the_life_of_a_batch_with_two_batches_at_once(services, tmp_path):
     stdout, _ = example.communicate(timeout=240)
     assert example.returncode == 0, stdout
     assert "request-1 ->" in stdout and "request-3 ->" in stdout, stdout
+
+
+def test_an_embeddings_batch_runs_on_the_embedding_pipeline(services):
+    """An embeddings batch, created with the official client, is a run of the embedding pipeline on vLLM's pooling
+    runner: its output lines parse as the client's CreateEmbeddingResponse (floats, or base64 little-endian
+    float32); a chat line in it is that line's error; the embedding model serves no chat batch (400)."""
+    from openai.types import CreateEmbeddingResponse
+
+    c = client(services)
+
+    def line(cid: str, **body) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBED_MODEL, **body}}
+
+    f = upload(c, jsonl([line("e1", input="The cat is on the table."),
+                         line("e2", input="The cat is on the table.", encoding_format="base64"),
+                         {**request("chat", "Hi", model=EMBED_MODEL)}]))
+    with pytest.raises(openai.BadRequestError) as e:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.body["param"] == "endpoint" and "/v1/embeddings" in e.value.body["message"]
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert batch.endpoint == "/v1/embeddings" and batch.model == EMBED_MODEL
+    b, seen = wait(c, batch.id, svc=services, dag_id=EMBED_DAG, timeout=300)
+    assert b.status == "completed", (seen, b.errors)
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (3, 2, 1)
+    out = {x["custom_id"]: x["response"]["body"] for x in lines_of(c, b.output_file_id)}
+    assert list(out) == ["e1", "e2"]
+    floats = CreateEmbeddingResponse.model_validate(out["e1"])
+    assert floats.model == EMBED_MODEL and floats.usage.prompt_tokens > 0 and len(floats.data[0].embedding) == 576
+    packed = base64.b64decode(out["e2"]["data"][0]["embedding"])
+    assert struct.unpack(f"<{len(packed) // 4}f", packed) == tuple(
+        struct.unpack("<f", struct.pack("<f", x))[0] for x in floats.data[0].embedding)  # the same float32 vector
+    (error,) = lines_of(c, b.error_file_id)
+    assert error["custom_id"] == "chat" and "engine.task embed answers /v1/embeddings" in \
+        error["response"]["body"]["error"]["message"]
 
 
 def test_bad_input_is_refused_as_openai_refuses_it(services):

@@ -68,10 +68,11 @@ def test_what_the_builtin_engines_serve():
     assert serving("reasoning") == ["vllm"]
     base = {"max_tokens", "temperature", "top_p", "stop", "seed", "chat_template_kwargs", "thinking", "reasoning_effort"}
     assert capabilities("vllm").row_params == base | extra | {"presence_penalty", "frequency_penalty", "n",
-                                                              "logprobs", "response_format", "max_thinking_tokens"}
+                                                              "logprobs", "response_format", "max_thinking_tokens",
+                                                              "dimensions"}
     assert capabilities("transformers").row_params == base | extra
     assert capabilities("lmdeploy").row_params == base | extra - {"include_stop_str_in_output"}
-    assert capabilities("sglang").row_params == capabilities("vllm").row_params - {"max_thinking_tokens"}
+    assert capabilities("sglang").row_params == capabilities("vllm").row_params - {"max_thinking_tokens", "dimensions"}
 
 
 def test_unknown_kind_is_refused_naming_the_known_ones(tmp_path):

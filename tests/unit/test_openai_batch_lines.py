@@ -42,7 +42,9 @@ def test_request_line_is_checked_with_the_same_refusals():
     assert ok == RequestLine(custom_id=3, body={"prompt": "hi"}, url="/v1/completions", method="POST")
     for rec, message in [({"body": {}}, "missing id (column 'custom_id')"),
                          ({"custom_id": "a", "body": []}, "OpenAI batch line without a 'body' object"),
-                         ({"custom_id": "a", "body": {}, "url": "/v1/embeddings"}, "url '/v1/embeddings' is not"),
+                         ({"custom_id": "a", "body": {}, "url": "/v1/embeddings"},
+                          "url '/v1/embeddings' asks for a vector; this pipeline's engine.task generate answers"),
+                         ({"custom_id": "a", "body": {}, "url": "/v1/files"}, "url '/v1/files' is not supported"),
                          ({"custom_id": "a", "body": {}, "method": "GET"}, "method 'GET': batch requests are POST")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             request_line(rec)

@@ -221,3 +221,20 @@ def test_output_ids_are_unique_per_request_and_stable_within_a_run_and_stop_reas
     from batch_llm.rows.records import openai_line_ids
 
     assert openai_line_ids("run-1", "row 0")[0] in ids and openai_line_ids("run-2", "row 0")[0] not in ids
+
+
+def test_the_pooling_runner_makes_an_embedding_pipeline_without_sampling_defaults(tmp_path):
+    """vLLM's --runner pooling / --convert embed: engine.task embed (/v1/embeddings lines); the model's
+    generation_config.json gives no defaults to a vector (top_k would be refused for embed), --seed does nothing."""
+    model = _model(tmp_path, top_k=20, temperature=0.6)
+    words = ["-i", "in.jsonl", "-o", "o.jsonl", "--model", str(model)]
+    for extra in (["--runner", "pooling"], ["--convert", "embed"], ["--runner", "pooling", "--convert", "auto"]):
+        cfg, warnings = rb.build_config(_args(*words, *extra, "--seed", "3"), tmp_path / "w", keep=False)
+        assert cfg.engine.task == "embed" and cfg.sampling.top_k == 0 and cfg.sampling.seed == 0, extra
+        assert warnings == ["--seed: no effect on embeddings"]
+    cfg, _ = rb.build_config(_args(*words, "--runner", "generate"), tmp_path / "w", keep=False)
+    assert cfg.engine.task == "generate" and cfg.sampling.top_k == 20
+    with pytest.raises(ConfigError, match="--convert classify: class probabilities have no OpenAI Batch endpoint"):
+        rb.build_config(_args(*words, "--convert", "classify"), tmp_path / "w", keep=False)
+    with pytest.raises(ConfigError, match="--convert embed runs on the pooling runner"):
+        rb.build_config(_args(*words, "--convert", "embed", "--runner", "generate"), tmp_path / "w", keep=False)

@@ -79,7 +79,9 @@ class EngineCapabilities:
         return (BASE_ROW_PARAMS | RENDER_PARAMS | (PENALTY_PARAMS if self.penalties else frozenset())
                 | (SAMPLE_PARAMS if self.samples_and_logprobs else frozenset()) | self.sampling_keys
                 | (frozenset({"response_format"}) if self.guided_decoding else frozenset())
-                | (REASONING_PARAMS if self.reasoning else frozenset()) | self.extra_row_params)
+                | (REASONING_PARAMS if self.reasoning else frozenset()) | self.extra_row_params
+                # an embeddings request's vector width (matryoshka), on the engine that embeds
+                | (frozenset({"dimensions"}) if "embed" in self.pooling_tasks else frozenset()))
 
     def problems(self, engine_cfg: object) -> list[str]:
         """What the engine's own ``config_check`` refuses in an engine section (imports only that module)."""

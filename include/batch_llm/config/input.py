@@ -79,9 +79,10 @@ class InputConfig(Section):
                                 "read a record batch at a time, its values as the file stores them (not bounded "
                                 "here)")
 
-    openai_urls: list[Literal["/v1/chat/completions", "/v1/completions"]] | None = Field(
+    openai_urls: list[Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]] | None = Field(
         None, description="OpenAI Batch input: the request urls a line may name; a line naming another is that "
-        "line's error. null: both (a batch of the OpenAI Batch API sets its one endpoint here)")
+        "line's error. null: every url engine.task answers (generate: /v1/chat/completions and /v1/completions; "
+        "embed: /v1/embeddings). A batch of the OpenAI Batch API sets its one endpoint here")
 
     @field_validator("image_columns")
     @classmethod

@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
-#: The endpoints of each ``engine.task``: a generating pipeline answers chat and completions requests. An embedding
-#: pipeline reads no OpenAI Batch input yet (the planner refuses it), so /v1/embeddings is no endpoint here.
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+#: The endpoints of each ``engine.task``, its default first: a generating pipeline answers chat and completions
+#: requests, an embedding pipeline embeddings requests; a classifier's class probabilities have no OpenAI endpoint.
 TASK_ENDPOINTS: dict[str, tuple[str, ...]] = {"generate": ("/v1/chat/completions", "/v1/completions"),
-                                              "embed": (), "classify": ()}
+                                              "embed": ("/v1/embeddings",), "classify": ()}
 #: OpenAI's documented defaults: 50,000 requests and 200 MB per batch input file.
 MAX_REQUESTS = 50_000
 MAX_FILE_BYTES = 200 * 10**6
@@ -35,6 +35,16 @@ def _chat_only() -> list[Endpoint]:
     return ["/v1/chat/completions"]
 
 
+def with_task_endpoints(section: Any, task: Any) -> Any:
+    """An ``openai_batch`` mapping as a YAML file holds it, ``endpoints`` filled where it names none: the task's
+    default endpoint (``/v1/embeddings`` for engine.task embed, else chat), so an embedding pipeline needs no
+    endpoints key. Anything that is no mapping is returned as it is (validation says what is wrong)."""
+    if not isinstance(section, dict) or section.get("endpoints") is not None:
+        return section
+    served = TASK_ENDPOINTS.get(task if isinstance(task, str) else "generate")
+    return {**section, "endpoints": list(served[:1])} if served else section
+
+
 class OpenAIBatchConfig(BaseModel):
     """The OpenAI Batch API served by this pipeline (``/v1/batches`` in the Airflow API server, docs/openai-batch-api.md):
     a batch whose ``model`` is one of ``models`` and whose ``endpoint`` is one of ``endpoints`` is a run of this
@@ -46,7 +56,9 @@ class OpenAIBatchConfig(BaseModel):
                               "batches this pipeline runs; one pipeline per name in a deployment")
     endpoints: list[Endpoint] = Field(default_factory=_chat_only, min_length=1,
                                       description="The batch endpoints served: /v1/chat/completions and "
-                                      "/v1/completions, by a generating pipeline (engine.task: generate)")
+                                      "/v1/completions by a generating pipeline (engine.task: generate), "
+                                      "/v1/embeddings by an embedding one (engine.task: embed). Default: "
+                                      "/v1/chat/completions, or /v1/embeddings for engine.task: embed")
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"], min_length=1, description="The "
                                           "completion_window values a batch may ask for (<n>h, <n>m or <n>s; "
                                           "OpenAI's only one is 24h): a batch not done by then expires, its "
@@ -83,17 +95,26 @@ class OpenAIBatchConfig(BaseModel):
         wrong = [e for e in self.endpoints if e not in TASK_ENDPOINTS.get(task, ())]
         if wrong:
             return (f"openai_batch.endpoints: {', '.join(wrong)} not answered by engine.task {task} (it answers "
-                    f"{', '.join(TASK_ENDPOINTS.get(task, ())) or 'no OpenAI endpoint'})")
+                    f"{', '.join(TASK_ENDPOINTS.get(task, ())) or 'no OpenAI endpoint'}"
+                    f"{_other_task(wrong[0])})")
         return None
+
+
+def _other_task(endpoint: str) -> str:
+    """Which engine.task answers ``endpoint``, as a hint ("" where none does)."""
+    task = next((t for t, served in TASK_ENDPOINTS.items() if endpoint in served), None)
+    return f"; {endpoint} is answered by engine.task: {task}" if task else ""
 
 
 def parse_section(data: Any, source: str = "openai_batch") -> OpenAIBatchConfig | None:
-    """The section as one pipeline YAML's mapping holds it (None where it has none), validated alone; ValueError
-    naming ``source`` when it is invalid."""
+    """The section as one pipeline YAML's mapping holds it (None where it has none), validated alone, its
+    endpoints the task's default where it names none; ValueError naming ``source`` when it is invalid."""
     if not isinstance(data, dict) or data.get("openai_batch") is None:
         return None
+    engine = data.get("engine")
+    task = engine.get("task") if isinstance(engine, dict) else None
     try:
-        return OpenAIBatchConfig.model_validate(data["openai_batch"])
+        return OpenAIBatchConfig.model_validate(with_task_endpoints(data["openai_batch"], task or "generate"))
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -30,7 +30,7 @@ from batch_llm.config.evaluate import EvaluateConfig
 from batch_llm.config.filter import FilterConfig, word_list_problems
 from batch_llm.config.input import SHARD_SIZES, InputConfig, ShardingConfig
 from batch_llm.config.model import ModelConfig, QuantizeConfig
-from batch_llm.config.openai_batch import OpenAIBatchConfig
+from batch_llm.config.openai_batch import TASK_ENDPOINTS, OpenAIBatchConfig, with_task_endpoints
 from batch_llm.config.output import OutputConfig
 from batch_llm.config.sampling import SamplingConfig
 from batch_llm.config.section import ConfigError, Section
@@ -64,10 +64,24 @@ class PipelineConfig(Section):
             raise ValueError(f"{v!r} is a path, not a name: use at least one letter, digit, '_' or '-'")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_endpoints_default_to_the_task(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("openai_batch"), dict):
+            engine = data.get("engine")
+            task = engine.get("task") if isinstance(engine, dict) else getattr(engine, "task", None)
+            data = {**data, "openai_batch": with_task_endpoints(data["openai_batch"], task or "generate")}
+        return data
+
     @model_validator(mode="after")
     def _batch_endpoints_of_the_task(self) -> "PipelineConfig":
         if self.openai_batch is not None and (problem := self.openai_batch.endpoint_problem(self.engine.task)):
             raise ValueError(problem)
+        urls = self.input.openai_urls or ()
+        wrong = [u for u in urls if u not in TASK_ENDPOINTS[self.engine.task]]
+        if wrong:
+            raise ValueError(f"input.openai_urls: {', '.join(wrong)} not answered by engine.task {self.engine.task} "
+                             f"(it answers {', '.join(TASK_ENDPOINTS[self.engine.task]) or 'no OpenAI endpoint'})")
         return self
 
     @model_validator(mode="after")

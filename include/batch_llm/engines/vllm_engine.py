@@ -326,7 +326,10 @@ class VllmEngine(Engine):
             PoolingParams(task="classify")  # softmax over the classes (vLLM's default activation)
 
         def add(engine, req: GenRequest) -> None:
-            engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), params.clone())
+            p = params.clone()
+            if embed and req.params is not None and req.params.dimensions is not None:
+                p.dimensions = req.params.dimensions  # vLLM refuses it (the row's error) unless the model is matryoshka
+            engine.add_request(req.key, TokensPrompt(prompt_token_ids=req.prompt_token_ids), p)
 
         def result(out) -> GenResult:
             values = out.outputs.data.float().tolist()

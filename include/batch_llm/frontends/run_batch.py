@@ -58,6 +58,7 @@ def _f(names, key=None, how="", **kwargs) -> RunBatchFlag:
 
 
 _ON_OFF = argparse.BooleanOptionalAction
+RUNNERS, CONVERTS = ("auto", "generate", "pooling"), ("auto", "none", "embed", "classify")  # vLLM's, less draft
 FLAGS: tuple[RunBatchFlag, ...] = (
     _f(("-i", "--input-file"), "input.path", "the OpenAI Batch input (a local file or an object-storage URL)",
        required=True),
@@ -72,6 +73,11 @@ FLAGS: tuple[RunBatchFlag, ...] = (
     _f(("--chat-template",), "model.chat_template", "a template file, or the template itself"),
     _f(("--generation-config",), None, "auto (default): a request's unset sampling parameters come from the "
        "model's generation_config.json, as vLLM does; vllm: vLLM's own defaults", default="auto"),
+    _f(("--runner",), None, "pooling: the model embeds (engine.task: embed; /v1/embeddings lines, as --convert "
+       "embed); generate or auto (default): it generates (engine.task: generate)", choices=RUNNERS),
+    _f(("--convert",), None, "embed: vLLM's pooling runner turns the model into an embedding model (engine.task: "
+       "embed: /v1/embeddings lines); none or auto (default): as --runner says; classify is refused (class "
+       "probabilities have no OpenAI endpoint: batch-llm run with engine.task: classify)", choices=CONVERTS),
     _f(("--max-model-len",), "engine.max_model_len", type=int),
     _f(("--dtype",), "engine.dtype"),
     _f(("-tp", "--tensor-parallel-size"), "engine.tensor_parallel_size", type=int),
@@ -177,8 +183,14 @@ def build_config(args: argparse.Namespace, work_dir: Path, *, keep: bool) -> tup
     if args.tokenizer and os.path.abspath(os.path.expanduser(args.tokenizer)) != os.path.abspath(
             os.path.expanduser(args.model)) and args.tokenizer != args.model:
         raise ConfigError(f"--tokenizer {args.tokenizer}: the model's own tokenizer is used (--model {args.model})")
+    task = engine_task(args.runner, args.convert)
+    over = {**overrides(args), "engine.task": task}
+    if task == "embed":  # a vector has no sampling: no defaults to give, and a seed does nothing
+        over.pop("sampling.seed", None)
     cfg = parse_config(base_config(work_dir, keep=keep), "batch-llm run-batch")
-    cfg = cfg.with_overrides(overrides(args), source="batch-llm run-batch (vLLM flags)")
+    cfg = cfg.with_overrides(over, source="batch-llm run-batch (vLLM flags)")
+    if task == "embed":
+        return cfg, ["--seed: no effect on embeddings"] if args.seed is not None else []
     generation: dict[str, Any] = {}
     if args.generation_config == "auto":
         generation = generation_config(_model_folder(cfg))
@@ -189,6 +201,17 @@ def build_config(args: argparse.Namespace, work_dir: Path, *, keep: bool) -> tup
     if args.seed is not None:
         defaults["sampling.seed"] = args.seed
     return cfg.with_overrides(defaults, source="batch-llm run-batch (sampling defaults)"), warnings
+
+
+def engine_task(runner: str | None, convert: str | None) -> str:
+    """engine.task of vLLM's ``--runner`` / ``--convert``: embed for the pooling runner (the model converted to an
+    embedding model), else generate; ConfigError for what an OpenAI Batch file cannot ask of a model."""
+    if convert == "classify":
+        raise ConfigError("--convert classify: class probabilities have no OpenAI Batch endpoint; run a table of "
+                          "prompts with batch-llm run and engine.task: classify")
+    if convert == "embed" and runner == "generate":
+        raise ConfigError("--convert embed runs on the pooling runner; --runner generate generates text")
+    return "embed" if convert == "embed" or runner == "pooling" else "generate"
 
 
 def _model_folder(cfg: PipelineConfig) -> str:

@@ -82,6 +82,25 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "kv_transfer_params": ((None,), _SERVER_ONLY), "ec_transfer_params": ((None,), _SERVER_ONLY),
     "session_id": ((None,), _SERVER_ONLY),
 }
+# What becomes of each field of a ``/v1/embeddings`` body: OpenAI's (its EmbeddingCreateParams) and vLLM's extra ones
+# (its EmbeddingCompletionRequest). A unit test walks every field of both and finds it here.
+#: Fields read into the row (its input, its own parameters, its output line's encoding).
+EMBED_HONOURED = frozenset({"input", "dimensions", "encoding_format"})
+#: Fields that do not change the vector, accepted at any value (why).
+EMBED_NO_EFFECT = {k: NO_EFFECT[k] for k in ("model", "user", "request_id", "priority", "cache_salt")}
+#: Fields refused unless absent or at one of these neutral values: (neutral values, why).
+EMBED_REFUSED: dict[str, tuple[tuple, str]] = {
+    "embed_dtype": ((None, "float32"), "vectors are float32, as OpenAI returns them"),
+    "endianness": ((None, "little"), "a base64 vector is little-endian float32, as OpenAI returns it"),
+    "use_activation": ((None,), "engine.embed.normalize sets it for the pipeline"),
+    "add_special_tokens": ((None, True), "an embeddings input gets the tokenizer's special tokens"),
+    "padding": ((None, "do_not_pad"), "inputs are not padded"),
+    "truncate_prompt_tokens": REFUSED["truncate_prompt_tokens"], "truncation_side": REFUSED["truncation_side"],
+    "mm_processor_kwargs": ((None, {}), _TEXT_ONLY),
+}
+#: OpenAI's two encodings of a vector in an embeddings response.
+ENCODING_FORMATS = ("float", "base64")
+
 # add_special_tokens: a chat body's rendered prompt gets none (the template has them), a completions body's does
 _SPECIAL_TOKENS_NEUTRAL = {False: (None, False), True: (None, True)}
 
@@ -146,6 +165,8 @@ class RowParams:
     thinking: str | None = None
     reasoning_effort: str | None = None
     max_thinking_tokens: int | None = None
+    # engine.task embed: the vector's width, for a model trained to be cut (matryoshka); vLLM refuses it for others
+    dimensions: int | None = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -177,6 +198,25 @@ class RowParams:
                   **{k: body.get(k) for k in ("temperature", "top_p", "stop", "seed", "presence_penalty",
                                                "frequency_penalty", "n", *_EXTRA)}}
         return cls.from_values(values, nan_unset=False)
+
+    @classmethod
+    def from_embeddings_body(cls, body: dict) -> RowParams | None:
+        """The parameters of a ``/v1/embeddings`` body (its ``dimensions``); ValueError for a field the pipeline
+        does not do, a field of no embeddings request, or an ``encoding_format`` OpenAI does not have."""
+        for name, value in body.items():
+            if name in EMBED_HONOURED or name in EMBED_NO_EFFECT:
+                continue
+            if name not in EMBED_REFUSED:
+                shown = name if len(name) <= 64 else name[:64] + "..."
+                raise ValueError(f"{shown}: not a field of an OpenAI or vLLM embeddings request (an unknown field is "
+                                 "refused, not ignored)")
+            neutral, why = EMBED_REFUSED[name]
+            if value not in neutral:
+                raise ValueError(f"{name}={_shown(value)} is not supported by this batch pipeline ({why})")
+        if body.get("encoding_format") not in (None, *ENCODING_FORMATS):
+            raise ValueError(f"encoding_format must be {' or '.join(ENCODING_FORMATS)}, got "
+                             f"{_shown(body['encoding_format'])}")
+        return cls.from_values({"dimensions": body.get("dimensions")}, nan_unset=False)
 
     @classmethod
     def from_columns(cls, record: dict, columns: Sequence[str]) -> RowParams | None:
@@ -434,7 +474,13 @@ def _check_effort(v: Any) -> str:
     return v
 
 
-_SHAPED = {"stop": _check_stop, "thinking": _check_thinking, "reasoning_effort": _check_effort,
+def _check_dimensions(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"dimensions must be a positive integer, got {_shown(v)}")
+    return v
+
+
+_SHAPED = {"dimensions": _check_dimensions, "stop": _check_stop, "thinking": _check_thinking, "reasoning_effort": _check_effort,
            "stop_token_ids": _check_token_ids, "include_stop_str_in_output": _check_bool,
            "chat_template_kwargs": lambda v: _canonical(check_template_kwargs(v)) if v else None,
            "response_format": lambda v: _canonical(v) if v else None}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_llm.config import InputConfig
+from batch_llm.config.openai_batch import TASK_ENDPOINTS
 from batch_llm.config.sampling import token_ids_problem
 from batch_llm.rows.openai_batch import RequestLine
 from batch_llm.rows.params import RowParams
@@ -163,13 +164,15 @@ def _with_column_images(messages: list[dict], rec: dict, cfg: InputConfig) -> li
     return [*messages[:i], {**messages[i], "content": [*parts, *text]}, *messages[i + 1:]]
 
 
-OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+EMBEDDINGS_URL = "/v1/embeddings"
 
 
-def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str) -> PromptRow:
-    """Validates one parsed record; raises ValueError with the reason when it is not usable."""
+def to_prompt_row(raw: RawRow, idx: int, cfg: InputConfig, fmt: str, task: str = "generate") -> PromptRow:
+    """Validates one parsed record; raises ValueError with the reason when it is not usable. ``task``: the
+    pipeline's engine.task, which says the OpenAI Batch urls a line may name where ``input.openai_urls`` does not."""
     if fmt == "openai_batch":
-        return _openai_row(raw.record or {}, idx, cfg)
+        return _openai_row(raw.record or {}, idx, cfg, task)
     rec = raw.record or {}
     rid = _row_id(rec, cfg.id_column)
     params = RowParams.from_columns(_typed_cells(rec, cfg.sampling_columns), cfg.sampling_columns)
@@ -214,10 +217,13 @@ def _no_prompt_reason(rec: dict, cfg: InputConfig) -> str:
     return f"no prompt: the row has neither {cfg.messages_column!r} nor {cfg.prompt_column!r}"
 
 
-def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
-    """One OpenAI Batch request line: a chat body (``messages``) or a completions body (``prompt``)."""
-    line = request_line(rec, tuple(cfg.openai_urls or OPENAI_URLS))
+def _openai_row(rec: dict, idx: int, cfg: InputConfig, task: str = "generate") -> PromptRow:
+    """One OpenAI Batch request line: a chat body (``messages``), a completions body (``prompt``) or an embeddings
+    body (``input``)."""
+    line = request_line(rec, tuple(cfg.openai_urls or ()), task)
     rid, body, url = str(line.custom_id), line.body, line.url
+    if url == EMBEDDINGS_URL:
+        return _embedding_row(rid, idx, body)
     params = RowParams.from_openai_body(body, completions=url == "/v1/completions")
     if url == "/v1/chat/completions":
         return PromptRow(id=rid, idx=idx, messages=_with_system(_check_messages(body.get("messages")), cfg),
@@ -232,16 +238,42 @@ def _openai_row(rec: dict, idx: int, cfg: InputConfig) -> PromptRow:
     return PromptRow(id=rid, idx=idx, messages=[], text=_check_prompt(prompt), params=params)
 
 
-def request_line(rec: dict, urls: tuple[str, ...] = OPENAI_URLS) -> RequestLine:
+def _embedding_row(rid: str, idx: int, body: dict) -> PromptRow:
+    """An embeddings body: one input, a string or one list of token ids (one in a list too), as OpenAI's
+    ``input``; several inputs in one line would be several vectors, refused with the reason."""
+    params = RowParams.from_embeddings_body(body)
+    if "input" not in body:
+        raise ValueError("a /v1/embeddings body needs 'input': one string or one list of token ids")
+    inp = body["input"]
+    if isinstance(inp, list) and len(inp) == 1 and isinstance(inp[0], (str, list)):
+        inp = inp[0]  # one input in a list
+    if isinstance(inp, list) and inp and all(isinstance(t, int) and not isinstance(t, bool) for t in inp):
+        return PromptRow(id=rid, idx=idx, messages=[], prompt_token_ids=_check_token_ids(inp), params=params)
+    if isinstance(inp, list) and len(inp) > 1:
+        raise ValueError(f"input is a list of {len(inp)} inputs: a batch line here embeds one (a string or one list "
+                         "of token ids); give each input a line of its own")
+    if not isinstance(inp, str):
+        raise ValueError(f"input must be a string or a list of token ids, got {type(inp).__name__}")
+    if not inp.strip():
+        raise ValueError("empty input")
+    return PromptRow(id=rid, idx=idx, messages=[], text=inp, params=params)
+
+
+def request_line(rec: dict, urls: tuple[str, ...] | None = None, task: str = "generate") -> RequestLine:
     """An OpenAI Batch request line, checked: its custom_id, a POST to one of ``urls`` (a batch's endpoint, or every
-    URL served here), a body object."""
+    URL the pipeline's ``task`` answers), a body object."""
     _row_id(rec, "custom_id")
+    urls = urls or TASK_ENDPOINTS[task]
     body, url = rec.get("body"), rec.get("url", "/v1/chat/completions")
     if not isinstance(body, dict):
         raise ValueError("OpenAI batch line without a 'body' object")
     if url not in urls:
-        if url in OPENAI_URLS:
+        if url in TASK_ENDPOINTS[task]:
             raise ValueError(f"url {url!r} is not the batch's endpoint ({', '.join(urls)})")
+        if url in OPENAI_URLS:
+            asks = "a vector" if url == EMBEDDINGS_URL else "generated text"
+            raise ValueError(f"url {url!r} asks for {asks}; this pipeline's engine.task {task} answers "
+                             f"{', '.join(TASK_ENDPOINTS[task]) or 'no OpenAI endpoint'}")
         raise ValueError(f"url {url!r} is not supported (only {', '.join(urls)})")
     if rec.get("method", "POST") != "POST":
         raise ValueError(f"method {rec['method']!r}: batch requests are POST")

@@ -3,6 +3,7 @@ CSV), or an OpenAI Batch output / error line for OpenAI Batch input; and the col
 are named by."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -44,6 +45,10 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
             return openai_error_line(record.get("custom_id"), result["error"], code="row_error", run_id=run_id,
                                      where=where)
         line_id, request_id = openai_line_ids(run_id, where)
+        if record.get("url") == "/v1/embeddings":
+            body = embedding_body(result, model, (record.get("body") or {}).get("encoding_format"))
+            return line_dict(OutputLine(id=line_id, custom_id=record.get("custom_id"),
+                                        response=OutputResponse(status_code=200, request_id=request_id, body=body)))
         usage = {"prompt_tokens": result.get("prompt_tokens", 0),
                  "completion_tokens": result.get("completion_tokens", 0),
                  "total_tokens": result.get("prompt_tokens", 0) + result.get("completion_tokens", 0),
@@ -79,6 +84,21 @@ def output_record(record: dict, result: dict, fmt: str, *, model: str = "", sche
     if "scores" in out:
         _add_class_scores(out, record, out.pop("scores"))
     return out
+
+
+def embedding_body(result: dict, model: str, encoding_format: str | None) -> dict:
+    """An embeddings response body as OpenAI returns it: one vector (``index`` 0), as floats or, for
+    ``encoding_format: base64``, its little-endian float32 bytes in base64 (what OpenAI's client decodes)."""
+    vector = result.get("embedding") or []
+    if encoding_format == "base64":
+        import numpy as np
+
+        value: list[float] | str = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    else:
+        value = vector
+    tokens = result.get("prompt_tokens", 0)
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": value}], "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _add_class_scores(out: dict, record: dict, scores: dict) -> None:

@@ -181,7 +181,7 @@ class InputScan:
         if raw.error:
             return raw, None, []
         try:
-            row = to_prompt_row(raw, 0, self.cfg.input, self.fmt)
+            row = to_prompt_row(raw, 0, self.cfg.input, self.fmt, self.cfg.engine.task)
         except ValueError as e:
             return raw, e, []
         return raw, row, _image_parts_of(row)
@@ -427,6 +427,14 @@ def resolve_format(files: list, configured: str, max_line_bytes: int = MAX_LINE_
     return fmt
 
 
+def check_openai_batch_task(cfg: PipelineConfig, fmt: str, first_file) -> None:
+    """OpenAI Batch input asks for completions (engine.task generate) or embeddings (embed); ValueError for a
+    classifier, whose class probabilities no OpenAI endpoint returns."""
+    if fmt == "openai_batch" and cfg.engine.task == "classify":
+        raise ValueError(f"{first_file}: OpenAI Batch input asks for completions or embeddings; engine.task: "
+                         "classify writes class probabilities (give a JSONL, Parquet or CSV table of prompts)")
+
+
 def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
                 input_key: str | None = None) -> PlanManifest:
     """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
@@ -434,10 +442,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
-    if fmt == "openai_batch" and cfg.engine.task != "generate":  # its output lines are chat/completion bodies
-        made = "vectors" if cfg.engine.task == "embed" else "class probabilities"
-        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
-                         f"{cfg.engine.task} writes {made} (give a JSONL, Parquet or CSV table of prompts)")
+    check_openai_batch_task(cfg, fmt, files[0])
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
         scan = InputScan(cfg, fmt, tmp, image_checker(cfg, input_loc))

@@ -58,6 +58,7 @@ from batch_llm.manifests import Manifest, PlanManifest, ShardSpec
 from batch_llm.stages.plan import (
     InputScan,
     SortedShardWriter,
+    check_openai_batch_task,
     image_checker,
     plan_input_key,
     plan_settings,
@@ -186,9 +187,7 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
                          "shape follows the pipeline file's setting): set it in the pipeline file, not at trigger time")
     files = input_files(layout.input.path())
     fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
-    if fmt == "openai_batch" and cfg.engine.task != "generate":
-        raise ValueError(f"{files[0]}: OpenAI Batch input asks for chat or text completions; engine.task: "
-                         f"{cfg.engine.task} does not write them (give a JSONL, Parquet or CSV table of prompts)")
+    check_openai_batch_task(cfg, fmt, files[0])
     parts: list[PartSpec] = []
     group: list[tuple[int, UPath, int]] = []
 
