@@ -35,6 +35,7 @@ COMMANDS = {  # command: (module, what it measures)
     "image-preprocess": ("image_preprocess", "an image row's CPU side: PNG decode and the image processor, threads"),
     "openai-batch-api": ("openai_batch_api", "the OpenAI Batch API (upload to completed, real Airflow services) "
                          "against `batch-llm run-batch` on the same file, CPU vLLM"),
+    "csv-read": ("csv_read", "CSV input: the planner's reader (csv module) against pyarrow's open_csv, 1M rows"),
     "qwen-tokenizer": ("qwen_tokenizer", "builds a Qwen2.5 tokenizer offline (a 7B model's real vocabulary)"),
 }
 SCRIPTS = {  # command: (shell script, what it runs)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from batch_llm.config import load_config
-from batch_llm.io.storage import as_path, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
+from batch_llm.io.storage import as_path, atomic_writer, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
 
 ROOT_INPUT = os.path.join(os.path.dirname(__file__), "..", "..", "include", "sample_data", "demo_prompts.jsonl")
 
@@ -135,6 +135,70 @@ def test_streamed_jsonl_is_multipart_and_a_failure_leaves_nothing(s3):
     with pytest.raises(OSError, match="mid-stream"):
         write_jsonl(as_path(f"s3://{s3.bucket}/unit/broken.jsonl", opts), rows(fail_at=2500))
     assert c.list_objects_v2(Bucket=s3.bucket, Prefix="unit/broken")["KeyCount"] == 0
+    assert _no_uploads_left(c, s3.bucket, "unit/broken")
+
+
+def _no_uploads_left(c, bucket: str, prefix: str) -> bool:
+    return not c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
+
+
+def test_a_failure_mid_write_leaves_no_object_and_no_upload(s3):
+    """A writer that fails after parts went up: fsspec's deferred upload is aborted (no object, no parts left
+    behind), and nothing completes it later: not the failing path, not the garbage collector."""
+    import gc
+
+    opts, c = s3.storage_options(), s3.client()
+    path = as_path(f"s3://{s3.bucket}/unit/failed/big.bin", opts)
+    with pytest.raises(RuntimeError, match="mid-write"):
+        with atomic_writer(path) as w:
+            w.write(os.urandom(9 * 2**20))  # one part uploaded, the rest buffered
+            assert not _no_uploads_left(c, s3.bucket, "unit/failed/")
+            raise RuntimeError("the source broke mid-write")
+    del w
+    gc.collect()
+    assert c.list_objects_v2(Bucket=s3.bucket, Prefix="unit/failed/")["KeyCount"] == 0
+    assert _no_uploads_left(c, s3.bucket, "unit/failed/")
+    with pytest.raises(RuntimeError, match="mid-write"):  # a small object: nothing was sent at all
+        with atomic_writer(as_path(f"s3://{s3.bucket}/unit/failed/small.json", opts)) as w:
+            w.write(b'{"half": ')
+            raise RuntimeError("the source broke mid-write")
+    assert c.list_objects_v2(Bucket=s3.bucket, Prefix="unit/failed/")["KeyCount"] == 0
+
+
+def test_concurrent_writers_of_one_key_never_interleave(s3):
+    """Writers of one key at once, each a multipart upload: readers see one writer's whole object, never a mix."""
+    opts, c = s3.storage_options(), s3.client()
+    size = 9 * 2**20
+    contents = [bytes([65 + k]) * size for k in range(3)]
+    key = "unit/concurrent/shared.bin"
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def writer(k: int) -> None:
+        with atomic_writer(as_path(f"s3://{s3.bucket}/{key}", opts)) as w:
+            for i in range(0, size, 2**20):
+                w.write(contents[k][i:i + 2**20])
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(c.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+            except c.exceptions.NoSuchKey:
+                pass
+
+    r = threading.Thread(target=reader)
+    r.start()
+    ws = [threading.Thread(target=writer, args=(k,)) for k in range(len(contents))]
+    for t in ws:
+        t.start()
+    for t in ws:
+        t.join()
+    stop.set()
+    r.join()
+    final = c.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+    assert final in contents
+    assert all(s in contents for s in seen), {(len(s), s[:1], s[-1:]) for s in seen if s not in contents}
+    assert _no_uploads_left(c, s3.bucket, "unit/concurrent/")
 
 
 def test_list_files_skips_folder_marker(s3):

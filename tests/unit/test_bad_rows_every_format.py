@@ -15,6 +15,7 @@ from batch_llm.io import formats
 from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.stages import plan as plan_mod
 from helpers import demo_config
+from upath import UPath
 
 
 def _plan(tmp_path, path, **over):
@@ -40,6 +41,40 @@ def test_csv_row_with_a_non_utf8_byte_is_a_row_error(tmp_path):
     assert ids == {"a", "d"}
     assert errors[3]["reason"] == "not valid UTF-8 at byte 5"   # lines of the file: the header is line 1
     assert errors[4]["reason"] == "not valid UTF-8 at byte 6 of line 5"  # a quoted cell over two lines
+
+
+def test_csv_lines_count_quoted_line_breaks_blank_lines_and_crlf(tmp_path):
+    p = tmp_path / "in.csv"
+    p.write_bytes(b'id,prompt\r\na,"one\r\ntwo\nthree"\r\n\r\nb,x,extra\n\nc,"\n"\nd\ne,ok\n')
+    rows = list(formats.read_file_rows(UPath(str(p)), "csv", formats.Lines(MAX_LINE_BYTES)))
+    assert [(r.line, (r.record or {}).get("id"), r.error) for r in rows] == [
+        (2, "a", None), (6, None, "1 more field(s) than the header has"), (8, "c", None),
+        (10, None, "1 field(s) fewer than the header has"), (11, "e", None)]
+
+
+def test_pyarrow_csv_handler_counts_records_not_lines():
+    """Why CSV input stays on the csv module (``io.formats._read_csv``): pyarrow's ``invalid_row_handler`` numbers
+    a bad row by records (here 3; the row is on line 5, after a quoted line break and a blank line) and valid rows
+    not at all; a record past ``block_size`` fails the rest of the file. When this fails, pyarrow gives lines."""
+    import io
+
+    import pyarrow.csv as pc
+
+    seen = []
+
+    def skip(row) -> str:
+        seen.append(row)
+        return "skip"
+
+    reader = pc.open_csv(io.BytesIO(b'id,prompt\na,"two\nlines"\n\nb,x,extra\nc,ok\n'),
+                         read_options=pc.ReadOptions(use_threads=False),
+                         parse_options=pc.ParseOptions(newlines_in_values=True,
+                                                       invalid_row_handler=skip))
+    assert [r["id"] for b in reader for r in b.to_pylist()] == ["a", "c"]
+    assert [r.number for r in seen] == [3]
+    with pytest.raises(pa.ArrowInvalid, match="straddl"):
+        list(pc.open_csv(io.BytesIO(b"id,prompt\na," + b"y" * 3000 + b"\nb,z\n"),
+                         read_options=pc.ReadOptions(block_size=1024)))
 
 
 def test_csv_with_a_byte_order_mark_keeps_its_first_column(tmp_path):

@@ -46,14 +46,23 @@ class Validation:
                 "error_count": self.error_count, "checked_at": self.checked_at}
 
 
+def _request_model(line: bytes | None) -> tuple[bool, Any]:
+    """Whether a request line is a JSON object, and its ``body.model`` (None where it has none). Read leniently,
+    not as ``rows.openai_batch.RequestLine``: a line the planner refuses is that line's error, yet its model still
+    decides the batch's (``mismatched_model``)."""
+    try:
+        rec = json.loads(line) if line is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return False, None
+    if not isinstance(rec, dict):
+        return False, None
+    body = rec.get("body")
+    return True, body.get("model") if isinstance(body, dict) else None
+
+
 def line_model(line: bytes) -> str | None:
     """``body.model`` of one request line; None where the line is not such an object."""
-    try:
-        rec = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    body = rec.get("body") if isinstance(rec, dict) else None
-    model = body.get("model") if isinstance(body, dict) else None
+    model = _request_model(line)[1]
     return model if isinstance(model, str) else None
 
 
@@ -115,15 +124,10 @@ def check_input(open_file, *, expected_bytes: int | None, model: str, section: O
         return v
     with f:
         for n, line in _lines(f, max_line_bytes, v):
-            try:
-                rec = json.loads(line) if line is not None else None
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if not isinstance(rec, dict):
+            is_object, got = _request_model(line)
+            if not is_object:
                 continue
             v.json_objects += 1
-            body = rec.get("body")
-            got = body.get("model") if isinstance(body, dict) else None
             if got is not None and got != model:
                 v.fail("mismatched_model", f"The model {str(got)[:200]!r} of this line is not the batch's model "
                                            f"{model!r}: a batch's lines all name one model.", line=n,

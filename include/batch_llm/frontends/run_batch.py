@@ -262,7 +262,7 @@ def cmd_run_batch(args: argparse.Namespace, run: Callable[[argparse.Namespace], 
 def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: str) -> tuple[int, int]:
     """``-o``: the run's published lines and error lines, one per input line in input order (as ``vllm
     run-batch`` writes them); (lines, error lines)."""
-    from batch_llm.io.storage import Location, iter_jsonl, read_json
+    from batch_llm.io.storage import Location, as_path, atomic_writer, iter_jsonl, read_json
     from batch_llm.stages.publish import published_lines
 
     part = Location(cfg.output.path).child(cfg.name, cfg.output.partition.format(ds=ds))
@@ -280,13 +280,13 @@ def write_output(path: str, cfg: PipelineConfig, ds: str, *, served_model_name: 
         refused.setdefault(_key(line.custom_id), []).append(line)
     from batch_llm.io.formats import input_files
 
-    lines = list(in_input_order(input_files(Location(cfg.input.path).path()), done, refused, cfg.input))
-    out = Path(os.path.expanduser(path))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(line_dict(x), ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
-    tmp.replace(out)
-    return len(lines), sum(1 for x in lines if isinstance(x, ErrorLine))
+    n = n_errors = 0
+    with atomic_writer(as_path(os.path.abspath(os.path.expanduser(path)))) as w:
+        for x in in_input_order(input_files(Location(cfg.input.path).path()), done, refused, cfg.input):
+            w.write((json.dumps(line_dict(x), ensure_ascii=False) + "\n").encode("utf-8"))
+            n += 1
+            n_errors += isinstance(x, ErrorLine)
+    return n, n_errors
 
 
 _Line = TypeVar("_Line")  # an answer line: typed (OutputLine, ErrorLine) or as read

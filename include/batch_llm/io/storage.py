@@ -6,7 +6,7 @@ which also crosses the process boundary into the engine worker, where no Airflow
 
 Commit rule, everywhere: data first, manifest last. A reader goes by the manifest, so it never sees a
 half-written artifact, on a local disk (write to a temporary name, then rename) or on S3 (one PUT, or one
-completed multipart upload, is atomic).
+multipart upload through fsspec's ``autocommit=False`` file, completed on commit and aborted on failure).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgspec
 from upath import UPath
@@ -77,6 +77,9 @@ def as_path(url: str, options: dict[str, Any] | None = None) -> UPath:
     if url.startswith(("s3://", "s3a://")):
         # dag.test() and the CLI run every stage in one process; a cached listing would hide later writes.
         opts.setdefault("use_listings_cache", False)
+        # multipart parts of exactly MULTIPART_PART_BYTES (the last one smaller), cut by s3fs; without it s3fs
+        # sends whatever one write() buffered as a single part
+        opts.setdefault("fixed_upload_size", True)
     return UPath(url, **opts)
 
 
@@ -85,33 +88,47 @@ def is_local(path: UPath) -> bool:
 
 
 # Objects smaller than this are one PUT; others a multipart upload of parts this size (boto3's default
-# multipart threshold and chunk size). s3fs's own default block is 50 MiB, and without fixed_upload_size it
-# sends everything buffered as one part: writing block-sized slices gives parts of one block each.
+# multipart threshold and chunk size). s3fs cuts the parts itself (``fixed_upload_size``, set by ``as_path``).
 MULTIPART_PART_BYTES = 8 * 2**20
 
 
 class AtomicWriter:
-    """Streams bytes into an object that becomes visible only when complete: a temporary file renamed on a
-    local disk; elsewhere one PUT, or from ``MULTIPART_PART_BYTES`` on one multipart upload of block-sized
-    parts, which the store makes visible only when it completes. Use ``atomic_writer(path)``.
+    """Streams bytes into an object that becomes visible only when complete. Use ``atomic_writer(path)``.
+
+    On object storage this is fsspec's own deferred commit: the file is opened with ``autocommit=False``, so
+    closing it uploads the parts but completes nothing; ``commit()`` completes the multipart upload and
+    ``discard()`` aborts it (no object, no orphaned parts). Nothing else can complete it: neither an exception
+    path nor the garbage collector closing the file. An object smaller than one part never opens that file and
+    goes as one PUT (``pipe_file``): an ``autocommit=False`` file makes every object a multipart upload, three
+    requests where one does. (A store whose files ignore ``autocommit=False`` shows the object while it is
+    written: fsspec's ``memory://`` does, a store for tests.)
+
+    On a local disk it stays a temporary file beside the target, fsynced and renamed over it. fsspec's local
+    deferred file (``LocalFileOpener(autocommit=False)``) is not used: it makes its temporary file in the system
+    temporary folder (``tempfile.mkstemp()`` without ``dir``) and commits with ``shutil.move``, which becomes a
+    copy into the final name, visible half-written, wherever that folder is another file system (a tmpfs
+    ``/tmp``, a mounted volume); nor does it fsync before the rename. ``fs.transaction`` is not used either: it
+    is a flag on the filesystem instance, which fsspec caches and shares between threads, so one thread's
+    transaction would defer (and commit) another thread's files.
 
     A local write that fails (a full disk: ENOSPC) raises OSError naming the final path, and leaves neither the
     object nor the temporary file behind."""
 
     def __init__(self, path: UPath):
         self.path = path
-        self._buf = bytearray()
+        self._f: Any = None  # the open file: a local temporary one, or fsspec's deferred upload
+        self._head: bytearray | None = None  # elsewhere, the bytes until one part is full
         if is_local(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             # the file system path (a local UPath's .path is what os.fspath gives, for file:// URLs too)
             self._tmp: str | None = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp").path
             try:
-                self._f: BinaryIO = open(self._tmp, "wb")
+                self._f = open(self._tmp, "wb")
             except OSError as e:
                 raise self._named(e) from e
         else:
             self._tmp = None
-            self._f = path.open("wb", block_size=MULTIPART_PART_BYTES)
+            self._head = bytearray()
 
     def _named(self, e: OSError) -> OSError:
         """The error with the final path (the temporary name means nothing to a reader); same errno, same type."""
@@ -123,11 +140,14 @@ class AtomicWriter:
                 self._f.write(data)
             except OSError as e:
                 raise self._named(e) from e
-            return
-        self._buf += data
-        while len(self._buf) >= MULTIPART_PART_BYTES:  # a full block uploads one part
-            self._f.write(bytes(self._buf[:MULTIPART_PART_BYTES]))
-            del self._buf[:MULTIPART_PART_BYTES]
+        elif self._head is None:
+            self._f.write(data)
+        else:
+            self._head += data
+            if len(self._head) >= MULTIPART_PART_BYTES:  # a multipart upload from here on
+                self._f = self.path.fs.open(self.path.path, "wb", autocommit=False, block_size=MULTIPART_PART_BYTES)
+                self._f.write(bytes(self._head))
+                self._head = None
 
     def flush(self) -> None:
         """A file object's flush (gzip's writer wraps this one): a local file's buffer goes to the temporary file;
@@ -147,10 +167,12 @@ class AtomicWriter:
                 os.replace(self._tmp, self.path.path)
             except OSError as e:
                 raise self._named(e) from e
-            return
-        self._f.write(bytes(self._buf))
-        self._buf.clear()
-        self._f.close()  # the single PUT, or the last part and CompleteMultipartUpload
+        elif self._head is not None:
+            self.path.fs.pipe_file(self.path.path, bytes(self._head))
+            self._head = None
+        else:
+            self._f.close()  # the last part; the upload stays incomplete until:
+            self._f.commit()  # CompleteMultipartUpload
 
     def abort(self) -> None:
         if self._tmp is not None:
@@ -161,17 +183,16 @@ class AtomicWriter:
             with suppress(FileNotFoundError):
                 os.unlink(self._tmp)
             return
-        # Not close(): fsspec's close() would complete the upload with the parts sent so far, committing a
-        # truncated object under the final name. Abort the multipart upload instead; nothing becomes visible.
-        upload: Any = self._f  # fsspec's buffered file (untyped): discard() and a settable closed flag
+        self._head = None
+        if self._f is None:
+            return
         try:
-            if hasattr(upload, "discard"):
-                upload.discard()
-        except Exception:  # noqa: BLE001 - the store is failing already; an orphaned upload stays invisible
+            self._f.discard()  # AbortMultipartUpload
+        except Exception:  # noqa: BLE001 - the store is failing already; an unfinished upload stays invisible
             pass
-        try:
-            upload.closed = True  # fsspec files: no completing close() from __del__ later
-        except AttributeError:
+        try:  # discard() left fsspec's file without a buffer: marked closed, its __del__ uploads nothing more
+            self._f.closed = True
+        except AttributeError:  # memory://'s file (a BytesIO) ignores autocommit=False: the object since the open
             pass
 
 
