@@ -19,9 +19,11 @@ Reported per step: the largest single task's seconds and peak RSS, and the task-
 
     .venv/bin/python -m bench mapped-steps --sizes 10000000 --out bench/results/mapped-steps.json
 
-Not measured here: the tasks running side by side (Celery workers); the sums are what they would share.
+``--parallel N`` runs a mapped step's tasks N at a time, as N worker slots would (each task's seconds then
+include the others' load); the task-seconds are what the workers share.
 
-Needs about 0.6 KB of disk per row (input, plan spool, shards, outputs, parts, dataset), freed after each size.
+Needs about 0.6 KB of disk per row (input, plan spool, shards, outputs, parts, dataset), freed after each size;
+the mapped day frees its input and the parts' spools once planned (no later step reads them).
 """
 from __future__ import annotations
 
@@ -40,14 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_input(folder: Path, rows: int, files: int) -> int:
-    """``files`` JSONL files of tiny prompt rows, ids unique across the day."""
+    """``files`` JSONL files of tiny prompt rows; one row in 10,000 repeats the id of a row of the file before
+    (a duplicate the plan reports, found across files)."""
     folder.mkdir(parents=True, exist_ok=True)
     per, extra = divmod(rows, files)
     n = 0
     for f in range(files):
         with open(folder / f"part-{f:05d}.jsonl", "w", encoding="utf-8") as fh:
             for _ in range(per + (f < extra)):
-                fh.write(f'{{"id": "r{n:010d}", "prompt": "say {n % 997}"}}\n')
+                rid = n - per - 1 if f and n % 10_000 == 9_999 else n
+                fh.write(f'{{"id": "r{rid:010d}", "prompt": "say {n % 997}"}}\n')
                 n += 1
     return sum(p.stat().st_size for p in folder.iterdir())
 
@@ -160,7 +164,15 @@ def _tasks(runs: list[dict]) -> dict:
                if k in runs[0]}}
 
 
-def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: bool) -> dict:
+def _mapped(name: str, workdir: Path, n: int, parallel: int) -> list[dict]:
+    """A mapped step's ``n`` tasks, ``parallel`` at a time (as that many workers' slots would run them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(lambda i: _step(name, workdir, i), range(n)))
+
+
+def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: bool, parallel: int = 1) -> dict:
     """One day through the steps: today's single tasks (``mapped`` False), or filter_shard × N with
     ``output.parts`` and the join, then publish from the parts."""
     shutil.rmtree(work, ignore_errors=True)
@@ -184,17 +196,22 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
     if mapped:  # the plan's five steps, the scans and writes one task a part
         n_parts = _tasks([_step("plan_parts", work)])["parts"]
         step("plan_parts", [_step("plan_parts", work)])
-        step("plan_scan", [_step("plan_scan", work, i) for i in range(n_parts)])
-        step("plan_join", [_step("plan_join", work, i) for i in range(n_parts)])
+        step("plan_scan", _mapped("plan_scan", work, n_parts, parallel))
+        step("plan_join", _mapped("plan_join", work, n_parts, parallel))
         step("plan_place", [_step("plan_place", work)])
-        step("plan_write", [_step("plan_write", work, i) for i in range(n_parts)])
+        step("plan_write", _mapped("plan_write", work, n_parts, parallel))
         step("plan_gather", [_step("plan_gather", work)])
+        # No later step reads the input or the parts' spools and id hashes: freed, so 100M rows fit the disk
+        shutil.rmtree(work / "in")
+        for f in (work / "out").glob("*/runs/*/*/plan/parts/part-*/*"):
+            if f.name in ("spool.tsv", "entries.bin"):
+                f.unlink()
     else:
         step("plan", [_step("plan", work)])
     _step("synthesize", work)
     n_shards = len(json.loads((work / "shards.json").read_text()))
     if mapped:
-        step("filter_shard", [_step("filter_shard", work, i) for i in range(n_shards)])
+        step("filter_shard", _mapped("filter_shard", work, n_shards, parallel))
         step("join", [_step("join", work)])
     else:
         step("filter_one_task", [_step("filter_one_task", work)])
@@ -203,10 +220,12 @@ def _variant(rows: int, files: int, rows_per_shard: int, work: Path, mapped: boo
     return res
 
 
-def bench_size(rows: int, files: int, rows_per_shard: int, base: Path, variants: tuple[str, ...]) -> dict:
-    res: dict = {"rows": rows, "files": files, "rows_per_shard": rows_per_shard}
+def bench_size(rows: int, files: int, rows_per_shard: int, base: Path, variants: tuple[str, ...],
+               parallel: int = 1) -> dict:
+    res: dict = {"rows": rows, "files": files, "rows_per_shard": rows_per_shard, "parallel": parallel}
     for v in variants:
-        res[v] = _variant(rows, files, rows_per_shard, base / f"rows-{rows}-{v}", mapped=v == "mapped")
+        res[v] = _variant(rows, files, rows_per_shard, base / f"rows-{rows}-{v}", mapped=v == "mapped",
+                          parallel=parallel)
     return res
 
 
@@ -220,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--rows-per-shard", type=int, default=100_000)
     ap.add_argument("--variants", default="one_task,mapped", help="one_task, mapped or both (comma-separated)")
+    ap.add_argument("--parallel", type=int, default=1, help="a mapped step's tasks run this many at a time")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mapped-steps.json"))
     a = ap.parse_args(argv)
     base = Path(a.dir or tempfile.mkdtemp(prefix="batch_llm_mapped_"))
     results = []
     for n in (int(x) for x in a.sizes.split(",")):
-        results.append(bench_size(n, a.files, a.rows_per_shard, base, tuple(a.variants.split(","))))
+        results.append(bench_size(n, a.files, a.rows_per_shard, base, tuple(a.variants.split(",")), a.parallel))
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
                                            "results": results}, indent=1))
