@@ -9,7 +9,7 @@ tokens. Reported: both wall times, the API's overhead, and where the API's time 
 from the task instances (each task's wait from the previous task's end, or the run's start, to its own start),
 beside the shard's engine start and generation from its manifest.
 
-    python -m bench openai-batch-api --rows 1000 --max-tokens 16 --out bench/results/openai_batch_api.jsonl
+    python -m bench openai-batch-api --rows 1000 --max-tokens 16 --repeats 3 --out bench/results/openai_batch_api.jsonl
 """
 from __future__ import annotations
 
@@ -152,18 +152,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="append the result as a JSON line here")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each side (run-batch first, then "
+                    "the API first, ...); each pair is one line")
     args = ap.parse_args(argv)
     from batch_llm.demo_model import build_demo_model
 
     model_dir = build_demo_model()
-    with tempfile.TemporaryDirectory(prefix="bench-openai-batch-") as tmp_s:
-        tmp = Path(tmp_s)
-        inp = tmp / "requests.jsonl"
-        _requests(inp, args.rows, args.max_tokens)
-        direct = _run_batch(inp, tmp / "run_batch_out.jsonl", model_dir)
-        api = _through_api(inp, tmp / "api", model_dir)
-    emit(args.out, "openai-batch-api", {"rows": args.rows, "max_tokens": args.max_tokens, "engine": "vllm (CPU)",
-                                        "run_batch_wall_s": round(direct, 2), "api": api,
-                                        "api_overhead_s": round(api["wall_s"] - direct, 2),
-                                        "api_over_run_batch": round(api["wall_s"] / direct, 3)})
+    for r in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="bench-openai-batch-") as tmp_s:
+            tmp = Path(tmp_s)
+            inp = tmp / "requests.jsonl"
+            _requests(inp, args.rows, args.max_tokens)
+            if r % 2 == 0:
+                direct = _run_batch(inp, tmp / "run_batch_out.jsonl", model_dir)
+                api = _through_api(inp, tmp / "api", model_dir)
+            else:
+                api = _through_api(inp, tmp / "api", model_dir)
+                direct = _run_batch(inp, tmp / "run_batch_out.jsonl", model_dir)
+        emit(args.out, "openai-batch-api", {"rows": args.rows, "max_tokens": args.max_tokens, "engine": "vllm (CPU)",
+                                            "repeat": r, "first": "run-batch" if r % 2 == 0 else "api",
+                                            "run_batch_wall_s": round(direct, 2), "api": api,
+                                            "api_overhead_s": round(api["wall_s"] - direct, 2),
+                                            "api_over_run_batch": round(api["wall_s"] / direct, 3)})
     return 0

@@ -3,7 +3,9 @@ this machine, and the inference tasks routed to the GPU worker by queue.
 
 - ``gpu-worker``: ``airflow celery worker --queues gpu --concurrency 1`` (the GPU host; one shard at a time
   here, where a GPU host runs as many as the ``gpu`` pool and its GPU leases allow).
-- ``cpu-worker``: ``--queues default --concurrency 2`` (every other stage).
+- ``cpu-worker`` and ``cpu-worker-b``: ``--queues default --concurrency 1`` each (every other stage), two CPU
+  hosts: the mapped CPU steps of a day planned in parts (``plan_scan``, ``plan_join``, ``plan_write``,
+  ``filter_shard``) spread over both.
 
 Two faults a fleet has, each on a DAG of its own (own rows, so no result-cache hit hides the work): the
 scheduler killed mid-run and restarted (the shard runs on; nothing runs twice), and the GPU worker's host
@@ -52,8 +54,12 @@ pytestmark = pytest.mark.slow
 DAG_ID = "celery_demo"
 NUM_SHARDS = 2
 TODAY = dt.datetime.now(dt.timezone.utc).date()
+# Two default-queue workers of one slot each: two CPU hosts the mapped CPU steps spread over
 WORKERS = [CeleryWorker("gpu-worker", queues="gpu", concurrency=1),
-           CeleryWorker("cpu-worker", queues="default", concurrency=2)]
+           CeleryWorker("cpu-worker", queues="default", concurrency=1),
+           CeleryWorker("cpu-worker-b", queues="default", concurrency=1)]
+CPU_WORKERS = ("cpu-worker", "cpu-worker-b")
+PARTS_DAG, PARTS = "celery_plan_parts", 4
 SCHEDULER_KILLED_DAG, WORKER_KILLED_DAG = "celery_scheduler_killed", "celery_worker_killed"
 FAULT_ROWS = 24
 # A task whose heartbeat stops is failed (and retried) after this long; Airflow's default is 300 s.
@@ -78,6 +84,28 @@ def write_fault_pipeline(tmp: Path, pipelines: Path, name: str) -> tuple[Path, l
     return out, [r["id"] for r in rows]
 
 
+def write_parts_pipeline(tmp: Path, pipelines: Path) -> tuple[Path, list[str]]:
+    """A day in PARTS files planned in parts (``sharding.plan_part_bytes``: one file a part), a shard a part,
+    ``output.parts``. Returns (output dir, ids)."""
+    sub, out, _ = write_test_pipeline(tmp / PARTS_DAG, name=PARTS_DAG, days=[TODAY, TODAY + dt.timedelta(days=1)],
+                                      rows_per_day=1, num_shards=1, schedule=None,
+                                      start_date=TODAY - dt.timedelta(days=3), evaluate=False)
+    rows = [{"id": f"parts-{i:03d}", "messages": [{"role": "user", "content": f"Name a colour, {i}."}]}
+            for i in range(4 * PARTS)]
+    for day in (TODAY, TODAY + dt.timedelta(days=1)):
+        folder = tmp / PARTS_DAG / "in" / f"dt={day.isoformat()}"
+        (folder / "prompts.jsonl").unlink()
+        for p in range(PARTS):
+            (folder / f"part-{p}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4 * p:4 * p + 4]))
+    cfg = yaml.safe_load((sub / f"{PARTS_DAG}.yaml").read_text())
+    cfg["input"]["path"] = str(tmp / PARTS_DAG / "in" / "dt={ds}")
+    cfg["output"]["parts"] = True
+    cfg["sharding"] = {"rows_per_shard": 4, "plan_part_bytes": 1}
+    cfg["sampling"]["max_tokens"] = 8
+    (pipelines / f"{PARTS_DAG}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out, [r["id"] for r in rows]
+
+
 @pytest.fixture(scope="module")
 def celery_services(tmp_path_factory, demo_model_dir, request):
     ensure_system_services()   # scripts/services.sh ensure: apt-installs redis-server / postgresql if missing
@@ -87,6 +115,7 @@ def celery_services(tmp_path_factory, demo_model_dir, request):
                                               rows_per_day=8, num_shards=NUM_SHARDS, schedule=None,
                                               start_date=TODAY - dt.timedelta(days=3), evaluate=False)
     fault_dags = {name: write_fault_pipeline(tmp, pipelines, name) for name in (SCHEDULER_KILLED_DAG, WORKER_KILLED_DAG)}
+    fault_dags[PARTS_DAG] = write_parts_pipeline(tmp, pipelines)
     procs = ProcessGroup(tmp / "service-logs", {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")})
     pg = None
     svc = None
@@ -137,11 +166,12 @@ def test_inference_runs_on_gpu_worker_rest_on_default(celery_services):
         assert t["hostname"].startswith("gpu-worker@"), (t["task_id"], t["map_index"], t["hostname"])
     for t in rest:
         assert t["queue"] == "default", (t["task_id"], t["queue"])
-        assert t["hostname"].startswith("cpu-worker@"), (t["task_id"], t["hostname"])
+        assert t["hostname"].split("@")[0] in CPU_WORKERS, (t["task_id"], t["hostname"])
 
     # The workers' own logs agree.
     logs = {w.name: (svc.procs.log_dir / f"celery-{w.name}.log").read_text(errors="replace") for w in WORKERS}
-    gpu_ran, cpu_ran = executed_task_ids(logs["gpu-worker"]), executed_task_ids(logs["cpu-worker"])
+    gpu_ran = executed_task_ids(logs["gpu-worker"])
+    cpu_ran = [t for w in CPU_WORKERS for t in executed_task_ids(logs[w])]
     assert gpu_ran and all(t.endswith("batch_inference") for t in gpu_ran), gpu_ran
     assert len(gpu_ran) >= NUM_SHARDS, gpu_ran
     assert cpu_ran and not any(t.endswith("batch_inference") for t in cpu_ran), cpu_ran
@@ -154,6 +184,29 @@ def test_inference_runs_on_gpu_worker_rest_on_default(celery_services):
     got = [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
     assert sorted(got) == sorted(ids[day.isoformat()]) and len(got) == len(set(got)), got
     svc.assert_loopback_only()   # scheduler, api-server, both workers, Redis, PostgreSQL
+
+
+def test_a_day_planned_in_parts_spreads_its_mapped_steps_over_both_cpu_workers(celery_services):
+    """plan_scan × 4, plan_join × 4, plan_write × 4 and filter_shard × 4 on two one-slot CPU workers: both
+    ran some of them, every other task ran where its queue says, and the day is published whole."""
+    svc, _, _, fault_dags = celery_services
+    out, ids = fault_dags[PARTS_DAG]
+    svc.unpause(PARTS_DAG)
+    run = svc.trigger(PARTS_DAG, logical_date=None)
+    svc.wait_run(PARTS_DAG, run["dag_run_id"], timeout=900)
+    tis = svc.task_instances(PARTS_DAG, run["dag_run_id"])
+    assert {t["state"] for t in tis} == {"success"}, [(t["task_id"], t["state"]) for t in tis]
+    mapped = [t for t in tis if t["task_id"].split(".")[-1] in ("plan_scan", "plan_join", "plan_write",
+                                                                 "filter_shard")]
+    assert len(mapped) == 4 * PARTS, sorted((t["task_id"], t["map_index"]) for t in mapped)
+    hosts = {t["hostname"].split("@")[0] for t in mapped}
+    assert hosts == set(CPU_WORKERS), sorted((t["task_id"], t["map_index"], t["hostname"]) for t in mapped)
+    for t in tis:
+        on = t["hostname"].split("@")[0]
+        assert on == "gpu-worker" if t["task_id"].endswith("batch_inference") else on in CPU_WORKERS, t
+    got = published_ids(out, PARTS_DAG, run, parts=True)
+    assert sorted(got) == sorted(ids) and len(got) == len(set(got)), got
+    svc.assert_loopback_only()
 
 
 def committed_ids(out: Path, dag_id: str) -> list[str]:
@@ -175,10 +228,14 @@ def wait_mid_shard(svc, out: Path, dag_id: str, run_id: str, timeout: float = 60
     raise AssertionError(f"no chunk committed in {timeout:.0f}s\n" + svc.describe_run(dag_id, run_id))
 
 
-def published_ids(out: Path, dag_id: str, run: dict) -> list[str]:
+def published_ids(out: Path, dag_id: str, run: dict, parts: bool = False) -> list[str]:
+    """The ids of the run_after day's current version (``parts``: its data folder's files, output.parts)."""
     day = dt.datetime.fromisoformat(run["run_after"].replace("Z", "+00:00")).astimezone(dt.timezone.utc).date()
     current = read_json(Location(str(out)).child(dag_id, f"dt={day.isoformat()}", "_CURRENT.json").path())
     assert current["run_id"] == run["dag_run_id"], current
+    if parts:
+        data = Location(current["version"]).child("data").path()
+        return [r["id"] for f in sorted(data.iterdir()) for r in iter_jsonl(f)]
     return [r["id"] for r in iter_jsonl(Location(current["dataset"]).path())]
 
 
