@@ -187,3 +187,37 @@ def run_in_pty(cmd: Sequence[str], *, timeout: float, env: dict | None = None) -
     finally:
         os.close(master)
     return proc.wait(), b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+def plan_lines(tmp_path: Path, lines: list, **overrides) -> tuple:
+    """The demo pipeline's one-task plan of ``lines`` (objects or raw strings) written as one JSONL file: the
+    manifest, the shard rows by id and the row errors' reasons by id."""
+    import json
+
+    from batch_llm.io.storage import Location, iter_jsonl
+    from batch_llm.stages import plan as plan_mod
+
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = demo_config(tmp_path, input__path=str(p), **overrides)
+    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
+    rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
+    errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
+    return m, rows, errors
+
+
+def race(writer, writers: int, reader) -> None:
+    """``writer(k)`` for k in range(``writers``) on threads of their own at once, beside ``reader(stop)`` on
+    another, which runs until every writer is done and ``stop`` (a threading.Event) is set."""
+    import threading
+
+    stop = threading.Event()
+    r = threading.Thread(target=reader, args=(stop,))
+    r.start()
+    ws = [threading.Thread(target=writer, args=(k,)) for k in range(writers)]
+    for t in ws:
+        t.start()
+    for t in ws:
+        t.join()
+    stop.set()
+    r.join()

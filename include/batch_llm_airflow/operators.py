@@ -201,15 +201,21 @@ class PlanPartsOperator(PipelineStageOperator):
         return [p.index for p in m.parts]
 
 
-class PlanScanOperator(PipelineStageOperator):
-    """One part of a plan in parts validated and spooled (mapped over the parts)."""
+class MappedPlanOperator(PipelineStageOperator):
+    """A mapped step of a plan in parts: ``part`` is its map value (a part; for the join, the hash-bucket group of
+    the same number)."""
 
     template_fields = (*PipelineStageOperator.template_fields, "part")
-    reads_input = True
 
     def __init__(self, *, part: Any, **kwargs: Any):
         super().__init__(**kwargs)
         self.part = part
+
+
+class PlanScanOperator(MappedPlanOperator):
+    """One part of a plan in parts validated and spooled."""
+
+    reads_input = True
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
@@ -219,19 +225,13 @@ class PlanScanOperator(PipelineStageOperator):
         return {"part": m.part, "rows_read": m.rows_read, "valid": m.valid}
 
 
-class PlanJoinOperator(PipelineStageOperator):
-    """A plan in parts: the duplicate ids among one group of hash buckets of every part (mapped, one task a part)."""
-
-    template_fields = (*PipelineStageOperator.template_fields, "group")
-
-    def __init__(self, *, group: Any, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.group = group
+class PlanJoinOperator(MappedPlanOperator):
+    """A plan in parts: the duplicate ids among one group of hash buckets of every part."""
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:
         cfg, layout = self.resolve(context)
-        m = api.plan_join_group(cfg, layout, int(self.group))
+        m = api.plan_join_group(cfg, layout, int(self.part))
         n = (m.part_starts or [0])[-1]
         self.log.info("plan join %d: %d ids, %d duplicates, in %.1fs", m.group, m.entries, n, m.seconds)
         return {"group": m.group, "entries": m.entries, "duplicates": n}
@@ -250,14 +250,8 @@ class PlanPlaceOperator(PipelineStageOperator):
         return [p.part for p in m.places]
 
 
-class PlanWriteOperator(PipelineStageOperator):
-    """One part of a plan in parts: its shards, records and errors (mapped over the parts)."""
-
-    template_fields = (*PipelineStageOperator.template_fields, "part")
-
-    def __init__(self, *, part: Any, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.part = part
+class PlanWriteOperator(MappedPlanOperator):
+    """One part of a plan in parts: its shards, records and errors."""
 
     @names_storage_errors
     def execute(self, context: Context) -> dict:

@@ -66,7 +66,7 @@ def batch_llm_task_group(cfg: PipelineConfig, *, group_id: str = "batch_llm",
             listed = PlanPartsOperator(task_id="plan_parts", **common)
             scans = PlanScanOperator.partial(task_id="plan_scan", **common).expand(part=listed.output)
             # the join, one hash-bucket group of every part a task: after every scan
-            joins = PlanJoinOperator.partial(task_id="plan_join", **common).expand(group=listed.output)
+            joins = PlanJoinOperator.partial(task_id="plan_join", **common).expand(part=listed.output)
             placed = PlanPlaceOperator(task_id="plan_place", **common)
             writes = PlanWriteOperator.partial(task_id="plan_write", **common).expand(part=placed.output)
             plan = PlanShardsOperator(task_id="plan_shards", gather=True, **common)

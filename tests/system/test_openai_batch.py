@@ -18,7 +18,7 @@ from batch_llm.io.storage import Location, iter_jsonl, read_json
 from batch_llm.rows.params import RowParams, engine_refusal, resolve
 from batch_llm.rows.prompt import PromptRow, RawRow, to_prompt_row
 from batch_llm.stages import plan as plan_mod
-from helpers import DEMO_YAML, demo_config, run_in_group
+from helpers import DEMO_YAML, demo_config, plan_lines, run_in_group
 
 CHAT = "/v1/chat/completions"
 
@@ -31,18 +31,8 @@ def _chat(text):
     return [{"role": "user", "content": text}]
 
 
-def _plan(tmp_path, lines, **over):
-    p = tmp_path / "batch.jsonl"
-    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cfg = demo_config(tmp_path, input__path=str(p), **over)
-    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
-    rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
-    errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
-    return m, rows, errors
-
-
 def test_request_parameters_reach_the_shard_rows(tmp_path):
-    m, rows, errors = _plan(tmp_path, [
+    m, rows, errors = plan_lines(tmp_path, [
         _line("a", {"messages": _chat("hi"), "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 3,
                     "stop": "\n", "presence_penalty": 0.5, "frequency_penalty": -0.5}),
         _line("b", {"messages": _chat("hi"), "max_completion_tokens": 20, "max_tokens": 99}),
@@ -61,7 +51,7 @@ def test_request_parameters_reach_the_shard_rows(tmp_path):
 
 def test_completions_bodies_text_or_token_ids(tmp_path):
     url = "/v1/completions"
-    _, rows, errors = _plan(tmp_path, [
+    _, rows, errors = plan_lines(tmp_path, [
         _line("t", {"prompt": "Once upon a time", "max_tokens": 5}, url),
         _line("one", {"prompt": ["In a list"]}, url),
         _line("ids", {"prompt": [1, 2, 3]}, url),
@@ -86,14 +76,14 @@ def test_completions_bodies_text_or_token_ids(tmp_path):
     ("seed", "x", "seed must be a"), ("stop", [1], "stop must be a string or a list of strings"),
 ])
 def test_what_the_pipeline_cannot_do_is_a_row_error_with_the_reason(tmp_path, field, value, words):
-    _, rows, errors = _plan(tmp_path, [_line("bad", {"messages": _chat("hi"), field: value}),
+    _, rows, errors = plan_lines(tmp_path, [_line("bad", {"messages": _chat("hi"), field: value}),
                                        _line("ok", {"messages": _chat("hi"), "n": 1, "stream": False})])
     assert "ok" in rows and "bad" not in rows
     assert words in errors["bad"], errors["bad"]
 
 
 def test_other_urls_and_methods_are_refused(tmp_path):
-    _, rows, errors = _plan(tmp_path, [_line("e", {"input": "x"}, "/v1/embeddings"),
+    _, rows, errors = plan_lines(tmp_path, [_line("e", {"input": "x"}, "/v1/embeddings"),
                                        {**_line("g", {"messages": _chat("hi")}), "method": "GET"},
                                        _line("ok", {"messages": _chat("hi")})])
     assert set(rows) == {"ok"}
@@ -102,7 +92,7 @@ def test_other_urls_and_methods_are_refused(tmp_path):
 
 def test_cap_only_when_configured_and_counted(tmp_path):
     lines = [_line(f"r{i}", {"messages": _chat("hi"), "max_tokens": n}) for i, n in enumerate((10, 100, 300))]
-    m, rows, _ = _plan(tmp_path, lines, sampling__max_tokens_cap=64)
+    m, rows, _ = plan_lines(tmp_path, lines, sampling__max_tokens_cap=64)
     assert m.capped == 2
     assert [rows[f"r{i}"]["params"]["max_tokens"] for i in range(3)] == [10, 64, 64]
     with pytest.raises(Exception, match="above max_tokens_cap"):
@@ -111,7 +101,7 @@ def test_cap_only_when_configured_and_counted(tmp_path):
 
 def test_penalties_are_refused_per_row_on_engines_without_them(tmp_path):
     lines = [_line("p", {"messages": _chat("hi"), "presence_penalty": 1.0}), _line("q", {"messages": _chat("hi")})]
-    _, rows, errors = _plan(tmp_path, lines, engine__kind="transformers")
+    _, rows, errors = plan_lines(tmp_path, lines, engine__kind="transformers")
     assert set(rows) == {"q"} and errors["p"] == "engine transformers cannot apply per-row presence_penalty (vllm and sglang can)"
     assert engine_refusal(RowParams(presence_penalty=1.0), "vllm") is None
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from batch_llm.config import load_config
 from batch_llm.io.storage import as_path, atomic_writer, iter_jsonl, list_files, write_bytes_atomic, write_jsonl
+from helpers import race
 
 ROOT_INPUT = os.path.join(os.path.dirname(__file__), "..", "..", "include", "sample_data", "demo_prompts.jsonl")
 
@@ -172,29 +173,20 @@ def test_concurrent_writers_of_one_key_never_interleave(s3):
     contents = [bytes([65 + k]) * size for k in range(3)]
     key = "unit/concurrent/shared.bin"
     seen: list[bytes] = []
-    stop = threading.Event()
 
     def writer(k: int) -> None:
         with atomic_writer(as_path(f"s3://{s3.bucket}/{key}", opts)) as w:
             for i in range(0, size, 2**20):
                 w.write(contents[k][i:i + 2**20])
 
-    def reader() -> None:
+    def reader(stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 seen.append(c.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
             except c.exceptions.NoSuchKey:
                 pass
 
-    r = threading.Thread(target=reader)
-    r.start()
-    ws = [threading.Thread(target=writer, args=(k,)) for k in range(len(contents))]
-    for t in ws:
-        t.start()
-    for t in ws:
-        t.join()
-    stop.set()
-    r.join()
+    race(writer, len(contents), reader)
     final = c.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
     assert final in contents
     assert all(s in contents for s in seen), {(len(s), s[:1], s[-1:]) for s in seen if s not in contents}

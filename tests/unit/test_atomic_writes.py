@@ -10,6 +10,7 @@ import threading
 import fsspec
 import pytest
 from batch_llm.io.storage import as_path, atomic_writer, write_bytes_atomic, write_jsonl
+from helpers import race
 
 
 def test_a_failure_mid_write_leaves_nothing(tmp_path):
@@ -41,7 +42,6 @@ def test_concurrent_writers_never_interleave_and_readers_see_whole_files(tmp_pat
     target = as_path(str(tmp_path / "shared.bin"))
     size = 1 << 20
     contents = [bytes([65 + k]) * size for k in range(6)]
-    stop = threading.Event()
     seen: list[bytes] = []
 
     def writer(k: int) -> None:
@@ -50,22 +50,14 @@ def test_concurrent_writers_never_interleave_and_readers_see_whole_files(tmp_pat
                 for i in range(0, size, 4096):  # many small writes, so that two writers overlap in time
                     w.write(contents[k][i:i + 4096])
 
-    def reader() -> None:
+    def reader(stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 seen.append(open(target.path, "rb").read())
             except FileNotFoundError:
                 pass
 
-    r = threading.Thread(target=reader)
-    r.start()
-    ws = [threading.Thread(target=writer, args=(k,)) for k in range(len(contents))]
-    for t in ws:
-        t.start()
-    for t in ws:
-        t.join()
-    stop.set()
-    r.join()
+    race(writer, len(contents), reader)
     assert seen, "the reader never saw the file"
     assert all(s in contents for s in seen), {(len(s), s[:1], s[-1:]) for s in seen if s not in contents}
     assert open(target.path, "rb").read() in contents

@@ -16,8 +16,7 @@ from batch_llm.io.storage import Location, iter_jsonl
 from batch_llm.rows.openai_batch import OutputLine, answer_line
 from batch_llm.rows.params import EMBED_HONOURED, EMBED_NO_EFFECT, EMBED_REFUSED, RowParams
 from batch_llm.rows.records import output_record
-from batch_llm.stages import plan as plan_mod
-from helpers import demo_config
+from helpers import demo_config, plan_lines
 from test_batch_api import upload, write_pipeline
 from test_sampling_keys import _class_fields
 
@@ -68,18 +67,8 @@ def _line(cid, body, url=EMB):
     return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "vec", **body}}
 
 
-def _plan(tmp_path, lines, **over):
-    p = tmp_path / "batch.jsonl"
-    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cfg = demo_config(tmp_path, input__path=str(p), **over)
-    m = plan_mod.write_plan(cfg, input_loc=Location(str(p)), plan_dir=Location(str(tmp_path / "plan")))
-    rows = {r["id"]: r for s in m.shards for r in iter_jsonl(Location(s.url).path())}
-    errors = {e["id"]: e["reason"] for e in iter_jsonl(Location(m.errors).path())}
-    return m, rows, errors
-
-
 def test_embeddings_lines_plan_into_embed_rows_and_the_rest_are_row_errors(tmp_path):
-    m, rows, errors = _plan(tmp_path, [
+    m, rows, errors = plan_lines(tmp_path, [
         _line("s", {"input": "The cat is on the table.", "encoding_format": "base64", "user": "u1"}),
         _line("one", {"input": ["in a list"], "dimensions": 32}),
         _line("ids", {"input": [[1, 2, 3]]}),
@@ -102,7 +91,7 @@ def test_embeddings_lines_plan_into_embed_rows_and_the_rest_are_row_errors(tmp_p
 
 
 def test_an_embeddings_line_to_a_generating_pipeline_is_its_error(tmp_path):
-    _, rows, errors = _plan(tmp_path, [_line("e", {"input": "x"}),
+    _, rows, errors = plan_lines(tmp_path, [_line("e", {"input": "x"}),
                                        _line("c", {"messages": [{"role": "user", "content": "hi"}]}, CHAT)])
     assert set(rows) == {"c"}
     assert "url '/v1/embeddings' asks for a vector; this pipeline's engine.task generate answers" in errors["e"]
@@ -110,7 +99,7 @@ def test_an_embeddings_line_to_a_generating_pipeline_is_its_error(tmp_path):
 
 def test_a_batch_of_the_api_names_its_one_endpoint(tmp_path):
     """input.openai_urls (a batch's endpoint) within what the task answers; a line to another is its error."""
-    _, rows, errors = _plan(tmp_path, [_line("e", {"input": "x"})], engine__task="embed",
+    _, rows, errors = plan_lines(tmp_path, [_line("e", {"input": "x"})], engine__task="embed",
                             input__openai_urls=[EMB])
     assert set(rows) == {"e"} and not errors
     with pytest.raises(ConfigError, match=r"input.openai_urls: /v1/chat/completions not answered by engine.task "

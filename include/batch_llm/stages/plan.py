@@ -398,7 +398,7 @@ class SortedShardWriter:
                 w.write(line)
 
 
-def _merged_errors(paths: list[Path], tmp: Path) -> Iterator[bytes]:
+def merged_errors(paths: list[Path], tmp: Path) -> Iterator[bytes]:
     """Row errors and duplicate errors in input order (file, line), as JSON lines."""
     def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
         with open(p, "rb") as fh:
@@ -463,7 +463,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         errors_loc = plan_dir.child("errors.jsonl")
         n_errors = 0
         with atomic_writer(errors_loc.path()) as w:
-            for line in _merged_errors([scan.errors_path, tmp / "errors-dups.tsv"], tmp):
+            for line in merged_errors([scan.errors_path, tmp / "errors-dups.tsv"], tmp):
                 w.write(line)
                 n_errors += 1
     manifest = PlanManifest(

@@ -39,9 +39,7 @@ import shutil
 import tempfile
 import time
 from array import array
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +47,6 @@ from pydantic import BaseModel, ConfigDict
 from upath import UPath
 
 from batch_llm.config import PipelineConfig
-from batch_llm.io.external_sort import merge_sorted
 from batch_llm.io.formats import input_files
 from batch_llm.io.identity import file_fingerprint, files_key, stable_hash
 from batch_llm.io.images import stamps_digest
@@ -61,6 +58,7 @@ from batch_llm.stages.plan import (
     SortedShardWriter,
     check_openai_batch_task,
     image_checker,
+    merged_errors,
     plan_input_key,
     plan_settings,
     plan_shards,
@@ -486,7 +484,7 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
         errors_loc = where.child("errors.jsonl")
         n_errors = 0
         with atomic_writer(errors_loc.path()) as w:
-            for line in _merged_error_lines([local_errors, dup_errors], tmp):
+            for line in merged_errors([local_errors, dup_errors], tmp):
                 w.write(line)
                 n_errors += 1
     m = PartWrite(part=index, key=key, place_key=place.key, shards=shards, errors=errors_loc.url, error_rows=n_errors,
@@ -509,17 +507,6 @@ def _file_name(parts: PartsManifest, file_no: int) -> str:
         if p.first_file <= file_no < p.first_file + len(p.files):
             return Path(p.files[file_no - p.first_file]).name
     return f"file {file_no}"
-
-
-def _merged_error_lines(paths: list[Path], tmp: Path) -> Iterator[bytes]:
-    def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
-        with open(p, "rb") as fh:
-            for ln in fh:
-                file_no, line, body = ln.split(b"\t", 2)
-                yield int(file_no), int(line), body
-
-    for _, _, body in merge_sorted([partial(items, p) for p in paths], tmp):
-        yield body
 
 
 # ------------------------------------------------------------------------------------------------ the plan
