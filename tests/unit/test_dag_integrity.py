@@ -89,3 +89,26 @@ def test_inference_takes_a_pool_slot_per_gpu(dagbag, tp):
     assert infer.pool_slots == tp and infer.pool == cfg.airflow.gpu_pool
     others = [t for t in dag.tasks if t is not infer]
     assert others and all(t.pool_slots == 1 for t in others)
+
+
+def test_a_plan_in_parts_is_five_tasks_the_scans_joins_and_writes_mapped():
+    """sharding.plan_part_bytes: plan_parts → plan_scan × P → plan_join × P (after every scan) → plan_place →
+    plan_write × P → plan_shards → batch_inference; no plan task but the three mapped ones reads a row."""
+    import datetime as dt
+
+    from airflow.sdk import DAG
+    from batch_llm.config import load_config
+    from batch_llm_airflow.task_group import batch_llm_task_group
+
+    cfg = load_config(ROOT / "dags" / "pipelines" / "demo.yaml").with_overrides(
+        {"sharding.plan_part_bytes": 2**20, "output.parts": True, "sharding.num_shards": None,
+         "sharding.rows_per_shard": 1000})
+    with DAG("plan_in_parts", start_date=dt.datetime(2026, 1, 1), schedule=None) as dag:
+        batch_llm_task_group(cfg)
+    t = {x.task_id.split(".")[-1]: x for x in dag.tasks}
+    chain = ["plan_parts", "plan_scan", "plan_join", "plan_place", "plan_write", "plan_shards", "batch_inference"]
+    for up, down in zip(chain, chain[1:]):
+        assert t[down].task_id in t[up].downstream_task_ids, f"{up} -> {down}"
+    mapped = {n for n, x in t.items() if n.startswith("plan_") and type(x).__name__ == "MappedOperator"}
+    assert mapped == {"plan_scan", "plan_join", "plan_write"}
+    assert len(dag.topological_sort()) == len(dag.tasks)
