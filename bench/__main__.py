@@ -19,6 +19,7 @@ COMMANDS = {  # command: (module, what it measures)
     "compile-cache": ("compile_cache", "engine.compile_cache: the engine start cold against warm"),
     "scale": ("scale", "plan, filter, evaluate, publish at 100k-10M rows (seconds, peak RSS)"),
     "mapped-steps": ("mapped_steps", "filter per shard, publish from parts vs one task each, 10M-100M tiny rows"),
+    "dag-day": ("dag_day", "a day of tiny rows through the DAG under a real scheduler, the echo engine (plan in parts)"),
     "scale-cache": ("scale_cache", "the result cache's lookup as its history grows"),
     "cache-large": ("cache_large", "the result cache at 300M entries: a shard's lookup, compaction (seconds, peak RSS)"),
     "cache-formats": ("cache_formats", "the result cache's own table format against sorted Parquet (pyarrow, DuckDB)"),

@@ -84,8 +84,8 @@ def _scheduler_latencies(svc, dag_id: str, run_id: str) -> dict[str, Any]:
     its own run time; and the waits' sum."""
     run = svc.api("GET", f"dags/{dag_id}/dagRuns/{run_id}")
     tis = sorted(svc.task_instances(dag_id, run_id), key=lambda t: t["start_date"] or "")
-    upstream = {"quantize": "fetch_model", "content_filter": "batch_inference", "evaluate": "content_filter",
-                "publish": "evaluate"}
+    upstream = {"quantize": "fetch_model", "filter_shard": "batch_inference", "content_filter": "filter_shard",
+                "evaluate": "content_filter", "publish": "evaluate"}
     ends: dict[str, float] = {}
     for t in tis:
         name, end = t["task_id"].rsplit(".", 1)[-1], _ts(t["end_date"])

@@ -77,3 +77,56 @@ if _hold:
     sys.addaudithook(_hold_while_the_file_says)
 if _file:
     sys.addaudithook(_kill_while_the_file_counts)
+
+
+# And one way to take the engine out of a run: ``BATCH_LLM_ECHO_ENGINE=1`` makes the shard runner of every process
+# so started serve with an echo engine (each prompt answered ``echo <its token count>``), the tests' EchoEngine
+# (tests/helpers.py) for processes a test cannot monkeypatch: the workers of a DAG run under a real scheduler, where
+# what is measured is the pipeline's own work (bench/dag_day.py).
+_RUNNER = "batch_llm.stages.infer.runner"
+
+
+class _EchoEngine:
+    def generate(self, reqs):
+        from batch_llm.engines.base import GenResult
+
+        for r in reqs:
+            n = len(r.prompt_token_ids)
+            yield GenResult(key=r.key, text=f"echo {n}", finish_reason="stop", prompt_tokens=n, completion_tokens=2)
+
+    def close(self):
+        pass
+
+
+def _echo_start(*args, **kwargs):
+    from batch_llm.engines.base import EngineInfo
+
+    return _EchoEngine(), EngineInfo(kind="echo", version="0")
+
+
+class _EchoRunner:
+    """A meta-path finder that lets the runner module load as usual, then replaces its ``start_engine``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _RUNNER:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.start_engine = _echo_start
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("BATCH_LLM_ECHO_ENGINE"):
+    sys.meta_path.insert(0, _EchoRunner())
