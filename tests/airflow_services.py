@@ -611,8 +611,13 @@ class AirflowServices:
     def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
         """Every task instance of a run (mapped ones once per map index): task_id, map_index, state,
         hostname, queue, pool, try_number, executor, ..."""
-        return self.api("GET", f"dags/{dag_id}/dagRuns/{run_id}/taskInstances",
-                        params={"limit": 100})["task_instances"]
+        got: list[dict] = []
+        while True:  # the API answers a page at a time (at most 100 here)
+            page = self.api("GET", f"dags/{dag_id}/dagRuns/{run_id}/taskInstances",
+                            params={"limit": 100, "offset": len(got)})
+            got += page["task_instances"]
+            if not page["task_instances"] or len(got) >= page["total_entries"]:
+                return got
 
     def describe_run(self, dag_id: str, run_id: str) -> str:
         try:
