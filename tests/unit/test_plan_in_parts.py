@@ -156,3 +156,31 @@ def test_steps_cleared_apart_scan_a_changed_file_and_refuse_a_stale_plan(tmp_pat
     (folder / "f.jsonl").write_text(json.dumps({"id": "f0", "prompt": "new file"}) + "\n")
     with pytest.raises(RuntimeError, match="clear plan_parts"):
         api.plan_place(cfg, layout)
+
+
+def test_a_big_parquet_file_is_planned_in_parts_of_its_row_groups(tmp_path):
+    """One Parquet file of 6 row groups beside a small one is split into parts of its row groups (from its
+    footer); the rows' line numbers, an id repeated across row groups and a row without a prompt come out as the
+    one-task plan has them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rows = [{"id": f"p{i}", "prompt": None if i == 7 else "w" * (i % 5 + 1)} for i in range(60)]
+    rows[45]["id"] = "p3"  # in the 5th row group, the id of a row of the 1st
+    pq.write_table(pa.Table.from_pylist(rows), folder / "a.parquet", row_group_size=10)
+    pq.write_table(pa.Table.from_pylist([{"id": "p12", "prompt": "again"}]), folder / "b.parquet")
+    one = api.plan_shards(_cfg(tmp_path, folder), _layout(_cfg(tmp_path, folder), "one"))
+    cfg = _cfg(tmp_path, folder, sharding__plan_part_bytes=(folder / "a.parquet").stat().st_size // 3)
+    parted = api.plan_shards(cfg, _layout(cfg, "parted"))
+    listed = plan_parts.PartsManifest.read(plan_parts._parts_dir(_layout(cfg, "parted")).path())
+    # 210 compressed bytes a row group: four to a part; p3's repeat (row 46) is in the second part, its first in the first
+    assert [p.row_groups for p in listed.parts] == [(0, 4), (4, 6), None]
+    assert (parted.rows_read, parted.valid, parted.duplicates, parted.invalid) == (61, 58, 2, 3)
+    assert list(parted.iter_records({})) == list(one.iter_records({}))
+    errors = list(iter_jsonl(Location(parted.errors).path()))
+    assert errors == list(iter_jsonl(Location(one.errors).path()))
+    assert {e["id"]: (e["line"], e.get("duplicate_of")) for e in errors} == {
+        "p7": (8, None), "p3": (46, "a.parquet:4"), "p12": (1, "a.parquet:13")}
+    assert _shard_rows(parted) == _shard_rows(one)

@@ -142,16 +142,20 @@ def read_rows(path: UPath, fmt: str, rules: ColumnRules | Lines) -> Iterator[Raw
         yield from read_file_rows(f, fmt, rules)
 
 
-def read_file_rows(f: UPath, fmt: str, rules: ColumnRules | Lines) -> Iterator[RawRow]:
+def read_file_rows(f: UPath, fmt: str, rules: ColumnRules | Lines,
+                   row_groups: tuple[int, int] | None = None) -> Iterator[RawRow]:
     """The rows of one file, streamed, no line past ``rules.max_line_bytes`` held. With column rules
     (``ColumnRules``), a table (CSV, Parquet) whose columns cannot make one valid row is refused before its first
-    row: ``InputFileError`` names the file and the columns it has."""
+    row: ``InputFileError`` names the file and the columns it has. ``row_groups``: a Parquet file's row groups
+    [a, b) only (a part of a plan in parts)."""
     kind = detect_format(f, fmt) if fmt == "auto" else fmt
     columns = None if isinstance(rules, Lines) else rules
+    if row_groups is not None and kind != "parquet":
+        raise ValueError(f"{f}: row groups asked of a {kind} file")
     if kind == "csv":
         rows = _read_csv(f, rules.max_line_bytes, columns)
     elif kind == "parquet":
-        rows = _read_parquet(f, columns)
+        rows = _read_parquet(f, columns, row_groups)
     else:
         rows = _read_jsonl(f, rules.max_line_bytes)
     for raw in rows:
@@ -254,8 +258,10 @@ def _unencodable(obj: dict) -> str | None:
     return None
 
 
-def _read_parquet(path: UPath, cfg: ColumnRules | None) -> Iterator[RawRow]:
-    """Record batches, one at a time; ``line`` is the 1-based row number in the file."""
+def _read_parquet(path: UPath, cfg: ColumnRules | None,
+                  row_groups: tuple[int, int] | None = None) -> Iterator[RawRow]:
+    """Record batches, one at a time; ``line`` is the 1-based row number in the file. ``row_groups``: only row
+    groups [a, b) (a part of a plan in parts), numbered as in the whole file."""
     import pyarrow.parquet as pq
 
     with path.open("rb") as fh:
@@ -265,10 +271,10 @@ def _read_parquet(path: UPath, cfg: ColumnRules | None) -> Iterator[RawRow]:
             raise InputFileError(f"{path}: not a readable Parquet file ({e})") from e
         if cfg is not None:
             _require_columns(path, pf.schema_arrow.names, cfg)
-        n = 0
+        n = sum(pf.metadata.row_group(i).num_rows for i in range(row_groups[0])) if row_groups else 0
         # image bytes in a column (input.image_columns): small batches, so a batch holds a few images, not thousands
         size = PARQUET_IMAGE_BATCH_ROWS if cfg is not None and cfg.image_columns else PARQUET_BATCH_ROWS
-        for batch in _parquet_batches(pf, path, size):
+        for batch in _parquet_batches(pf, path, size, row_groups, first_row=n):
             yield from _batch_rows(batch, n)
             n += batch.num_rows
 
@@ -283,11 +289,14 @@ PARQUET_BATCH_ROWS = 4096
 PARQUET_IMAGE_BATCH_ROWS = 32
 
 
-def _parquet_batches(pf, path: UPath, batch_size: int = PARQUET_BATCH_ROWS) -> Iterator:
-    """The file's record batches; a damaged page past the footer stops the file with the row it stopped at
-    (what follows cannot be counted, so the file fails as a whole rather than dropping rows unseen)."""
-    batches = pf.iter_batches(batch_size=batch_size)
-    done = 0
+def _parquet_batches(pf, path: UPath, batch_size: int = PARQUET_BATCH_ROWS, row_groups: tuple[int, int] | None = None,
+                     first_row: int = 0) -> Iterator:
+    """The file's record batches (of row groups [a, b) only, given ``row_groups``, whose first row is the file's
+    ``first_row``); a damaged page past the footer stops the file with the row it stopped at (what follows cannot
+    be counted, so the file fails as a whole rather than dropping rows unseen)."""
+    batches = pf.iter_batches(batch_size=batch_size,
+                              row_groups=list(range(*row_groups)) if row_groups is not None else None)
+    done = first_row
     while True:
         try:
             batch = next(batches)

@@ -139,15 +139,17 @@ class InputScan:
         self.has_references = False
         self.reads = ImageReads(tmp / "images-read.jsonl")  # every image file or object the rows read: the plan's key
 
-    def run(self, files: list, first_no: int = 0, day_first: object = None) -> None:
+    def run(self, files: list, first_no: int = 0, day_first: object = None,
+            row_groups: tuple[int, int] | None = None) -> None:
         """Scans ``files``, numbered from ``first_no`` in the day's listing (a part of a mapped plan starts
-        past 0), whose first file is ``day_first`` (``files[0]`` when None): the one its format was told from."""
+        past 0), whose first file is ``day_first`` (``files[0]`` when None): the one its format was told from.
+        ``row_groups``: one Parquet file's row groups [a, b) only (a part of a plan in parts)."""
         read_fmt = "openai_batch" if self.fmt == "openai_batch" else self.cfg.input.format
         day_first = files[0] if day_first is None else day_first
         with open(self.spool_path, "wb") as spool, open(self.errors_path, "wb") as errors, self.reads:
             for file_no, f in enumerate(files, start=first_no):
                 self.images.base = str(f.parent)  # a row's relative image paths: from its file's folder
-                rows = read_file_rows(f, read_fmt, self.cfg.input)
+                rows = read_file_rows(f, read_fmt, self.cfg.input, row_groups)
                 if file_no and self.cfg.input.format == "auto" and self.fmt in ("jsonl", "openai_batch"):
                     rows = _of_kind(rows, f, day_first, self.fmt)
                 # Each file's rows drain before the next file's start: the checker's base is this file's folder

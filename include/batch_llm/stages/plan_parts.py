@@ -7,7 +7,8 @@ than its part, so planning spreads over the workers the way the shards do.
                    id hashes)        part's ids)       and shards)     errors)           errors copied in order)
 
 - **list_parts** groups the day's files, in name order, into parts of about ``plan_part_bytes`` (a bigger file
-  is a part of its own). No row is read.
+  is a part of its own; a bigger Parquet file of several row groups is split into parts of its row groups, from
+  its footer). No row is read.
 - **scan_part** runs the planner's scan (``plan.InputScan``: every row validated, images checked) over its files
   and commits, in the plan's folder, its spool, its row errors and one 32-byte entry a valid row: a 128-bit
   BLAKE2b hash of the row's id, its position in the spool, its file and line, grouped into ``BUCKETS`` buckets by
@@ -39,6 +40,7 @@ import shutil
 import tempfile
 import time
 from array import array
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,7 +86,7 @@ COPY_BYTES = 1 << 20
 
 
 class PartSpec(BaseModel):
-    """One part of the day: consecutive files of the day's listing."""
+    """One part of the day: consecutive files of the day's listing, or row groups of one big Parquet file."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -93,6 +95,7 @@ class PartSpec(BaseModel):
     files: list[str]    # the files' URLs
     bytes: int
     key: str            # part_key when listed (its scan and the join compute it again from the files)
+    row_groups: tuple[int, int] | None = None  # one Parquet file's row groups [a, b); None: the whole files
 
 
 class PartsManifest(Manifest):
@@ -201,6 +204,13 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
         size = int(file_fingerprint(f).get("size") or 0)
         if group and sum(n for _, _, n in group) + size > part_bytes:
             close()
+        groups = _row_group_bytes(f) if size > part_bytes and fmt == "parquet" else []
+        if len(groups) > 1:  # a big Parquet file: parts of its row groups, each about part_bytes
+            close()
+            for a, b, n in _ranges(groups, part_bytes):
+                parts.append(PartSpec(index=len(parts), first_file=no, files=[str(f)], bytes=n, key="",
+                                      row_groups=(a, b)))
+            continue
         group.append((no, f, size))
     close()
     for spec in parts:
@@ -210,13 +220,39 @@ def list_parts(cfg: PipelineConfig, layout: RunLayout) -> PartsManifest:
     return m
 
 
+def _row_group_bytes(f: UPath) -> list[int]:
+    """A Parquet file's row groups' compressed sizes, from its footer (no row read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with f.open("rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+            return [sum(meta.row_group(i).column(j).total_compressed_size for j in range(meta.num_columns))
+                    for i in range(meta.num_row_groups)]
+    except (OSError, ValueError, pa.ArrowException):  # an unreadable file: one part, whose scan reports it
+        return []
+
+
+def _ranges(sizes: list[int], limit: int) -> Iterator[tuple[int, int, int]]:
+    """Consecutive ranges [a, b) of ``sizes`` summing to at most ``limit`` (one item more where one alone
+    exceeds it), with their sums."""
+    a, held = 0, 0
+    for i, n in enumerate(sizes):
+        if held and held + n > limit:
+            yield a, i, held
+            a, held = i, 0
+        held += n
+    yield a, len(sizes), held
+
+
 def part_key(cfg: PipelineConfig, fmt: str, spec: PartSpec, options: dict) -> str:
     """What a part's scan is made of, as its files are now: their fingerprints, where they sit in the day, the
     format and the planner's settings. Computed again by its scan and the join, so a file changed after the
     listing makes its part's scan run again when that task is cleared."""
     files = [Location(u, options).path() for u in spec.files]
     return stable_hash({"files": files_key(files), "first_file": spec.first_file, "format": fmt,
-                        **plan_settings(cfg)})
+                        **({"row_groups": list(spec.row_groups)} if spec.row_groups else {}), **plan_settings(cfg)})
 
 
 # ------------------------------------------------------------------------------------------------ scan a part
@@ -237,7 +273,8 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_part_") as tmp_dir:
         tmp = Path(tmp_dir)
         scan = InputScan(cfg, parts.format, tmp, image_checker(cfg, layout.input))
-        scan.run(files, first_no=spec.first_file, day_first=Location(parts.first_file, opts).path())
+        scan.run(files, first_no=spec.first_file, day_first=Location(parts.first_file, opts).path(),
+                 row_groups=spec.row_groups)
         entries, starts = _entries(scan.spool_path)
         _upload(scan.spool_path, where.child("spool.tsv"))
         _upload(scan.errors_path, where.child("errors.tsv"))
@@ -377,7 +414,7 @@ def place_parts(cfg: PipelineConfig, layout: RunLayout) -> JoinManifest:
     parts = PartsManifest.read(_parts_dir(layout).path())
     opts = layout.input.options
     now = [str(f) for f in input_files(layout.input.path())]
-    if now != [u for p in parts.parts for u in p.files]:
+    if now != list(dict.fromkeys(u for p in parts.parts for u in p.files)):  # a file split in parts: once
         raise RuntimeError("the input's files are not those plan_parts listed (a file was added, removed or "
                            "renamed since): clear plan_parts with its downstream tasks")
     scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
