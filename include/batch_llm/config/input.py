@@ -114,8 +114,9 @@ class ShardingConfig(Section):
                                  "Not part of the plan: changing it does not re-plan or redo committed shards")
     plan_part_bytes: int | None = Field(None, gt=0, description="Plan the day in mapped tasks: the input files "
                                         "grouped into parts of about this many bytes (a bigger file is a part of "
-                                        "its own; a bigger Parquet file is split by its row groups), each part validated and sharded by a task of its own, a small "
-                                        "join finding duplicate ids across parts; no task reads more than its "
+                                        "its own; a bigger Parquet file is split by its row groups), each part "
+                                        "validated and sharded by a task of its own, a small join finding "
+                                        "duplicate ids across parts; no task reads more than its "
                                         "part. Shards are cut per part (rows_per_shard). Needs output.parts; "
                                         "not with num_shards. None: one plan task reads the day")
     # With neither set, shards are sized so that engine start stays under max_engine_start_share of a shard's
