@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from upath import UPath
 
 from batch_llm.config import PipelineConfig, ShardingConfig
 from batch_llm.config.capabilities import takes_no_images
@@ -57,7 +58,9 @@ from batch_llm.io.images import (
 )
 from batch_llm.io.storage import (
     Location,
+    as_path,
     atomic_writer,
+    copy_object,
     json_bytes,
     peak_rss_mb,
 )
@@ -336,9 +339,10 @@ def image_checker(cfg: PipelineConfig, input_loc: Location | None) -> ImageCheck
                         stores=stores, options=options)
 
 
-def spool_lines(path: Path) -> Iterator[list[bytes]]:
-    """Spool rows as their fields: file_no, line, shard_order, id (JSON), shard body, record body."""
-    with open(path, "rb") as fh:
+def spool_lines(path: Path | UPath) -> Iterator[list[bytes]]:
+    """Spool rows as their fields: file_no, line, shard_order, id (JSON), shard body, record body. ``path``: a
+    local file, or (a plan in parts) one in the plan's storage, streamed."""
+    with path.open("rb") as fh:
         for line in fh:
             yield line.rstrip(b"\n").split(b"\t")
 
@@ -400,10 +404,10 @@ class SortedShardWriter:
                 w.write(line)
 
 
-def merged_errors(paths: list[Path], tmp: Path) -> Iterator[bytes]:
-    """Row errors and duplicate errors in input order (file, line), as JSON lines."""
-    def items(p: Path) -> Iterator[tuple[int, int, bytes]]:
-        with open(p, "rb") as fh:
+def merged_errors(paths: list[Path | UPath], tmp: Path) -> Iterator[bytes]:
+    """Row errors and duplicate errors in input order (file, line), as JSON lines (local files, or in storage)."""
+    def items(p: Path | UPath) -> Iterator[tuple[int, int, bytes]]:
+        with p.open("rb") as fh:
             for ln in fh:
                 file_no, line, body = ln.split(b"\t", 2)
                 yield int(file_no), int(line), body
@@ -452,9 +456,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         images_read = None
         if scan.reads.count:  # the images are inputs too: the plan's key holds what was read of them
             read_loc = plan_dir.child("images-read.jsonl")
-            with atomic_writer(read_loc.path()) as w, open(scan.reads.path, "rb") as fh:
-                while chunk := fh.read(2**20):
-                    w.write(chunk)
+            copy_object(as_path(str(scan.reads.path)), read_loc.path())
             images_read = read_loc.url
             input_key = with_images_key(input_key, scan.reads.digest()) if input_key else None
         dups = _find_duplicates(scan, files, tmp)

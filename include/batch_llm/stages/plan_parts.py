@@ -35,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
-import shutil
 import tempfile
 import time
 from array import array
@@ -52,7 +50,7 @@ from batch_llm.config import PipelineConfig
 from batch_llm.io.formats import input_files
 from batch_llm.io.identity import file_fingerprint, files_key, stable_hash
 from batch_llm.io.images import stamps_digest
-from batch_llm.io.storage import AtomicWriter, Location, atomic_writer, json_bytes, peak_rss_mb
+from batch_llm.io.storage import AtomicWriter, Location, as_path, atomic_writer, copy_object, json_bytes, peak_rss_mb
 from batch_llm.layout import RunLayout, shard_name
 from batch_llm.manifests import Manifest, PlanManifest, ShardSpec
 from batch_llm.stages.plan import (
@@ -69,8 +67,6 @@ from batch_llm.stages.plan import (
     spool_lines,
     with_idx,
 )
-
-log = logging.getLogger("batch_llm.stages.plan")
 
 # One entry a valid row: its id's hash (two words), its position in its part's spool, its file and line
 ENTRY = np.dtype([("h0", "<u8"), ("h1", "<u8"), ("seq", "<u4"), ("file", "<u4"), ("line", "<u8")])
@@ -330,9 +326,17 @@ def _bucket(h0: np.ndarray) -> np.ndarray:
 
 
 def _upload(src: Path, dst: Location) -> None:
-    with atomic_writer(dst.path()) as w, open(src, "rb") as fh:
-        while chunk := fh.read(COPY_BYTES):
-            w.write(chunk)
+    """A local file of the scan into the plan's storage (a hard link on the same local disk)."""
+    copy_object(as_path(str(src)), dst.path())
+
+
+def _concatenate(sources: list[str], dst: Location) -> None:
+    """The files at ``sources`` (in the plan's storage), one after the other, into ``dst``: streamed."""
+    with atomic_writer(dst.path()) as out:
+        for url in sources:
+            with Location(url, dst.options).path().open("rb") as fh:
+                while chunk := fh.read(COPY_BYTES):
+                    out.write(chunk)
 
 
 # ------------------------------------------------------------------------------------------------ join the parts
@@ -481,9 +485,6 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
     shards: list[ShardSpec] = []
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_write_") as tmp_dir:
         tmp = Path(tmp_dir)
-        spool = tmp / "spool.tsv"
-        with Location(scan.spool, store).path().open("rb") as src, open(spool, "wb") as dst:
-            shutil.copyfileobj(src, dst, COPY_BYTES)
         dup_errors = tmp / "errors-dups.tsv"
         bounds = iter(place.shard_rows)
         writer: SortedShardWriter | None = None
@@ -491,7 +492,7 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
         rec: AtomicWriter | None = None
         left, idx, ptr = 0, place.first_idx, 0
         with open(dup_errors, "wb") as errors, own:
-            for seq, fields in enumerate(spool_lines(spool)):
+            for seq, fields in enumerate(spool_lines(Location(scan.spool, store).path())):  # streamed, once
                 if ptr < len(dups) and dups[ptr]["seq"] == seq:
                     errors.write(_dup_error(fields, dups[ptr], names, first_file, parts))
                     ptr += 1
@@ -515,13 +516,10 @@ def write_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartWrite:
                 left -= 1
             if writer is not None:
                 writer.close()
-        local_errors = tmp / "errors.tsv"
-        with Location(scan.errors, store).path().open("rb") as src, open(local_errors, "wb") as dst:
-            shutil.copyfileobj(src, dst, COPY_BYTES)
         errors_loc = where.child("errors.jsonl")
         n_errors = 0
         with atomic_writer(errors_loc.path()) as w:
-            for line in merged_errors([local_errors, dup_errors], tmp):
+            for line in merged_errors([Location(scan.errors, store).path(), dup_errors], tmp):
                 w.write(line)
                 n_errors += 1
     m = PartWrite(part=index, key=key, place_key=place.key, shards=shards, errors=errors_loc.url, error_rows=n_errors,
@@ -554,7 +552,6 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     plan_dir = layout.stage("plan")
     parts = PartsManifest.read(_parts_dir(layout).path())
     join = JoinManifest.read(plan_dir.child("place").path())
-    opts = plan_dir.options
     scans = [PartScan.read(_part_dir(layout, p.index).path()) for p in parts.parts]
     groups = [GroupJoin.read(plan_dir.child("join", f"group-{g:05d}").path()) for g in range(len(parts.parts))]
     writes = []
@@ -565,20 +562,11 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
                                "plan's (plan_write did not run again): clear plan_place with its downstream tasks")
         writes.append(w)
     errors_loc = plan_dir.child("errors.jsonl")
-    with atomic_writer(errors_loc.path()) as out:
-        for w in writes:
-            with Location(w.errors, opts).path().open("rb") as fh:
-                while chunk := fh.read(COPY_BYTES):
-                    out.write(chunk)
+    _concatenate([w.errors for w in writes], errors_loc)
     images_read = None
     if any(s.images_read for s in scans):
         loc = plan_dir.child("images-read.jsonl")
-        with atomic_writer(loc.path()) as out:
-            for s in scans:
-                if s.images_read:
-                    with Location(s.images_read, opts).path().open("rb") as fh:
-                        while chunk := fh.read(COPY_BYTES):
-                            out.write(chunk)
+        _concatenate([s.images_read for s in scans if s.images_read], loc)
         images_read = loc.url
     duplicates = sum(p.duplicates for p in join.places)
     tasks = [*(s.seconds for s in scans), *(g.seconds for g in groups), join.seconds, *(w.seconds for w in writes)]
