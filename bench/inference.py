@@ -492,7 +492,7 @@ def tuned_settings(a) -> tuple[dict, dict]:
     return eng._constructor_args(), env
 
 
-def run_raw_tuned(a, rows) -> dict:
+def run_raw_tuned(a, rows, on_built=None) -> dict:
     """``raw`` with the stage's engine settings. What a user would write, on a GPU::
 
         import gc; gc.collect(); gc.disable()
@@ -519,6 +519,8 @@ def run_raw_tuned(a, rows) -> dict:
     llm = LLM(**kwargs)
     construct = time.perf_counter() - t0
     ready = _since_start()
+    if on_built is not None:  # raw-tuned-xN: the next process builds its engine now
+        on_built()
     el, gen_start, n_out = _generate_and_write(llm, rows, a)
     vc = llm.llm_engine.vllm_config
     settings = dict(env, dtype=str(vc.model_config.dtype).removeprefix("torch."),
@@ -528,6 +530,41 @@ def run_raw_tuned(a, rows) -> dict:
     return dict(mode="raw-tuned", engine="vllm", generate_s=el, generated_tokens=n_out, delivered_tokens=n_out,
                 engine_construct_s=construct, engine_ready_s=ready, rows=len(rows), generate_start_s=gen_start,
                 outputs_s=_since_start(), tuned_settings=settings)
+
+
+def run_raw_tuned_split(a, rows, n: int) -> dict:
+    """``raw-tuned-xN``: the raw-tuned script as N processes sharing the one GPU, each with 1/N of the memory share
+    and every N-th row: whether N engines keep a GPU busier than one (a small model, whose engine's own CPU work per
+    step can leave the GPU idle). The processes import vLLM at once and build their engines one after another
+    (each engine sizes its KV cache from the memory it sees free). The clock: the last one's outputs on disk."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")  # before vLLM or CUDA is imported in this process
+    results, built = ctx.Queue(), [ctx.Event() for _ in range(n)]
+    a.gpu_util = round(a.gpu_util / n, 3)
+
+    def one(k: int) -> None:
+        if k:
+            built[k - 1].wait()
+        res = run_raw_tuned(a, rows[k::n], on_built=built[k].set)
+        results.put(res)
+
+    procs = [ctx.Process(target=one, args=(k,)) for k in range(n)]
+    for pr in procs:
+        pr.start()
+    parts = [results.get() for _ in range(n)]
+    for pr in procs:
+        pr.join()
+    start = min(r["generate_start_s"] for r in parts)
+    end = max(r["generate_start_s"] + r["generate_s"] for r in parts)
+    return dict(mode=f"raw-tuned-x{n}", engine="vllm", generate_s=end - start,
+                generated_tokens=sum(r["generated_tokens"] for r in parts),
+                delivered_tokens=sum(r["delivered_tokens"] for r in parts),
+                engine_construct_s=max(r["engine_construct_s"] for r in parts),
+                engine_ready_s=max(r["engine_ready_s"] for r in parts), rows=len(rows), generate_start_s=start,
+                outputs_s=max(r["outputs_s"] for r in parts), tuned_settings=parts[0]["tuned_settings"],
+                parts=[{k: r[k] for k in ("generate_s", "generate_start_s", "engine_ready_s", "outputs_s", "rows")}
+                       for r in parts])
 
 
 def _planned_spec(a, rows, mode: str, shards: int = 1):
@@ -748,6 +785,8 @@ def child(a) -> None:
     modes = {"raw": run_raw, "hf": run_hf, "raw-inproc": lambda a, rows: run_raw(a, rows, in_process=True),
              "raw-tuned": run_raw_tuned}
     modes["stage-shards"] = run_stage_shards
+    if a.child.startswith("raw-tuned-x"):
+        modes[a.child] = lambda a, rows: run_raw_tuned_split(a, rows, int(a.child.removeprefix("raw-tuned-x")))
     res = modes[a.child](a, rows) if a.child in modes else run_stage(a, rows, a.child)
     res.setdefault("unique_prompts", len({(json.dumps(r.get("messages") or r["prompt_token_ids"]), r["max_tokens"])
                                           for r in rows}))
@@ -769,7 +808,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                          **{k: rs[0][k] for k in ("reasoning_tokens", "thinking_unfinished") if rs[0].get(k)})
     pairs = [(m, "raw") for m in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order",
                                   "stage-inproc", "raw-inproc", "raw-tuned")]
-    pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc")]
+    pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc", "raw-tuned-x2", "raw-tuned-x3")]
     pairs += [(m, "vllm:stage") for m in ("stage", "raw", "stage-x")]  # --engine sglang (or lmdeploy) against vLLM
     pairs += [("stage-x", "stage"), ("stage", "stage-think-off"), ("stage", "hf")]  # hf: --engine transformers
     for mode, base in pairs:

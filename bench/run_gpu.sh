@@ -65,7 +65,7 @@
 #           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-M=/root/work/qwen7b_cfg
+M=${MODEL:-/root/work/qwen7b_cfg}  # MODEL: another shape, e.g. bench/shapes/qwen2.5-1.5b
 TOK=${TOK:-.gpu-stage/tok}
 QTOK=${QTOK:-.gpu-stage/qwen3tok}
 VLTOK=${VLTOK:-.gpu-stage/vltok}
