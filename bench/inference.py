@@ -455,6 +455,8 @@ def stage_config(a, mode: str = "stage", **paths):
     if thinking:
         guided = {**guided, "sampling": {"max_tokens": a.out_len + (a.thinking_budget or 0), "temperature": 0.0,
                                          "seed": 0, "ignore_eos": True, **guided.get("sampling", {}), **thinking}}
+    if a.precision_store:  # engine.precision: auto's decisions kept across runs (the result cache stays off)
+        guided = {**guided, "cache": {"enabled": False, "path": str(Path(a.precision_store).resolve())}}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
@@ -856,6 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-engine", default="", help="JSON: keys merged into the stage-x mode's engine section")
     p.add_argument("--engine-settings", default="", help="JSON: keys merged into every mode's engine section (raw-tuned "
                    "takes them from the stage's engine), e.g. '{\"quantization\": \"fp8\", \"max_num_seqs\": 1024}'")
+    p.add_argument("--precision-store", help="stage modes: cache.path, where engine.precision: auto stores its "
+                   "decision: runs after the first start in the decided precision without calibrating")
     p.add_argument("--thinking-budget", type=int, help="chat, a reasoning model: stage thinks (this budget, on top of "
                    "each row's answer budget), stage-think-off does not")
     p.add_argument("--output-schema", help="stage modes only: sampling.output_schema (a JSON Schema file), xgrammar "

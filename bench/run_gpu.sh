@@ -7,7 +7,8 @@
 #   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
 #     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement|vl|vl-preprocess
 #   fixed (N, IN_LEN, OUT_LEN) / unique: ENGINE_SETTINGS (JSON) every mode's engine keys, e.g. '{"quantization": "fp8"}';
-#     STAGE_ENGINE the stage-x mode's, e.g. '{"precision": "auto"}' (the precision gate on the day's rows)
+#     STAGE_ENGINE the stage-x mode's, e.g. '{"precision": "auto"}' (the precision gate on the day's rows);
+#     fixed: PRECISION_STORE a folder where the gate's decision is kept across runs (the first run calibrates)
 #   fixed / mix: raw LLM.generate against the stage (MODES, REPEATS, WARMUP, T); the GPU's clocks, power and
 #     temperature are sampled meanwhile (python3 -m bench telemetry; TELEMETRY=0: not) and summarized per run phase
 #     at the end; MODES=raw,stage,stage-inproc adds the stage with vLLM's engine core in its worker process;
@@ -103,7 +104,8 @@ case "${1:-fixed}" in
   fixed) vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset fixed \
            --n ${N:-1000} --in-len ${IN_LEN:-256} --out-len ${OUT_LEN:-256} --modes ${MODES:-raw,stage} \
            --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
-           ${ENGINE_SETTINGS:+--engine-settings "$ENGINE_SETTINGS"} ${STAGE_ENGINE:+--stage-engine "$STAGE_ENGINE"} ;;
+           ${ENGINE_SETTINGS:+--engine-settings "$ENGINE_SETTINGS"} ${STAGE_ENGINE:+--stage-engine "$STAGE_ENGINE"} \
+           ${PRECISION_STORE:+--precision-store "$PRECISION_STORE"} ;;
   mix)   vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --dataset mix --n 2000 \
            --modes ${MODES:-raw,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-1} --out $OUT/gpu.jsonl --logs $OUT/logs \
            ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ;;
