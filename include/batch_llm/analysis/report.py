@@ -217,7 +217,7 @@ def _header(r: _Page) -> dict:
     rev = (fetched.revision if fetched else None) or (r.run.cfg.get("model") or {}).get("revision", "")
     samp = r.run.cfg.get("sampling") or {}
     eng_bits = ", ".join(f"{k} {st[k]}" for k in ("device", "max_num_seqs", "max_model_len", "gpu_memory_utilization",
-                                                   "kv_cache_dtype", "enable_prefix_caching", "batch_size")
+                                                   "replicas", "kv_cache_dtype", "enable_prefix_caching", "batch_size")
                          if k in st)
     facts = [
         ("model", f"{model} @ {rev}" + (f" ({_export_label(quantized)})" if quantized and quantized.quantized

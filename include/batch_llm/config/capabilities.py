@@ -57,6 +57,7 @@ class EngineCapabilities:
     kv_cache_pool: bool = False    # sizes a KV-cache pool from gpu_memory_utilization at start (recommend's plan)
     memory_probe: bool = False     # engine.memory_backoff.probe (batch sized from the KV cache it reports)
     engine_core_process: bool = False  # engine.multiprocessing
+    replicas: bool = False         # engine.replicas > 1: several engines of one shard side by side on its GPU(s)
     torch_compile: bool = False    # engine.torch_compile
     compile_cache: bool = False    # engine.compile_cache
     precision_gate: bool = False   # engine.precision: auto (a greedy sample in both precisions, the winner serves)
@@ -99,7 +100,8 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         "vllm", "batch_llm.engines.vllm_engine", title="vLLM", guided_decoding=True, reasoning=True,
         samples_and_logprobs=True,
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
-        tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, torch_compile=True,
+        tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, replicas=True,
+        torch_compile=True,
         compile_cache=True, precision_gate=True, images=True, overlap_engine_start=True,
         sampling_keys=EXTRA_SAMPLING_KEYS,
         engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__"),

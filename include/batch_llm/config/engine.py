@@ -103,6 +103,7 @@ class ClassifyConfig(Section):
 _ENGINE_ONLY_KEYS = (
     ("speculative", "speculative", "n-gram speculative decoding is a vLLM option (its speculative_config)"),
     ("multiprocessing", "engine_core_process", "vLLM's engine-core process"),
+    ("replicas", "replicas", "several engines of one shard side by side, each in an engine-core process"),
     ("torch_compile", "torch_compile", "vLLM's compilation mode"),
     ("compile_cache", "compile_cache", "vLLM's compilation cache"),
     ("precision", "precision_gate", "the precision gate (a greedy sample in both precisions)"),
@@ -144,6 +145,14 @@ class EngineConfig(Section):
                                          "the scheduler overlaps the client's work), no on CPUs, where vLLM would "
                                          "spawn an engine-core and a worker process (each importing vLLM again) "
                                          "and pin the worker to all cores but one; docs/benchmarks.md measures it")
+    replicas: int = Field(
+        1, ge=1, le=8, description="vLLM: engines the shard runs side by side on its GPU(s), each with "
+        "gpu_memory_utilization / replicas of the memory (memory_backoff's min_gpu_memory_utilization and "
+        "gpu_memory_utilization_step scaled the same way), started one after another with the first's settings "
+        "(after its back-off, probe and precision gate); each request goes to the replica that asks next (the one "
+        "with the fewest in flight), and the rows are the same as with one engine. For a small model whose GPU sits "
+        "partly idle while one engine core does its CPU work; each needs its engine core in a process of its own "
+        "(engine.multiprocessing: false is refused; on a CPU, where it defaults to in-process, set it to true)")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     cuda_graphs: Literal["offline", "vllm"] = Field(
         "offline", description="vLLM on a GPU: which CUDA graphs the engine captures at start. offline: full graphs "
@@ -216,6 +225,15 @@ class EngineConfig(Section):
     def caps(self) -> EngineCapabilities:
         """What this section's engine serves (its row of the capability table)."""
         return capabilities(self.kind)
+
+    @model_validator(mode="after")
+    def _replicas_need_engine_core_processes(self) -> "EngineConfig":
+        # in-process engine cores would share this one Python process: their CPU work could not overlap
+        if self.replicas > 1 and self.multiprocessing is False:
+            raise ValueError(f"engine.replicas: {self.replicas} overlaps one engine's CPU work with another's GPU work, "
+                             "which needs each engine core in a process of its own; engine.multiprocessing is false "
+                             "(remove it, or set engine.replicas: 1)")
+        return self
 
     @model_validator(mode="after")
     def _probe_needs_vllm(self) -> "EngineConfig":

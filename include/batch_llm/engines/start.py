@@ -3,6 +3,8 @@
 
 A start that fails for memory (the engine's own message says so: see ``EngineStartError.memory``) is retried
 with smaller settings, never below ``engine.memory_backoff``'s floors; any other failure is raised at once.
+With ``engine.replicas`` > 1 each replica gets its share of the memory; the first starts as one engine would
+(back-off, probe, precision gate), the others one after another with the settings it ended with (``replicas.py``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from batch_llm.config import EngineConfig, PipelineConfig
 from batch_llm.engines.base import EngineStartError
 from batch_llm.engines.precision_gate import PrecisionInputs, gated_start
 from batch_llm.engines.registry import make_engine
+from batch_llm.engines.replicas import start_replicas
 
 
 def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], *, lora_dir: str | None = None,
@@ -22,15 +25,37 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
     safety margin. ``engine.compile_cache`` is synced in before (``storage_options``: its store's fsspec
     options) and out after a successful start; what it held is in the settings' ``compile_cache``."""
     cc = _prepare_compile_cache(model_dir, cfg, say, lora_dir, storage_options)
+    replicas = cfg.engine.replicas
+    cfg = replica_share(cfg)
     if cfg.engine.precision == "auto":  # the candidate precision where a sample of the rows agrees
         inputs = precision or PrecisionInputs(sample=list, store=None, model_key=model_dir)
         engine, info = gated_start(cfg, lambda c: _probed_start(model_dir, c, say, lora_dir), inputs, say)
     else:
         engine, info = _probed_start(model_dir, cfg, say, lora_dir)
+    if replicas > 1:  # the others as the first ended: its back-off, probe and precision decision
+        decided = info.config
+        assert decided is not None  # set by every start (_start_with_backoff)
+        engine, info = start_replicas(engine, info, replicas,
+                                      lambda: _start_with_backoff(model_dir, decided, cfg, say, lora_dir), say)
     if cc is not None:
         compile_cache.publish(cc, say)
         info.settings["compile_cache"] = cc.record()
     return engine, info
+
+
+def replica_share(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` with each of ``engine.replicas``' share of the memory: gpu_memory_utilization and the back-off's
+    absolute shares (its floor and step) divided by the replicas; ``cfg`` itself for one."""
+    e = cfg.engine
+    n = e.replicas
+    if n == 1:
+        return cfg
+    b = e.memory_backoff
+    backoff = b.model_copy(update={"min_gpu_memory_utilization": round(b.min_gpu_memory_utilization / n, 4),
+                                   "gpu_memory_utilization_step": round(b.gpu_memory_utilization_step / n, 4)})
+    engine = e.model_copy(update={"gpu_memory_utilization": round(e.gpu_memory_utilization / n, 4),
+                                  "memory_backoff": backoff})
+    return cfg.model_copy(update={"engine": engine})
 
 
 def _prepare_compile_cache(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None], lora_dir: str | None,

@@ -187,6 +187,11 @@ class VllmEngine(Engine):
             processor_kwargs_refusal(self.model_dir, self.cfg.mm_processor_kwargs)
         if missing:
             raise EngineCannotRun(missing)
+        if self.cfg.replicas > 1 and not self._multiprocessing():  # false itself is refused when the config loads
+            raise EngineCannotRun(f"engine.replicas: {self.cfg.replicas} needs each engine core in a process of its "
+                                  "own (in this one they would share one Python process: no overlap), and on a CPU "
+                                  "engine.multiprocessing defaults to in-process: set engine.multiprocessing: true "
+                                  "(on a CPU the replicas share its cores, which rarely pays), or engine.replicas: 1")
         if self.cfg.task == "classify":
             self.labels = classify_labels(self.model_dir, self.cfg.classify.labels)
         parser = self._reasoning_parser()

@@ -1,0 +1,205 @@
+"""engine.replicas with a toy engine (no vLLM): started through the real start path, every request answered
+exactly once by one replica, the work spread over all, a failure in one replica raised in the caller with the
+others ended, an early close of the stream ending the threads, and the config's refusals."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import pytest
+from batch_llm.config.capabilities import EngineCapabilities, register_capabilities
+from batch_llm.engines.base import (
+    Engine,
+    EngineFailed,
+    EngineInfo,
+    EngineStartError,
+    GenRequest,
+    GenResult,
+    stream_requests,
+)
+from batch_llm.engines.registry import register_engine, unregister_engine
+from batch_llm.engines.replicas import ReplicaSet
+from batch_llm.engines.start import start_engine
+from helpers import demo_config
+
+KIND = "toy-replicas"
+WAIT = 20.0  # seconds a test waits for what should take well under one; past it, the test fails (no hang)
+
+
+class Toy(Engine):
+    """Answers with its replica number; streams a window ahead of what it finished, as vLLM's does, each step
+    sleeping a little (the GPU's part), so the replicas' threads interleave."""
+
+    kind = KIND
+    started: list[Toy] = []
+    fail_after: dict[int, int] = {}   # replica number -> results it yields before raising EngineFailed
+    start_fails: set[int] = set()     # replica numbers whose start fails (memory)
+
+    def start(self) -> EngineInfo:
+        number = len(Toy.started) + 1
+        if number in Toy.start_fails:
+            Toy.start_fails.discard(number)
+            raise EngineStartError(f"replica {number}: no memory left", memory=False)
+        self.number, self.closed, self.streams_ended = number, False, 0
+        Toy.started.append(self)
+        return EngineInfo(kind=KIND, version="0", start_seconds=1.0,
+                          settings={"gpu_memory_utilization": self.cfg.gpu_memory_utilization,
+                                    "min_gpu_memory_utilization": self.cfg.memory_backoff.min_gpu_memory_utilization,
+                                    "max_num_seqs": self.cfg.max_num_seqs})
+
+    def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
+        inflight: list[GenRequest] = []
+        done = 0
+
+        def submit(req: GenRequest) -> None:
+            inflight.append(req)
+
+        def collect() -> list[GenResult]:
+            nonlocal done
+            time.sleep(0.002)
+            out = [GenResult(r.key, text=f"replica {self.number}") for r in inflight[:2]]
+            del inflight[:2]
+            done += len(out)
+            if self.number in Toy.fail_after and done > Toy.fail_after[self.number]:
+                raise EngineFailed(f"replica {self.number}'s engine core died")
+            return out
+
+        try:
+            yield from stream_requests(requests, window=4, submit=submit, collect=collect)
+        finally:
+            self.streams_ended += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def toy():
+    register_capabilities(EngineCapabilities(KIND, __name__, replicas=True, engine_core_process=True))
+    register_engine(Toy)
+    Toy.started, Toy.fail_after, Toy.start_fails = [], {}, set()
+    yield Toy
+    unregister_engine(KIND)
+
+
+def _start(tmp_path, replicas: int, said: list[str] | None = None) -> tuple[ReplicaSet, EngineInfo]:
+    cfg = demo_config(tmp_path, engine__kind=KIND, engine__replicas=replicas, engine__gpu_memory_utilization=0.9,
+                      engine__max_num_seqs=64)
+    engine, info = start_engine("/nonexistent", cfg, (said if said is not None else []).append)
+    assert isinstance(engine, ReplicaSet)
+    return engine, info
+
+
+def _requests(n: int) -> Iterator[GenRequest]:
+    for i in range(n):  # lazy, as the shard's iterator renders rows: not thread-safe
+        yield GenRequest(f"r{i}", [1, 2, i])
+
+
+def _consume(stream: Iterator[GenResult]) -> tuple[list[GenResult], BaseException | None]:
+    """Reads ``stream`` in a thread of its own, so a hang fails the test instead of stalling it."""
+    got: list[GenResult] = []
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            got.extend(stream)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            raised.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(WAIT)
+    assert not t.is_alive(), "the replica set's stream hung"
+    return got, raised[0] if raised else None
+
+
+def _replica_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("engine-replica-")]
+
+
+def test_every_request_is_answered_once_by_one_replica_and_all_share_the_work(tmp_path, toy):
+    engine, info = _start(tmp_path, 3)
+    got, raised = _consume(engine.generate(_requests(300)))
+    assert raised is None
+    keys = Counter(r.key for r in got)
+    assert set(keys) == {f"r{i}" for i in range(300)} and set(keys.values()) == {1}
+    by_replica = Counter(r.text for r in got)
+    assert set(by_replica) == {"replica 1", "replica 2", "replica 3"}
+    assert sum(engine.pulled) == 300 and min(engine.pulled) >= 30, engine.pulled  # dealt, not all to the first
+    assert [by_replica[f"replica {i + 1}"] for i in range(3)] == engine.pulled  # each answered what it pulled
+    # the shard's settings: the first's, each with a third of the memory and of the back-off's floor
+    s = info.settings
+    assert s["replicas"] == s["replicas_started"] == 3 and "replica_errors" not in s
+    assert s["gpu_memory_utilization"] == 0.3 and s["min_gpu_memory_utilization"] == round(0.5 / 3, 4)
+    assert [t.cfg.gpu_memory_utilization for t in toy.started] == [0.3] * 3
+    assert info.start_seconds == 3.0 and len(info.attempts) == 3
+    assert engine.max_model_len == toy.started[0].max_model_len
+    got, raised = _consume(engine.generate(_requests(10)))  # a second stream (the shard's retry pass) works too
+    assert raised is None and len(got) == 10
+    assert not _replica_threads()
+    engine.close()
+    assert all(t.closed for t in toy.started)
+
+
+def test_a_failure_in_one_replica_is_raised_in_the_caller_and_the_others_end(tmp_path, toy):
+    engine, _ = _start(tmp_path, 3)
+    toy.fail_after[2] = 5
+    got, raised = _consume(engine.generate(_requests(2000)))
+    assert isinstance(raised, EngineFailed) and "replica 2's engine core died" in str(raised)
+    assert len(got) < 2000 and len({r.key for r in got}) == len(got)
+    assert not _replica_threads(), "every replica's thread ended"
+    assert all(t.streams_ended == 1 for t in toy.started)
+    engine.close()
+    assert all(t.closed for t in toy.started)
+
+
+def test_a_failing_request_iterator_is_raised_in_the_caller(tmp_path, toy):
+    engine, _ = _start(tmp_path, 2)
+
+    def requests() -> Iterator[GenRequest]:
+        yield from _requests(50)
+        raise OSError("the shard's input went away")
+
+    got, raised = _consume(engine.generate(requests()))
+    assert isinstance(raised, OSError) and "went away" in str(raised)
+    assert not _replica_threads()
+    engine.close()
+
+
+def test_closing_the_stream_early_ends_the_threads(tmp_path, toy):
+    engine, _ = _start(tmp_path, 2)
+    stream = engine.generate(_requests(5000))
+    first = [next(stream) for _ in range(10)]
+    assert len({r.key for r in first}) == 10
+    closer = threading.Thread(target=stream.close, daemon=True)
+    closer.start()
+    closer.join(WAIT)
+    assert not closer.is_alive() and not _replica_threads()
+    assert sum(engine.pulled) < 5000  # they stopped pulling
+    assert all(t.streams_ended == 1 for t in toy.started)
+    engine.close()
+
+
+def test_a_replica_that_fails_to_start_is_left_out_and_said(tmp_path, toy):
+    toy.start_fails.add(2)
+    said: list[str] = []
+    engine, info = _start(tmp_path, 3, said)
+    assert len(engine.replicas) == 2
+    assert info.settings["replicas"] == 3 and info.settings["replicas_started"] == 2
+    assert "no memory left" in info.settings["replica_errors"][0]
+    assert any("replica 2 of 3 failed to start; going on with 1" in s for s in said)
+    got, raised = _consume(engine.generate(_requests(40)))
+    assert raised is None and {r.key for r in got} == {f"r{i}" for i in range(40)}
+    engine.close()
+
+
+def test_replicas_are_refused_for_engines_without_them(tmp_path):
+    with pytest.raises(ValueError, match=r"engine.replicas: .*engine.kind is 'transformers' \(vllm can\)"):
+        demo_config(tmp_path, engine__kind="transformers", engine__replicas=2)
+    with pytest.raises(ValueError, match=r"engine.replicas: 2 .* engine.multiprocessing is false"):
+        demo_config(tmp_path, engine__replicas=2, engine__multiprocessing=False)
+    with pytest.raises(ValueError):
+        demo_config(tmp_path, engine__replicas=9)
+    assert demo_config(tmp_path, engine__replicas=2, engine__multiprocessing=True).engine.replicas == 2
