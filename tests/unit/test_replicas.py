@@ -36,6 +36,7 @@ class Toy(Engine):
     started: list[Toy] = []
     fail_after: dict[int, int] = {}   # replica number -> results it yields before raising EngineFailed
     start_fails: set[int] = set()     # replica numbers whose start fails (memory)
+    window = 4                        # requests pulled ahead of those finished (vLLM's: 4 x max_num_seqs, >= 512)
 
     def start(self) -> EngineInfo:
         number = len(Toy.started) + 1
@@ -67,7 +68,7 @@ class Toy(Engine):
             return out
 
         try:
-            yield from stream_requests(requests, window=4, submit=submit, collect=collect)
+            yield from stream_requests(requests, window=Toy.window, submit=submit, collect=collect)
         finally:
             self.streams_ended += 1
 
@@ -79,7 +80,7 @@ class Toy(Engine):
 def toy():
     register_capabilities(EngineCapabilities(KIND, __name__, replicas=True, engine_core_process=True))
     register_engine(Toy)
-    Toy.started, Toy.fail_after, Toy.start_fails = [], {}, set()
+    Toy.started, Toy.fail_after, Toy.start_fails, Toy.window = [], {}, set(), 4
     yield Toy
     unregister_engine(KIND)
 
@@ -141,6 +142,17 @@ def test_every_request_is_answered_once_by_one_replica_and_all_share_the_work(tm
     assert not _replica_threads()
     engine.close()
     assert all(t.closed for t in toy.started)
+
+
+def test_requests_ready_at_once_are_dealt_to_every_replica(tmp_path, toy):
+    """A shard's rows tokenized while the engines started come out of the iterator at once; with a window larger
+    than the shard, the first replica's thread would take them all before the second asked."""
+    toy.window = 512
+    engine, _ = _start(tmp_path, 2)
+    got, raised = _consume(engine.generate(list(_requests(20))))
+    assert raised is None and len(got) == 20
+    assert min(engine.pulled) >= 5, engine.pulled
+    engine.close()
 
 
 def test_a_failure_in_one_replica_is_raised_in_the_caller_and_the_others_end(tmp_path, toy):

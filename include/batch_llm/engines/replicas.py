@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult
@@ -26,6 +27,8 @@ QUEUE_RESULTS = 1024
 # How long the caller waits for the replica threads to end once generation stops early (an error, the caller
 # closing the generator): a thread ends after its engine's current step; close() ends a stuck one's engine.
 JOIN_SECONDS = 30.0
+# How long the first requests wait for every replica's thread to ask (Dealer): threads start in milliseconds.
+START_GRACE = 2.0
 
 
 def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[[], tuple[Engine, EngineInfo]],
@@ -62,22 +65,33 @@ def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[
 class Dealer:
     """The caller's requests, one ``next()`` at a time (the iterator renders and tokenizes rows lazily: it is
     not thread-safe), served in the order the replicas ask (a ticket each, not a plain lock, which would let the
-    replica that just pulled pull again before one that waited). ``stop`` ends every replica's stream."""
+    replica that just pulled pull again before one that waited). Nothing is served until every replica has asked
+    once (or ``START_GRACE`` passed): rows already tokenized while the engines started come out faster than a
+    thread starts, and the first replica would take a whole window of them. ``stop`` ends every replica's
+    stream."""
 
-    def __init__(self, requests: Iterable[GenRequest], stop: threading.Event):
+    def __init__(self, requests: Iterable[GenRequest], stop: threading.Event, replicas: int):
         self._it = iter(requests)
         self._stop = stop
         self._turn = threading.Condition()
         self._next_ticket = 0
         self._serving = 0
         self._exhausted = False
+        self._replicas = replicas
+        self._gate = time.monotonic() + START_GRACE
+
+    def _may_serve(self, ticket: int) -> bool:
+        if ticket != self._serving:
+            return False
+        return (self._next_ticket >= self._replicas or self._stop.is_set() or time.monotonic() >= self._gate)
 
     def pull(self) -> GenRequest | None:
         with self._turn:
             ticket = self._next_ticket
             self._next_ticket += 1
-            while ticket != self._serving:
-                self._turn.wait()
+            self._turn.notify_all()
+            while not self._may_serve(ticket):
+                self._turn.wait(0.05)
         try:
             if self._exhausted or self._stop.is_set():
                 return None
@@ -116,7 +130,7 @@ class ReplicaSet(Engine):
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         stop = threading.Event()
-        dealer = Dealer(requests, stop)
+        dealer = Dealer(requests, stop, len(self.replicas))
         results: queue.Queue = queue.Queue()  # results, and each thread's error and end (these never wait)
         room = threading.Semaphore(QUEUE_RESULTS)  # results only: the caller frees a place as it takes one
 
