@@ -60,7 +60,8 @@ def test_every_builtin_row_names_its_module():
 def test_what_the_builtin_engines_serve():
     assert serving("guided_decoding") == serving("samples_and_logprobs") == serving("lora_served") == ["vllm",
                                                                                                        "sglang"]
-    assert serving("speculative") == serving("memory_probe") == serving("compile_cache") == ["vllm"]
+    assert serving("speculative") == serving("memory_probe") == serving("compile_cache") == serving("replicas") == [
+        "vllm"]
     assert serving("tensor_parallel") == serving("kv_cache_pool") == ["vllm", "lmdeploy", "sglang"]
     assert capabilities("vllm").pooling_tasks == {"embed", "classify"}
     assert not capabilities("lmdeploy").overlap_engine_start  # LMDeploy binds the loop of the thread it starts in

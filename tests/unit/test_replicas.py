@@ -37,6 +37,7 @@ class Toy(Engine):
     fail_after: dict[int, int] = {}   # replica number -> results it yields before raising EngineFailed
     start_fails: set[int] = set()     # replica numbers whose start fails (memory)
     window = 4                        # requests pulled ahead of those finished (vLLM's: 4 x max_num_seqs, >= 512)
+    slow_first_submit: set[int] = set()  # replica numbers whose first request takes 0.2 s to take in
 
     def start(self) -> EngineInfo:
         number = len(Toy.started) + 1
@@ -55,6 +56,9 @@ class Toy(Engine):
         done = 0
 
         def submit(req: GenRequest) -> None:
+            if self.number in Toy.slow_first_submit:
+                Toy.slow_first_submit.discard(self.number)
+                time.sleep(0.2)
             inflight.append(req)
 
         def collect() -> list[GenResult]:
@@ -80,7 +84,7 @@ class Toy(Engine):
 def toy():
     register_capabilities(EngineCapabilities(KIND, __name__, replicas=True, engine_core_process=True))
     register_engine(Toy)
-    Toy.started, Toy.fail_after, Toy.start_fails, Toy.window = [], {}, set(), 4
+    Toy.started, Toy.fail_after, Toy.start_fails, Toy.window, Toy.slow_first_submit = [], {}, set(), 4, set()
     yield Toy
     unregister_engine(KIND)
 
@@ -130,11 +134,14 @@ def test_every_request_is_answered_once_by_one_replica_and_all_share_the_work(tm
     assert set(by_replica) == {"replica 1", "replica 2", "replica 3"}
     assert sum(engine.pulled) == 300 and min(engine.pulled) >= 30, engine.pulled  # dealt, not all to the first
     assert [by_replica[f"replica {i + 1}"] for i in range(3)] == engine.pulled  # each answered what it pulled
+    assert info.settings["replica_requests"] == engine.pulled  # the manifest says how the work was dealt
     # the shard's settings: the first's, each with a third of the memory and of the back-off's floor
     s = info.settings
     assert s["replicas"] == s["replicas_started"] == 3 and "replica_errors" not in s
     assert s["gpu_memory_utilization"] == 0.3 and s["min_gpu_memory_utilization"] == round(0.5 / 3, 4)
     assert [t.cfg.gpu_memory_utilization for t in toy.started] == [0.3] * 3
+    # the others start once as the first ended (no back-off of their own: all pull the same window ahead)
+    assert [t.cfg.memory_backoff.enabled for t in toy.started] == [True, False, False]
     assert info.start_seconds == 3.0 and len(info.attempts) == 3
     assert engine.max_model_len == toy.started[0].max_model_len
     got, raised = _consume(engine.generate(_requests(10)))  # a second stream (the shard's retry pass) works too
@@ -152,6 +159,17 @@ def test_requests_ready_at_once_are_dealt_to_every_replica(tmp_path, toy):
     got, raised = _consume(engine.generate(list(_requests(20))))
     assert raised is None and len(got) == 20
     assert min(engine.pulled) >= 5, engine.pulled
+    engine.close()
+
+
+def test_a_replica_slow_to_take_its_first_request_still_gets_its_share(tmp_path, toy):
+    """vLLM's first request into an engine can take a tenth of a second; meanwhile the other replica, a window
+    ahead, would pull the whole shard. Dealt by requests in flight, the slow one gets its share once it asks."""
+    toy.window, toy.slow_first_submit = 512, {1}
+    engine, _ = _start(tmp_path, 2)
+    got, raised = _consume(engine.generate(list(_requests(40))))
+    assert raised is None and len(got) == 40
+    assert min(engine.pulled) >= 15, engine.pulled
     engine.close()
 
 

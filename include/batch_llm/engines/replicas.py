@@ -4,12 +4,13 @@ For a small model one vLLM engine can leave the GPU idle: its engine-core proces
 CPU work (scheduling, preparing inputs, processing outputs) as the GPU spends on the step. Two engine cores on one
 GPU, each with half the memory, overlap one's CPU work with the other's GPU work.
 
-    requests (the shard's lazy iterator) ─> Dealer: one next() at a time, in the order replicas ask
+    requests (the shard's lazy iterator) ─> Dealer: one next() at a time, to the replica with the fewest in flight
         ├─> replica 1's generate (its own thread) ─┐
         └─> replica 2's generate (its own thread) ─┴─> one queue ─> the caller's thread, in finishing order
 
-Each replica pulls a window ahead of what it finished (``base.stream_requests``), so the replica that asks next
-is the one with room: the one with the fewest in flight. Every request is pulled by exactly one replica.
+Each replica pulls a window ahead of what it finished (``base.stream_requests``) and asks when it has room; of
+those asking, the one with the fewest requests in flight gets the next. Every request is pulled by exactly one
+replica.
 """
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ QUEUE_RESULTS = 1024
 # How long the caller waits for the replica threads to end once generation stops early (an error, the caller
 # closing the generator): a thread ends after its engine's current step; close() ends a stuck one's engine.
 JOIN_SECONDS = 30.0
-# How long the first requests wait for every replica's thread to ask (Dealer): threads start in milliseconds.
+# Dealing (Dealer): how long the first requests wait for every replica's thread to ask (threads start in
+# milliseconds); how many requests more than another a replica may have in flight, and how long it then waits for
+# the other to ask (an engine step on a GPU takes milliseconds to tens of them) before it takes one anyway.
 START_GRACE = 2.0
+LEAD = 8
+LEAD_WAIT = 0.25
 
 
 def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[[], tuple[Engine, EngineInfo]],
@@ -59,99 +64,117 @@ def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[
     if errors:
         settings["replica_errors"] = errors
     info.settings = settings
-    return ReplicaSet(engines), info
+    return ReplicaSet(engines, settings), info
 
 
 class Dealer:
-    """The caller's requests, one ``next()`` at a time (the iterator renders and tokenizes rows lazily: it is
-    not thread-safe), served in the order the replicas ask (a ticket each, not a plain lock, which would let the
-    replica that just pulled pull again before one that waited). Nothing is served until every replica has asked
-    once (or ``START_GRACE`` passed): rows already tokenized while the engines started come out faster than a
-    thread starts, and the first replica would take a whole window of them. ``stop`` ends every replica's
-    stream."""
+    """The caller's requests dealt to the replicas, one ``next()`` at a time (the iterator renders and tokenizes
+    rows lazily: it is not thread-safe). Of the replicas asking, the one with the fewest requests in flight (then
+    the one that asked first) gets the next request, and a replica does not run more than ``LEAD`` ahead of one
+    that is busy elsewhere (taking a request into its engine, or stepping it) for longer than ``LEAD_WAIT``:
+    one engine's first request can take a tenth of a second to take in, and the other replica would meanwhile
+    pull a window of rows (a whole small shard). Nothing is dealt until every replica asked once (or
+    ``START_GRACE`` passed), for the same reason. ``stop`` ends every replica's stream."""
 
-    def __init__(self, requests: Iterable[GenRequest], stop: threading.Event, replicas: int):
+    def __init__(self, requests: Iterable[GenRequest], stop: threading.Event, pulled: list[int]):
         self._it = iter(requests)
         self._stop = stop
-        self._turn = threading.Condition()
-        self._next_ticket = 0
-        self._serving = 0
+        self._cond = threading.Condition()
+        self.pulled = pulled  # requests each replica took (the caller's counter, over several streams)
+        self._inflight = [0] * len(pulled)
+        self._live = set(range(len(pulled)))
+        self._asked: set[int] = set()
+        self._waiting: dict[int, int] = {}  # replica -> its ticket (the order they asked in)
+        self._tickets = 0
+        self._serving = False
         self._exhausted = False
-        self._replicas = replicas
         self._gate = time.monotonic() + START_GRACE
 
-    def _may_serve(self, ticket: int) -> bool:
-        if ticket != self._serving:
+    def _dealt_to(self, i: int, since: float) -> bool:
+        if self._serving:
             return False
-        return (self._next_ticket >= self._replicas or self._stop.is_set() or time.monotonic() >= self._gate)
+        if self._exhausted or self._stop.is_set():
+            return True
+        now = time.monotonic()
+        if not self._live <= self._asked and now < self._gate:
+            return False
+        if min(self._waiting, key=lambda j: (self._inflight[j], self._waiting[j])) != i:
+            return False
+        others = [self._inflight[j] for j in self._live if j != i]
+        return not others or self._inflight[i] - min(others) < LEAD or now - since >= LEAD_WAIT
 
-    def pull(self) -> GenRequest | None:
-        with self._turn:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            self._turn.notify_all()
-            while not self._may_serve(ticket):
-                self._turn.wait(0.05)
-        try:
+    def pull(self, i: int) -> GenRequest | None:
+        with self._cond:
+            self._waiting[i] = self._tickets
+            self._tickets += 1
+            self._asked.add(i)
+            self._cond.notify_all()
+            since = time.monotonic()
+            while not self._dealt_to(i, since):
+                self._cond.wait(0.01)
+            del self._waiting[i]
             if self._exhausted or self._stop.is_set():
+                self._cond.notify_all()
                 return None
+            self._serving = True
+        try:
             req = next(self._it, None)
-            self._exhausted = req is None
-            return req
         except BaseException:  # the caller's iterator failed: raised in the replica that pulled; none pulls again
-            self._exhausted = True
+            req = None
             raise
         finally:
-            with self._turn:
-                self._serving += 1
-                self._turn.notify_all()
+            with self._cond:
+                self._serving = False
+                if req is None:
+                    self._exhausted = True
+                else:
+                    self._inflight[i] += 1
+                    self.pulled[i] += 1
+                self._cond.notify_all()
+        return req
 
-    def feed(self, counter: list[int], index: int) -> Iterator[GenRequest]:
-        """One replica's view: the requests it pulls (``counter[index]`` counts them)."""
-        while (req := self.pull()) is not None:
-            counter[index] += 1
+    def finished(self, i: int) -> None:
+        """Replica ``i`` yielded a result: one request fewer in flight there."""
+        with self._cond:
+            self._inflight[i] -= 1
+            self._cond.notify_all()
+
+    def retire(self, i: int) -> None:
+        """Replica ``i``'s stream ended: the others no longer wait for it."""
+        with self._cond:
+            self._live.discard(i)
+            self._cond.notify_all()
+
+    def feed(self, i: int) -> Iterator[GenRequest]:
+        """Replica ``i``'s view of the requests."""
+        while (req := self.pull(i)) is not None:
             yield req
 
 
 class ReplicaSet(Engine):
     """Started engines of one kind and config serving one stream of requests (``generate``), closed together.
-    Built by ``start_replicas``, never started itself."""
+    Built by ``start_replicas``, never started itself. ``settings`` (the shard's engine settings) get
+    ``replica_requests``: the requests each replica took so far."""
 
-    def __init__(self, replicas: list[Engine]):
+    def __init__(self, replicas: list[Engine], settings: dict | None = None):
         first = replicas[0]
         super().__init__(first.model_dir, first.cfg, first.sampling, trust_remote_code=first.trust_remote_code,
                          lora_dir=first.lora_dir)
         self.kind = first.kind
         self.replicas = replicas
-        self.pulled = [0] * len(replicas)  # requests each replica took, over every generate() (tests, logs)
+        self.pulled = [0] * len(replicas)  # requests each replica took, over every generate()
+        self._settings = settings  # the shard's engine settings: how the requests were dealt lands there
 
     def start(self) -> EngineInfo:
         raise RuntimeError("a ReplicaSet is made of started engines (start_replicas)")
 
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         stop = threading.Event()
-        dealer = Dealer(requests, stop, len(self.replicas))
+        dealer = Dealer(requests, stop, self.pulled)
         results: queue.Queue = queue.Queue()  # results, and each thread's error and end (these never wait)
         room = threading.Semaphore(QUEUE_RESULTS)  # results only: the caller frees a place as it takes one
-
-        def work(i: int, engine: Engine) -> None:
-            stream = engine.generate(dealer.feed(self.pulled, i))
-            try:
-                for res in stream:
-                    while not room.acquire(timeout=0.1):
-                        if stop.is_set():
-                            return
-                    if stop.is_set():  # the caller stopped: what is still in flight is not wanted
-                        return
-                    results.put(("result", res))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                stop.set()  # the others stop pulling and end; the caller raises this one
-                results.put(("error", e))
-            finally:
-                stream.close()  # the engine's own cleanup (vLLM's engine-death watch) runs in this thread
-                results.put(("done", i))
-
-        threads = [threading.Thread(target=work, args=(i, engine), name=f"engine-replica-{i + 1}", daemon=True)
+        threads = [threading.Thread(target=_serve, args=(i, engine, dealer, stop, room, results),
+                                    name=f"engine-replica-{i + 1}", daemon=True)
                    for i, engine in enumerate(self.replicas)]
         for t in threads:
             t.start()
@@ -170,6 +193,8 @@ class ReplicaSet(Engine):
             stop.set()
             for t in threads:
                 t.join(JOIN_SECONDS)
+            if self._settings is not None:  # the manifest's engine settings: each replica's share of the work
+                self._settings["replica_requests"] = list(self.pulled)
 
     def close(self) -> None:
         for engine in self.replicas:
@@ -181,3 +206,26 @@ class ReplicaSet(Engine):
 
     def sampling_for(self, req: GenRequest) -> Sampling:
         return self.replicas[0].sampling_for(req)
+
+
+def _serve(i: int, engine: Engine, dealer: Dealer, stop: threading.Event, room: threading.Semaphore,
+           results: queue.Queue) -> None:
+    """Replica ``i``'s thread: its engine's results onto ``results`` (a place in ``room`` each), until its
+    stream ends or ``stop``; its failure goes there too, for the caller's thread to raise, and stops the others."""
+    stream = engine.generate(dealer.feed(i))
+    try:
+        for res in stream:
+            dealer.finished(i)
+            while not room.acquire(timeout=0.1):
+                if stop.is_set():
+                    return
+            if stop.is_set():  # the caller stopped: what is still in flight is not wanted
+                return
+            results.put(("result", res))
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        stop.set()  # the others stop pulling and end; the caller raises this one
+        results.put(("error", e))
+    finally:
+        dealer.retire(i)
+        stream.close()  # the engine's own cleanup (vLLM's engine-death watch) runs in this thread
+        results.put(("done", i))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from batch_llm.cache import compile as compile_cache
 from batch_llm.config import EngineConfig, PipelineConfig
-from batch_llm.engines.base import EngineStartError
+from batch_llm.engines.base import EngineInfo, EngineStartError
 from batch_llm.engines.precision_gate import PrecisionInputs, gated_start
 from batch_llm.engines.registry import make_engine
 from batch_llm.engines.replicas import start_replicas
@@ -32,15 +32,24 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
         engine, info = gated_start(cfg, lambda c: _probed_start(model_dir, c, say, lora_dir), inputs, say)
     else:
         engine, info = _probed_start(model_dir, cfg, say, lora_dir)
-    if replicas > 1:  # the others as the first ended: its back-off, probe and precision decision
-        decided = info.config
-        assert decided is not None  # set by every start (_start_with_backoff)
-        engine, info = start_replicas(engine, info, replicas,
-                                      lambda: _start_with_backoff(model_dir, decided, cfg, say, lora_dir), say)
+    if replicas > 1:
+        engine, info = start_replicas(engine, info, replicas, lambda: _start_as(model_dir, info, cfg, say, lora_dir),
+                                      say)
     if cc is not None:
         compile_cache.publish(cc, say)
         info.settings["compile_cache"] = cc.record()
     return engine, info
+
+
+def _start_as(model_dir: str, first: EngineInfo, cfg: PipelineConfig, say: Callable[[str], None],
+              lora_dir: str | None):
+    """A further replica, started once with the settings the first ended with (its back-off, probe and precision
+    decision): the replicas then pull the same window of requests ahead (the dealing's balance assumes it), and
+    one that does not fit is left out rather than started smaller."""
+    if first.config is None:
+        raise EngineStartError("the first replica's engine did not say the settings it started with")
+    once = first.config.memory_backoff.model_copy(update={"enabled": False})
+    return _start_with_backoff(model_dir, first.config.model_copy(update={"memory_backoff": once}), cfg, say, lora_dir)
 
 
 def replica_share(cfg: PipelineConfig) -> PipelineConfig:
