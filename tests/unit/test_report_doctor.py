@@ -339,6 +339,24 @@ def test_memory_headroom_and_backoff():
     assert "8 of 8 shards needed 8 failed start(s)" in mem.evidence
 
 
+def test_replicas_count_their_memory_shares_and_their_starts_are_not_back_offs():
+    """engine.replicas: each engine records its own share and one start: two replicas of 0.49 hold 0.98 of the
+    GPU, and two successful starts are no back-off; a replica's back-off is advised as the config's whole share."""
+    two = {"gpu_memory_utilization": 0.49, "replicas": 2, "replicas_started": 2}
+    s = [shard(i, rows=4096, start=60, gen=1200, settings=two, attempts=[{"ok": True}, {"ok": True}])
+         for i in range(8)]
+    f = run_doctor(summary_of(s, engine={"gpu_memory_utilization": 0.98}), gpus=8)
+    assert "engine.gpu_memory_utilization: 0.88" in changes(f)
+    assert not any("backed off" in x.title for x in f)
+    tries = [{"gpu_memory_utilization": 0.45, "max_num_seqs": None, "error": "oom"},
+             {"gpu_memory_utilization": 0.425, "max_num_seqs": 128, "ok": True}, {"ok": True}]
+    s = [shard(i, rows=4096, start=60, gen=1200, settings={**two, "gpu_memory_utilization": 0.425}, attempts=tries)
+         for i in range(8)]
+    mem = next(x for x in run_doctor(summary_of(s), gpus=8) if "backed off" in x.title)
+    assert mem.change == "engine.gpu_memory_utilization: 0.85, engine.max_num_seqs: 128"
+    assert "8 of 8 shards needed 8 failed start(s)" in mem.evidence
+
+
 def test_prefix_caching_off_while_prompts_share_a_system_prompt():
     s = [shard(i, rows=4096, start=60, gen=1200, settings={"enable_prefix_caching": False}) for i in range(8)]
     shared = PrefixStats(rows=200, common_prefix_chars=1200, system_share=1.0, system_chars=1200)

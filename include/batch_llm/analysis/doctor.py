@@ -256,7 +256,7 @@ def _check_kv_cache(run: RunStats) -> Iterable[Finding]:
     ev = (f"the KV cache holds {kv:,} tokens = {seqs:,} sequences of the mean {_n(seq)} tokens, "
           f"the engine would run {wanted:,} at once (max_num_seqs vs requests per shard): the rest wait or are "
           f"preempted")
-    util = float(run.settings.get("gpu_memory_utilization") or run.engine_cfg.get("gpu_memory_utilization") or 0.9)
+    util = _gpu_share(run, 0.9)
     kv_dtype = str(run.settings.get("kv_cache_dtype") or run.engine_cfg.get("kv_cache_dtype") or "auto")
     if not run.on_gpu:
         gib = float(run.engine_cfg.get("cpu_kv_cache_gib") or 2.0)
@@ -277,20 +277,33 @@ def _check_kv_cache(run: RunStats) -> Iterable[Finding]:
                       f"engine.max_num_seqs: {_pow2_at_most(seqs)}", "kv_cache")
 
 
+def _gpu_share(run: RunStats, default: float) -> float:
+    """The share of the GPU's memory the run's engines were given: the recorded gpu_memory_utilization is one
+    engine's, so with engine.replicas it counts once per replica that started; else the configured one."""
+    one = run.settings.get("gpu_memory_utilization")
+    if one is None:
+        return float(run.engine_cfg.get("gpu_memory_utilization") or default)
+    return round(float(one) * int(run.settings.get("replicas_started") or 1), 4)
+
+
 def _check_memory_headroom(run: RunStats) -> Iterable[Finding]:
     if not run.on_gpu:
         return
-    util = float(run.settings.get("gpu_memory_utilization") or run.engine_cfg.get("gpu_memory_utilization") or 0)
+    util = _gpu_share(run, 0)
     safe = round(1 - float(((run.engine_cfg.get("memory_backoff") or {}).get("safety_margin")) or 0.12), 2)
     if util > GPU_UTIL_MAX:
         yield Finding("warning", "no GPU memory headroom",
                       f"gpu_memory_utilization {util:g} leaves {_pct(1 - util)} of the GPU for activations, "
                       f"CUDA graphs and other processes (ms-swift guidance: 10-15 %)",
                       f"engine.gpu_memory_utilization: {safe:g}", "memory")
-    backed_off = [rec for s in run.shards if (rec := engine_record(s)) and len(rec.attempts) > 1]
+    # failed starts only: engine.replicas records one successful start per replica
+    backed_off = [rec for s in run.shards if (rec := engine_record(s)) and any(not a.get("ok") for a in rec.attempts)]
     if backed_off:
         ok = next((a for a in backed_off[0].attempts if a.get("ok")), None)
-        failed = sum(len(rec.attempts) - 1 for rec in backed_off)
+        failed = sum(sum(not a.get("ok") for a in rec.attempts) for rec in backed_off)
+        replicas = int(backed_off[0].settings.get("replicas") or 1)
+        if ok and replicas > 1 and ok.get("gpu_memory_utilization") is not None:  # one replica's share: the config's
+            ok = {**ok, "gpu_memory_utilization": round(ok["gpu_memory_utilization"] * replicas, 4)}
         if ok:
             keys = [k for k in ("gpu_memory_utilization", "max_num_seqs", "max_model_len")
                     if ok.get(k) is not None and ok.get(k) != run.engine_cfg.get(k)]

@@ -148,10 +148,11 @@ class EngineConfig(Section):
     replicas: int = Field(
         1, ge=1, le=8, description="vLLM: engines the shard runs side by side on its GPU(s), each with "
         "gpu_memory_utilization / replicas of the memory (memory_backoff's min_gpu_memory_utilization and "
-        "gpu_memory_utilization_step scaled the same way), started one after another with the first's settings "
-        "(after its back-off, probe and precision gate); each request goes to the replica that asks next (the one "
-        "with the fewest in flight), and the rows are the same as with one engine. For a small model whose GPU sits "
-        "partly idle while one engine core does its CPU work; each needs its engine core in a process of its own "
+        "gpu_memory_utilization_step scaled the same way). The first starts as one engine would (back-off, probe, "
+        "precision: auto's gate), the others one after another, once, with the settings it ended with; one that "
+        "does not start is left out (replicas_started in the manifest's engine settings). Each request goes to the "
+        "asking replica with the fewest in flight; the rows are the same as with one engine. For a small model whose "
+        "GPU sits partly idle while one engine core does its CPU work; each engine core needs a process of its own "
         "(engine.multiprocessing: false is refused; on a CPU, where it defaults to in-process, set it to true)")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     cuda_graphs: Literal["offline", "vllm"] = Field(
