@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 from batch_llm.engines.base import Engine, EngineInfo, EngineStartError, GenRequest, GenResult
 from batch_llm.rows.params import Sampling
@@ -227,5 +227,6 @@ def _serve(i: int, engine: Engine, dealer: Dealer, stop: threading.Event, room: 
         results.put(("error", e))
     finally:
         dealer.retire(i)
-        stream.close()  # the engine's own cleanup (vLLM's engine-death watch) runs in this thread
+        if isinstance(stream, Generator):  # the engine's own cleanup (vLLM's engine-death watch), in this thread
+            stream.close()
         results.put(("done", i))
