@@ -219,6 +219,7 @@ def test_a_replica_that_fails_to_start_is_left_out_and_said(tmp_path, toy):
     assert len(engine.replicas) == 2
     assert info.settings["replicas"] == 3 and info.settings["replicas_started"] == 2
     assert "no memory left" in info.settings["replica_errors"][0]
+    assert 2.0 <= info.start_seconds < 3.0 and len(info.attempts) == 2  # the two that started, and the failed try
     assert any("replica 2 of 3 failed to start; going on with 1" in s for s in said)
     got, raised = _consume(engine.generate(_requests(40)))
     assert raised is None and {r.key for r in got} == {f"r{i}" for i in range(40)}
@@ -233,3 +234,22 @@ def test_replicas_are_refused_for_engines_without_them(tmp_path):
     with pytest.raises(ValueError):
         demo_config(tmp_path, engine__replicas=9)
     assert demo_config(tmp_path, engine__replicas=2, engine__multiprocessing=True).engine.replicas == 2
+
+
+def test_anything_but_a_failed_start_closes_the_started_replicas(tmp_path, toy):
+    from batch_llm.engines.registry import make_engine
+    from batch_llm.engines.replicas import start_replicas
+
+    cfg = demo_config(tmp_path, engine__kind=KIND)
+    first = make_engine("/nonexistent", cfg.engine, cfg.sampling)
+    info = first.start()
+
+    def start_one():
+        if len(toy.started) == 2:  # the third: interrupted
+            raise KeyboardInterrupt
+        engine = make_engine("/nonexistent", cfg.engine, cfg.sampling)
+        return engine, engine.start()
+
+    with pytest.raises(KeyboardInterrupt):
+        start_replicas(first, info, 3, start_one, print)
+    assert len(toy.started) == 2 and all(t.closed for t in toy.started)

@@ -46,9 +46,11 @@ def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[
     settings = dict(info.settings)
     try:
         for i in range(2, n + 1):
+            t0 = time.perf_counter()
             try:
                 engine, more = start_one()
             except EngineStartError as e:
+                info.start_seconds += time.perf_counter() - t0  # the shard waited for it all the same
                 errors.append(f"replica {i}: {str(e)[-300:]}")
                 say(f"engine replica {i} of {n} failed to start; going on with {len(engines)}: {e}")
                 continue
