@@ -4,7 +4,7 @@
 # header: what is built where there is network, and how it is installed), .gpu-stage/extra (the project's light
 # wheels, installed beside vLLM first) and the 7B shape's config.json in /root/work/qwen7b_cfg (random weights:
 # load_format dummy). Results land in $OUT.
-#   bash bench/run_gpu.sh fixed|mix|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
+#   bash bench/run_gpu.sh fixed|mix|unique|replicas|chat|shards|hf|checks|resume|leases|guided|spec|fp8|compile_cache|gc_import|profile
 #     |sglang-mix|sglang-chat|sglang-settings|thinking|review-placement|vl|vl-preprocess
 #   fixed (N, IN_LEN, OUT_LEN) / unique: ENGINE_SETTINGS (JSON) every mode's engine keys, e.g. '{"quantization": "fp8"}';
 #     STAGE_ENGINE the stage-x mode's, e.g. '{"precision": "auto"}' (the precision gate on the day's rows);
@@ -21,6 +21,9 @@
 #   unique: the mix without repeated prompts (N rows, 12,000 by default): only the stage's order and overlap can count;
 #     one invocation (REPEATS=1, two runs) takes ~5-6 minutes on an H100, so the 3 alternating runs a mode take three
 #     invocations with MODES reversed in turn (raw-tuned,stage / stage,raw-tuned / raw-tuned,stage)
+#   replicas: the unique day (N, 12,000) on a small shape (MODEL, the Qwen2.5-1.5B shape by default): raw-tuned against the
+#     stage with engine.replicas R (2; stage-x) and the stage with one engine, after one short unrecorded warm-up run
+#     (MODES reversed in turn for the 3 runs a mode; MODES=raw-tuned,raw-tuned-x2: the script as two processes)
 #   shards: SHARDS shards of 2,000 mix rows on one engine, sharding.shards_per_task = SHARDS: the engine start's share
 #   checks | resume | leases: python3 -m bench gpu-checks (stop, crash and resume, GPU leases of two shard tasks)
 #   lmdeploy | lmdeploy-mix, after lmdeploy-stage (.gpu-stage/lmd: LMDeploy 0.18 unpacked into /root/lmd, a
@@ -113,6 +116,12 @@ case "${1:-fixed}" in
            --n ${N:-12000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-1} --warmup ${WARMUP:-0} \
            --out $OUT/gpu_unique.jsonl --logs $OUT/logs ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} \
            ${ENGINE_SETTINGS:+--engine-settings "$ENGINE_SETTINGS"} ${STAGE_ENGINE:+--stage-engine "$STAGE_ENGINE"} ;;
+  replicas) vllm_env; M=${MODEL:-bench/shapes/qwen2.5-1.5b}  # a short unrecorded run fills the caches a first start fills
+    timeout 200 python3 -m bench inference --model $M --dummy --dataset unique --n 300 --modes raw-tuned --repeats 1 \
+      > $OUT/replicas-warmup.log 2>&1
+    telemetry_on; timeout ${T:-540} python3 -m bench inference --model $M --dummy --dataset unique --n ${N:-12000} \
+           --modes ${MODES:-raw-tuned,stage-x,stage} --repeats ${REPEATS:-1} --warmup 0 --out $OUT/gpu_replicas.jsonl \
+           --logs $OUT/logs --stage-engine "{\"replicas\": ${R:-2}}" ;;
   chat)  vllm_env; telemetry_on; timeout ${T:-570} python3 -m bench inference --model $M --dummy --tokenizer $TOK \
            --dataset chat --n ${N:-4000} --modes ${MODES:-raw-tuned,stage} --repeats ${REPEATS:-3} --warmup ${WARMUP:-0} \
            --out $OUT/gpu_chat.jsonl --logs $OUT/logs ${STAGE_EXTRA:+--stage-extra "$STAGE_EXTRA"} ${CHAT_ARGS:-} ;;
