@@ -546,10 +546,13 @@ def run_raw_tuned_split(a, rows, n: int) -> dict:
     a.gpu_util = round(a.gpu_util / n, 3)
 
     def one(k: int) -> None:
-        if k:
-            built[k - 1].wait()
-        res = run_raw_tuned(a, rows[k::n], on_built=built[k].set)
-        results.put(res)
+        try:
+            if k:
+                built[k - 1].wait()
+            results.put(run_raw_tuned(a, rows[k::n], on_built=built[k].set))
+        except BaseException as e:  # the parent raises it: it would otherwise wait for this part forever
+            built[k].set()
+            results.put({"error": f"part {k}: {e!r}"})
 
     procs = [ctx.Process(target=one, args=(k,)) for k in range(n)]
     for pr in procs:
@@ -557,6 +560,8 @@ def run_raw_tuned_split(a, rows, n: int) -> dict:
     parts = [results.get() for _ in range(n)]
     for pr in procs:
         pr.join()
+    if failed := [r["error"] for r in parts if "error" in r]:
+        raise RuntimeError("; ".join(failed))
     start = min(r["generate_start_s"] for r in parts)
     end = max(r["generate_start_s"] + r["generate_s"] for r in parts)
     return dict(mode=f"raw-tuned-x{n}", engine="vllm", generate_s=end - start,
