@@ -19,6 +19,8 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          what the smaller capture is worth at engine start and costs in generation
   stage-compile  the stage with torch.compile (engine.torch_compile: true) under the offline graphs: what skipping
          the compile is worth at engine start and costs in generation
+  stage-length-order  the stage with rows that share a prompt prefix not grouped (sharding.group_prefixes: false):
+         budget, then prompt length alone; against stage, what the grouping is worth (the docs dataset)
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
   stage-shards  the input --shards times as large (--n rows a shard), planned into --shards shards that one task
@@ -70,6 +72,11 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``; 
          repeating an earlier prompt, long-tailed output limits (per-row max_tokens), ignore_eos
   unique the mix without its repeated prompts: every row's prompt is its own (a day of unique prompts, where folding
          duplicates gains nothing and only the order and the overlap can count)
+  docs   N // 4 documents of in-len tokens asked 4 questions each (16-40 tokens after the document), question-major
+         (every document's first question, then every document's second, ...: a table of questions joined to its
+         documents), out-len tokens each (one budget), ignore_eos: rows that share a long prefix lie N // 4 rows
+         apart, so an engine fed in input order finds a document in its prefix cache only while the cache holds
+         N // 4 documents (a small KV cache: --engine-settings '{"extra": {"kv_cache_memory_bytes": ...}}')
   chat   N review-extraction chats (a system turn and a numbered review from include/sample_data/reviews_zh.jsonl,
          10 % of rows repeating an earlier chat), long-tailed output limits as mix, ignore_eos; the model's
          tokenizer (--tokenizer: a real one, e.g. the demo model's, beside --dummy's random weights) applies its chat
@@ -144,6 +151,12 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
         return rows
     if kind == "chat":
         return chat_rows(n, out_len, rng)
+    if kind == "docs":
+        docs = [rng.integers(100, vocab, min(in_len, max_model_len - out_len - 64)).tolist()
+                for _ in range(max(1, n // DOC_QUESTIONS))]
+        return [{"id": f"r{q * len(docs) + d}", "max_tokens": out_len,
+                 "prompt_token_ids": doc + rng.integers(100, vocab, int(rng.integers(16, 41))).tolist()}
+                for q in range(DOC_QUESTIONS) for d, doc in enumerate(docs)]
     prefix = rng.integers(100, vocab, 192).tolist()
     for i in range(n):
         if kind == "mix" and i > 10 and rng.random() < 0.10:  # a repeated prompt
@@ -156,6 +169,9 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
         olen = int(min(max(8, rng.lognormal(np.log(out_len * 0.4), 0.9)), out_len))
         rows.append({"id": f"r{i}", "prompt_token_ids": ids, "max_tokens": olen})
     return rows
+
+
+DOC_QUESTIONS = 4  # the docs dataset: questions asked of each document
 
 
 CHAT_SYSTEM = "从商品评论中提取一个方面、情感和原文证据，只输出 JSON。"
@@ -459,7 +475,8 @@ def stage_config(a, mode: str = "stage", **paths):
         guided = {**guided, "cache": {"enabled": False, "path": str(Path(a.precision_store).resolve())}}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
-        sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order"},
+        sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order",
+                  **({"group_prefixes": False} if mode == "stage-length-order" else {})},
         engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                 **({"batch_size": a.hf_batch} if a.engine == "transformers" else {}),
                 "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
@@ -636,8 +653,8 @@ def run_stage_shards(a, rows) -> dict:
 
 
 def run_stage(a, rows, mode: str = "stage") -> dict:
-    """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile or stage-input-order (the module's docstring says
-    what each is)."""
+    """``mode``: stage, stage-inproc, stage-x, stage-vllm-graphs, stage-compile, stage-length-order or
+    stage-input-order (the module's docstring says what each is)."""
     from batch_llm.isolation.worker_parent import WorkerHandle
 
     plan, spec = _planned_spec(a, rows, mode)
@@ -661,6 +678,8 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 async_scheduling=settings.get("async_scheduling"), model_runner_v2=settings.get("model_runner_v2"),
                 engine_start_phases=settings.get("start_phases"), precision=settings.get("precision"),
                 quantization=settings.get("quantization"), plan_s=plan.seconds, phases=m.get("phases"),
+                prompt_tokens=mt.get("input_tokens"), cached_prompt_tokens=mt.get("cached_prompt_tokens"),
+                order=plan.order,
                 outputs_s=_outputs_written(m.get("phases") or []))
 
 
@@ -813,11 +832,16 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         out[mode].update(generated_tokens=rs[0]["generated_tokens"], delivered_tokens=rs[0]["delivered_tokens"],
                          unique_prompts=rs[0].get("unique_prompts"), rows=rs[0].get("rows"),
                          **{k: rs[0][k] for k in ("reasoning_tokens", "thinking_unfinished") if rs[0].get(k)})
+        if any(r.get("cached_prompt_tokens") is not None for r in rs):  # stage modes: the engine's prefix cache
+            out[mode]["cached_prompt_tokens"] = spread([r["cached_prompt_tokens"] for r in rs
+                                                        if r.get("cached_prompt_tokens") is not None])
+            out[mode]["prompt_tokens"] = rs[0].get("prompt_tokens")
     pairs = [(m, "raw") for m in ("stage", "stage-x", "stage-vllm-graphs", "stage-compile", "stage-input-order",
                                   "stage-inproc", "raw-inproc", "raw-tuned")]
     pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc", "raw-tuned-x2", "raw-tuned-x3")]
     pairs += [(m, "vllm:stage") for m in ("stage", "raw", "stage-x")]  # --engine sglang (or lmdeploy) against vLLM
-    pairs += [("stage-x", "stage"), ("stage", "stage-think-off"), ("stage", "hf")]  # hf: --engine transformers
+    pairs += [("stage-x", "stage"), ("stage", "stage-think-off"), ("stage", "hf"),  # hf: --engine transformers
+              ("stage", "stage-length-order")]
     for mode, base in pairs:
         if base in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", "stage_over_raw-tuned", ...
             out[f"{mode}_over_{base}"] = {
@@ -841,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the PYTHONPATH of that engine's runs (replacing this process's), e.g. sglang=/root/sgl:include")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
-    p.add_argument("--dataset", choices=["fixed", "mix", "unique", "tiny", "chat", "images"], default="fixed")
+    p.add_argument("--dataset", choices=["fixed", "mix", "unique", "docs", "tiny", "chat", "images"], default="fixed")
     p.add_argument("--tokenizer", help="chat, images: the tokenizer's folder (default: --model's)")
     p.add_argument("--image-size", type=int, default=448, help="images: each image's side in pixels")
     p.add_argument("--image-dir", help="images: the folder of the images (default: a new one, written once)")

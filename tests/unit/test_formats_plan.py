@@ -72,6 +72,84 @@ def test_largest_output_budget_first_then_prompt_length(tmp_path, monkeypatch):
     assert [r["id"] for r in iter_jsonl(Location(m.shards[0].url).path())] == [r["id"] for r in ROWS]
 
 
+DOC = "Document {d}: " + "a long passage the model reads before the question. " * 12  # ~640 bytes
+
+
+def _doc_rows(docs: int, questions: int, budget=None) -> list[dict]:
+    """``docs`` documents asked ``questions`` questions each, question-major (document 0..N for question 1, then
+    question 2): rows that share a document lie ``docs`` rows apart in the input."""
+    return [{"id": f"d{d}q{q}", "prompt": DOC.format(d=d) + f"Question {q}: " + "why? " * (q + 1),
+             **({"max_tokens": budget(d, q)} if budget else {})}
+            for q in range(questions) for d in range(docs)]
+
+
+def test_rows_that_share_a_prefix_are_submitted_together_shortest_first_inside(tmp_path, monkeypatch):
+    """group_prefixes (on for vLLM by default): each document's questions are contiguous in the shard, in prompt
+    length order inside; in spilled runs merged the same; off, the shard is in prompt length order alone (which
+    interleaves the documents, their questions being as long as each other's)."""
+    rows = _doc_rows(docs=6, questions=4)
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for run_rows in (plan_mod.SORT_RUN_ROWS, 3):
+        monkeypatch.setattr(plan_mod, "SORT_RUN_ROWS", run_rows)
+        m = _plan(tmp_path, p, sharding__num_shards=1)
+        ids = [r["id"] for r in iter_jsonl(Location(m.shards[0].url).path())]
+        assert sorted(ids) == sorted(r["id"] for r in rows)
+        docs = [i.split("q")[0] for i in ids]
+        assert [docs[k] for k in range(0, 24, 4)] == [docs[k + 3] for k in range(0, 24, 4)], (run_rows, ids)
+        assert len({docs[k] for k in range(0, 24, 4)}) == 6  # six runs of four: no document split
+        assert all(ids[k:k + 4] == [f"{docs[k]}q{q}" for q in range(4)] for k in range(0, 24, 4))  # shortest first
+        assert m.order == "budget, prefix, length"
+    m2 = _plan(tmp_path, p, sharding__num_shards=1, sharding__group_prefixes=False)
+    ids = [r["id"] for r in iter_jsonl(Location(m2.shards[0].url).path())]
+    assert ids[:6] == [f"d{d}q0" for d in range(6)]  # length order: the six documents' first questions first
+    assert m2.order == "budget, length"
+    keys = [plan_mod.plan_input_key(demo_config(tmp_path, input__path=str(p), **over), Location(str(p)))
+            for over in ({}, {"sharding__group_prefixes": False}, {"engine__kind": "transformers"})]
+    assert keys[0] != keys[1] == keys[2]  # another order, another plan; one order, one plan however it is set
+    assert _plan(tmp_path, p, sharding__num_shards=1, sharding__sort_by_length=False).order == "input"
+
+
+def test_the_budget_comes_before_the_prefix_group(tmp_path):
+    """Rows of a larger output budget still lead (the tail): a document's questions group inside one budget."""
+    rows = _doc_rows(docs=3, questions=4, budget=lambda d, q: 512 if q % 2 else 64)
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = [r["id"] for r in iter_jsonl(Location(_plan(tmp_path, p, sharding__num_shards=1).shards[0].url).path())]
+    assert {i[-2:] for i in ids[:6]} == {"q1", "q3"} and {i[-2:] for i in ids[6:]} == {"q0", "q2"}
+    for half in (ids[:6], ids[6:]):
+        assert [i[:2] for i in half[::2]] == [i[:2] for i in half[1::2]]  # pairs of one document
+
+
+@pytest.mark.parametrize(("over", "want"), [
+    ({}, True),                                               # vLLM: automatic prefix caching, on by default
+    ({"engine__enable_prefix_caching": False}, False),        # switched off: nothing to find in a cache
+    ({"engine__extra": {"enable_prefix_caching": False}}, False),  # off through vLLM's own argument
+    ({"engine__kind": "transformers"}, False),                # static batches: length order alone (padding)
+    ({"engine__kind": "transformers", "sharding__group_prefixes": True}, True),  # the user's word wins
+    ({"engine__kind": "lmdeploy"}, False),                    # LMDeploy's prefix caching is off by default
+    ({"engine__kind": "lmdeploy", "engine__enable_prefix_caching": True}, True),
+    ({"engine__kind": "sglang"}, True),                       # its radix cache
+])
+def test_group_prefixes_follows_the_engines_prefix_cache(tmp_path, over, want):
+    assert plan_mod.groups_prefixes(demo_config(tmp_path, **over)) is want
+
+
+def test_prompt_bytes_tell_a_shared_image_and_token_prefix():
+    from batch_llm.rows.prompt import PromptRow
+
+    img = {"type": "image", "sha256": "ab" * 32}
+    a = PromptRow(id="a", idx=0, messages=[{"role": "user", "content": [img, {"type": "text", "text": "colour?"}]}])
+    b = PromptRow(id="b", idx=1, messages=[{"role": "user", "content": [img, {"type": "text", "text": "size?"}]}])
+    c = PromptRow(id="c", idx=2, messages=[{"role": "user", "content": [{**img, "sha256": "cd" * 32},
+                                                                         {"type": "text", "text": "colour?"}]}])
+    pa_, pb, pc = (plan_mod.prompt_bytes(r) for r in (a, b, c))
+    assert pa_[:64] == pb[:64] != pc[:64]
+    t1 = PromptRow(id="t", idx=0, messages=[], prompt_token_ids=list(range(100, 140)))
+    t2 = PromptRow(id="u", idx=1, messages=[], prompt_token_ids=[*range(100, 120), 7, 8])
+    assert plan_mod.prompt_bytes(t1)[:160] == plan_mod.prompt_bytes(t2)[:160] != plan_mod.prompt_bytes(t1)[:168]
+
+
 def test_openai_batch_in_and_out(tmp_path):
     p = tmp_path / "batch.jsonl"
     lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",

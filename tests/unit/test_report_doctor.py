@@ -139,6 +139,11 @@ def test_token_stats_stream_the_shard_outputs(tmp_path):
     expect = Counter(r["prompt_tokens"] for s in summary.manifests.infer
                      for r in map(json.loads, open(s.outputs)))
     assert st.prompt == expect
+    summary.manifests.plan.order = "budget, length"               # the plan's order, not the setting, tells
+    sorted_pad = read_token_stats(summary, batch_size=2).padded_tokens
+    summary.manifests.plan.order = "budget, prefix, length"       # grouped by prefix: batches cut as they come
+    grouped_pad = read_token_stats(summary, batch_size=2).padded_tokens
+    assert sorted_pad < grouped_pad == read_token_stats(summary, batch_size=2, sort_by_length=False).padded_tokens
 
 
 def test_publish_writes_the_report_and_points_to_it(tmp_path):
@@ -268,6 +273,9 @@ def test_padding_from_prompt_length_spread():
     f = run_doctor(summary_of(s, sharding={"sort_by_length": False}), gpus=8, tok=spread)
     pad = next(x for x in f if "padding" in x.check.split(","))
     assert pad.change == "sharding.sort_by_length: true" and "p50 50, p95 900" in pad.evidence
+    f = run_doctor(summary_of(s, sharding={"group_prefixes": True}), gpus=8, tok=spread)  # grouped, not by length
+    pad = next(x for x in f if "padding" in x.check.split(","))
+    assert pad.change == "sharding.group_prefixes: false" and "grouped by prompt prefix" in pad.evidence
     f = run_doctor(summary_of(s), gpus=8, tok=spread)              # sorted already: smaller batches
     assert next(x for x in f if "padding" in x.check.split(",")).change == "engine.batch_size: 8"
     assert "padding" not in checks(run_doctor(summary_of(s), gpus=8, tok=tokens(padded=31000, real=30000)))
@@ -519,6 +527,18 @@ def test_run_values_are_escaped_and_only_the_reports_own_markup_is_markup():
     assert "font:14px/1.45 system-ui,-apple-system,'Segoe UI'" in page  # the stylesheet is included unescaped
     index = render_index([{"dag_id": "d<1", "partition": "p", "version": "v", "url": "s3://b/x.html", "conn_id": None}])
     assert "<td>d&lt;1</td>" in index and 'href="/batch-llm/report?path=s3%3A%2F%2Fb%2Fx.html"' in index
+
+
+def test_the_report_names_the_order_of_the_rows_in_a_shard():
+    """The plan manifest's order (sharding.sort_by_length, sharding.group_prefixes as resolved for the engine) is
+    among the page's facts; a plan from before it names none and the fact is left out."""
+    from batch_llm.analysis.report import render_report
+
+    plan = plan_manifest()
+    assert "order in a shard" not in render_report(run_summary(config={}, plan=plan))
+    plan.order = "budget, prefix, length"
+    page = render_report(run_summary(config={}, plan=plan))
+    assert "order in a shard" in page and "budget, prefix, length" in page
 
 
 def test_score_trend_reads_only_the_newest_partitions_it_shows(tmp_path, monkeypatch):

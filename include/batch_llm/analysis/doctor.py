@@ -187,12 +187,14 @@ def _check_padding(run: RunStats) -> Iterable[Finding]:
     if t.padding_share < PADDING_MAX or p50 is None or p95 is None:  # None: no prompt lengths (t.rows says some)
         return
     sort = (run.cfg.get("sharding") or {}).get("sort_by_length", True)
-    change = "sharding.sort_by_length: true" if not sort else \
+    grouped = sort and (run.cfg.get("sharding") or {}).get("group_prefixes") is True  # prefix groups, not length
+    change = "sharding.sort_by_length: true" if not sort else "sharding.group_prefixes: false" if grouped else \
         f"engine.batch_size: {max(1, t.batch_size // 2)}" if t.batch_size > 1 else "engine.kind: vllm"
     yield Finding(
         "warning", "prompt padding in static batches",
         f"prompt tokens p50 {_n(p50)}, p95 {_n(p95)} (p50/p95 {p50 / p95:.2f}); batches of {t.batch_size}"
-        f"{'' if sort else ' in input order (sort_by_length off)'} are {_pct(t.padding_share)} padding",
+        f"{'' if sort else ' in input order (sort_by_length off)'}{' grouped by prompt prefix' if grouped else ''}"
+        f" are {_pct(t.padding_share)} padding",
         change, "padding")
 
 

@@ -227,6 +227,7 @@ def _header(r: _Page) -> dict:
                      f"seed {samp.get('seed')}" + (", output schema" + _guided_label(samp.get("guided_decoding", True))
                                                     if samp.get("output_schema") else "")),
         ("input", f"{r.run.plan.input} ({r.run.plan.format})"),
+        ("order in a shard", r.run.plan.order),  # plan.shard_order_name; plans before it named none
         ("dataset", s.dataset), ("errors", s.errors),
         ("EvalScope report", r.run.evaluate.report_html),
     ]

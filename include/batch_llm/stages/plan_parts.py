@@ -63,6 +63,7 @@ from batch_llm.stages.plan import (
     plan_settings,
     plan_shards,
     resolve_format,
+    shard_order_name,
     shard_sizes,
     spool_lines,
     with_idx,
@@ -578,7 +579,7 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
         has_references=any(s.has_references for s in scans), seconds=round(sum(tasks) + time.perf_counter() - t0, 2),
         peak_rss_mb=max([*(s.peak_rss_mb for s in scans), *(g.peak_rss_mb for g in groups), join.peak_rss_mb,
                          *(w.peak_rss_mb for w in writes), peak_rss_mb()]),
-        input_key=join.input_key, images_read=images_read, parts=len(parts.parts))
+        input_key=join.input_key, images_read=images_read, parts=len(parts.parts), order=shard_order_name(cfg))
     m.write(plan_dir.path())
     return m
 
