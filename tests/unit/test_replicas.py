@@ -1,6 +1,7 @@
 """engine.replicas with a toy engine (no vLLM): started through the real start path, every request answered
 exactly once by one replica, the work spread over all, a failure in one replica raised in the caller with the
-others ended, an early close of the stream ending the threads, and the config's refusals."""
+others ended, an early close of the stream ending the threads, replicas started beside the generation joining
+a running stream, and the config's refusals."""
 from __future__ import annotations
 
 import threading
@@ -34,15 +35,19 @@ class Toy(Engine):
 
     kind = KIND
     started: list[Toy] = []
+    failed: list[int] = []            # replica numbers whose start failed
     fail_after: dict[int, int] = {}   # replica number -> results it yields before raising EngineFailed
     start_fails: set[int] = set()     # replica numbers whose start fails (memory)
     window = 4                        # requests pulled ahead of those finished (vLLM's: 4 x max_num_seqs, >= 512)
     slow_first_submit: set[int] = set()  # replica numbers whose first request takes 0.2 s to take in
+    start_delay: dict[int, float] = {}  # replica number -> seconds its start takes
 
     def start(self) -> EngineInfo:
-        number = len(Toy.started) + 1
+        number = len(Toy.started) + 1 + len(Toy.failed)
+        time.sleep(Toy.start_delay.get(number, 0.0))
         if number in Toy.start_fails:
             Toy.start_fails.discard(number)
+            Toy.failed.append(number)
             raise EngineStartError(f"replica {number}: no memory left", memory=False)
         self.number, self.closed, self.streams_ended = number, False, 0
         Toy.started.append(self)
@@ -85,13 +90,17 @@ def toy():
     register_capabilities(EngineCapabilities(KIND, __name__, replicas=True, engine_core_process=True))
     register_engine(Toy)
     Toy.started, Toy.fail_after, Toy.start_fails, Toy.window, Toy.slow_first_submit = [], {}, set(), 4, set()
+    Toy.failed, Toy.start_delay = [], {}
     yield Toy
     unregister_engine(KIND)
 
 
-def _start(tmp_path, replicas: int, said: list[str] | None = None) -> tuple[ReplicaSet, EngineInfo]:
+def _start(tmp_path, replicas: int, said: list[str] | None = None, start: str = "before"
+           ) -> tuple[ReplicaSet, EngineInfo]:
+    """The replica set through the real start path; ``before`` (every replica up when it returns) unless a test is
+    about starting beside the generation."""
     cfg = demo_config(tmp_path, engine__kind=KIND, engine__replicas=replicas, engine__gpu_memory_utilization=0.9,
-                      engine__max_num_seqs=64)
+                      engine__max_num_seqs=64, engine__replica_start=start)
     engine, info = start_engine("/nonexistent", cfg, (said if said is not None else []).append)
     assert isinstance(engine, ReplicaSet)
     return engine, info
@@ -251,5 +260,56 @@ def test_anything_but_a_failed_start_closes_the_started_replicas(tmp_path, toy):
         return engine, engine.start()
 
     with pytest.raises(KeyboardInterrupt):
-        start_replicas(first, info, 3, start_one, print)
+        start_replicas(first, info, 3, start_one, print, beside=False)
     assert len(toy.started) == 2 and all(t.closed for t in toy.started)
+
+
+def test_replicas_started_beside_join_a_running_stream_and_the_shard_waits_for_the_first_only(tmp_path, toy):
+    """engine.replica_start: beside (the default): start_engine returns once the first is up; the second starts
+    while the first generates and takes its share of the stream from when it joins; every request once."""
+    toy.start_delay = {2: 0.3, 3: 0.3}
+    said: list[str] = []
+    t0 = time.perf_counter()
+    engine, info = _start(tmp_path, 3, said, start="beside")
+    assert time.perf_counter() - t0 < 0.25 and len(engine.replicas) == 1  # the first's start alone
+    assert info.start_seconds == 1.0 and len(info.attempts) == 1
+    got, raised = _consume(engine.generate(_requests(3000)))
+    assert raised is None
+    keys = Counter(r.key for r in got)
+    assert set(keys) == {f"r{i}" for i in range(3000)} and set(keys.values()) == {1}
+    assert len(engine.replicas) == 3 and min(engine.pulled) >= 100, engine.pulled  # both late ones served
+    assert engine.pulled[0] > engine.pulled[1] > 0  # the first had a head start
+    s = info.settings
+    assert s["replicas"] == s["replicas_started"] == 3 and s["replica_start"] == "beside"
+    assert s["replica_start_seconds"] == [1.0, 1.0] and s["replica_requests"] == engine.pulled
+    assert any("replica 2 of 3 started in 1.0s beside the generation" in x for x in said)
+    assert [t.cfg.memory_backoff.enabled for t in toy.started] == [True, False, False]
+    assert not _replica_threads()
+    engine.close()
+    assert all(t.closed for t in toy.started)
+
+
+def test_a_replica_failing_to_start_beside_is_left_out_and_the_next_still_starts(tmp_path, toy):
+    toy.start_fails.add(2)
+    said: list[str] = []
+    engine, info = _start(tmp_path, 3, said, start="beside")
+    assert engine.wait_started(WAIT)
+    assert len(engine.replicas) == 2 and info.settings["replicas_started"] == 2
+    assert "no memory left" in info.settings["replica_errors"][0]
+    assert any("replica 2 of 3 failed to start; going on with 1" in x for x in said)
+    got, raised = _consume(engine.generate(_requests(200)))
+    assert raised is None and {r.key for r in got} == {f"r{i}" for i in range(200)}
+    assert min(engine.pulled) > 0
+    engine.close()
+
+
+def test_closing_while_a_replica_starts_beside_closes_it_once_up_and_starts_no_other(tmp_path, toy):
+    """A shard that ends before the later replicas are up: close waits for the one starting, closes it, and the
+    next never starts."""
+    toy.start_delay = {2: 0.3}
+    engine, _ = _start(tmp_path, 3, start="beside")
+    got, raised = _consume(engine.generate(_requests(10)))
+    assert raised is None and len(got) == 10 and len(engine.replicas) == 1
+    engine.close()
+    assert [t.number for t in toy.started] == [1, 2] and all(t.closed for t in toy.started)
+    assert len(engine.replicas) == 1  # the late one never joined

@@ -154,6 +154,11 @@ class EngineConfig(Section):
         "asking replica with the fewest in flight; the rows are the same as with one engine. For a small model whose "
         "GPU sits partly idle while one engine core does its CPU work; each engine core needs a process of its own "
         "(engine.multiprocessing: false is refused; on a CPU, where it defaults to in-process, set it to true)")
+    replica_start: Literal["beside", "before"] = Field(
+        "beside", description="engine.replicas > 1: when the replicas after the first start. beside: one after "
+        "another in the background while the first generates, each joining the shard's request stream once it is "
+        "up, so the shard waits for one engine start, not replicas of them (a start and generation share the GPU "
+        "for the seconds it overlaps); before: all of them before generation begins")
     batch_size: int = Field(16, gt=0, description="transformers engine: rows per static batch")
     cuda_graphs: Literal["offline", "vllm"] = Field(
         "offline", description="vLLM on a GPU: which CUDA graphs the engine captures at start. offline: full graphs "

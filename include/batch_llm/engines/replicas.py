@@ -11,6 +11,11 @@ GPU, each with half the memory, overlap one's CPU work with the other's GPU work
 Each replica pulls a window ahead of what it finished (``base.stream_requests``) and asks when it has room; of
 those asking, the one with the fewest requests in flight gets the next. Every request is pulled by exactly one
 replica.
+
+By default (``engine.replica_start: beside``) the shard waits for the first replica only: the others start one after
+another on a background thread while it generates, and each joins the stream (a thread of its own, a place in the
+dealing) the moment it is up. A start takes about as long as the first's (~20 s on an H100, most of it the engine
+core importing vLLM in its own process), which would otherwise come before every row.
 """
 from __future__ import annotations
 
@@ -36,14 +41,25 @@ LEAD = 8
 LEAD_WAIT = 0.25
 
 
+# How long closing a replica set waits for a replica still starting in the background (its engine is then closed).
+START_JOIN_SECONDS = 600.0
+
+
 def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[[], tuple[Engine, EngineInfo]],
-                   say: Callable[[str], None]) -> tuple[ReplicaSet, EngineInfo]:
+                   say: Callable[[str], None], *, beside: bool = True) -> tuple[ReplicaSet, EngineInfo]:
     """Replicas 2..``n`` started one after another beside the started ``first`` (each vLLM engine sizes its KV
-    cache from the memory it finds free, so two must not profile at once). A replica that fails to start is
-    left out: the shard goes on with those that started, and ``settings`` say so (``replicas_started``,
-    ``replica_errors``). Anything but a failed start (an interrupt) closes every started one and is raised."""
-    engines, errors = [first], []
+    cache from the memory it finds free, so two must not profile at once): ``beside``, on a background thread while
+    the first generates (each joins the set once up; ``info`` is the first's start alone), else here, before this
+    returns (their starts added to ``info``). A replica that fails to start is left out: the shard goes on with
+    those that started, and ``settings`` say so (``replicas_started``, ``replica_errors``). Here, anything but a
+    failed start (an interrupt) closes every started one and is raised."""
     settings = dict(info.settings)
+    settings.update(replicas=n, replicas_started=1, replica_start="beside" if beside else "before")
+    info.settings = settings
+    replica_set = ReplicaSet([first], settings)
+    if beside:
+        replica_set.start_later(range(2, n + 1), n, start_one, say)
+        return replica_set, info
     try:
         for i in range(2, n + 1):
             t0 = time.perf_counter()
@@ -51,22 +67,16 @@ def start_replicas(first: Engine, info: EngineInfo, n: int, start_one: Callable[
                 engine, more = start_one()
             except EngineStartError as e:
                 info.start_seconds += time.perf_counter() - t0  # the shard waited for it all the same
-                errors.append(f"replica {i}: {str(e)[-300:]}")
-                say(f"engine replica {i} of {n} failed to start; going on with {len(engines)}: {e}")
+                replica_set.start_failed(i, n, e, say)
                 continue
-            engines.append(engine)
+            replica_set.join(engine)
             info.start_seconds += more.start_seconds
             info.attempts = info.attempts + more.attempts
             say(f"engine replica {i} of {n} started in {more.start_seconds:.1f}s")
     except BaseException:
-        for engine in engines:
-            engine.close()
+        replica_set.close()
         raise
-    settings.update(replicas=n, replicas_started=len(engines))
-    if errors:
-        settings["replica_errors"] = errors
-    info.settings = settings
-    return ReplicaSet(engines, settings), info
+    return replica_set, info
 
 
 class Dealer:
@@ -135,6 +145,13 @@ class Dealer:
                 self._cond.notify_all()
         return req
 
+    def add(self, i: int) -> None:
+        """Replica ``i`` joins the dealing (started while the others generate); ``pulled`` already has its place."""
+        with self._cond:
+            self._inflight.extend([0] * (i + 1 - len(self._inflight)))
+            self._live.add(i)
+            self._cond.notify_all()
+
     def finished(self, i: int) -> None:
         """Replica ``i`` yielded a result: one request fewer in flight there."""
         with self._cond:
@@ -155,31 +172,92 @@ class Dealer:
 
 class ReplicaSet(Engine):
     """Started engines of one kind and config serving one stream of requests (``generate``), closed together.
-    Built by ``start_replicas``, never started itself. ``settings`` (the shard's engine settings) get
-    ``replica_requests``: the requests each replica took so far."""
+    Built by ``start_replicas``, never started itself; replicas started later ``join`` it, a running ``generate``
+    included. ``settings`` (the shard's engine settings) get ``replica_requests``: the requests each replica took
+    so far, and ``replicas_started`` as replicas join."""
 
     def __init__(self, replicas: list[Engine], settings: dict | None = None):
         first = replicas[0]
         super().__init__(first.model_dir, first.cfg, first.sampling, trust_remote_code=first.trust_remote_code,
                          lora_dir=first.lora_dir)
         self.kind = first.kind
-        self.replicas = replicas
+        self.replicas = list(replicas)
         self.pulled = [0] * len(replicas)  # requests each replica took, over every generate()
         self._settings = settings  # the shard's engine settings: how the requests were dealt lands there
+        self._lock = threading.Lock()
+        self._joining: queue.Queue | None = None  # the running generate's events: a replica joined
+        self._closing = threading.Event()
+        self._starter: threading.Thread | None = None
 
     def start(self) -> EngineInfo:
         raise RuntimeError("a ReplicaSet is made of started engines (start_replicas)")
 
+    def join(self, engine: Engine) -> None:
+        """A started replica into the set: a running ``generate`` deals to it from its next request."""
+        with self._lock:
+            if self._closing.is_set():  # the shard is done with the set: not wanted
+                engine.close()
+                return
+            self.replicas.append(engine)
+            self.pulled.append(0)
+            if self._settings is not None:
+                self._settings["replicas_started"] = len(self.replicas)
+            if self._joining is not None:
+                self._joining.put(("joined", len(self.replicas) - 1))
+
+    def start_failed(self, i: int, n: int, e: BaseException, say: Callable[[str], None]) -> None:
+        if self._settings is not None:
+            self._settings.setdefault("replica_errors", []).append(f"replica {i}: {str(e)[-300:]}")
+        say(f"engine replica {i} of {n} failed to start; going on with {len(self.replicas)}: {e}")
+
+    def start_later(self, numbers: Iterable[int], n: int, start_one: Callable[[], tuple[Engine, EngineInfo]],
+                    say: Callable[[str], None]) -> None:
+        """Replicas ``numbers`` (of ``n``) started one after another on a background thread, each joining once
+        up; a failed start is left out and said, as is anything else a start raises (the thread ends there)."""
+        def run() -> None:
+            for i in numbers:
+                if self._closing.is_set():
+                    return
+                try:
+                    engine, more = start_one()
+                except Exception as e:  # noqa: BLE001 - a replica that does not start is left out, said
+                    self.start_failed(i, n, e, say)
+                    if not isinstance(e, EngineStartError):
+                        return
+                    continue
+                if self._settings is not None:
+                    self._settings.setdefault("replica_start_seconds", []).append(round(more.start_seconds, 1))
+                say(f"engine replica {i} of {n} started in {more.start_seconds:.1f}s beside the generation")
+                self.join(engine)
+
+        self._starter = threading.Thread(target=run, name="engine-replica-starter", daemon=True)
+        self._starter.start()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Waits for the replicas starting in the background; whether none is still starting."""
+        if self._starter is not None:
+            self._starter.join(timeout)
+            return not self._starter.is_alive()
+        return True
+
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         stop = threading.Event()
-        dealer = Dealer(requests, stop, self.pulled)
-        results: queue.Queue = queue.Queue()  # results, and each thread's error and end (these never wait)
+        results: queue.Queue = queue.Queue()  # results, each thread's error and end, replicas joining (never wait)
         room = threading.Semaphore(QUEUE_RESULTS)  # results only: the caller frees a place as it takes one
-        threads = [threading.Thread(target=_serve, args=(i, engine, dealer, stop, room, results),
-                                    name=f"engine-replica-{i + 1}", daemon=True)
-                   for i, engine in enumerate(self.replicas)]
-        for t in threads:
+        with self._lock:
+            dealer = Dealer(requests, stop, self.pulled)
+            engines = list(self.replicas)
+            self._joining = results
+        threads: list[threading.Thread] = []
+
+        def serve(i: int, engine: Engine) -> None:
+            t = threading.Thread(target=_serve, args=(i, engine, dealer, stop, room, results),
+                                 name=f"engine-replica-{i + 1}", daemon=True)
+            threads.append(t)
             t.start()
+
+        for i, engine in enumerate(engines):
+            serve(i, engine)
         live = len(threads)
         try:
             while live:
@@ -189,9 +267,15 @@ class ReplicaSet(Engine):
                     yield item
                 elif kind == "done":
                     live -= 1
+                elif kind == "joined":
+                    dealer.add(item)
+                    serve(item, self.replicas[item])
+                    live += 1
                 else:
                     raise item
         finally:
+            with self._lock:
+                self._joining = None
             stop.set()
             for t in threads:
                 t.join(JOIN_SECONDS)
@@ -199,7 +283,11 @@ class ReplicaSet(Engine):
                 self._settings["replica_requests"] = list(self.pulled)
 
     def close(self) -> None:
-        for engine in self.replicas:
+        self._closing.set()  # a replica starting in the background is closed once up, and no further one starts
+        self.wait_started(START_JOIN_SECONDS)
+        with self._lock:
+            engines = list(self.replicas)
+        for engine in engines:
             engine.close()
 
     @property

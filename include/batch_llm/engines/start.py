@@ -4,7 +4,8 @@
 A start that fails for memory (the engine's own message says so: see ``EngineStartError.memory``) is retried
 with smaller settings, never below ``engine.memory_backoff``'s floors; any other failure is raised at once.
 With ``engine.replicas`` > 1 each replica gets its share of the memory; the first starts as one engine would
-(back-off, probe, precision gate), the others one after another with the settings it ended with (``replicas.py``).
+(back-off, probe, precision gate), the others one after another with the settings it ended with, by default
+while the first generates (``engine.replica_start``, ``replicas.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def start_engine(model_dir: str, cfg: PipelineConfig, say: Callable[[str], None]
         engine, info = _probed_start(model_dir, cfg, say, lora_dir)
     if replicas > 1:
         engine, info = start_replicas(engine, info, replicas, lambda: _start_as(model_dir, info, cfg, say, lora_dir),
-                                      say)
+                                      say, beside=cfg.engine.replica_start == "beside")
     if cc is not None:
         compile_cache.publish(cc, say)
         info.settings["compile_cache"] = cc.record()
