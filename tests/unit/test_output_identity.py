@@ -47,7 +47,8 @@ ENGINE_SAME = {
     "max_num_seqs": 8, "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2, "cpu_kv_cache_gib": 4,
     "batch_size": 4, "enforce_eager": False, "cuda_graphs": "vllm", "torch_compile": True, "compile_cache": "/tmp/cc",
     "multiprocessing": True, "enable_prefix_caching": True, "memory_backoff": {"max_attempts": 2}, "replicas": 2,
-    "commit_every_rows": 3, "commit_every_seconds": 5.0, "progress_every_seconds": 1.0, "max_error_rate": 0.5,
+    "replica_start": "before", "commit_every_rows": 3, "commit_every_seconds": 5.0, "progress_every_seconds": 1.0,
+    "max_error_rate": 0.5,
     "dedupe_prompts": False, "sglang": {"cuda_graph_max_bs": 64, "chunked_prefill_size": 2048,
                                         "deterministic_inference": True},
 }

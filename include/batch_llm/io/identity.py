@@ -59,6 +59,7 @@ ENGINE_FIELDS_NOT_IN_OUTPUT = frozenset({
     # floating-point results no more than two runs of one config do, which no key can pin down.
     "max_num_seqs", "gpu_memory_utilization", "tensor_parallel_size", "cpu_kv_cache_gib", "batch_size",
     "replicas",  # engines side by side, each serving some of the rows as one engine would (checked row for row)
+    "replica_start",  # when the later replicas start: before generation or beside it, the rows the same
     # How the same computation is launched: CUDA graphs, compilation, processes, a shared prefix's KV reused.
     "enforce_eager", "cuda_graphs", "torch_compile", "compile_cache", "multiprocessing", "enable_prefix_caching",
     # SGLang's own: its CUDA graphs' batch ceiling, KV pool, prefill chunks, and batch-invariant kernels (which
