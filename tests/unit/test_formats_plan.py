@@ -130,6 +130,7 @@ def test_the_budget_comes_before_the_prefix_group(tmp_path):
     ({"engine__kind": "lmdeploy"}, False),                    # LMDeploy's prefix caching is off by default
     ({"engine__kind": "lmdeploy", "engine__enable_prefix_caching": True}, True),
     ({"engine__kind": "sglang"}, True),                       # its radix cache
+    ({"sharding__sort_by_length": False}, False),             # input order: nothing sorted, nothing hashed
 ])
 def test_group_prefixes_follows_the_engines_prefix_cache(tmp_path, over, want):
     assert plan_mod.groups_prefixes(demo_config(tmp_path, **over)) is want
@@ -148,6 +149,11 @@ def test_prompt_bytes_tell_a_shared_image_and_token_prefix():
     t1 = PromptRow(id="t", idx=0, messages=[], prompt_token_ids=list(range(100, 140)))
     t2 = PromptRow(id="u", idx=1, messages=[], prompt_token_ids=[*range(100, 120), 7, 8])
     assert plan_mod.prompt_bytes(t1)[:160] == plan_mod.prompt_bytes(t2)[:160] != plan_mod.prompt_bytes(t1)[:168]
+    long_text = PromptRow(id="l", idx=0, messages=[], text="é" * 100_000)  # read no further than the deepest level
+    long_ids = PromptRow(id="i", idx=0, messages=[], prompt_token_ids=list(range(100_000)))
+    long_chat = PromptRow(id="c", idx=0, messages=[{"role": "user", "content": "x" * 20_000}] * 10)
+    for r in (long_text, long_ids, long_chat):
+        assert 32768 <= len(plan_mod.prompt_bytes(r)) < 70_000
 
 
 def test_openai_batch_in_and_out(tmp_path):

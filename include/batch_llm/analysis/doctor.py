@@ -30,6 +30,7 @@ from batch_llm.analysis.run_stats import (
     no_error_reasons,
     quantile,
     run_stats,
+    shard_order_of,
     shard_phases,
 )
 from batch_llm.manifests import RunSummary
@@ -186,8 +187,8 @@ def _check_padding(run: RunStats) -> Iterable[Finding]:
     p50, p95 = quantile(t.prompt, 0.5), quantile(t.prompt, 0.95)
     if t.padding_share < PADDING_MAX or p50 is None or p95 is None:  # None: no prompt lengths (t.rows says some)
         return
-    sort = (run.cfg.get("sharding") or {}).get("sort_by_length", True)
-    grouped = sort and (run.cfg.get("sharding") or {}).get("group_prefixes") is True  # prefix groups, not length
+    order = shard_order_of(run.summary)
+    sort, grouped = order != "input", order == "budget, prefix, length"
     change = "sharding.sort_by_length: true" if not sort else "sharding.group_prefixes: false" if grouped else \
         f"engine.batch_size: {max(1, t.batch_size // 2)}" if t.batch_size > 1 else "engine.kind: vllm"
     yield Finding(

@@ -108,15 +108,25 @@ class TokenStats:
         return 1 - self.decode_used / self.decode_slots if self.decode_slots else None
 
 
+def shard_order_of(summary: RunSummary) -> str:
+    """The order of the rows inside the run's shards (``plan.shard_order_name``): the plan manifest's, or for a plan
+    from before it named one, what its settings asked for."""
+    if summary.manifests.plan.order:
+        return summary.manifests.plan.order
+    sharding = summary.config.get("sharding") or {}
+    if not sharding.get("sort_by_length", True):
+        return "input"
+    return "budget, prefix, length" if sharding.get("group_prefixes") is True else "budget, length"
+
+
 def read_token_stats(summary: RunSummary, options: dict | None = None, *, max_rows: int = 500_000,
                      batch_size: int | None = None, sort_by_length: bool | None = None) -> TokenStats:
     """Reads prompt/completion lengths row by row (streaming; at most ``max_rows`` spread over the shards,
     the first rows of each) and simulates the static batches of the transformers engine over them."""
     cfg = summary.config
     bs = batch_size or (cfg.get("engine") or {}).get("batch_size") or 16
-    order = summary.manifests.plan.order  # plans before it name none: the setting tells
-    sort = ((order == "budget, length") if order else (cfg.get("sharding") or {}).get("sort_by_length", True)) \
-        if sort_by_length is None else sort_by_length  # rows grouped by prefix: batches cut as if unsorted
+    # rows grouped by prefix: batches cut as they come, as if unsorted
+    sort = shard_order_of(summary) == "budget, length" if sort_by_length is None else sort_by_length
     shards = summary.manifests.shards
     st = TokenStats(batch_size=bs, rows_total=sum(s.metrics.ok for s in shards))
     per_shard = max(1000, max_rows // max(1, len(shards)))

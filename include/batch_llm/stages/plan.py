@@ -119,13 +119,18 @@ _PREFIX_LEVELS = (64, 512, 4096, 32768)
 
 def prompt_bytes(r: PromptRow) -> bytes:
     """A prompt as the bytes its prefix is told from: the text, the messages' roles and parts in order (an image
-    part by its hash or reference, so two questions about one image share it), or the token ids."""
+    part by its hash or reference, so two questions about one image share it), or the token ids (8 bytes each);
+    of a long prompt at least its first ``_PREFIX_LEVELS[-1]`` bytes, not all of it (no level reads further)."""
+    cap = _PREFIX_LEVELS[-1]
     if r.prompt_token_ids:
-        return array("q", r.prompt_token_ids).tobytes()
+        return array("q", r.prompt_token_ids[:cap // 8]).tobytes()
     if r.text is not None:
-        return r.text.encode()
-    out = []
+        return r.text[:cap].encode()  # a character is at least a byte
+    out: list[bytes] = []
+    size = 0
     for m in r.messages:
+        if size >= cap:
+            break
         out.append(str(m.get("role")).encode() + b"\0")
         content = m.get("content")
         for part in content if isinstance(content, list) else [content]:
@@ -136,12 +141,16 @@ def prompt_bytes(r: PromptRow) -> bytes:
             elif part is not None:
                 out.append(str(part).encode())
         out.append(b"\1")
+        size = sum(map(len, out))
     return b"".join(out)
 
 
 def groups_prefixes(cfg: PipelineConfig) -> bool:
-    """Whether the plan groups rows by prompt prefix (``sharding.group_prefixes``; null: where the engine keeps
-    prefixes cached, its capability unless ``engine.enable_prefix_caching`` says otherwise)."""
+    """Whether the plan groups rows by prompt prefix: only where it sorts them (``sharding.sort_by_length``), then
+    ``sharding.group_prefixes``; null: where the engine keeps prefixes cached, its capability unless
+    ``engine.enable_prefix_caching`` says otherwise."""
+    if not cfg.sharding.sort_by_length:  # input order: no key is read, so none is hashed
+        return False
     if cfg.sharding.group_prefixes is not None:
         return cfg.sharding.group_prefixes
     if cfg.engine.enable_prefix_caching is not None:
@@ -628,7 +637,7 @@ def plan_settings(cfg: PipelineConfig) -> dict:
     settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
     settings["sharding"].pop("group_prefixes", None)  # its effect, below (it follows the engine where unset)
     key: dict[str, object] = {"settings": settings, "task": cfg.engine.task}
-    if cfg.sharding.sort_by_length and groups_prefixes(cfg):  # rows ordered by prefix (keys before it stay the same)
+    if groups_prefixes(cfg):  # rows ordered by prefix (keys before it stay the same)
         key["group_prefixes"] = True
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
