@@ -136,6 +136,14 @@ def test_group_prefixes_follows_the_engines_prefix_cache(tmp_path, over, want):
     assert plan_mod.groups_prefixes(demo_config(tmp_path, **over)) is want
 
 
+def test_group_prefixes_in_input_order_is_refused_saying_why(tmp_path):
+    with pytest.raises(ValueError, match=r"group_prefixes: true orders rows .* sort_by_length: false keeps them in "
+                                         r"input order"):
+        demo_config(tmp_path, sharding__sort_by_length=False, sharding__group_prefixes=True)
+    assert not plan_mod.groups_prefixes(demo_config(tmp_path, sharding__sort_by_length=False,
+                                                    sharding__group_prefixes=False))
+
+
 def test_prompt_bytes_tell_a_shared_image_and_token_prefix():
     from batch_llm.rows.prompt import PromptRow
 

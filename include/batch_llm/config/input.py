@@ -139,6 +139,9 @@ class ShardingConfig(Section):
     def _one_of(self) -> "ShardingConfig":
         if self.rows_per_shard and self.num_shards:
             raise ValueError("set rows_per_shard or num_shards, not both")
+        if self.group_prefixes and not self.sort_by_length:  # input order groups nothing: said, not dropped
+            raise ValueError("group_prefixes: true orders rows inside a shard, and sort_by_length: false keeps "
+                             "them in input order; set sort_by_length: true, or leave group_prefixes unset")
         return self
 
     @staticmethod
