@@ -21,6 +21,9 @@ Modes, each run in a fresh process (so GPU memory is free between them):
          the compile is worth at engine start and costs in generation
   stage-length-order  the stage with rows that share a prompt prefix not grouped (sharding.group_prefixes: false):
          budget, then prompt length alone; against stage, what the grouping is worth (the docs dataset)
+  stage-budget-order  the stage ordering by output budget without the output-length history
+         (sharding.length_history: false); against stage with --lengths-store, what the history is worth (the tasks
+         dataset with --eos)
   stage-input-order  the stage with its shard in input order (sharding.sort_by_length: false): what the planner's
          order (largest output budget first, then prompt length) is worth
   stage-shards  the input --shards times as large (--n rows a shard), planned into --shards shards that one task
@@ -81,6 +84,10 @@ Datasets (token-id prompts, so they also work with random weights, ``--dummy``; 
          10 % of rows repeating an earlier chat), long-tailed output limits as mix, ignore_eos; the model's
          tokenizer (--tokenizer: a real one, e.g. the demo model's, beside --dummy's random weights) applies its chat
          template: raw and raw-tuned call LLM.chat, the stage gets the messages rows (its own templating)
+  tasks  N chats, each a review under one of four task templates whose answers run from a word to a long reply
+         (yes/no, an aspect, a summary, a reply to the customer), shuffled, out-len tokens each (one budget): with
+         --eos and a real model, rows of one budget end at very different lengths, which the stage learns per
+         template (sharding.length_history, --lengths-store); with --dummy, every row runs to its budget
   images N rows of one image and a short question about it (which product, its colour, damage, material, ...; the row
          number in each), out-len tokens each, ignore_eos; the images are PNGs generated once (--image-size pixels
          square, seeded per image: a gradient, a box, coarse noise; 5 % of rows reuse an earlier row's image under
@@ -151,6 +158,8 @@ def make_dataset(kind: str, n: int, in_len: int, out_len: int, vocab: int, max_m
         return rows
     if kind == "chat":
         return chat_rows(n, out_len, rng)
+    if kind == "tasks":
+        return task_rows(n, out_len, rng)
     if kind == "docs":
         docs = [rng.integers(100, vocab, min(in_len, max_model_len - out_len - 64)).tolist()
                 for _ in range(max(1, n // DOC_QUESTIONS))]
@@ -193,6 +202,22 @@ def chat_rows(n: int, out_len: int, rng) -> list[dict]:
             {"role": "system", "content": CHAT_SYSTEM},
             {"role": "user", "content": f"第{i + 1}条评论：{reviews[i % len(reviews)]}"}]})
     return rows
+
+
+TASKS = ("Read the customer review below and answer with a single word, yes or no: is the customer happy?",
+         "Read the customer review below and name the one product aspect it is about, in at most three words.",
+         "Read the customer review below and summarize what the customer liked and disliked in two sentences.",
+         "Read the customer review below and write a long, warm and detailed reply from the shop to this customer, "
+         "addressing every point they raise, at least two hundred words.")
+
+
+def task_rows(n: int, out_len: int, rng) -> list[dict]:
+    """The tasks dataset: each review (numbered: no two prompts alike) under a task template drawn at random."""
+    root = Path(__file__).resolve().parents[1]
+    reviews = [json.loads(x)["prompt"] for x in (root / "include" / "sample_data" / "reviews_zh.jsonl").open()]
+    return [{"id": f"r{i}", "max_tokens": out_len, "messages": [
+        {"role": "user", "content": f"{TASKS[int(rng.integers(0, len(TASKS)))]}\n\nReview {i + 1}: "
+                                    f"{reviews[i % len(reviews)]}"}]} for i in range(n)]
 
 
 IMAGE_QUESTIONS = ("Describe the product in the photo in one sentence.",
@@ -304,8 +329,8 @@ def _generate_and_write(llm, rows, a) -> tuple[float, float, int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    chat = a.dataset in ("chat", "images")
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+    chat = a.dataset in ("chat", "tasks", "images")
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=not a.eos,
                              detokenize=detokenizes(a)) for r in rows]
     t1, gen_start = time.perf_counter(), _since_start()
     if chat:
@@ -471,12 +496,18 @@ def stage_config(a, mode: str = "stage", **paths):
     if thinking:
         guided = {**guided, "sampling": {"max_tokens": a.out_len + (a.thinking_budget or 0), "temperature": 0.0,
                                          "seed": 0, "ignore_eos": True, **guided.get("sampling", {}), **thinking}}
-    if a.precision_store:  # engine.precision: auto's decisions kept across runs (the result cache stays off)
-        guided = {**guided, "cache": {"enabled": False, "path": str(Path(a.precision_store).resolve())}}
+    if a.precision_store or a.lengths_store:  # engine.precision: auto's decisions, the output-length history
+        # kept across runs (the result cache stays off)
+        guided = {**guided, "cache": {"enabled": False,
+                                      "path": str(Path(a.precision_store or a.lengths_store).resolve())}}
+    if a.eos:  # rows end where the model ends them
+        guided = {**guided, "sampling": {"max_tokens": a.out_len, "temperature": 0.0, "seed": 0, "ignore_eos": False,
+                                         **guided.get("sampling", {})}}
     return bench_config(
         a.model, max_tokens=a.out_len, dummy=a.dummy and a.engine != "lmdeploy",
         sharding={"num_shards": 1, "sort_by_length": mode != "stage-input-order",
-                  **({"group_prefixes": False} if mode == "stage-length-order" else {})},
+                  **({"group_prefixes": False} if mode == "stage-length-order" else {}),
+                  **({"length_history": False} if mode == "stage-budget-order" else {})},
         engine={"kind": a.engine, "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_util,
                 **({"batch_size": a.hf_batch} if a.engine == "transformers" else {}),
                 "enforce_eager": a.enforce_eager, "dtype": a.dtype, "extra": extra,
@@ -491,7 +522,7 @@ def detokenizes(a) -> bool:
     """Whether this run's model folder has a tokenizer that the engines use: a real model, the chat and images
     datasets (vLLM's image processor needs it too), or random weights with --tokenizer (SGLang always: it returns
     text)."""
-    return not a.dummy or a.dataset in ("chat", "images") or bool(a.tokenizer)
+    return not a.dummy or a.dataset in ("chat", "tasks", "images") or bool(a.tokenizer)
 
 
 def tuned_settings(a) -> tuple[dict, dict]:
@@ -598,7 +629,7 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     from batch_llm.io.storage import Location, write_jsonl
     from batch_llm.isolation.shard_process import worker_spec
     from batch_llm.layout import RunLayout
-    from batch_llm.stages.plan import write_plan
+    from batch_llm.stages.plan import length_history, write_plan
 
     work = Path(tempfile.mkdtemp(prefix="bench_stage_"))
     input_url = str(work / "input.jsonl")
@@ -609,7 +640,9 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     if shards > 1:
         cfg = cfg.with_overrides({"sharding.num_shards": shards, "sharding.shards_per_task": shards})
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
-    plan = write_plan(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")))
+    history, store = length_history(cfg, layout)  # as the plan task reads it: from --lengths-store, if any
+    plan = write_plan(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")), history=history,
+                      history_store=store)
     assert plan.valid == len(rows) and len(plan.shards) == shards, plan
     model = {"local_dir": a.model, "model_key": "bench"}
     return plan, worker_spec(cfg, layout, model, list(plan.shards) if shards > 1 else plan.shards[0])
@@ -679,7 +712,7 @@ def run_stage(a, rows, mode: str = "stage") -> dict:
                 engine_start_phases=settings.get("start_phases"), precision=settings.get("precision"),
                 quantization=settings.get("quantization"), plan_s=plan.seconds, phases=m.get("phases"),
                 prompt_tokens=mt.get("input_tokens"), cached_prompt_tokens=mt.get("cached_prompt_tokens"),
-                order=plan.order,
+                order=plan.order, length_history=plan.length_history,
                 outputs_s=_outputs_written(m.get("phases") or []))
 
 
@@ -804,7 +837,7 @@ def child(a) -> None:
         a.image_dir = tempfile.mkdtemp(prefix="bench_images_")
     rows = make_dataset(a.dataset, n, a.in_len, a.out_len, vocab - 1, a.max_model_len, image_dir=a.image_dir,
                         image_size=a.image_size)
-    if a.dataset in ("chat", "images") or (a.dummy and a.tokenizer):
+    if a.dataset in ("chat", "tasks", "images") or (a.dummy and a.tokenizer):
         a.model = chat_model_dir(a)
     if a.thinking_budget is not None and a.child != "stage-think-off":  # the thinking on top of the answer budget
         rows = [{**r, "max_tokens": r["max_tokens"] + a.thinking_budget} for r in rows]
@@ -841,7 +874,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     pairs += [(m, "raw-tuned") for m in ("stage", "stage-x", "stage-inproc", "raw-tuned-x2", "raw-tuned-x3")]
     pairs += [(m, "vllm:stage") for m in ("stage", "raw", "stage-x")]  # --engine sglang (or lmdeploy) against vLLM
     pairs += [("stage-x", "stage"), ("stage", "stage-think-off"), ("stage", "hf"),  # hf: --engine transformers
-              ("stage", "stage-length-order")]
+              ("stage", "stage-length-order"), ("stage", "stage-budget-order")]
     for mode, base in pairs:
         if base in out and mode in out:  # "stage_over_raw", "stage-inproc_over_raw", "stage_over_raw-tuned", ...
             out[f"{mode}_over_{base}"] = {
@@ -865,7 +898,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the PYTHONPATH of that engine's runs (replacing this process's), e.g. sglang=/root/sgl:include")
     p.add_argument("--vocab", type=int, default=0, help="draw prompt token ids below this (default: the model's)")
     p.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), token-id prompts")
-    p.add_argument("--dataset", choices=["fixed", "mix", "unique", "docs", "tiny", "chat", "images"], default="fixed")
+    p.add_argument("--dataset", choices=["fixed", "mix", "unique", "docs", "tiny", "chat", "tasks", "images"],
+                   default="fixed")
     p.add_argument("--tokenizer", help="chat, images: the tokenizer's folder (default: --model's)")
     p.add_argument("--image-size", type=int, default=448, help="images: each image's side in pixels")
     p.add_argument("--image-dir", help="images: the folder of the images (default: a new one, written once)")
@@ -889,6 +923,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "takes them from the stage's engine), e.g. '{\"quantization\": \"fp8\", \"max_num_seqs\": 1024}'")
     p.add_argument("--precision-store", help="stage modes: cache.path, where engine.precision: auto stores its "
                    "decision: runs after the first start in the decided precision without calibrating")
+    p.add_argument("--eos", action="store_true", help="rows end at the model's end of sequence (no ignore_eos) in "
+                   "raw, raw-tuned and the stage modes: a real model's lengths (the tasks dataset)")
+    p.add_argument("--lengths-store", help="stage modes: cache.path, where the shards record their output lengths "
+                   "and the plan reads them (sharding.length_history): a first unrecorded run (--warmup 1) records")
     p.add_argument("--thinking-budget", type=int, help="chat, a reasoning model: stage thinks (this budget, on top of "
                    "each row's answer budget), stage-think-off does not")
     p.add_argument("--output-schema", help="stage modes only: sampling.output_schema (a JSON Schema file), xgrammar "

@@ -278,8 +278,11 @@ class PlanManifest(Manifest):
                                   "this one only while it is the same")
     images_read: str | None = None  # images-read.jsonl: each image file or object the rows read, and its stamp
     parts: int | None = None        # a plan in parts: how many (stages.plan_parts); None: one task planned the day
-    # the rows' order inside a shard (plan.shard_order_name): "budget, prefix, length", "budget, length" or "input"
+    # the rows' order inside a shard (plan.shard_order_name): "budget, prefix, length", "budget, length", with a
+    # length history "history, prefix, length", "history, length"; or "input"
     order: str | None = None
+    # the output-length history the order read (cache/lengths.py): store, files, groups, rows_estimated
+    length_history: dict | None = None
 
     def iter_records(self, options: dict) -> Iterator[dict]:
         """The plan's records in input order: its records file, or (a plan in parts) each shard's in shard order."""

@@ -145,23 +145,27 @@ def test_group_prefixes_in_input_order_is_refused_saying_why(tmp_path):
 
 
 def test_prompt_bytes_tell_a_shared_image_and_token_prefix():
+    from batch_llm.rows.prefix import prompt_bytes as of_fields
     from batch_llm.rows.prompt import PromptRow
+
+    def prompt_bytes(r):
+        return of_fields(r.text, r.messages, r.prompt_token_ids)
 
     img = {"type": "image", "sha256": "ab" * 32}
     a = PromptRow(id="a", idx=0, messages=[{"role": "user", "content": [img, {"type": "text", "text": "colour?"}]}])
     b = PromptRow(id="b", idx=1, messages=[{"role": "user", "content": [img, {"type": "text", "text": "size?"}]}])
     c = PromptRow(id="c", idx=2, messages=[{"role": "user", "content": [{**img, "sha256": "cd" * 32},
                                                                          {"type": "text", "text": "colour?"}]}])
-    pa_, pb, pc = (plan_mod.prompt_bytes(r) for r in (a, b, c))
+    pa_, pb, pc = (prompt_bytes(r) for r in (a, b, c))
     assert pa_[:64] == pb[:64] != pc[:64]
     t1 = PromptRow(id="t", idx=0, messages=[], prompt_token_ids=list(range(100, 140)))
     t2 = PromptRow(id="u", idx=1, messages=[], prompt_token_ids=[*range(100, 120), 7, 8])
-    assert plan_mod.prompt_bytes(t1)[:160] == plan_mod.prompt_bytes(t2)[:160] != plan_mod.prompt_bytes(t1)[:168]
+    assert prompt_bytes(t1)[:160] == prompt_bytes(t2)[:160] != prompt_bytes(t1)[:168]
     long_text = PromptRow(id="l", idx=0, messages=[], text="é" * 100_000)  # read no further than the deepest level
     long_ids = PromptRow(id="i", idx=0, messages=[], prompt_token_ids=list(range(100_000)))
     long_chat = PromptRow(id="c", idx=0, messages=[{"role": "user", "content": "x" * 20_000}] * 10)
     for r in (long_text, long_ids, long_chat):
-        assert 32768 <= len(plan_mod.prompt_bytes(r)) < 70_000
+        assert 32768 <= len(prompt_bytes(r)) < 70_000
 
 
 def test_openai_batch_in_and_out(tmp_path):

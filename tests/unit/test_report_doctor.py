@@ -538,7 +538,12 @@ def test_the_report_names_the_order_of_the_rows_in_a_shard():
     assert "order in a shard" not in render_report(run_summary(config={}, plan=plan))
     plan.order = "budget, prefix, length"
     page = render_report(run_summary(config={}, plan=plan))
-    assert "order in a shard" in page and "budget, prefix, length" in page
+    assert "order in a shard" in page and "budget, prefix, length" in page and "expected lengths" not in page
+    plan.order = "history, prefix, length"  # read from earlier runs' records (sharding.length_history)
+    plan.length_history = {"store": "s3://b/lengths/k", "files": 12, "groups": 3456, "rows_estimated": 98765}
+    page = render_report(run_summary(config={}, plan=plan))
+    assert ("history, prefix, length (expected lengths from 12 earlier shard records, 3,456 prompt groups; "
+            "98,765 rows estimated)") in page
 
 
 def test_score_trend_reads_only_the_newest_partitions_it_shows(tmp_path, monkeypatch):

@@ -188,7 +188,7 @@ def _check_padding(run: RunStats) -> Iterable[Finding]:
     if t.padding_share < PADDING_MAX or p50 is None or p95 is None:  # None: no prompt lengths (t.rows says some)
         return
     order = shard_order_of(run.summary)
-    sort, grouped = order != "input", order == "budget, prefix, length"
+    sort, grouped = order != "input", ", prefix," in order
     change = "sharding.sort_by_length: true" if not sort else "sharding.group_prefixes: false" if grouped else \
         f"engine.batch_size: {max(1, t.batch_size // 2)}" if t.batch_size > 1 else "engine.kind: vllm"
     yield Finding(

@@ -227,7 +227,7 @@ def _header(r: _Page) -> dict:
                      f"seed {samp.get('seed')}" + (", output schema" + _guided_label(samp.get("guided_decoding", True))
                                                     if samp.get("output_schema") else "")),
         ("input", f"{r.run.plan.input} ({r.run.plan.format})"),
-        ("order in a shard", r.run.plan.order),  # plan.shard_order_name; plans before it named none
+        ("order in a shard", _order_label(r.run.plan)),  # plan.shard_order_name; plans before it named none
         ("dataset", s.dataset), ("errors", s.errors),
         ("EvalScope report", r.run.evaluate.report_html),
     ]
@@ -754,6 +754,15 @@ def _num(x, digits: int = 0) -> str:
     if isinstance(x, (int, float)):
         return f"{x:,.{digits}f}" if digits and not float(x).is_integer() else f"{x:,.0f}"
     return str(x)
+
+
+def _order_label(plan) -> str | None:
+    """The order inside the shards (a PlanManifest's), with the length history it read where it read one."""
+    h = plan.length_history
+    if not plan.order or not h:
+        return plan.order
+    return (f"{plan.order} (expected lengths from {_num(h.get('files'))} earlier shard records, "
+            f"{_num(h.get('groups'))} prompt groups; {_num(h.get('rows_estimated'))} rows estimated)")
 
 
 def _guided_label(mode: object) -> str:

@@ -126,7 +126,7 @@ def read_token_stats(summary: RunSummary, options: dict | None = None, *, max_ro
     cfg = summary.config
     bs = batch_size or (cfg.get("engine") or {}).get("batch_size") or 16
     # rows grouped by prefix: batches cut as they come, as if unsorted
-    sort = shard_order_of(summary) == "budget, length" if sort_by_length is None else sort_by_length
+    sort = shard_order_of(summary) in ("budget, length", "history, length") if sort_by_length is None else sort_by_length
     shards = summary.manifests.shards
     st = TokenStats(batch_size=bs, rows_total=sum(s.metrics.ok for s in shards))
     per_shard = max(1000, max_rows // max(1, len(shards)))

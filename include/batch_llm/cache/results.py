@@ -74,6 +74,11 @@ RETENTION_PREFIX = "_retention."  # <ns>/_retention.<pipeline>.json: the setting
 RETENTION_FORMAT = 1
 
 
+# Folders under the cache root that hold other records than results: the precision gate's decisions, the output
+# lengths (a namespace is a 24-digit hash, never one of these)
+BESIDE_THE_CACHE = ("lengths", "precision")
+
+
 def namespace(identity: dict) -> str:
     """The namespace of the rows made with ``identity`` (``identity.output_identity``: everything a run's rows
     share that changes an output); changing any of it misses the cache."""
@@ -400,7 +405,8 @@ def _namespaces(root: Location) -> list[str]:
                      if d.get("type") == "directory"]
         except FileNotFoundError:
             pass
-    return sorted(names)
+    # the other records kept beside the cache (engines/precision_gate.py, cache/lengths.py) are not namespaces
+    return sorted(n for n in names if n not in BESIDE_THE_CACHE)
 
 
 def _merge_stats() -> dict:

@@ -117,6 +117,15 @@ class ShardingConfig(Section):
                                         "prefixes (vLLM, SGLang; LMDeploy with engine.enable_prefix_caching), "
                                         "off for the transformers engine, whose static batches pad to the "
                                         "longest prompt and so want length order alone")
+    length_history: bool | None = Field(None, description="With sort_by_length, order by the output lengths "
+                                        "earlier runs of this pipeline and model generated for prompts of the "
+                                        "row's prefix group (its first 64 and 512 bytes: a template, a system "
+                                        "prompt; the mean of at least 4 rows, at most the row's budget) instead "
+                                        "of its budget alone, so the generations that really run longest start "
+                                        "first where rows end early (EOS); each shard records them beside the "
+                                        "result cache (<cache root>/lengths/, cache/lengths.py) and a plan reads "
+                                        "the newest. Only the order changes. null: on where a record exists; "
+                                        "false: the budget alone, nothing recorded")
     shards_per_task: int = Field(1, ge=1, description="Consecutive shards one inference task runs in turn on "
                                  "one engine (one worker, one GPU lease): the engine starts once per task, not once "
                                  "per shard. Each shard keeps its own folder, chunk commits, manifest and "
@@ -142,7 +151,17 @@ class ShardingConfig(Section):
         if self.group_prefixes and not self.sort_by_length:  # input order groups nothing: said, not dropped
             raise ValueError("group_prefixes: true orders rows inside a shard, and sort_by_length: false keeps "
                              "them in input order; set sort_by_length: true, or leave group_prefixes unset")
+        if self.length_history and not self.sort_by_length:
+            raise ValueError("length_history: true orders rows inside a shard by what earlier runs generated, and "
+                             "sort_by_length: false keeps them in input order; set sort_by_length: true, or leave "
+                             "length_history unset")
         return self
+
+    @property
+    def uses_length_history(self) -> bool:
+        """Whether plans order by the output-length history and shards record it: where rows are sorted, unless
+        length_history is false."""
+        return self.sort_by_length and self.length_history is not False
 
     @staticmethod
     def size_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,10 +3,11 @@
 Invalid rows go to ``errors.jsonl`` with a reason (file, line, id when known) and the rest goes on; a file none
 of whose rows can be read or be valid (corrupt Parquet, a table without a prompt column) fails the plan, naming
 the file (``formats.InputFileError``). Shards are contiguous ranges of the input (so outputs merge back in input
-order), sorted inside by output budget, largest first, then (for engines that cache prefixes) by shared prompt
-prefix, then by prompt length (``shard_order``): the longest generations start first instead of trailing a
-shard's end on a near-empty batch, rows sharing a prefix meet it in the engine's prefix cache, and similar prompt
-lengths batch together (less padding for static batching).
+order), sorted inside by output budget (or the length earlier runs generated for such prompts: ``cache/lengths.py``),
+largest first, then (for engines that cache prefixes) by shared prompt prefix, then by prompt length
+(``shard_order``): the longest generations start first instead of trailing a shard's end on a near-empty batch,
+rows sharing a prefix meet it in the engine's prefix cache, and similar prompt lengths batch together (less padding
+for static batching).
 
 Memory does not grow with the input. How, in three streamed passes over local temporary files::
 
@@ -26,7 +27,6 @@ import logging
 import math
 import tempfile
 import time
-import zlib
 from array import array
 from collections.abc import Iterator
 from functools import partial
@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 from upath import UPath
 
+from batch_llm.cache.lengths import HISTORY_LEVELS, LengthHistory
+from batch_llm.cache.lengths import store_for as lengths_store
 from batch_llm.config import PipelineConfig, ShardingConfig
 from batch_llm.config.capabilities import ENGINES, takes_no_images
 from batch_llm.config.input import MAX_LINE_BYTES
@@ -72,6 +74,7 @@ from batch_llm.manifests import (
     ShardSpec,
 )
 from batch_llm.rows.params import engine_refusal
+from batch_llm.rows.prefix import prefix_groups, prompt_bytes
 from batch_llm.rows.prompt import IMAGE_BYTES, IMAGE_URL, PromptRow, RawRow, to_prompt_row
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
@@ -112,37 +115,6 @@ def prompt_chars(r: PromptRow) -> int:
 
 # shard_order's weight of one output token: above any prompt's length in characters.
 _BUDGET_STEP = 1 << 40
-# group_prefixes: rows whose prompts agree on their first 64 bytes sort together, inside that on 512, and so on: a
-# shared system prompt, a document asked several questions, a few-shot block, each at the level its length reaches.
-_PREFIX_LEVELS = (64, 512, 4096, 32768)
-
-
-def prompt_bytes(r: PromptRow) -> bytes:
-    """A prompt as the bytes its prefix is told from: the text, the messages' roles and parts in order (an image
-    part by its hash or reference, so two questions about one image share it), or the token ids (8 bytes each);
-    of a long prompt at least its first ``_PREFIX_LEVELS[-1]`` bytes, not all of it (no level reads further)."""
-    cap = _PREFIX_LEVELS[-1]
-    if r.prompt_token_ids:
-        return array("q", r.prompt_token_ids[:cap // 8]).tobytes()
-    if r.text is not None:
-        return r.text[:cap].encode()  # a character is at least a byte
-    out: list[bytes] = []
-    size = 0
-    for m in r.messages:
-        if size >= cap:
-            break
-        out.append(str(m.get("role")).encode() + b"\0")
-        content = m.get("content")
-        for part in content if isinstance(content, list) else [content]:
-            if isinstance(part, dict) and part.get("type") == "text":
-                out.append(str(part.get("text") or "").encode())
-            elif isinstance(part, dict):
-                out.append(json_bytes(part))
-            elif part is not None:
-                out.append(str(part).encode())
-        out.append(b"\1")
-        size = sum(map(len, out))
-    return b"".join(out)
 
 
 def groups_prefixes(cfg: PipelineConfig) -> bool:
@@ -160,25 +132,31 @@ def groups_prefixes(cfg: PipelineConfig) -> bool:
     return ENGINES[cfg.engine.kind].prefix_cache
 
 
-def shard_order(r: PromptRow, default_max_tokens: int, group_prefixes: bool = False) -> int:
-    """The sort key inside a shard: the row's output budget, largest first, then (``group_prefixes``) its prompt's
-    prefix group, then its prompt length, as one integer (ascending = that order), so the sort and its spilled
-    runs carry one number a row.
+def shard_order(r: PromptRow, default_max_tokens: int, group_prefixes: bool = False,
+                history: LengthHistory | None = None) -> int:
+    """The sort key inside a shard: the row's expected output length, largest first (its output budget, or with a
+    ``history`` what earlier runs generated for its prefix group, at most the budget), then (``group_prefixes``)
+    its prompt's prefix group, then its prompt length, as one integer (ascending = that order), so the sort and its
+    spilled runs carry one number a row.
 
     Engines that batch continuously (vLLM, LMDeploy) admit requests in shard order. A long generation
     admitted late runs on after the rest have finished, in ever smaller decode batches; started first, it
-    overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md).
+    overlaps with the short ones (longest processing time first; on the H200 mix, docs/benchmarks.md). Where rows
+    end early (EOS) the budget is a poor guess of which run longest: the history (``cache/lengths.py``) is better.
     Rows that share a prefix, submitted together, find it in the engine's prefix cache; spread over a shard whose
     rows' prefixes do not all fit in the KV cache, each would compute it again. A group is a CRC-32 of each of
-    the first ``_PREFIX_LEVELS`` bytes the prompt reaches (a collision only merges two groups; a prompt shorter
-    than a level has no group there and keeps the length order). Rows of one budget (a pipeline-wide
-    ``sampling.max_tokens``) and group keep the prompt-length order."""
+    the first ``PREFIX_LEVELS`` bytes the prompt reaches (``rows/prefix.py``; a prompt shorter than a level has no
+    group there and keeps the length order). Rows of one expected length (a pipeline-wide ``sampling.max_tokens``)
+    and group keep the prompt-length order."""
     budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
+    data = prompt_bytes(r.text, r.messages, r.prompt_token_ids) if group_prefixes or history is not None else b""
+    if history is not None:
+        g64, g512 = prefix_groups(data, HISTORY_LEVELS)
+        budget = history.estimate((g64, g512), budget)
     key = -budget
     if group_prefixes:
-        data = prompt_bytes(r)
-        for n in _PREFIX_LEVELS:
-            key = (key << 32) | (zlib.crc32(data[:n]) if len(data) >= n else 0)
+        for group in prefix_groups(data):
+            key = (key << 32) | group
     return key * _BUDGET_STEP + prompt_chars(r)
 
 
@@ -190,8 +168,10 @@ def with_idx(body: bytes, idx: int) -> bytes:
 class InputScan:
     """Pass 1: every input row validated once; valid rows spooled, row errors written, id hashes kept."""
 
-    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path, images: ImageChecker | None = None):
+    def __init__(self, cfg: PipelineConfig, fmt: str, tmp: Path, images: ImageChecker | None = None,
+                 history: LengthHistory | None = None):
         self.cfg, self.fmt = cfg, fmt
+        self.history = history  # what earlier runs generated (``cache/lengths.py``): the order's first key
         self.images = images or image_checker(cfg, None)
         self.spool_path, self.errors_path = tmp / "spool.tsv", tmp / "errors-rows.tsv"
         self.id_hashes = array("q")   # hash(id) of spooled row i: duplicates are found from these alone
@@ -236,7 +216,7 @@ class InputScan:
                     self.has_references = self.has_references or bool(row.reference)
                     shard_body = json_bytes(_shard_fields(row))
                     record_body = json_bytes({"id": row.id, "reference": row.reference, "record": raw.record})
-                    order = shard_order(row, self.cfg.sampling.max_tokens, self.group_prefixes)
+                    order = shard_order(row, self.cfg.sampling.max_tokens, self.group_prefixes, self.history)
                     spool.write(b"\t".join((where[:-1], b"%d" % order,
                                             json_bytes(row.id), shard_body, record_body)) + b"\n")
 
@@ -502,16 +482,18 @@ def check_openai_batch_task(cfg: PipelineConfig, fmt: str, first_file) -> None:
 
 
 def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
-                input_key: str | None = None) -> PlanManifest:
+               input_key: str | None = None, history: LengthHistory | None = None,
+               history_store: Location | None = None) -> PlanManifest:
     """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
-    listed for mapping)."""
+    listed for mapping). ``history``: earlier runs' output lengths (read from ``history_store``), the order's
+    first key where given."""
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
     check_openai_batch_task(cfg, fmt, files[0])
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_") as tmp_dir:
         tmp = Path(tmp_dir)
-        scan = InputScan(cfg, fmt, tmp, image_checker(cfg, input_loc))
+        scan = InputScan(cfg, fmt, tmp, image_checker(cfg, input_loc), history)
         scan.run(files)
         images_read = None
         if scan.reads.count:  # the images are inputs too: the plan's key holds what was read of them
@@ -535,7 +517,9 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         invalid=n_errors, duplicates=len(dups), capped=scan.capped, errors=errors_loc.url,
         records=plan_dir.child("records.jsonl").url,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
-        peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read, order=shard_order_name(cfg))
+        peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read,
+        order=shard_order_name(cfg, history is not None),
+        length_history=history.summary(history_store or plan_dir) if history is not None else None)
     manifest.write(plan_dir.path())
     return manifest
 
@@ -593,7 +577,9 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     if done is not None:
         logging.getLogger("batch_llm.stages.plan").info("the input or the plan's settings changed since the run's last "
                                                  "plan: planning again")
-    return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key)
+    history, store = length_history(cfg, layout)
+    return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key, history=history,
+                      history_store=store)
 
 
 def with_images_key(key: str, images_digest: str) -> str:
@@ -623,11 +609,26 @@ def plan_input_key(cfg: PipelineConfig, input_loc: Location) -> str:
     return stable_hash({"files": files_key(input_files(input_loc.path())), **plan_settings(cfg)})
 
 
-def shard_order_name(cfg: PipelineConfig) -> str:
-    """The order of the rows inside a shard, as the plan manifest names it."""
+def shard_order_name(cfg: PipelineConfig, history: bool = False) -> str:
+    """The order of the rows inside a shard, as the plan manifest names it (``history``: a length history was
+    read: the rows' expected lengths come first, not their budgets)."""
     if not cfg.sharding.sort_by_length:
         return "input"
-    return "budget, prefix, length" if groups_prefixes(cfg) else "budget, length"
+    first = "history" if history else "budget"
+    return f"{first}, prefix, length" if groups_prefixes(cfg) else f"{first}, length"
+
+
+def length_history(cfg: PipelineConfig, layout: RunLayout) -> tuple[LengthHistory | None, Location]:
+    """The pipeline's output-length history where the plan orders by it (``uses_length_history``), and its store."""
+    store = lengths_store(layout.cache_root(cfg), cfg)
+    if not cfg.sharding.uses_length_history:
+        return None, store
+    try:
+        return LengthHistory.load(store), store
+    except OSError as e:  # a hint: the store unreachable plans by the budgets, said
+        logging.getLogger("batch_llm.stages.plan").warning("length history at %s unreadable (%s): ordering by "
+                                                           "output budget", store.url, e)
+        return None, store
 
 
 def plan_settings(cfg: PipelineConfig) -> dict:
@@ -636,9 +637,14 @@ def plan_settings(cfg: PipelineConfig) -> dict:
     settings["sharding"].pop("shards_per_task", None)  # how shards are run, not what they hold
     settings["input"].pop("max_decoded_bytes_ahead", None)  # how a shard loads its images, likewise
     settings["sharding"].pop("group_prefixes", None)  # its effect, below (it follows the engine where unset)
+    # Only the order of a shard's rows, from a history that changes with every run: a committed plan is kept
+    # (resumed, not redone) whatever was generated since; turned on or off by hand, it plans again
+    settings["sharding"].pop("length_history", None)
     key: dict[str, object] = {"settings": settings, "task": cfg.engine.task}
     if groups_prefixes(cfg):  # rows ordered by prefix (keys before it stay the same)
         key["group_prefixes"] = True
+    if cfg.sharding.length_history is not None:
+        key["length_history"] = cfg.sharding.length_history
     if cfg.engine.limit_mm_per_prompt is not None:  # which rows' images are too many (keys before it stay the same)
         key["image_limit"] = cfg.engine.limit_mm_per_prompt
     if cfg.output.parts and cfg.output.table is None:  # the plan writes each shard's records too

@@ -58,6 +58,7 @@ from batch_llm.stages.plan import (
     SortedShardWriter,
     check_openai_batch_task,
     image_checker,
+    length_history,
     merged_errors,
     plan_input_key,
     plan_settings,
@@ -116,6 +117,7 @@ class PartScan(Manifest):
     entries: str        # the buckets' starts, then ENTRY records bucket by bucket (HEADER_BYTES)
     images_read: str | None = None
     images_digest: str | None = None
+    length_history: dict | None = None  # the output-length history its order read (plan.length_history)
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -269,7 +271,8 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     files = [Location(u, opts).path() for u in spec.files]
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_part_") as tmp_dir:
         tmp = Path(tmp_dir)
-        scan = InputScan(cfg, parts.format, tmp, image_checker(cfg, layout.input))
+        history, store = length_history(cfg, layout)
+        scan = InputScan(cfg, parts.format, tmp, image_checker(cfg, layout.input), history)
         scan.run(files, first_no=spec.first_file, day_first=Location(parts.first_file, opts).path(),
                  row_groups=spec.row_groups)
         entries, starts = _entries(scan.spool_path)
@@ -286,6 +289,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
                  has_references=scan.has_references, spool=where.child("spool.tsv").url,
                  errors=where.child("errors.tsv").url, entries=where.child("entries.bin").url,
                  images_read=images_read, images_digest=digest,
+                 length_history=history.summary(store) if history is not None else None,
                  seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(where.path())
     return m
@@ -579,9 +583,18 @@ def gather_plan(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
         has_references=any(s.has_references for s in scans), seconds=round(sum(tasks) + time.perf_counter() - t0, 2),
         peak_rss_mb=max([*(s.peak_rss_mb for s in scans), *(g.peak_rss_mb for g in groups), join.peak_rss_mb,
                          *(w.peak_rss_mb for w in writes), peak_rss_mb()]),
-        input_key=join.input_key, images_read=images_read, parts=len(parts.parts), order=shard_order_name(cfg))
+        input_key=join.input_key, images_read=images_read, parts=len(parts.parts),
+        order=shard_order_name(cfg, any(s.length_history for s in scans)), length_history=_histories(scans))
     m.write(plan_dir.path())
     return m
+
+
+def _histories(scans: list[PartScan]) -> dict | None:
+    """The length histories the parts' orders read, as one (each part reads the newest records when it scans)."""
+    read = [s.length_history for s in scans if s.length_history]
+    if not read:
+        return None
+    return {**read[-1], "parts": len(read), "rows_estimated": sum(h.get("rows_estimated", 0) for h in read)}
 
 
 def plan_day(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from batch_llm.analysis.timeline import Timeline
+from batch_llm.cache.lengths import HISTORY_LEVELS, LengthRecorder
+from batch_llm.cache.lengths import store_for as lengths_store
 from batch_llm.cache.lookup import Lookup
 from batch_llm.cache.results import ResultCache, namespace, prompt_key
 from batch_llm.config import PipelineConfig
@@ -41,6 +43,7 @@ from batch_llm.engines.precision_gate import PrecisionInputs, sample_params
 from batch_llm.engines.start import start_engine
 from batch_llm.io.storage import Location, iter_jsonl, peak_rss_mb
 from batch_llm.manifests import EngineRecord, Phase, ShardManifest, ShardSpec
+from batch_llm.rows.prefix import prefix_groups, prompt_bytes
 from batch_llm.stages.infer.commit import ShardCommit
 from batch_llm.stages.infer.identity import output_identity, with_reasoning_parser
 from batch_llm.stages.infer.request_builder import RequestBuilder, RequestSpool, prompt_basis, row_params
@@ -94,6 +97,7 @@ class _Group:
 
     key: RequestKey
     rows: list[tuple[str, int]] = field(default_factory=list)
+    prefix: tuple[int, int] = (0, 0)  # its prompt's groups in the length history (cache/lengths.py), where recorded
 
 
 # as before; overlapping it needs the imports done in the main thread beforehand (not yet tested). It would
@@ -224,6 +228,8 @@ class ShardRun:
         self.dedupe = cfg.engine.dedupe_prompts and (cfg.sampling.temperature == 0 or cfg.sampling.seed is not None)
         self.cache_root = cache_root
         self.cache = _open_cache(cfg, cache_root, model_key, model_dir)
+        # what this attempt generates, per prompt prefix group: the next plans' order (sharding.length_history)
+        self.lengths = LengthRecorder() if cache_root is not None and cfg.sharding.uses_length_history else None
         self.groups: dict[str, _Group] = {}    # request_id -> the rows its result answers
         self.sent_by: dict[str, str] = {}       # row id -> request_id, for the row whose prompt is sent
         self.n_rows = self.n_cached = self.gen_tokens = 0
@@ -281,6 +287,9 @@ class ShardRun:
             if group is None:
                 group = self.groups[key.request_id] = _Group(key)
                 self.sent_by[r["id"]] = key.request_id
+                if self.lengths is not None:
+                    data = prompt_bytes(r.get("text"), r.get("messages"), r.get("prompt_token_ids"))
+                    group.prefix = prefix_groups(data, HISTORY_LEVELS)  # type: ignore[assignment]
             group.rows.append((r["id"], r["idx"]))
             self.checks.note_format(key.request_id, row_params(r))
         self.n_prompts = len({g.key.content for g in self.groups.values()})
@@ -372,6 +381,8 @@ class ShardRun:
         if asked_again:
             return
         group = self.groups.pop(res.key)
+        if self.lengths is not None and not res.error:
+            self.lengths.add(group.prefix, res.completion_tokens)
         self.commit.add(result_rows(res, group.rows, group.key.content, reason))
         self.progress.tick(len(group.rows), res.completion_tokens)
         self.commit.write_chunk()
@@ -385,6 +396,8 @@ class ShardRun:
             table = self.cache.write_table(
                 cache_entries(iter_jsonl(Location(manifest.outputs, self.shard_dir.options).path())))
             self.say(f"cache: wrote {table}")
+        if self.lengths is not None:
+            self._write_lengths()
         _record(self, manifest, t_start)
         self.timeline.end("commit")
         # the manifest write itself is the last few ms of commit
@@ -395,6 +408,18 @@ class ShardRun:
                  f"{m.output_tokens} output tokens, {m.output_tokens_per_second} tok/s")
         check_error_rate(self.cfg, manifest)
         return manifest
+
+
+    def _write_lengths(self) -> None:
+        """This attempt's generated lengths, for the next plans' order: a hint, so a failed write is said, not
+        raised (the shard's outputs are committed either way)."""
+        assert self.lengths is not None and self.cache_root is not None
+        store = lengths_store(self.cache_root, self.cfg)
+        try:
+            if name := self.lengths.write(store):
+                self.say(f"length history: {len(self.lengths.groups)} prompt groups recorded in {store.url}/{name}")
+        except OSError as e:
+            self.say(f"length history: not recorded in {store.url} ({e})")
 
 
 def _record(run: ShardRun, manifest: ShardManifest, t_start: float) -> None:
