@@ -1,8 +1,9 @@
 """The shard's submission order changes nothing a row gets: the demo pipeline run on the real vLLM engine with the
 planner's order (largest output budget first, then prompt length: ``sharding.sort_by_length``), with rows that share
 a prompt prefix grouped (``sharding.group_prefixes``) and in input order publishes the same rows, in input order,
-with the same text, at temperature 0. Half the demo's prompts get one of two long preambles of one length, in turn,
-so the three orders differ (by length the two preambles' rows interleave; grouped, each preamble's are one run).
+with the same text, at temperature 0; so does a later run ordered by the output lengths the first recorded
+(``sharding.length_history``). Half the demo's prompts get one of two long preambles of one length, in turn, so
+the three orders differ (by length the two preambles' rows interleave; grouped, each preamble's are one run).
 
 The engine serves one sequence at a time with prefix caching off in both runs, so each row's greedy text depends on
 its own prompt alone (a batch's make-up may change a float's last bits, and with it a near-tie's argmax): what is
@@ -74,6 +75,14 @@ def test_outputs_are_the_same_rows_in_input_order_whatever_the_shards_order(tmp_
         current, summary, _ = run_demo_cli(src, tmp_path / name, ds=DS, run_id=f"order-{name}", sets=[*SETS, *sets])
         published = [(r["id"], r["output"]) for r in iter_jsonl(Location(current["dataset"]).path())]
         runs[name] = published, _shard_ids(summary)
+    # a later run beside the length-order one: its plan reads the output lengths that run recorded per prompt group
+    # (sharding.length_history), and only the order may change
+    current, summary, _ = run_demo_cli(src, tmp_path / "length", ds=DS, run_id="order-history",
+                                       sets=[*SETS, *ORDERS["length"]])
+    history_rows = [(r["id"], r["output"]) for r in iter_jsonl(Location(current["dataset"]).path())]
+    plan = summary["manifests"]["plan"]
+    assert plan["order"] == "history, length" and plan["length_history"]["files"] == 1, plan
+    assert plan["length_history"]["groups"] == 2  # the two preambles' (the demo's own prompts are under 64 bytes)
     (sorted_rows, sorted_feed), (input_rows, input_feed) = runs["length"], runs["input"]
     grouped_rows, grouped_feed = runs["grouped"]
     input_ids = []  # the demo input holds malformed lines too: the ids of those that read, in input order
@@ -95,5 +104,5 @@ def test_outputs_are_the_same_rows_in_input_order_whatever_the_shards_order(tmp_
     runs_by_length = [i in _preambled(src, PREAMBLES[0]) for i in sorted_feed if i in _preambled(src, PREAMBLES[0])
                       or i in _preambled(src, PREAMBLES[1])]
     assert sum(a != b for a, b in zip(runs_by_length, runs_by_length[1:])) > 1  # by length they interleave
-    assert sorted_rows == input_rows == grouped_rows
+    assert sorted_rows == input_rows == grouped_rows == history_rows
     assert all(text for _, text in sorted_rows)

@@ -511,3 +511,24 @@ def test_range_reads_and_compaction_on_s3(s3):
     assert lk.stats["retried"]
     assert [t.kind for t in cache.tables()] == ["r"]
     _check(list(cache.lookup(_key(i) for i in ids)), ids)
+
+
+def test_length_records_beside_the_cache_on_s3(s3):
+    """The output-length records (cache/lengths.py) on an S3 server: written whole, the oldest deleted past the
+    kept number, the newest read back and merged; the cache's maintenance takes their folder for no namespace."""
+    from batch_llm.cache.lengths import HISTORY_LEVELS, LengthHistory, LengthRecorder
+    from batch_llm.rows.prefix import prefix_groups, prompt_bytes
+
+    root = Location(f"s3://{s3.bucket}/cache-lengths", s3.storage_options())
+    store = root.child("lengths", "k")
+    group = prefix_groups(prompt_bytes("Summarize the following report for a reader who has not seen it: " * 2,
+                                       None, None), HISTORY_LEVELS)
+    for tokens in (100, 200, 300):
+        rec = LengthRecorder()
+        for _ in range(4):
+            rec.add(group, tokens)  # type: ignore[arg-type]
+        rec.write(store, keep=2)
+    assert len(list(store.path().iterdir())) == 2  # the first record deleted
+    h = LengthHistory.load(store)
+    assert h is not None and h.files == 2 and h.estimate(group, 1000) == 250  # type: ignore[arg-type]
+    assert result_cache.maintain_all(root) == {}

@@ -67,7 +67,8 @@ class LengthRecorder:
         if not self.groups:
             return None
         top = sorted(self.groups.items(), key=lambda kv: -kv[1][0])[:MAX_GROUPS]
-        name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
+        now = time.time()  # to the microsecond: records of one second keep their order
+        name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:8]}.json"
         write_bytes_atomic(store.child(name).path(),
                            json_bytes({"levels": list(HISTORY_LEVELS), "groups": [[*g, n, t] for g, (n, t) in top]}))
         for old in list_files(store.path(), ".json")[:-keep]:
