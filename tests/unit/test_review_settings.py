@@ -70,6 +70,7 @@ def test_review_pipeline_config_runs_the_review_model_under_the_verdict_schema(t
     assert (rc.sampling.max_tokens, rc.sampling.temperature, rc.sampling.n) == (40, 0.0, 1)
     assert rc.sampling.output_schema == rv.verdict_schema(["violence", "other"])
     assert rc.filter.review is None and not rc.filter.enabled and rc.input.sampling_columns == []
+    assert cfg.sharding.uses_length_history and not rc.sharding.uses_length_history  # no plan reads its lengths
     classify = _cfg(tmp_path, {"model": GUARD, "engine": {"task": "classify"}, "labels": {"a": "safe", "b": "unsafe"}})
     assert rv.review_pipeline_config(classify).sampling.output_schema is None
 

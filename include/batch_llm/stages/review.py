@@ -107,6 +107,8 @@ def review_pipeline_config(cfg: PipelineConfig) -> PipelineConfig:
     data["input"]["sampling_columns"] = []
     data["filter"] = {"enabled": False, "lists": []}
     data["evaluate"] = {"enabled": False}
+    # the review's requests are not planned by plan.py: lengths recorded for its model would be read by no plan
+    data["sharding"]["length_history"] = False
     if r.engine.task == "generate":
         data["sampling"] = {"max_tokens": r.max_tokens, "temperature": 0.0, "seed": 0,
                             "output_schema": verdict_schema(r.verdict_categories), "guided_decoding": r.guided_decoding}

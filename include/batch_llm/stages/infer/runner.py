@@ -418,8 +418,8 @@ class ShardRun:
         try:
             if name := self.lengths.write(store):
                 self.say(f"length history: {len(self.lengths.groups)} prompt groups recorded in {store.url}/{name}")
-        except OSError as e:
-            self.say(f"length history: not recorded in {store.url} ({e})")
+        except Exception as e:  # noqa: BLE001 - a hint: whatever the store raised, the shard goes on
+            self.say(f"length history: not recorded in {store.url} ({e!r})")
 
 
 def _record(run: ShardRun, manifest: ShardManifest, t_start: float) -> None:
