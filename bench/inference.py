@@ -186,12 +186,17 @@ DOC_QUESTIONS = 4  # the docs dataset: questions asked of each document
 CHAT_SYSTEM = "从商品评论中提取一个方面、情感和原文证据，只输出 JSON。"
 
 
+def sample_reviews() -> list[str]:
+    """The review texts of include/sample_data/reviews_zh.jsonl: the chat and tasks datasets' material."""
+    root = Path(__file__).resolve().parents[1]
+    return [json.loads(x)["prompt"] for x in (root / "include" / "sample_data" / "reviews_zh.jsonl").open()]
+
+
 def chat_rows(n: int, out_len: int, rng) -> list[dict]:
     """The chat dataset: review-extraction conversations, each review numbered (no two equal but the repeats)."""
     import numpy as np
 
-    root = Path(__file__).resolve().parents[1]
-    reviews = [json.loads(x)["prompt"] for x in (root / "include" / "sample_data" / "reviews_zh.jsonl").open()]
+    reviews = sample_reviews()
     rows: list[dict] = []
     for i in range(n):
         if i > 10 and rng.random() < 0.10:  # a repeated chat
@@ -213,8 +218,7 @@ TASKS = ("Read the customer review below and answer with a single word, yes or n
 
 def task_rows(n: int, out_len: int, rng) -> list[dict]:
     """The tasks dataset: each review (numbered: no two prompts alike) under a task template drawn at random."""
-    root = Path(__file__).resolve().parents[1]
-    reviews = [json.loads(x)["prompt"] for x in (root / "include" / "sample_data" / "reviews_zh.jsonl").open()]
+    reviews = sample_reviews()
     return [{"id": f"r{i}", "max_tokens": out_len, "messages": [
         {"role": "user", "content": f"{TASKS[int(rng.integers(0, len(TASKS)))]}\n\nReview {i + 1}: "
                                     f"{reviews[i % len(reviews)]}"}]} for i in range(n)]
@@ -640,9 +644,8 @@ def _planned_spec(a, rows, mode: str, shards: int = 1):
     if shards > 1:
         cfg = cfg.with_overrides({"sharding.num_shards": shards, "sharding.shards_per_task": shards})
     layout = RunLayout.for_run(cfg, run_id="bench", ds="2026-01-01")
-    history, store = length_history(cfg, layout)  # as the plan task reads it: from --lengths-store, if any
-    plan = write_plan(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")), history=history,
-                      history_store=store)
+    plan = write_plan(cfg, input_loc=Location(input_url), plan_dir=Location(str(work / "plan")),
+                      history=length_history(cfg, layout))  # as the plan task reads it: from --lengths-store, if any
     assert plan.valid == len(rows) and len(plan.shards) == shards, plan
     model = {"local_dir": a.model, "model_key": "bench"}
     return plan, worker_spec(cfg, layout, model, list(plan.shards) if shards > 1 else plan.shards[0])
@@ -960,6 +963,10 @@ def check_args(p: argparse.ArgumentParser, a) -> dict[str, str]:
     if a.thinking_budget is not None and (a.dataset != "chat" or any(
             m.split(":")[-1] not in ("stage", "stage-think-off") for m in a.modes.split(","))):
         p.error("--thinking-budget: the chat dataset and the modes stage, stage-think-off")
+    if a.precision_store and a.lengths_store and Path(a.precision_store).resolve() != Path(a.lengths_store).resolve():
+        p.error("--precision-store and --lengths-store are both the stage's cache.path: give one folder, or the same")
+    if a.eos and a.thinking_budget is not None:
+        p.error("--eos with --thinking-budget: the thinking runs keep ignore_eos (the budget is what they measure)")
     if a.engine == "sglang" and a.dummy and not a.tokenizer:
         p.error("--engine sglang with --dummy needs --tokenizer: SGLang's engine in the stage returns text")
     for m in a.modes.split(","):

@@ -74,7 +74,7 @@ class LengthRecorder:
         for old in list_files(store.path(), ".json")[:-keep]:
             try:
                 old.unlink()
-            except (FileNotFoundError, OSError):  # another writer deleted it first
+            except OSError:  # another writer deleted it first
                 pass
         return name
 
@@ -82,10 +82,10 @@ class LengthRecorder:
 class LengthHistory:
     """The newest records of a pipeline merged: a row's estimated output length from its groups."""
 
-    def __init__(self, records: Iterable[dict], files: int = 0) -> None:
+    def __init__(self, records: Iterable[dict], store: "Location", files: int = 0) -> None:
         self.deep: dict[Group, list[int]] = {}
         self.head: dict[int, list[int]] = {}
-        self.files = files
+        self.store, self.files = store, files
         for record in records:
             if record.get("levels") != list(HISTORY_LEVELS):  # another layout: not comparable
                 continue
@@ -105,7 +105,7 @@ class LengthHistory:
                 records.append(read_json(f))
             except (OSError, ValueError) as e:  # a hint: one unreadable record is skipped, said
                 log.warning("length history: %s skipped (%s)", f, e)
-        return cls(records, files=len(records)) if records else None
+        return cls(records, store, files=len(records)) if records else None
 
     @property
     def groups(self) -> int:
@@ -123,6 +123,7 @@ class LengthHistory:
                 return min(budget, max(1, math.ceil(counts[1] / counts[0])))
         return budget
 
-    def summary(self, store: "Location") -> dict:
+    def summary(self) -> dict:
         """For the plan manifest: where it was read, how many records and groups, how many rows it ordered."""
-        return {"store": store.url, "files": self.files, "groups": self.groups, "rows_estimated": self.rows_estimated}
+        return {"store": self.store.url, "files": self.files, "groups": self.groups,
+                "rows_estimated": self.rows_estimated}

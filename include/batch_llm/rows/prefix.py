@@ -13,12 +13,11 @@ from collections.abc import Sequence
 PREFIX_LEVELS = (64, 512, 4096, 32768)
 
 
-def prompt_bytes(text: str | None, messages: Sequence[dict] | None, token_ids: Sequence[int] | None) -> bytes:
+def prompt_bytes(text: str | None, messages: Sequence[dict] | None, token_ids: Sequence[int] | None,
+                 cap: int = PREFIX_LEVELS[-1]) -> bytes:
     """A prompt as the bytes its prefix is told from: the token ids (8 bytes each), the completion text, or the
     messages' roles and parts in order (an image part by its hash or reference, so two questions about one image
-    share it); of a long prompt at least its first ``PREFIX_LEVELS[-1]`` bytes, not all of it (no level reads
-    further)."""
-    cap = PREFIX_LEVELS[-1]
+    share it); of a long prompt at least its first ``cap`` bytes (the deepest level read), not all of it."""
     if token_ids:
         return array("q", token_ids[:cap // 8]).tobytes()
     if text is not None:

@@ -74,7 +74,7 @@ from batch_llm.manifests import (
     ShardSpec,
 )
 from batch_llm.rows.params import engine_refusal
-from batch_llm.rows.prefix import prefix_groups, prompt_bytes
+from batch_llm.rows.prefix import PREFIX_LEVELS, prefix_groups, prompt_bytes
 from batch_llm.rows.prompt import IMAGE_BYTES, IMAGE_URL, PromptRow, RawRow, to_prompt_row
 
 # 64-bit hash of an id, within this process: equal hashes only nominate duplicate candidates (ids decide).
@@ -149,7 +149,10 @@ def shard_order(r: PromptRow, default_max_tokens: int, group_prefixes: bool = Fa
     group there and keeps the length order). Rows of one expected length (a pipeline-wide ``sampling.max_tokens``)
     and group keep the prompt-length order."""
     budget = r.params.max_tokens if r.params is not None and r.params.max_tokens else default_max_tokens
-    data = prompt_bytes(r.text, r.messages, r.prompt_token_ids) if group_prefixes or history is not None else b""
+    data = b""
+    if group_prefixes or history is not None:  # no deeper than a level that is read
+        data = prompt_bytes(r.text, r.messages, r.prompt_token_ids,
+                            PREFIX_LEVELS[-1] if group_prefixes else HISTORY_LEVELS[-1])
     if history is not None:
         g64, g512 = prefix_groups(data, HISTORY_LEVELS)
         budget = history.estimate((g64, g512), budget)
@@ -482,11 +485,10 @@ def check_openai_batch_task(cfg: PipelineConfig, fmt: str, first_file) -> None:
 
 
 def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
-               input_key: str | None = None, history: LengthHistory | None = None,
-               history_store: Location | None = None) -> PlanManifest:
+               input_key: str | None = None, history: LengthHistory | None = None) -> PlanManifest:
     """Validates the input and writes shards, records and errors; returns the plan manifest (the shards
-    listed for mapping). ``history``: earlier runs' output lengths (read from ``history_store``), the order's
-    first key where given."""
+    listed for mapping). ``history``: earlier runs' output lengths (``length_history``), the order's first key
+    where given."""
     t0 = time.perf_counter()
     files = input_files(input_loc.path())
     fmt = resolve_format(files, cfg.input.format, cfg.input.max_line_bytes)
@@ -519,7 +521,7 @@ def write_plan(cfg: PipelineConfig, *, input_loc: Location, plan_dir: Location,
         shards=shards, has_references=scan.has_references, seconds=round(time.perf_counter() - t0, 2),
         peak_rss_mb=peak_rss_mb(), input_key=input_key, images_read=images_read,
         order=shard_order_name(cfg, history is not None),
-        length_history=history.summary(history_store or plan_dir) if history is not None else None)
+        length_history=history.summary() if history is not None else None)
     manifest.write(plan_dir.path())
     return manifest
 
@@ -577,9 +579,8 @@ def plan_shards(cfg: PipelineConfig, layout: RunLayout) -> PlanManifest:
     if done is not None:
         logging.getLogger("batch_llm.stages.plan").info("the input or the plan's settings changed since the run's last "
                                                  "plan: planning again")
-    history, store = length_history(cfg, layout)
-    return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key, history=history,
-                      history_store=store)
+    return write_plan(cfg, input_loc=layout.input, plan_dir=layout.stage("plan"), input_key=key,
+                      history=length_history(cfg, layout))
 
 
 def with_images_key(key: str, images_digest: str) -> str:
@@ -618,17 +619,18 @@ def shard_order_name(cfg: PipelineConfig, history: bool = False) -> str:
     return f"{first}, prefix, length" if groups_prefixes(cfg) else f"{first}, length"
 
 
-def length_history(cfg: PipelineConfig, layout: RunLayout) -> tuple[LengthHistory | None, Location]:
-    """The pipeline's output-length history where the plan orders by it (``uses_length_history``), and its store."""
-    store = lengths_store(layout.cache_root(cfg), cfg)
+def length_history(cfg: PipelineConfig, layout: RunLayout) -> LengthHistory | None:
+    """The pipeline's output-length history where the plan orders by it (``uses_length_history``) and one was
+    recorded."""
     if not cfg.sharding.uses_length_history:
-        return None, store
+        return None
+    store = lengths_store(layout.cache_root(cfg), cfg)
     try:
-        return LengthHistory.load(store), store
+        return LengthHistory.load(store)
     except OSError as e:  # a hint: the store unreachable plans by the budgets, said
         logging.getLogger("batch_llm.stages.plan").warning("length history at %s unreadable (%s): ordering by "
                                                            "output budget", store.url, e)
-        return None, store
+        return None
 
 
 def plan_settings(cfg: PipelineConfig) -> dict:

@@ -271,7 +271,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
     files = [Location(u, opts).path() for u in spec.files]
     with tempfile.TemporaryDirectory(prefix="batch_llm_plan_part_") as tmp_dir:
         tmp = Path(tmp_dir)
-        history, store = length_history(cfg, layout)
+        history = length_history(cfg, layout)
         scan = InputScan(cfg, parts.format, tmp, image_checker(cfg, layout.input), history)
         scan.run(files, first_no=spec.first_file, day_first=Location(parts.first_file, opts).path(),
                  row_groups=spec.row_groups)
@@ -289,7 +289,7 @@ def scan_part(cfg: PipelineConfig, layout: RunLayout, index: int) -> PartScan:
                  has_references=scan.has_references, spool=where.child("spool.tsv").url,
                  errors=where.child("errors.tsv").url, entries=where.child("entries.bin").url,
                  images_read=images_read, images_digest=digest,
-                 length_history=history.summary(store) if history is not None else None,
+                 length_history=history.summary() if history is not None else None,
                  seconds=round(time.perf_counter() - t0, 2), peak_rss_mb=peak_rss_mb())
     m.write(where.path())
     return m

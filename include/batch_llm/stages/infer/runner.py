@@ -288,8 +288,10 @@ class ShardRun:
                 group = self.groups[key.request_id] = _Group(key)
                 self.sent_by[r["id"]] = key.request_id
                 if self.lengths is not None:
-                    data = prompt_bytes(r.get("text"), r.get("messages"), r.get("prompt_token_ids"))
-                    group.prefix = prefix_groups(data, HISTORY_LEVELS)  # type: ignore[assignment]
+                    data = prompt_bytes(r.get("text"), r.get("messages"), r.get("prompt_token_ids"),
+                                        HISTORY_LEVELS[-1])
+                    g64, g512 = prefix_groups(data, HISTORY_LEVELS)
+                    group.prefix = (g64, g512)
             group.rows.append((r["id"], r["idx"]))
             self.checks.note_format(key.request_id, row_params(r))
         self.n_prompts = len({g.key.content for g in self.groups.values()})
