@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="append the results as JSON lines")
     p.add_argument("--vllm-model", default=None, help="a model folder (config and tokenizer): profile vLLM's front end")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--vllm-threads", default="1", help="with --vllm-model: also prepare the rows on these numbers of "
+                   "threads (vLLM's processor cache off, as threads need it: its sender and receiver must see one order)")
     a = p.parse_args(argv)
     from PIL import Image
     from transformers import AutoImageProcessor
@@ -94,8 +96,9 @@ def _vllm_front_end(a, images) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(a.vllm_model)
+    pools = [int(t) for t in a.vllm_threads.split(",") if int(t) > 1]
     llm = LLM(model=a.vllm_model, load_format="dummy", max_model_len=2048, limit_mm_per_prompt={"image": 1},
-              gpu_memory_utilization=0.9, dtype="bfloat16")
+              gpu_memory_utilization=0.9, dtype="bfloat16", **({"mm_processor_cache_gb": 0} if pools else {}))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
@@ -121,8 +124,11 @@ def _vllm_front_end(a, images) -> dict:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(a.top)
         print(out.getvalue()[-10000:], flush=True)
-    return {"step": "vllm_process_inputs", "ms_per_image": round(1000 * s / (half - 1), 2),
-            "prompt_tokens_before": len(ids)}
+    out = {"step": "vllm_process_inputs", "ms_per_image": round(1000 * s / (half - 1), 2),
+           "prompt_tokens_before": len(ids), "mm_cache": not pools}
+    for t in pools:  # the same rows again: with the cache off nothing is remembered between passes
+        out[f"ms_per_image_{t}_threads"] = round(1000 * _time(prepare, range(1, half), t) / (half - 1), 2)
+    return out
 
 
 if __name__ == "__main__":

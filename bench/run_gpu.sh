@@ -164,7 +164,7 @@ case "${1:-fixed}" in
     for mode in ${modes//,/ }; do
       BENCH_T0=$(date +%s.%N) timeout -k 10 ${T:-300} /root/pyspy/bin/py-spy record --nonblocking --subprocesses --idle \
         --threads -r ${RATE:-50} -f raw -o /tmp/profile_$mode.txt -- python3 -m bench inference --model $M --dummy \
-        --dataset ${DATASET:-mix} --n ${N:-2000} --child $mode > $OUT/profile_$mode.log 2>&1
+        --dataset ${DATASET:-mix} --n ${N:-2000} ${PROFILE_ARGS:-} --child $mode > $OUT/profile_$mode.log 2>&1
       echo "profile $mode rc=$?"; grep -E "^RESULT" $OUT/profile_$mode.log | cut -c1-400
       python3 -m bench profile-summary /tmp/profile_$mode.txt > $OUT/profile_${mode}_summary.txt
       gzip -c /tmp/profile_$mode.txt > $OUT/profile_$mode.txt.gz
@@ -193,7 +193,7 @@ case "${1:-fixed}" in
       --out $OUT/gpu_vl.jsonl --logs $OUT/logs ${VL_ARGS:-} ;;
   vl-preprocess)
     vllm_env; d=$(mktemp -d); cp $VLTOK/* $d/; rm -f $d/tokenizer.json.xz; cp bench/shapes/qwen2.5-vl-7b/*.json $d/
-    timeout ${T:-400} python3 -m bench image-preprocess --processor $d --vllm-model $d --n ${N:-300} --threads 1,4,8,16 \
+    timeout ${T:-400} python3 -m bench image-preprocess --processor $d --vllm-model $d --n ${N:-300} --threads 1,4,8,16 --vllm-threads ${VLLM_THREADS:-1,4,8} \
       --out $OUT/image_preprocess.jsonl > $OUT/image_preprocess.log 2>&1; echo "vl-preprocess rc=$?"
     grep -E "^RESULT" $OUT/image_preprocess.log ;;
   review-placement)

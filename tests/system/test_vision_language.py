@@ -124,6 +124,8 @@ def test_the_shard_keys_images_by_content_and_generates_one_picture_once(cli_run
     shard = out / "image_review_demo" / "runs" / f"dt={DS}" / "cli-images" / "infer" / "shard-00000"
     manifest = read_json(Location(str(shard)).child("manifest.json").path())
     assert manifest["engine"]["kind"] == "vllm" and manifest["engine"]["settings"]["max_model_len"] == 512
+    # vLLM's multimodal processor builds its Hugging Face processor once and keeps it (engines.vllm_engine)
+    assert manifest["engine"]["settings"]["hf_processor_kept"] is True
     m = manifest["metrics"]
     # six planned rows: red, red inline (one picture: one request), blue, green, text, the cut JPEG
     assert m["rows"] == 6 and m["unique_prompts"] == 5 and m["errors"] == 1

@@ -229,6 +229,7 @@ class VllmEngine(Engine):
         finally:
             if runner is not None:
                 os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        kept = keep_hf_processor(self.llm)
         # one parser, built on the engine's tokenizer, parts every finished output (vLLM's server does the same
         # per response with the parser the engine's structured outputs and thinking budget use)
         self.reasoner = parser_class(self.llm.get_tokenizer()) if parser is not None else None
@@ -253,6 +254,7 @@ class VllmEngine(Engine):
                         structured_outputs_backend=str(getattr(vc.structured_outputs_config, "backend", "")),
                         reasoning_parser=parser, model_runner_v2=v2_runner,
                         speculative_method=getattr(vc.speculative_config, "method", None),
+                        hf_processor_kept=kept or None,
                         lora=dict(path=self.lora_dir, max_lora_rank=vc.lora_config.max_lora_rank)
                         if self.lora_dir and vc.lora_config is not None else None,
                         # where the start's time went: the import, this engine's checks, vLLM's constructor
@@ -387,6 +389,35 @@ class VllmEngine(Engine):
             except Exception:  # noqa: BLE001 - best effort; the process group is ended anyway
                 pass
             self.llm = None
+
+
+def keep_hf_processor(llm) -> bool:
+    """Has the engine's multimodal processor build its Hugging Face processor once per set of arguments and keep it.
+
+    Why: vLLM asks for the processor on every image row (to build the placeholder text of a token prompt) through a
+    cache that, with vLLM 0.26 on a GPU host, missed on every row: each row loaded the processor from its folder and
+    deep-copied the tokenizer into it, ~30 ms of the ~45 ms a Qwen2.5-VL row took in this process, while the GPU
+    waited (docs/benchmarks.md). What vLLM's cache means to do is done here, on the processor's own object; a
+    vLLM without that object (text models, other versions) is left as it is. True where the processor is kept."""
+    renderer = getattr(llm.llm_engine, "renderer", None)
+    info = getattr(getattr(renderer, "mm_processor", None), "info", None)
+    build = getattr(info, "get_hf_processor", None)
+    if build is None:
+        return False
+    kept: dict = {}
+
+    def get_hf_processor(**kwargs):
+        try:
+            key = tuple(sorted(kwargs.items()))
+            hash(key)
+        except TypeError:  # arguments that cannot be a key (a row's own processor settings): built as vLLM would
+            return build(**kwargs)
+        if key not in kept:
+            kept[key] = build(**kwargs)
+        return kept[key]
+
+    info.get_hf_processor = get_hf_processor
+    return True
 
 
 def tokens_prompt(tokens_prompt_type, req: GenRequest):
