@@ -34,6 +34,7 @@ COMMANDS = {  # command: (module, what it measures)
     "grammar-cost": ("grammar_cost", "xgrammar's and llguidance's mask fill and token accept, per token, per tokenizer"),
     "image-load": ("image_load", "the shard's image loading: one at a time against input.image_workers threads"),
     "image-preprocess": ("image_preprocess", "an image row's CPU side: PNG decode and the image processor, threads"),
+    "processor-kept": ("processor_kept", "image rows in vLLM with the Hugging Face processor kept / vLLM as it is"),
     "openai-batch-api": ("openai_batch_api", "the OpenAI Batch API (upload to completed, real Airflow services) "
                          "against `batch-llm run-batch` on the same file, CPU vLLM"),
     "csv-read": ("csv_read", "CSV input: the planner's reader (csv module) against pyarrow's open_csv, 1M rows"),

@@ -577,6 +577,8 @@ def run_raw_tuned(a, rows, on_built=None) -> dict:
         on_built()
     el, gen_start, n_out = _generate_and_write(llm, rows, a)
     vc = llm.llm_engine.vllm_config
+    if on_built is not None:  # a part of raw-tuned-xN: its process joins its children at exit, the engine core too
+        llm.llm_engine.engine_core.shutdown()
     settings = dict(env, dtype=str(vc.model_config.dtype).removeprefix("torch."),
                     enforce_eager=vc.model_config.enforce_eager,
                     compilation_config=kwargs.get("compilation_config"),
@@ -586,27 +588,31 @@ def run_raw_tuned(a, rows, on_built=None) -> dict:
                 outputs_s=_since_start(), tuned_settings=settings)
 
 
+def _split_part(a, rows, k: int, results, built) -> None:
+    """One process of ``raw-tuned-xN``: waits for the one before it to build its engine, then runs its rows."""
+    try:
+        if k:
+            built[k - 1].wait()
+        results.put(run_raw_tuned(a, rows, on_built=built[k].set))
+    except BaseException as e:  # the parent raises it: it would otherwise wait for this part forever
+        built[k].set()
+        results.put({"error": f"part {k}: {e!r}"})
+
+
 def run_raw_tuned_split(a, rows, n: int) -> dict:
     """``raw-tuned-xN``: the raw-tuned script as N processes sharing the one GPU, each with 1/N of the memory share
     and every N-th row: whether N engines keep a GPU busier than one (a small model, whose engine's own CPU work per
     step can leave the GPU idle). The processes import vLLM at once and build their engines one after another
-    (each engine sizes its KV cache from the memory it sees free). The clock: the last one's outputs on disk."""
+    (each engine sizes its KV cache from the memory it sees free). The clock: the last one's outputs on disk.
+    Each part shuts its engine core down when its outputs are written: a part's process joins its children as it
+    exits, and an engine core left running kept both parts (and this run) waiting after their last row (2026-12-07,
+    on an H100 and on the CPU). Spawned: nothing of this process's state goes into the parts' engines."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")  # before vLLM or CUDA is imported in this process
+    ctx = mp.get_context("spawn")
     results, built = ctx.Queue(), [ctx.Event() for _ in range(n)]
     a.gpu_util = round(a.gpu_util / n, 3)
-
-    def one(k: int) -> None:
-        try:
-            if k:
-                built[k - 1].wait()
-            results.put(run_raw_tuned(a, rows[k::n], on_built=built[k].set))
-        except BaseException as e:  # the parent raises it: it would otherwise wait for this part forever
-            built[k].set()
-            results.put({"error": f"part {k}: {e!r}"})
-
-    procs = [ctx.Process(target=one, args=(k,)) for k in range(n)]
+    procs = [ctx.Process(target=_split_part, args=(a, rows[k::n], k, results, built)) for k in range(n)]
     for pr in procs:
         pr.start()
     parts = [results.get() for _ in range(n)]

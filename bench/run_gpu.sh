@@ -65,6 +65,8 @@
 #   vl-preprocess  the CPU side of an image row (python -m bench image-preprocess): PNG decode and the shape's image
 #           processor (PIL and torchvision) at 1-16 threads, then vLLM's own per-row preparation (process_inputs), timed
 #           and profiled, with the shape's config and VLTOK's tokenizer (N images, 300)
+#   vl-kept  image rows (N distinct images a batch, 64 tokens out) on one engine of the Qwen2.5-VL-7B shape with the
+#           engine's Hugging Face processor kept (the stage's engine) against vLLM as it is, alternating (REPEATS)
 #   review-placement  filter.review as its own worker after the shard (the review task) against the generating worker
 #           swapping engines (python -m bench review-placement), the 7B shape reviewing itself, TOK as above
 set -uo pipefail
@@ -196,6 +198,10 @@ case "${1:-fixed}" in
     timeout ${T:-400} python3 -m bench image-preprocess --processor $d --vllm-model $d --n ${N:-300} --threads 1,4,8,16 --vllm-threads ${VLLM_THREADS:-1,4,8} \
       --out $OUT/image_preprocess.jsonl > $OUT/image_preprocess.log 2>&1; echo "vl-preprocess rc=$?"
     grep -E "^RESULT" $OUT/image_preprocess.log ;;
+  vl-kept)  # image rows with the engine's Hugging Face processor kept against vLLM as it is, one engine, alternating
+    vllm_env; timeout ${T:-400} python3 -m bench processor-kept --shape bench/shapes/qwen2.5-vl-7b --tokenizer $VLTOK \
+      --n ${N:-300} --repeats ${REPEATS:-2} --out $OUT/processor_kept.jsonl > $OUT/processor_kept.log 2>&1
+    echo "vl-kept rc=$?"; grep -E "^RESULT|started in" $OUT/processor_kept.log ;;
   review-placement)
     vllm_env
     timeout ${T:-570} python3 -m bench review-placement --model $M --dummy --tokenizer $TOK --n ${N:-2000} \
