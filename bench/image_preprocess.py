@@ -124,11 +124,11 @@ def _vllm_front_end(a, images) -> dict:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(a.top)
         print(out.getvalue()[-10000:], flush=True)
-    out = {"step": "vllm_process_inputs", "ms_per_image": round(1000 * s / (half - 1), 2),
-           "prompt_tokens_before": len(ids), "mm_cache": not pools}
+    result: dict = {"step": "vllm_process_inputs", "ms_per_image": round(1000 * s / (half - 1), 2),
+                    "prompt_tokens_before": len(ids), "mm_cache": not pools}
     for t in pools:  # the same rows again: with the cache off nothing is remembered between passes
-        out[f"ms_per_image_{t}_threads"] = round(1000 * _time(prepare, range(1, half), t) / (half - 1), 2)
-    return out
+        result[f"ms_per_image_{t}_threads"] = round(1000 * _time(prepare, range(1, half), t) / (half - 1), 2)
+    return result
 
 
 if __name__ == "__main__":

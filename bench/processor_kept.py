@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from batch_llm.config.sampling import SamplingConfig
     from batch_llm.engines.base import GenRequest
     from batch_llm.engines.registry import make_engine
+    from batch_llm.engines.vllm_engine import VllmEngine
     from PIL import Image
     from transformers import AutoTokenizer
     from vllm.transformers_utils import processor as hf_processor
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}]
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    assert isinstance(engine, VllmEngine)
     mm_info = engine.llm.llm_engine.renderer.mm_processor.info
     kept = vars(mm_info).get("get_hf_processor")  # keep_hf_processor's, on the object; vLLM's is the class's
     modes = ["kept"] + [m for _ in range(a.repeats) for m in ("vllm", "kept")]  # one warm-up batch first

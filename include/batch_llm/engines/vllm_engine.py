@@ -402,7 +402,7 @@ def keep_hf_processor(llm) -> bool:
     renderer = getattr(llm.llm_engine, "renderer", None)
     info = getattr(getattr(renderer, "mm_processor", None), "info", None)
     build = getattr(info, "get_hf_processor", None)
-    if build is None:
+    if info is None or build is None:
         return False
     kept: dict = {}
 
