@@ -128,3 +128,25 @@ def test_a_refused_value_too_deep_to_print_is_still_the_rows_error():
     for body in ({"stop": deep}, {"logit_bias": deep}, {"temperature": deep}):
         with pytest.raises(ValueError, match="a value nested too deep to show"):
             RowParams.from_openai_body({"messages": CHAT, **body})
+
+
+@pytest.mark.parametrize(("ids", "error"), [
+    ([7, 0, 2**31 - 1], None),
+    ([True, 3], None),  # a bool is an int to the check, as it always was
+    ([5, 2**70, 9], "prompt_token_ids: token ids are in [0, 2147483647], got 1180591620717411303424"),
+    ([5, -1], "prompt_token_ids must be a non-empty list of token ids"),
+    ([5, 1.0], "prompt_token_ids must be a non-empty list of token ids"),
+    ([5, "6"], "prompt_token_ids must be a non-empty list of token ids"),
+    ([], "prompt_token_ids must be a non-empty list of token ids"),
+])
+def test_a_prompts_token_ids_are_checked_whole_in_the_common_case_and_name_the_bad_one(ids, error):
+    """A list of plain ints is checked by its type set, minimum and maximum (in C); anything else item by item:
+    the same verdicts and the same messages either way."""
+    from batch_llm.rows.prompt import _check_token_ids
+
+    if error is None:
+        assert _check_token_ids(ids) is ids
+    else:
+        with pytest.raises(ValueError) as e:
+            _check_token_ids(ids)
+        assert str(e.value) == error
