@@ -248,7 +248,7 @@ class RowParams:
         """Only the fields the row sets (what shard rows, spools and cache keys carry)."""
         # the fields are flat and immutable (tuples, strings, numbers): read as they are, not deep-copied by
         # asdict (a shard row's parameters are written once per row: the copy was a tenth of planning a row)
-        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        values = ((k, getattr(self, k)) for k in _FIELD_NAMES)
         return {k: (list(v) if k in _TUPLES else json.loads(v) if k in _OBJECTS else v)
                 for k, v in values if v is not None}
 
@@ -362,6 +362,7 @@ def _response_format(rf: Any) -> dict | None:
 
 
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "chat_template_kwargs")
+_FIELD_NAMES = tuple(f.name for f in fields(RowParams))
 _TUPLES = ("stop", "stop_token_ids")
 _OBJECTS = ("chat_template_kwargs", "response_format")
 

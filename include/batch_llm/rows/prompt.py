@@ -14,7 +14,7 @@ from typing import Any
 
 from batch_llm.config import InputConfig
 from batch_llm.config.openai_batch import TASK_ENDPOINTS
-from batch_llm.config.sampling import token_ids_problem
+from batch_llm.config.sampling import TOKEN_ID, token_ids_problem
 from batch_llm.rows.openai_batch import RequestLine
 from batch_llm.rows.params import RowParams
 
@@ -290,19 +290,16 @@ def _row_id(rec: dict, column: str) -> str:
 
 
 def _check_token_ids(tokens: Any) -> list[int]:
-    if not (isinstance(tokens, list) and tokens and _token_like(tokens)):
+    # the common case, a list of plain ints, checked whole in C (a prompt's ids are checked per row, millions of
+    # tokens a day); anything else item by item, with the same verdicts and messages
+    if isinstance(tokens, list) and tokens and set(map(type, tokens)) == {int} and TOKEN_ID.holds(min(tokens)) \
+            and TOKEN_ID.holds(max(tokens)):
+        return tokens
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise ValueError("prompt_token_ids must be a non-empty list of token ids")
     if problem := token_ids_problem(tokens, "prompt_token_ids", most=None):  # its length: the context's to say
         raise ValueError(problem)
     return tokens
-
-
-def _token_like(tokens: list) -> bool:
-    """Every item an integer (bool, a subclass, passes as before; its range is token_ids_problem's) and none below
-    zero: in C for a list of plain ints (a prompt's ids are checked per row, millions of tokens a day)."""
-    if set(map(type, tokens)) == {int}:
-        return min(tokens) >= 0
-    return all(isinstance(t, int) and t >= 0 for t in tokens)
 
 
 def _check_prompt(prompt: Any) -> str:
