@@ -173,9 +173,16 @@ def test_short_lived_credentials_are_refreshed_by_botocore_during_a_long_write(r
 
     fs = root.path().fs
     fs.ls("batch-llm-rotating")    # the first request: the initial credential load; s3fs's client is now kept
-    fs.s3.meta.events.register("before-send.s3", record)
+    hooked: list = []              # every client the writes went through: s3fs builds a new one where a request
+
+    def hook_client() -> None:     # fails on a key that expired in flight (seen once under load), as it should
+        if not any(c is fs.s3 for c in hooked):
+            fs.s3.meta.events.register("before-send.s3", record)
+            hooked.append(fs.s3)
+
     written, deadline = 0, time.monotonic() + 120
     while len(issued.read_text().split()) < 4 and time.monotonic() < deadline:  # the load and two refreshes
+        hook_client()
         with atomic_writer(root.child(f"chunk-{written:05d}.jsonl").path()) as w:
             w.write(b'{"row": %d}\n' % written)
         written += 1
