@@ -173,9 +173,9 @@ def test_short_lived_credentials_are_refreshed_by_botocore_during_a_long_write(r
 
     fs = root.path().fs
     fs.ls("batch-llm-rotating")    # the first request: the initial credential load; s3fs's client is now kept
-    hooked: list = []              # every client the writes went through: s3fs builds a new one where a request
+    hooked: list = []              # every client the writes went through: once under load none was recorded,
 
-    def hook_client() -> None:     # fails on a key that expired in flight (seen once under load), as it should
+    def hook_client() -> None:     # as if s3fs had swapped its client (it may, on a key that expired in flight)
         if not any(c is fs.s3 for c in hooked):
             fs.s3.meta.events.register("before-send.s3", record)
             hooked.append(fs.s3)
