@@ -299,15 +299,19 @@ def image_urls(messages: list[dict]) -> list[str]:
 def chat_model_dir(a) -> str:
     """The model folder the chat dataset runs: --model itself, or with --dummy a folder of the model's config
     beside the tokenizer's files (random weights need no weights, a chat template needs a tokenizer)."""
-    if not a.dummy:
-        return a.model
+    return shape_with_tokenizer(a.model, a.tokenizer or a.model) if a.dummy else a.model
+
+
+def shape_with_tokenizer(shape: str, tokenizer: str) -> str:
+    """A new folder of a model shape's config files (``*.json``) beside a tokenizer's files: a random-weight model
+    that renders chats and detokenizes."""
     import shutil
 
     d = Path(tempfile.mkdtemp(prefix="bench_chat_model_"))
-    for f in Path(a.tokenizer or a.model).iterdir():
+    for f in Path(tokenizer).iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    for f in Path(a.model).glob("*.json"):  # the architecture wins over the tokenizer folder's own config
+    for f in Path(shape).glob("*.json"):  # the architecture wins over the tokenizer folder's own config
         shutil.copy(f, d / f.name)
     return str(d)
 

@@ -14,31 +14,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import lzma
-import shutil
-import tempfile
 import time
-from pathlib import Path
-
-
-def _model_folder(shape: str, tokenizer: str) -> str:
-    """The shape's config and image processor with the tokenizer's files (an xz-packed tokenizer.json unpacked)."""
-    d = Path(tempfile.mkdtemp(prefix="bench_processor_kept_"))
-    for f in Path(tokenizer).iterdir():
-        if f.name.endswith(".xz"):
-            with lzma.open(f) as src, open(d / f.name.removesuffix(".xz"), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        else:
-            shutil.copy(f, d)
-    for name in ("config.json", "preprocessor_config.json"):
-        shutil.copy(Path(shape) / name, d)
-    return str(d)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench processor-kept", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", required=True, help="a vision-language model's config folder (random weights)")
-    p.add_argument("--tokenizer", required=True, help="its tokenizer's folder")
+    p.add_argument("--tokenizer", required=True, help="its tokenizer's folder (tokenizer.json unpacked)")
     p.add_argument("--n", type=int, default=300, help="rows a batch")
     p.add_argument("--repeats", type=int, default=2, help="batches a mode, alternating, after one warm-up batch")
     p.add_argument("--out-len", type=int, default=64)
@@ -55,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
     from vllm.transformers_utils import processor as hf_processor
 
-    from bench.inference import product_image
+    from bench.inference import product_image, shape_with_tokenizer
 
-    folder = _model_folder(a.shape, a.tokenizer)
+    folder = shape_with_tokenizer(a.shape, a.tokenizer)
     tok = AutoTokenizer.from_pretrained(folder)
     engine = make_engine(folder, EngineConfig(kind="vllm", limit_mm_per_prompt={"image": 1}, max_model_len=2048,
                                               enforce_eager=a.enforce_eager,

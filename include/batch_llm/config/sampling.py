@@ -73,12 +73,18 @@ def stop_problem(stops: typing.Sequence[str]) -> str | None:
     return None
 
 
+def plain_token_ids(ids: typing.Sequence[Any]) -> bool:
+    """Whether ``ids`` are plain ints, at least one, all within ``TOKEN_ID``: checked whole, in C (a prompt's ids are
+    checked per row, millions of tokens a day); False says only that the item-by-item check must decide."""
+    return bool(ids) and set(map(type, ids)) == {int} and TOKEN_ID.holds(min(ids)) and TOKEN_ID.holds(max(ids))
+
+
 def token_ids_problem(ids: typing.Sequence[int], name: str, *, most: int | None = MAX_STOP_TOKEN_IDS) -> str | None:
     """Why a list of token ids cannot be used (outside ``TOKEN_ID``, more than ``most``), or None."""
     if most is not None and len(ids) > most:
         return f"{name}: at most {most} token ids, got {len(ids)}"
-    if ids and set(map(type, ids)) == {int} and TOKEN_ID.holds(min(ids)) and TOKEN_ID.holds(max(ids)):
-        return None  # the common case, checked in C: a prompt's ids are checked per row at millions of tokens
+    if plain_token_ids(ids):
+        return None
     if (bad := next((t for t in ids if not TOKEN_ID.holds(t)), None)) is not None:
         return f"{name}: token ids are in {TOKEN_ID}, got {bad}"
     return None

@@ -396,7 +396,7 @@ def keep_hf_processor(llm) -> bool:
 
     Why: vLLM asks for the processor on every image row (to build the placeholder text of a token prompt) through a
     cache that, with vLLM 0.26 on a GPU host, missed on every row: each row loaded the processor from its folder and
-    deep-copied the tokenizer into it, ~30 ms of the ~45 ms a Qwen2.5-VL row took in this process, while the GPU
+    deep-copied the tokenizer into it, ~34 ms of the ~46 ms a Qwen2.5-VL row took to hand to vLLM, while the GPU
     waited (docs/benchmarks.md). What vLLM's cache means to do is done here, on the processor's own object; a
     vLLM without that object (text models, other versions) is left as it is. True where the processor is kept."""
     renderer = getattr(llm.llm_engine, "renderer", None)

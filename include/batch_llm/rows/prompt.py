@@ -14,7 +14,7 @@ from typing import Any
 
 from batch_llm.config import InputConfig
 from batch_llm.config.openai_batch import TASK_ENDPOINTS
-from batch_llm.config.sampling import TOKEN_ID, token_ids_problem
+from batch_llm.config.sampling import plain_token_ids, token_ids_problem
 from batch_llm.rows.openai_batch import RequestLine
 from batch_llm.rows.params import RowParams
 
@@ -290,10 +290,7 @@ def _row_id(rec: dict, column: str) -> str:
 
 
 def _check_token_ids(tokens: Any) -> list[int]:
-    # the common case, a list of plain ints, checked whole in C (a prompt's ids are checked per row, millions of
-    # tokens a day); anything else item by item, with the same verdicts and messages
-    if isinstance(tokens, list) and tokens and set(map(type, tokens)) == {int} and TOKEN_ID.holds(min(tokens)) \
-            and TOKEN_ID.holds(max(tokens)):
+    if isinstance(tokens, list) and plain_token_ids(tokens):  # the common case; anything else item by item below
         return tokens
     if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
         raise ValueError("prompt_token_ids must be a non-empty list of token ids")
